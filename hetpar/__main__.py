@@ -1,0 +1,3 @@
+from hetpar.cli import run
+
+run()

@@ -1,0 +1,54 @@
+"""The `hetpar` command line: one absl app, one sub-command per module.
+
+Each sub-command lives in `hetpar/cli/_<name>.py` and exposes
+`register(subparsers)`, which adds its parser and sets `func` to a callable
+taking the parsed args and returning an exit code. Heavy imports (jax) happen
+inside those functions so `hetpar --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from absl import app, logging
+from absl.flags import argparse_flags
+
+from hetpar._errors import HetparError
+
+# Order is the order `hetpar --help` lists them.
+_COMMANDS = ("models", "trace", "report", "hlo", "profile", "costs", "plan", "run")
+
+
+def _parser() -> argparse_flags.ArgumentParser:
+    parser = argparse_flags.ArgumentParser(
+        prog="hetpar",
+        description="Heterogeneous layer scheduling for JAX training steps.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in _COMMANDS:
+        try:
+            module = importlib.import_module(f"hetpar.cli._{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"hetpar.cli._{name}":
+                raise
+            continue  # not built yet
+        module.register(sub)
+    return parser
+
+
+def _main(args) -> int:
+    try:
+        return int(args.func(args) or 0)
+    except HetparError as e:
+        logging.debug("hetpar error", exc_info=True)
+        print(f"hetpar {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(argv: list[str] | None = None) -> None:
+    """Entry point of the `hetpar` console script and `python -m hetpar`."""
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    app.run(_main, flags_parser=lambda argv: _parser().parse_args(argv[1:]))
