@@ -12,10 +12,17 @@ from hetpar._errors import (
     TraceError,
     UnknownModelError,
 )
+from hetpar._report import CostReport, report
+from hetpar.passes import LayerGraph, layer, trace
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CostReport",
+    "LayerGraph",
+    "layer",
+    "report",
+    "trace",
     "GraphFormatError",
     "HetparError",
     "InfeasibleError",

@@ -9,6 +9,7 @@ inside those functions so `hetpar --help` stays fast.
 from __future__ import annotations
 
 import importlib
+import logging as pylogging
 import sys
 
 from absl import app, logging
@@ -39,6 +40,8 @@ def _parser() -> argparse_flags.ArgumentParser:
 
 
 def _main(args) -> int:
+    # JAX logs at INFO that it found no TPU; that is noise on every CPU/GPU machine.
+    pylogging.getLogger("jax._src.xla_bridge").setLevel(pylogging.ERROR)
     try:
         return int(args.func(args) or 0)
     except HetparError as e:

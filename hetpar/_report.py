@@ -1,0 +1,182 @@
+"""The HLO cost report: per-layer (or per-primitive) FLOPs, bytes and intensity.
+
+Two columns per figure: counted by hetpar on the jaxpr (before XLA's
+optimisation passes) and read from XLA's cost analysis of each layer
+compiled alone (after them). XLA's unknowns stay None ("?" in tables).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+from collections.abc import Callable, Sequence
+
+from hetpar.passes import LayerGraph, trace
+from hetpar.passes._xla import XlaCost, layer_costs, step_cost
+
+_UNITS = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def human(x: float | None, unit: str = "") -> str:
+    """1.23G-style formatting; None prints as '?'."""
+    if x is None:
+        return "?"
+    for scale, prefix in _UNITS:
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{prefix}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CostReport:
+    """Cost figures of one traced step.
+
+    Attributes:
+      rows: one dict per layer (or per primitive with `by="op"`), keys as in
+        `to_json()["layers"]`.
+      totals: whole-step figures; the `xla_*` totals come from compiling the
+        whole step at once (so fusion across layers is included).
+      model, batch, mode, backend, by: what was reported.
+    """
+
+    rows: tuple[dict, ...]
+    totals: dict
+    model: str | None = None
+    batch: int | None = None
+    mode: str = "train"
+    backend: str = "cpu"
+    by: str = "layer"
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "batch": self.batch, "mode": self.mode,
+                "backend": self.backend, "by": self.by,
+                "layers": [dict(r) for r in self.rows], "totals": dict(self.totals)}
+
+    def to_csv(self) -> str:
+        buf = io.StringIO()
+        keys = list(self.rows[0]) if self.rows else ["name"]
+        w = csv.DictWriter(buf, fieldnames=keys)
+        w.writeheader()
+        for r in self.rows:
+            w.writerow(r)
+        w.writerow({"name": "TOTAL", **{k: v for k, v in self.totals.items() if k in keys}})
+        return buf.getvalue()
+
+    def table(self) -> str:
+        """A human-readable table: a row per layer and the totals."""
+        cols = ["name", "flops", "xla_flops", "bytes_accessed", "xla_bytes_accessed",
+                "intensity", "param_bytes", "activation_bytes"]
+        heads = ["layer" if self.by == "layer" else "op", "FLOPs", "FLOPs (XLA)", "bytes",
+                 "bytes (XLA)", "FLOP/B", "params", "activations"]
+        units = {"bytes_accessed": "B", "xla_bytes_accessed": "B", "param_bytes": "B",
+                 "activation_bytes": "B"}
+
+        def cell(r, c):
+            v = r.get(c)
+            if c == "name":
+                return str(v)
+            if c == "intensity":
+                return "?" if v is None else f"{v:.2f}"
+            return human(v, units.get(c, ""))
+
+        body = [[cell(r, c) for c in cols] for r in self.rows]
+        body.append([cell({"name": "TOTAL", **self.totals}, c) for c in cols])
+        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(heads)]
+        line = lambda cells: "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        title = (f"hetpar cost report: {self.model or 'step'}  mode={self.mode}  "
+                 f"batch={self.batch}  backend={self.backend}")
+        out = [title, line(heads), line(["-" * w for w in widths])]
+        out += [line(b) for b in body[:-1]]
+        out += [line(["-" * w for w in widths]), line(body[-1])]
+        return "\n".join(out)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def report_graph(graph: LayerGraph, *, backend: str = "cpu", xla: bool = True,
+                 by: str = "layer", model: str | None = None, batch: int | None = None,
+                 mode: str = "train") -> CostReport:
+    """The cost report of an already traced step."""
+    if by not in ("layer", "op"):
+        from hetpar._errors import HetparError
+
+        raise HetparError(f"by must be 'layer' or 'op', got {by!r}")
+    xla_layers = layer_costs(graph, backend) if xla and by == "layer" else {}
+    xla_step = step_cost(graph, backend) if xla else XlaCost.unknown()
+    rows = []
+    if by == "layer":
+        for name in graph.layers:
+            info = graph[name]
+            x = xla_layers.get(name, XlaCost.unknown())
+            rows.append({
+                "name": name,
+                "flops": info.flops,
+                "bytes_accessed": info.bytes_accessed,
+                "transcendentals": info.transcendentals,
+                "intensity": info.work.intensity,
+                "param_bytes": info.param_bytes,
+                "opt_state_bytes": info.opt_state_bytes,
+                "activation_bytes": info.activation_bytes,
+                "xla_flops": x.flops,
+                "xla_bytes_accessed": x.bytes_accessed,
+                "xla_transcendentals": x.transcendentals,
+                "equations": len(info.eqns),
+            })
+    else:
+        total = graph.total_work()
+        for prim, (f, t, b) in sorted(total.by_primitive.items(), key=lambda kv: -kv[1][0]):
+            rows.append({"name": prim, "flops": f, "bytes_accessed": b, "transcendentals": t,
+                         "intensity": f / b if b else 0.0, "param_bytes": None,
+                         "activation_bytes": None, "xla_flops": None,
+                         "xla_bytes_accessed": None, "xla_transcendentals": None})
+    total = graph.total_work()
+    totals = {
+        "flops": total.flops,
+        "bytes_accessed": total.bytes_accessed,
+        "transcendentals": total.transcendentals,
+        "intensity": total.intensity,
+        "param_bytes": sum(graph[n].param_bytes for n in graph.layers),
+        "activation_bytes": sum(graph[n].activation_bytes for n in graph.layers),
+        "xla_flops": xla_step.flops,
+        "xla_bytes_accessed": xla_step.bytes_accessed,
+        "xla_transcendentals": xla_step.transcendentals,
+    }
+    return CostReport(tuple(rows), totals, model, batch, mode, backend, by)
+
+
+def report(step_fn: Callable, *example_args, backend: str = "cpu", xla: bool = True,
+           by: str = "layer", depth: int | None = None,
+           batch_argnums: Sequence[int] | int | None = None) -> CostReport:
+    """Traces `step_fn(*example_args)` and reports what each layer costs.
+
+    Args:
+      step_fn: a training (or forward) step.
+      *example_args: arguments with real shapes and dtypes.
+      backend: backend whose XLA compiler gives the "after optimisation" column.
+      xla: compile each layer with XLA for that column (slower); False leaves it unknown.
+      by: "layer", or "op" for the same figures per primitive.
+      depth: module-path depth that names layers (see `hetpar.trace`).
+      batch_argnums: which arguments are data (see `hetpar.trace`).
+
+    Returns:
+      A CostReport; `str(report)` is a table, `report.to_json()` the JSON form.
+    """
+    graph = trace(step_fn, *example_args, depth=depth, batch_argnums=batch_argnums)
+    return report_graph(graph, backend=backend, xla=xla, by=by)
+
+
+def dumps(rep: CostReport, fmt: str) -> str:
+    """The report as 'table', 'json' or 'csv' text."""
+    if fmt == "table":
+        return rep.table()
+    if fmt == "json":
+        return json.dumps(rep.to_json(), indent=2)
+    if fmt == "csv":
+        return rep.to_csv()
+    from hetpar._errors import HetparError
+
+    raise HetparError(f"unknown format {fmt!r}; use table, json or csv")

@@ -1,0 +1,271 @@
+"""FLOPs, transcendentals and bytes, counted by hetpar on the jaxpr.
+
+This is the "before optimisation" column: every equation is counted as if
+XLA ran it alone (it reads its operands and writes its results once). XLA's
+own `cost_analysis` (the "after" column, `passes.xla_costs`) counts a loop
+body once and reports nothing for cuDNN convolutions and custom calls, so it
+cannot be the only source (DESIGN, "Costs").
+
+Conventions, chosen to match XLA's HloCostAnalysis where it is right:
+- a multiply-add counts as 2 FLOPs; dot_general = 2 x output size x contracted size;
+- a convolution counts every kernel tap of every output, padding taps included
+  (the hardware does that work): 2 x output size x input features per group x
+  kernel window;
+- elementwise arithmetic and comparisons: 1 FLOP per output element;
+  transcendental functions count as transcendentals, not FLOPs;
+- reductions: 1 FLOP per input element;
+- data movement (reshape, transpose, gather, ...): 0 FLOPs, bytes only;
+- loops: body x trip count (scan: its length; fori-style while loops: the
+  trip count read from literal bounds, else once, flagged as unknown);
+  cond: the most expensive branch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import numpy as np
+from jax.extend import core as jcore
+
+OP_CLASSES = ("matmul", "elementwise", "reduction", "data_movement", "control_flow")
+
+_TRANSCENDENTAL = frozenset(
+    "exp exp2 log log1p expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh "
+    "asinh acosh atanh sqrt rsqrt cbrt pow erf erfc erf_inv lgamma digamma igamma "
+    "igammac random_gamma_grad bessel_i0e bessel_i1e".split()
+)
+_REDUCTION = frozenset(
+    "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor "
+    "argmax argmin reduce_precision cumsum cumprod cummax cummin cumlogsumexp "
+    "reduce reduce_window reduce_window_sum reduce_window_max reduce_window_min "
+    "select_and_scatter_add select_and_gather_add sort top_k".split()
+)
+_DATA_MOVEMENT = frozenset(
+    "reshape broadcast_in_dim transpose squeeze expand_dims slice dynamic_slice "
+    "dynamic_update_slice concatenate pad gather rev copy copy_p iota "
+    "convert_element_type bitcast_convert_type device_put stop_gradient "
+    "split real imag optimization_barrier".split()
+)
+_SCATTER = frozenset({"scatter", "scatter-add", "scatter_add", "scatter_mul", "scatter_min",
+                      "scatter_max", "scatter_sub"})
+_CONTROL = frozenset({"scan", "while", "cond"})
+
+
+@dataclasses.dataclass
+class Work:
+    """What some equations cost: totals and per op class.
+
+    Attributes:
+      flops: floating-point (and integer arithmetic) operations.
+      transcendentals: exp, log, tanh, ... evaluations.
+      bytes_accessed: operand bytes read plus result bytes written, unfused.
+      launches: equations that would be a kernel each without fusion.
+      by_class: {op class: [flops, transcendentals, bytes]}.
+      unknown_trip_counts: loops whose trip count could not be read (counted once).
+    """
+
+    flops: float = 0.0
+    transcendentals: float = 0.0
+    bytes_accessed: float = 0.0
+    launches: int = 0
+    by_class: dict = dataclasses.field(default_factory=lambda: defaultdict(lambda: [0.0, 0.0, 0.0]))
+    by_primitive: dict = dataclasses.field(
+        default_factory=lambda: defaultdict(lambda: [0.0, 0.0, 0.0])
+    )
+    unknown_trip_counts: int = 0
+
+    def add(self, other: Work, times: float = 1.0) -> None:
+        self.flops += times * other.flops
+        self.transcendentals += times * other.transcendentals
+        self.bytes_accessed += times * other.bytes_accessed
+        self.launches += int(times * other.launches)
+        self.unknown_trip_counts += other.unknown_trip_counts
+        for src, dst in ((other.by_class, self.by_class), (other.by_primitive, self.by_primitive)):
+            for k, v in src.items():
+                d = dst[k]
+                for n in range(3):
+                    d[n] += times * v[n]
+
+    def _record(self, prim: str, cls: str, flops: float, trans: float, nbytes: float) -> None:
+        self.flops += flops
+        self.transcendentals += trans
+        self.bytes_accessed += nbytes
+        self.launches += 1
+        for d in (self.by_class[cls], self.by_primitive[prim]):
+            d[0] += flops
+            d[1] += trans
+            d[2] += nbytes
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOPs per byte (0 when no bytes move)."""
+        return self.flops / self.bytes_accessed if self.bytes_accessed else 0.0
+
+    def to_json(self) -> dict:
+        return {
+            "flops": self.flops,
+            "transcendentals": self.transcendentals,
+            "bytes_accessed": self.bytes_accessed,
+            "launches": self.launches,
+            "by_class": {k: dict(zip(("flops", "transcendentals", "bytes_accessed"), v))
+                         for k, v in self.by_class.items()},
+        }
+
+
+def _size(aval) -> int:
+    shape = getattr(aval, "shape", None)
+    return int(np.prod(shape)) if shape is not None else 0
+
+
+def itemsize(dtype) -> int:
+    """Bytes per element; PRNG key types report their key data's size."""
+    if dtype is None:
+        return 0
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes (PRNG keys) are not numpy dtypes
+        return int(getattr(dtype, "itemsize", 0) or 0)
+
+
+def nbytes(aval) -> int:
+    """Bytes of an abstract value (0 for tokens and other non-arrays)."""
+    return _size(aval) * itemsize(getattr(aval, "dtype", None))
+
+
+_bytes = nbytes
+
+
+def _aval(a):
+    return a.aval
+
+
+def op_class(primitive: str) -> str:
+    """The op class of a primitive: matmul, elementwise, reduction, data_movement, control_flow."""
+    if primitive in ("dot_general", "conv_general_dilated", "ragged_dot_general"):
+        return "matmul"
+    if primitive in _REDUCTION:
+        return "reduction"
+    if primitive in _DATA_MOVEMENT or primitive in _SCATTER:
+        return "data_movement"
+    if primitive in _CONTROL:
+        return "control_flow"
+    return "elementwise"
+
+
+def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
+    """2 x (output elements) x (contracted elements)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    contract = math.prod(lhs_shape[d] for d in lc)
+    batch = math.prod(lhs_shape[d] for d in lb)
+    lhs_free = math.prod(s for d, s in enumerate(lhs_shape) if d not in lc and d not in lb)
+    rhs_free = math.prod(s for d, s in enumerate(rhs_shape) if d not in rc and d not in rb)
+    return 2 * batch * lhs_free * rhs_free * contract
+
+
+def conv_flops(out_shape, rhs_shape, dimension_numbers) -> int:
+    """2 x (output elements) x (input features per group) x (kernel window).
+
+    Padding, strides and dilation enter through the output shape; feature
+    groups through the kernel's input-feature dimension (C_in / groups).
+    """
+    rhs_spec = dimension_numbers.rhs_spec  # (out feature, in feature, *spatial)
+    in_features = rhs_shape[rhs_spec[1]]
+    window = math.prod(rhs_shape[d] for d in rhs_spec[2:])
+    return 2 * math.prod(out_shape) * in_features * window
+
+
+def _while_trip_count(eqn) -> int | None:
+    """Trip count of a fori_loop-style while: `i < N` with literal N and literal start."""
+    cond = eqn.params["cond_jaxpr"].jaxpr
+    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
+        return None
+    lhs, rhs = cond.eqns[0].invars
+    if not isinstance(rhs, jcore.Literal) or not isinstance(lhs, jcore.Var):
+        return None
+    try:
+        pos = cond.invars.index(lhs) - eqn.params["cond_nconsts"]
+    except ValueError:
+        return None
+    init = eqn.invars[eqn.params["cond_nconsts"] + eqn.params["body_nconsts"] + pos]
+    if not isinstance(init, jcore.Literal):
+        return None
+    return max(0, int(rhs.val) - int(init.val))
+
+
+def eqn_work(eqn) -> Work:
+    """What one equation costs, recursing into the jaxprs it holds."""
+    w = Work()
+    name = eqn.primitive.name
+    params = eqn.params
+    in_avals = [_aval(a) for a in eqn.invars]
+    out_avals = [_aval(o) for o in eqn.outvars]
+    io_bytes = sum(_bytes(a) for a in in_avals) + sum(_bytes(a) for a in out_avals)
+    out_size = sum(_size(a) for a in out_avals)
+
+    if name == "scan":
+        body = jaxpr_work(params["jaxpr"].jaxpr)
+        w.add(body, times=params["length"])
+        return w
+    if name == "while":
+        trips = _while_trip_count(eqn)
+        body = jaxpr_work(params["body_jaxpr"].jaxpr)
+        body.add(jaxpr_work(params["cond_jaxpr"].jaxpr))
+        if trips is None:
+            w.unknown_trip_counts += 1
+            trips = 1
+        w.add(body, times=trips)
+        return w
+    if name == "cond":
+        branches = [jaxpr_work(b.jaxpr) for b in params["branches"]]
+        w.add(max(branches, key=lambda b: (b.flops, b.bytes_accessed)))
+        return w
+    sub = [v for v in params.values() if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+    if sub:  # custom_jvp_call, custom_vjp_call, remat, pjit, closed_call...
+        for s in sub[:1]:  # the primal computation only (jvp/fwd/bwd rules are not run)
+            w.add(jaxpr_work(s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s))
+        return w
+
+    cls = op_class(name)
+    flops = trans = 0.0
+    nbytes = float(io_bytes)
+    if name == "dot_general":
+        flops = dot_general_flops(in_avals[0].shape, in_avals[1].shape,
+                                  params["dimension_numbers"])
+    elif name == "conv_general_dilated":
+        flops = conv_flops(out_avals[0].shape, in_avals[1].shape, params["dimension_numbers"])
+    elif cls == "reduction":
+        flops = float(sum(_size(a) for a in in_avals[:1]))
+    elif name in ("gather", "dynamic_slice"):
+        # Reads only the gathered elements of the operand, not all of it.
+        nbytes = float(sum(_bytes(a) for a in in_avals[1:]) + 2 * sum(_bytes(a) for a in out_avals))
+    elif name in _SCATTER or name == "dynamic_update_slice":
+        upd = in_avals[-1]
+        flops = float(_size(upd)) if name != "scatter" and name != "dynamic_update_slice" else 0.0
+        # In place: reads indices and updates, read-modify-writes the touched elements.
+        nbytes = float(sum(_bytes(a) for a in in_avals[1:]) + 2 * _bytes(upd))
+    elif cls == "data_movement":
+        pass
+    elif name in _TRANSCENDENTAL:
+        trans = float(out_size)
+    elif name == "integer_pow":
+        y = abs(int(params["y"]))
+        flops = float(out_size * max(1, y.bit_length() + bin(y).count("1") - 2))
+    else:
+        flops = float(out_size)
+    w._record(name, cls, float(flops), trans, nbytes)
+    return w
+
+
+def jaxpr_work(jaxpr: jcore.Jaxpr) -> Work:
+    """Sum of `eqn_work` over a jaxpr's equations."""
+    return eqns_work(jaxpr.eqns)
+
+
+def eqns_work(eqns: Iterable) -> Work:
+    total = Work()
+    for e in eqns:
+        total.add(eqn_work(e))
+    return total

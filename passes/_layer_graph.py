@@ -1,0 +1,307 @@
+"""LayerGraph: a traced training step, grouped into layers.
+
+`trace(step_fn, *args)` is the tracing pass: the step's flat jaxpr (forward,
+backward, optimizer update), every equation attributed to one layer (or to
+the tiny "shared" group), and a networkx DiGraph whose nodes are layers and
+whose edges are the tensors that cross between them, in bytes.
+
+Edges always point from the earlier layer to the later one (program order).
+A tensor flowing forward adds to the edge's `bytes`; one flowing back (a
+gradient, an activation read by an earlier layer's backward) adds to its
+`bytes_backward`: exactly the two figures graph.json's edges carry.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import jax
+import networkx as nx
+from hetpar.passes._costs import Work, eqn_work, eqns_work, nbytes
+from hetpar.passes._layers import SHARED, assign_layers, is_backward, is_forward
+from hetpar.passes._program import Program, subjaxpr, trace_program
+from jax.extend import core as jcore
+
+#: Roles of a flat input of the step.
+PARAM, OPT_STATE, BATCH = "param", "opt_state", "batch"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerInfo:
+    """What a layer holds and does (a node of the LayerGraph)."""
+
+    name: str
+    eqns: tuple[int, ...]
+    param_bytes: int
+    opt_state_bytes: int
+    activation_bytes: int  # forward results its backward (or a later layer's) keeps
+    work: Work
+
+    @property
+    def flops(self) -> float:
+        return self.work.flops
+
+    @property
+    def bytes_accessed(self) -> float:
+        return self.work.bytes_accessed
+
+    @property
+    def transcendentals(self) -> float:
+        return self.work.transcendentals
+
+    @property
+    def memory_bytes(self) -> int:
+        """Resident bytes while training: params, their gradients, optimizer state, activations."""
+        return 2 * self.param_bytes + self.opt_state_bytes + self.activation_bytes
+
+
+class LayerGraph:
+    """A traced step grouped into layers; see the module docstring.
+
+    Attributes:
+      program: the flat traced step.
+      eqn_layers: layer name (or "shared") of every equation.
+      input_layers: layer name of every flat input (None when nothing reads it).
+      input_roles: "param", "opt_state" or "batch" for every flat input.
+      graph: networkx DiGraph, nodes = layers (attribute `info`: LayerInfo),
+        edges carry `bytes` and `bytes_backward`.
+      depth: module-path depth that named the layers.
+    """
+
+    def __init__(
+        self,
+        program: Program,
+        eqn_layers: Sequence[str],
+        input_layers: Sequence[str | None],
+        input_roles: Sequence[str],
+        depth: int,
+    ):
+        self.program = program
+        self.eqn_layers = tuple(eqn_layers)
+        self.input_layers = tuple(input_layers)
+        self.input_roles = tuple(input_roles)
+        self.depth = depth
+        self.graph = self._build()
+
+    # -- structure ---------------------------------------------------------
+
+    @property
+    def layers(self) -> list[str]:
+        """Layer names in program order (shared group excluded)."""
+        return list(self.graph.nodes)
+
+    @property
+    def shared_eqns(self) -> tuple[int, ...]:
+        return tuple(i for i, name in enumerate(self.eqn_layers) if name == SHARED)
+
+    def __getitem__(self, layer: str) -> LayerInfo:
+        try:
+            return self.graph.nodes[layer]["info"]
+        except KeyError:
+            raise KeyError(f"no layer {layer!r}; layers are {self.layers}") from None
+
+    def __len__(self) -> int:
+        return self.graph.number_of_nodes()
+
+    def __repr__(self) -> str:
+        return (f"LayerGraph({len(self)} layers, {self.graph.number_of_edges()} edges, "
+                f"{len(self.program.eqns)} equations)")
+
+    def _build(self) -> nx.DiGraph:
+        jaxpr = self.program.jaxpr.jaxpr
+        eqns = jaxpr.eqns
+        order: dict[str, int] = {}
+        for name in self.eqn_layers:
+            if name != SHARED and name not in order:
+                order[name] = len(order)
+        members: dict[str, list[int]] = {name: [] for name in order}
+        for i, name in enumerate(self.eqn_layers):
+            if name != SHARED:
+                members[name].append(i)
+
+        param_b: Counter = Counter()
+        opt_b: Counter = Counter()
+        for v, layer, role in zip(jaxpr.invars, self.input_layers, self.input_roles):
+            if layer in order:
+                if role == PARAM:
+                    param_b[layer] += nbytes(v.aval)
+                elif role == OPT_STATE:
+                    opt_b[layer] += nbytes(v.aval)
+
+        producer: dict[jcore.Var, int] = {}
+        for i, e in enumerate(eqns):
+            for o in e.outvars:
+                if not isinstance(o, jcore.DropVar):
+                    producer[o] = i
+        stacks = [str(e.source_info.name_stack) for e in eqns]
+        saved: Counter = Counter()
+        saved_seen: set = set()
+        flow: dict[tuple[str, str], list[float]] = {}
+        counted: set = set()
+        for j, e in enumerate(eqns):
+            dst = self.eqn_layers[j]
+            for a in e.invars:
+                if not isinstance(a, jcore.Var) or a not in producer:
+                    continue
+                i = producer[a]
+                src = self.eqn_layers[i]
+                # Activations saved for the backward pass: forward results read by backward code.
+                if is_forward(stacks[i]) and is_backward(stacks[j]) and a not in saved_seen \
+                        and src != SHARED:
+                    saved_seen.add(a)
+                    saved[src] += nbytes(a.aval)
+                if src == dst or SHARED in (src, dst) or (a, dst) in counted:
+                    continue
+                counted.add((a, dst))
+                b = nbytes(a.aval)
+                if order[src] < order[dst]:
+                    flow.setdefault((src, dst), [0.0, 0.0])[0] += b
+                else:
+                    flow.setdefault((dst, src), [0.0, 0.0])[1] += b
+
+        g = nx.DiGraph()
+        for name, ids in members.items():
+            g.add_node(name, info=LayerInfo(
+                name=name,
+                eqns=tuple(ids),
+                param_bytes=int(param_b[name]),
+                opt_state_bytes=int(opt_b[name]),
+                activation_bytes=int(saved[name]),
+                work=eqns_work(eqns[i] for i in ids),
+            ))
+        for (u, v), (fwd, bwd) in flow.items():
+            g.add_edge(u, v, bytes=fwd, bytes_backward=bwd)
+        return g
+
+    # -- pieces ------------------------------------------------------------
+
+    def layer_jaxpr(self, layer: str) -> tuple[jcore.ClosedJaxpr, list, list]:
+        """The layer's equations as their own jaxpr: (closed_jaxpr, inputs, outputs).
+
+        This is the computation the runtime will run for the layer (forward,
+        backward and update together); inputs and outputs are variables of
+        the whole program.
+        """
+        return subjaxpr(self.program, self[layer].eqns)
+
+    def layer_callable(self, layer: str) -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
+        """(fn, example argument shapes) for compiling or timing one layer alone."""
+        closed, inputs, _ = self.layer_jaxpr(layer)
+        fn = jcore.jaxpr_as_fun(closed)
+        return fn, [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs]
+
+    def total_work(self) -> Work:
+        total = Work()
+        for name in self.layers:
+            total.add(self[name].work)
+        total.add(eqns_work(self.program.eqns[i] for i in self.shared_eqns))
+        return total
+
+    def fingerprint(self) -> str:
+        """A stable hash of the layers, edges and the step's input shapes.
+
+        Plans store it: a plan made for another model (or other shapes) is
+        refused instead of failing deep inside JAX.
+        """
+        data = {
+            "layers": self.layers,
+            "edges": sorted((u, v) for u, v in self.graph.edges),
+            "inputs": [f"{v.aval.dtype}{list(v.aval.shape)}"
+                       for v in self.program.jaxpr.jaxpr.invars],
+        }
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict:
+        """The graph.json form of DESIGN, with no device columns yet.
+
+        Per-device `time_s` and `memory_bytes` are filled by the cost models
+        (`hetpar costs`); the layer fields hetpar adds (FLOPs, bytes, memory
+        parts) let a planner script work from the file alone.
+        """
+        layers = []
+        for name in self.layers:
+            info = self[name]
+            layers.append({
+                "name": name,
+                "time_s": {},
+                "memory_bytes": {},
+                "flops": info.flops,
+                "bytes_accessed": info.bytes_accessed,
+                "transcendentals": info.transcendentals,
+                "param_bytes": info.param_bytes,
+                "opt_state_bytes": info.opt_state_bytes,
+                "activation_bytes": info.activation_bytes,
+                "resident_bytes": info.memory_bytes,
+            })
+        edges = [
+            {"src": u, "dst": v, "bytes": d["bytes"], "bytes_backward": d["bytes_backward"]}
+            for u, v, d in self.graph.edges(data=True)
+        ]
+        return {"format": "hetpar.graph", "version": 1, "devices": [], "links": [],
+                "layers": layers, "edges": edges,
+                "meta": {"fingerprint": self.fingerprint(), "depth": self.depth}}
+
+
+def trace(
+    step_fn: Callable,
+    *example_args,
+    depth: int | None = None,
+    batch_argnums: Sequence[int] | int | None = None,
+    auto_layers: int = 8,
+) -> LayerGraph:
+    """Traces a training step and groups its equations into layers.
+
+    Args:
+      step_fn: the step, e.g. `train_step(params, opt_state, batch)`; forward,
+        backward and optimizer update all inside.
+      *example_args: arguments with the real shapes and dtypes (arrays or
+        `jax.ShapeDtypeStruct`s).
+      depth: how many module-path components name a layer (default 1: the
+        model's direct children, e.g. `Block_3` of a transformer).
+      batch_argnums: which positional arguments are data rather than state
+        (default: the last one).
+      auto_layers: how many balanced layers to form when nothing is named.
+
+    Returns:
+      The LayerGraph.
+
+    Raises:
+      TraceError: the step does not trace with these arguments.
+    """
+    depth = 1 if depth is None else int(depth)
+    program = trace_program(step_fn, *example_args)
+    flops = [eqn_work(e).flops for e in program.eqns]
+    eqn_layers, input_layers = assign_layers(program, depth, auto_layers, flops)
+    roles = input_roles(program, example_args, batch_argnums)
+    return LayerGraph(program, eqn_layers, input_layers, roles, depth)
+
+
+def input_roles(program: Program, args: Sequence, batch_argnums) -> list[str]:
+    """Role of every flat input: batch data, parameter (the forward reads it) or optimizer state."""
+    n = len(args)
+    if batch_argnums is None:
+        batch = {n - 1} if n > 1 else set()
+    else:
+        batch = {batch_argnums} if isinstance(batch_argnums, int) else set(batch_argnums)
+        batch = {b % n for b in batch}
+    arg_of: list[int] = []
+    for k, a in enumerate(args):
+        arg_of += [k] * len(jax.tree_util.tree_leaves(a))
+    read_forward: set = set()
+    for e in program.eqns:
+        if is_forward(str(e.source_info.name_stack)):
+            read_forward.update(a for a in e.invars if isinstance(a, jcore.Var))
+    no_jvp = not read_forward
+    roles = []
+    for v, k in zip(program.jaxpr.jaxpr.invars, arg_of):
+        if k in batch:
+            roles.append(BATCH)
+        elif no_jvp or v in read_forward:
+            roles.append(PARAM)
+        else:
+            roles.append(OPT_STATE)
+    return roles

@@ -1,0 +1,174 @@
+"""The tracing pass: every equation in one layer, forward/backward/update together."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hetpar.passes import SHARED, module_path, trace
+from hetpar.passes._layer_graph import PARAM
+from hetpar.passes._layers import is_backward, is_forward
+from jax.extend import core as jcore
+
+import hetpar
+from hetpar import zoo
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.relu(nn.Dense(8)(x))
+
+
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(4, (3, 3))(x)
+        x = Block()(x.reshape(x.shape[0], -1))
+        x = jax.checkpoint(jnp.tanh)(x)  # remat at the parent level: must stay whole
+        return nn.Dense(2)(x)
+
+
+def _net_step():
+    model, tx = Net(), optax.adam(1e-3)
+    x = jnp.ones((2, 5, 5, 1))
+    params = model.init(jax.random.key(0), x)
+
+    def step(params, opt_state, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, tx.init(params), x)
+
+
+def test_module_path_strips_transforms():
+    assert module_path("transpose(jvp(ResNet))/layer1/Conv_0") == ("ResNet", "layer1", "Conv_0")
+    assert module_path("jvp()") == ()
+    assert module_path("transpose(jvp(M))/jvp(M)") == ("M",)
+
+
+def test_flax_layers_and_program_equals_jit():
+    step, args = _net_step()
+    g = trace(step, *args)
+    assert g.layers == ["Conv_0", "Block_0", "Dense_0"]
+    # The flat program computes exactly what the step computes.
+    out, ref = g.program(*args), jax.jit(step)(*args)
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # No nested plain jit survives (Optax's update uses them).
+    assert not any(e.primitive.name in ("pjit", "jit") for e in g.program.eqns)
+    # The remat stays one equation.
+    assert sum(e.primitive.name.startswith("remat") or e.primitive.name == "checkpoint"
+               for e in g.program.eqns) == 1
+
+
+def test_depth_two_names_sublayers():
+    step, args = _net_step()
+    g = trace(step, *args, depth=2)
+    assert "Block_0/Dense_0" in g.layers
+
+
+def test_edges_carry_forward_and_backward_bytes():
+    step, args = _net_step()
+    g = trace(step, *args)
+    e = g.graph.edges["Conv_0", "Block_0"]
+    # conv output 2x5x5x4 f32 forward, its gradient backward.
+    assert e["bytes"] == 2 * 5 * 5 * 4 * 4
+    assert e["bytes_backward"] == 2 * 5 * 5 * 4 * 4
+
+
+def test_named_scopes_in_plain_jax():
+    def step(w, x):
+        def loss(w):
+            with hetpar.layer("first"):
+                h = jnp.tanh(x @ w[0])
+            with hetpar.layer("second"):
+                h = jnp.tanh(h @ w[1])
+            return h.sum()
+
+        val, g = jax.value_and_grad(loss)(w)
+        return [a - 0.1 * b for a, b in zip(w, g)], val
+
+    w = [jnp.ones((4, 4)), jnp.ones((4, 4))]
+    g = trace(step, w, jnp.ones((2, 4)))
+    assert g.layers == ["first", "second"]
+    assert g.input_layers[:2] == ("first", "second")
+
+
+def test_automatic_clustering_when_nothing_is_named():
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for w in ws:
+                h = jnp.tanh(h @ w)
+            return h.sum()
+
+        val, g = jax.value_and_grad(loss)(ws)
+        return [a - 0.1 * b for a, b in zip(ws, g)], val
+
+    ws = [jnp.ones((16, 16))] * 6
+    g = trace(step, ws, jnp.ones((4, 16)), auto_layers=3)
+    assert g.layers == ["layer_0", "layer_1", "layer_2"]
+    flops = [g[n].flops for n in g.layers]
+    assert max(flops) < 2.5 * min(flops)  # balanced
+
+
+def test_untraceable_step_is_a_clear_error():
+    def bad(x):
+        if x.sum() > 0:  # Python control flow on a traced value
+            return x
+        return -x
+
+    with pytest.raises(hetpar.TraceError, match="could not trace bad"):
+        trace(bad, jnp.ones(3))
+
+
+def test_wrong_input_shape_is_a_clear_error():
+    w = zoo.get("mlp", small=True)
+    variables, opt_state, batch = w.example_args()
+    bad = dict(batch, x=jnp.ones((2, 7)))
+    with pytest.raises(hetpar.TraceError, match="shapes"):
+        trace(w.train_step, variables, opt_state, bad)
+
+
+def _check_attribution(g):
+    jaxpr = g.program.jaxpr.jaxpr
+    eqns = jaxpr.eqns
+    names = set(g.layers)
+    # Every equation belongs to exactly one layer, or to the small shared group.
+    assert len(g.eqn_layers) == len(eqns)
+    assert all(n in names or n == SHARED for n in g.eqn_layers)
+    shared_out = sum(o.aval.size * o.aval.dtype.itemsize
+                     for i in g.shared_eqns for o in eqns[i].outvars)
+    assert shared_out <= 64, "the shared group must stay tiny (step counters)"
+    # Forward and backward of a named module land in the same layer.
+    for i, e in enumerate(eqns):
+        path = module_path(str(e.source_info.name_stack))
+        if len(path) >= 2 and (is_forward(str(e.source_info.name_stack))
+                               or is_backward(str(e.source_info.name_stack))):
+            assert g.eqn_layers[i] == path[1], (e, path)
+    # Every layer that has parameters runs forward and backward code.
+    for n in g.layers:
+        if g[n].param_bytes:
+            stacks = [str(eqns[i].source_info.name_stack) for i in g[n].eqns]
+            assert any(map(is_forward, stacks)) and any(map(is_backward, stacks)), n
+    # Updates land with their parameter's layer: the new value of every
+    # parameter leaf is computed in the layer the parameter belongs to.
+    producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
+    for k, role in enumerate(g.input_roles):
+        if role != PARAM:
+            continue
+        out = jaxpr.outvars[k]  # train_step returns (variables, opt_state, loss) in input order
+        if isinstance(out, jcore.Var) and out in producer:
+            assert g.eqn_layers[producer[out]] == g.input_layers[k], g.program.in_paths[k]
+
+
+@pytest.mark.parametrize("name", zoo.names())
+def test_every_zoo_step_is_fully_attributed(name):
+    w = zoo.get(name, small=True)
+    args = jax.eval_shape(w.example_args)
+    g = trace(w.train_step, *args)
+    assert len(g) >= 2
+    _check_attribution(g)
