@@ -8,9 +8,8 @@ cannot be the only source (DESIGN, "Costs").
 
 Conventions, chosen to match XLA's HloCostAnalysis where it is right:
 - a multiply-add counts as 2 FLOPs; dot_general = 2 x output size x contracted size;
-- a convolution counts every kernel tap of every output, padding taps included
-  (the hardware does that work): 2 x output size x input features per group x
-  kernel window;
+- a convolution counts 2 x the multiply-adds that touch real input: taps on
+  padding or on a dilated input's holes are left out (XLA does the same);
 - elementwise arithmetic and comparisons: 1 FLOP per output element;
   transcendental functions count as transcendentals, not FLOPs;
 - reductions: 1 FLOP per input element;
@@ -165,16 +164,31 @@ def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
     return 2 * batch * lhs_free * rhs_free * contract
 
 
-def conv_flops(out_shape, rhs_shape, dimension_numbers) -> int:
-    """2 x (output elements) x (input features per group) x (kernel window).
+def conv_flops(lhs_shape, rhs_shape, out_shape, params) -> int:
+    """2 x (real multiply-adds): output positions x kernel taps that land on real input.
 
-    Padding, strides and dilation enter through the output shape; feature
-    groups through the kernel's input-feature dimension (C_in / groups).
+    Taps that fall on padding or on the holes of a dilated input (the
+    backward pass of a strided convolution) are not counted, as XLA's cost
+    analysis does not count them. Feature groups enter through the kernel's
+    input-feature dimension (C_in / groups).
     """
-    rhs_spec = dimension_numbers.rhs_spec  # (out feature, in feature, *spatial)
+    dn = params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
+    taps = 1
+    for d, (pad_lo, _) in enumerate(params["padding"]):
+        n = lhs_shape[lhs_spec[2 + d]]
+        k = rhs_shape[rhs_spec[2 + d]]
+        o = out_shape[out_spec[2 + d]]
+        ld = params["lhs_dilation"][d] if params.get("lhs_dilation") else 1
+        rd = params["rhs_dilation"][d] if params.get("rhs_dilation") else 1
+        stride = params["window_strides"][d]
+        pos = (np.arange(o)[:, None] * stride + np.arange(k)[None, :] * rd) - pad_lo
+        real = (pos >= 0) & (pos <= (n - 1) * ld) & (pos % ld == 0)
+        taps *= int(real.sum())
+    out_batch = out_shape[out_spec[0]]
+    out_features = out_shape[out_spec[1]]
     in_features = rhs_shape[rhs_spec[1]]
-    window = math.prod(rhs_shape[d] for d in rhs_spec[2:])
-    return 2 * math.prod(out_shape) * in_features * window
+    return 2 * out_batch * out_features * in_features * taps
 
 
 def _while_trip_count(eqn) -> int | None:
@@ -235,7 +249,7 @@ def eqn_work(eqn) -> Work:
         flops = dot_general_flops(in_avals[0].shape, in_avals[1].shape,
                                   params["dimension_numbers"])
     elif name == "conv_general_dilated":
-        flops = conv_flops(out_avals[0].shape, in_avals[1].shape, params["dimension_numbers"])
+        flops = conv_flops(in_avals[0].shape, in_avals[1].shape, out_avals[0].shape, params)
     elif cls == "reduction":
         flops = float(sum(_size(a) for a in in_avals[:1]))
     elif name in ("gather", "dynamic_slice"):

@@ -1,0 +1,224 @@
+"""Measuring one jit-able function on one device, with a disk cache.
+
+`measure` compiles `jax.jit(fn)` for a device (its arguments are put there
+first, so the computation follows them), warms it up, and times k calls with
+`block_until_ready`: compile time is left out. `measure_cached` keys a disk
+cache by a caller-given fingerprint plus argument shapes and dtypes, the
+device kind and the jax version, so a layer is measured once per machine.
+`sweep_batch` measures one function family over several batch sizes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from absl import logging
+
+from hetpar._errors import ProfileError
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Measured run time of one function on one device.
+
+    Attributes:
+      median_s: median of the timed runs, seconds.
+      iqr_s: interquartile range of the timed runs, seconds.
+      samples: every timed run, seconds.
+      cached: True when read from the disk cache instead of measured.
+    """
+
+    median_s: float
+    iqr_s: float
+    samples: tuple[float, ...]
+    cached: bool = False
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Timing:
+        """Summarises raw samples."""
+        s = sorted(float(x) for x in samples)
+        if len(s) >= 4:
+            q = statistics.quantiles(s, n=4, method="inclusive")
+            iqr = q[2] - q[0]
+        else:
+            iqr = s[-1] - s[0]
+        return cls(statistics.median(s), iqr, tuple(samples))
+
+    def to_json(self) -> dict[str, Any]:
+        """Returns the JSON form (without `cached`)."""
+        return {"median_s": self.median_s, "iqr_s": self.iqr_s, "samples": list(self.samples)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], *, cached: bool = False) -> Timing:
+        """Builds a Timing from its JSON form."""
+        return cls(
+            float(data["median_s"]), float(data["iqr_s"]), tuple(data["samples"]), cached
+        )
+
+
+def device_name(device) -> str:
+    """`platform:id` of a JAX device, e.g. `cpu:0`, `gpu:0`."""
+    return f"{device.platform}:{device.id}"
+
+
+def present_devices() -> list:
+    """Every device JAX sees here: the default backend's and the CPU's, no duplicates."""
+    import jax
+
+    devs = list(jax.devices())
+    try:
+        devs += [d for d in jax.devices("cpu") if d not in devs]
+    except RuntimeError:
+        pass  # a build without a CPU backend
+    return devs
+
+
+def resolve_device(device):
+    """The JAX device for a name (`cpu:0`, `gpu:0`), or the device itself.
+
+    Raises:
+      ProfileError: no such device is present.
+    """
+    if not isinstance(device, str):
+        return device
+    devs = present_devices()
+    for d in devs:
+        if device_name(d) == device:
+            return d
+    names = ", ".join(device_name(d) for d in devs)
+    raise ProfileError(
+        f"device {device!r} is not present (present: {names}); to plan for a device "
+        "that is not here, use its spec-sheet kind (e.g. 'h100') instead of measuring it"
+    )
+
+
+def measure(
+    fn: Callable, args: Sequence[Any], device, *, k: int = 20, warmup: int = 3
+) -> Timing:
+    """Times `jax.jit(fn)(*args)` on `device`, compile time excluded.
+
+    Args:
+      fn: any jit-able function.
+      args: its positional arguments (pytrees of arrays); they are put on
+        `device` first, so the computation runs there.
+      device: a JAX device or its name (`cpu:0`).
+      k: timed runs; the median and IQR are reported.
+      warmup: untimed runs first (at least 1: the first call compiles).
+
+    Returns:
+      The Timing of the k runs.
+
+    Raises:
+      ProfileError: the device is not present, or k < 1.
+    """
+    import jax
+
+    if k < 1:
+        raise ProfileError(f"measure: k must be >= 1, got {k}")
+    dev = resolve_device(device)
+    args = jax.device_put(tuple(args), dev)
+    jitted = jax.jit(fn)
+    for _ in range(max(1, warmup)):
+        jax.block_until_ready(jitted(*args))
+    samples = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        jax.block_until_ready(jitted(*args))
+        samples.append(time.perf_counter() - t0)
+    return Timing.of(samples)
+
+
+def cache_dir() -> pathlib.Path:
+    """`$HETPAR_CACHE_DIR`, else `~/.cache/hetpar`."""
+    env = os.environ.get("HETPAR_CACHE_DIR")
+    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "hetpar"
+
+
+def cache_key(key: str, args: Sequence[Any], device) -> str:
+    """The cache key: fingerprint, argument shapes and dtypes, device kind, jax version."""
+    import jax
+
+    dev = resolve_device(device)
+    leaves = jax.tree_util.tree_leaves(tuple(args))
+    sig = [(tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
+           for x in leaves]
+    text = json.dumps([key, sig, dev.platform, dev.device_kind, jax.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def measure_cached(
+    key: str,
+    fn: Callable,
+    args: Sequence[Any],
+    device,
+    *,
+    k: int = 20,
+    warmup: int = 3,
+    measure_fn: Callable[..., Timing] | None = None,
+) -> Timing:
+    """`measure`, remembered on disk.
+
+    Args:
+      key: the caller's fingerprint of `fn` (e.g. a layer's jaxpr hash); the
+        cache also keys on argument shapes and dtypes, the device kind and
+        the jax version, so a change of any of them measures again.
+      fn, args, device, k, warmup: as for `measure`.
+      measure_fn: what to call on a miss (default `measure`; tests count calls).
+
+    Returns:
+      The Timing; `cached` is True when no measurement ran.
+    """
+    digest = cache_key(key, args, device)
+    path = cache_dir() / "measure" / f"{digest}.json"
+    if path.exists():
+        try:
+            return Timing.from_json(json.loads(path.read_text()), cached=True)
+        except (ValueError, KeyError) as e:
+            logging.warning("ignoring unreadable cache entry %s: %s", path, e)
+    timing = (measure_fn or measure)(fn, args, device, k=k, warmup=warmup)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(timing.to_json() | {"key": key}))
+    tmp.replace(path)  # atomic: concurrent measurers never read half a file
+    return timing
+
+
+def sweep_batch(
+    make_fn_and_args: Callable[[int], tuple[Callable, Sequence[Any]]],
+    batches: Sequence[int],
+    device,
+    *,
+    k: int = 10,
+    warmup: int = 2,
+    key: str | None = None,
+) -> list[tuple[int, Timing]]:
+    """Measures one function family at several batch sizes.
+
+    Args:
+      make_fn_and_args: batch size -> `(fn, args)`.
+      batches: the batch sizes, measured in this order.
+      device: a JAX device or its name.
+      k, warmup: as for `measure`.
+      key: when given, results are cached under `f"{key}/batch={b}"`.
+
+    Returns:
+      `[(batch, Timing)]`; time per sample is `timing.median_s / batch`.
+    """
+    out = []
+    for b in batches:
+        fn, args = make_fn_and_args(int(b))
+        if key is None:
+            timing = measure(fn, args, device, k=k, warmup=warmup)
+        else:
+            timing = measure_cached(f"{key}/batch={b}", fn, args, device, k=k, warmup=warmup)
+        logging.info("batch %d: %.3g s (%.3g s/sample)", b, timing.median_s, timing.median_s / b)
+        out.append((int(b), timing))
+    return out

@@ -1,0 +1,526 @@
+"""Microbenchmarks of the devices present: what `hetpar profile` measures.
+
+Per device: matmul FLOP/s at several sizes and dtypes, memory bandwidth of an
+elementwise op and of a reduction over large arrays, and the round-trip cost
+of dispatching a tiny executable. These become `LayerWork` samples and go
+through the same `calibrate` the per-layer measurements use, so a measured
+profile's efficiencies come from one least-squares fit.
+
+Per ordered device pair: transfer time at sizes from 4 KB to 256 MB for every
+path the runtime could use, fitted to `latency + bytes / bandwidth`:
+
+- `device_put`: `jax.device_put(x, dst)`.
+- `pinned_host` (GPU <-> CPU): through the GPU's pinned host memory.
+  GPU -> CPU: device_put to `memory_kind="pinned_host"`, `np.asarray`,
+  device_put to the CPU device. CPU -> GPU: `np.asarray`, device_put to
+  pinned_host, then to the GPU's `device` memory. DEVICE.md measured the
+  GPU -> CPU direction about 56x faster than plain device_put at 256 MB.
+- `pinned_host_staged` (GPU <-> CPU): only the copy between pinned host
+  memory and the GPU; a lower bound for when the producer writes (or the
+  consumer reads) pinned memory directly.
+
+Every repetition moves a freshly generated buffer: `np.asarray` keeps a host
+copy of an array, so timing the same array twice measures a cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from absl import logging
+from hetpar.cost_models._measure import device_name, measure, present_devices, resolve_device
+from hetpar.cost_models._profiles import DeviceProfile, LinkProfile, ProfileSet
+from hetpar.cost_models._roofline import LayerWork, calibrate, predict
+from hetpar.cost_models._specs import spec, spec_kinds
+from scipy.optimize import nnls
+
+_MB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """Sizes and repetitions of one profiling run.
+
+    Attributes:
+      matmul_sizes: n of the n x n x n matmuls, ascending.
+      dtypes: matmul dtypes.
+      stream_bytes: array sizes of the elementwise and reduction benchmarks.
+      transfer_bytes: transfer sizes, ascending.
+      k: timed repetitions (median reported).
+      max_rep_s: skip a larger matmul once one repetition would exceed this.
+      launch_calls: calls of the tiny op for the dispatch overhead.
+    """
+
+    matmul_sizes: tuple[int, ...]
+    dtypes: tuple[str, ...]
+    stream_bytes: tuple[int, ...]
+    transfer_bytes: tuple[int, ...]
+    k: int
+    max_rep_s: float
+    launch_calls: int
+
+
+FULL = BenchConfig(
+    matmul_sizes=(256, 512, 1024, 2048, 4096, 8192),
+    dtypes=("f32", "bf16"),
+    stream_bytes=(_MB, 16 * _MB, 256 * _MB),
+    transfer_bytes=tuple(4096 * 4**i for i in range(9)),  # 4 KB .. 256 MB
+    k=7,
+    max_rep_s=0.3,
+    launch_calls=200,
+)
+QUICK = BenchConfig(
+    matmul_sizes=(64, 128, 256),
+    dtypes=("f32", "bf16"),
+    stream_bytes=(256 * 1024, 4 * _MB),
+    transfer_bytes=(4096, 64 * 1024, _MB, 16 * _MB),
+    k=3,
+    max_rep_s=0.1,
+    launch_calls=50,
+)
+
+_JNP_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
+
+
+def spec_kind_of(device) -> str:
+    """The spec-sheet kind of a JAX device (`h100`, `cpu`, ...), else its platform."""
+    if device.platform == "cpu":
+        return "cpu"
+    dk = device.device_kind.lower()
+    table = [("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("t4", "t4"),
+             ("v4", "tpu-v4"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e")]
+    for needle, kind in table:
+        if needle in dk:
+            return kind
+    return device.platform
+
+
+def _host_id() -> str:
+    return f"{socket.gethostname()} ({platform.processor() or platform.machine()}, " \
+           f"{os.cpu_count()} cores)"
+
+
+def _block(x):
+    import jax
+
+    return jax.block_until_ready(x)
+
+
+def _matmul_samples(dev, cfg: BenchConfig, say: Callable[[str], None]):
+    import jax.numpy as jnp
+
+    samples, results = [], {}
+    for dt in cfg.dtypes:
+        dtype = jnp.dtype(_JNP_DTYPES[dt])
+        prev = None
+        for n in cfg.matmul_sizes:
+            if prev is not None and prev[1] * (n / prev[0]) ** 3 > cfg.max_rep_s:
+                say(f"  matmul {dt} {n}^3: skipped (would take over {cfg.max_rep_s} s a run)")
+                break
+            a = jnp.ones((n, n), dtype, device=dev)
+            b = jnp.ones((n, n), dtype, device=dev)
+            t = measure(jnp.matmul, (a, b), dev, k=cfg.k, warmup=2).median_s
+            flops = 2.0 * n**3
+            work = LayerWork({"matmul": flops}, {"matmul": 3.0 * n * n * dtype.itemsize},
+                             launches=1, dtype=dt)
+            samples.append((work, t))
+            results[f"{dt}/{n}"] = flops / t
+            say(f"  matmul {dt} {n}^3: {t * 1e3:.3f} ms, {flops / t / 1e12:.3f} TFLOP/s")
+            prev = (n, t)
+            del a, b
+    return samples, results
+
+
+def _stream_samples(dev, cfg: BenchConfig, say: Callable[[str], None]):
+    import jax.numpy as jnp
+
+    samples, results = [], {}
+    for nbytes in cfg.stream_bytes:
+        n = nbytes // 4
+        x = jnp.ones((n,), jnp.float32, device=dev)
+        t = measure(lambda v: v * 2.0 + 1.0, (x,), dev, k=cfg.k, warmup=2).median_s
+        samples.append((LayerWork({"elementwise": 2.0 * n}, {"elementwise": 2.0 * nbytes}), t))
+        results[f"elementwise/{nbytes}"] = 2.0 * nbytes / t
+        say(f"  elementwise x*2+1 over {nbytes / _MB:.3g} MB: {2 * nbytes / t / 1e9:.2f} GB/s")
+        t = measure(jnp.sum, (x,), dev, k=cfg.k, warmup=2).median_s
+        samples.append((LayerWork({"reduction": float(n)}, {"reduction": float(nbytes)}), t))
+        results[f"reduction/{nbytes}"] = nbytes / t
+        say(f"  reduction sum over {nbytes / _MB:.3g} MB: {nbytes / t / 1e9:.2f} GB/s")
+        del x
+    return samples, results
+
+
+def _launch_overhead(dev, cfg: BenchConfig) -> tuple[float, float]:
+    """(round trip of one blocking call, per call when pipelined) of a tiny op."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.device_put(jnp.zeros((1,), jnp.float32), dev)
+    f = jax.jit(lambda v: v + 1.0)
+    for _ in range(5):
+        _block(f(x))
+    rt = []
+    for _ in range(cfg.launch_calls):
+        t0 = time.perf_counter()
+        _block(f(x))
+        rt.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    y = x
+    for _ in range(cfg.launch_calls):
+        y = f(y)
+    _block(y)
+    return statistics.median(rt), (time.perf_counter() - t0) / cfg.launch_calls
+
+
+def _memory_bytes(dev) -> tuple[float | None, str]:
+    if dev.platform == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            return float(total), "host RAM from sysconf"
+        except (ValueError, OSError, AttributeError):
+            return None, ""
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend implements memory_stats
+        stats = {}
+    if "bytes_limit" in stats:
+        # The allocator limit, not the card: JAX preallocates 75% of GPU memory by
+        # default (XLA_PYTHON_CLIENT_MEM_FRACTION), and that is what layers can use.
+        return float(stats["bytes_limit"]), "JAX allocator bytes_limit (Device.memory_stats())"
+    return None, ""
+
+
+def profile_device(
+    device, cfg: BenchConfig = FULL, progress: Callable[[str], None] | None = None
+) -> DeviceProfile:
+    """Measures one device and returns its profile (origin `measured`).
+
+    Peaks stay the spec sheet's (a CPU's scaled to the cores present), raised
+    to the best measured figure where a measurement beats them; efficiencies
+    and launch overhead come from the measurements.
+
+    Raises:
+      ProfileError: the device is not present.
+    """
+    dev = resolve_device(device)
+    name = device_name(dev)
+    say = progress or (lambda m: None)
+    kind = spec_kind_of(dev)
+    say(f"{name}: {dev.device_kind} (spec sheet: {kind if kind in spec_kinds() else 'none'})")
+    today = datetime.date.today().isoformat()
+    where = f"measured {today} on {_host_id()}, jax {_jax_version()}"
+
+    mm_samples, mm = _matmul_samples(dev, cfg, say)
+    st_samples, st = _stream_samples(dev, cfg, say)
+    roundtrip, pipelined = _launch_overhead(dev, cfg)
+    say(f"  dispatch: {roundtrip * 1e6:.1f} us round trip, {pipelined * 1e6:.1f} us pipelined")
+
+    if kind in spec_kinds():
+        base = spec(kind)
+        sources = dict(base.sources)
+        peaks = dict(base.peak_flops_per_s)
+        bw = base.memory_bandwidth_bytes_per_s
+        if kind == "cpu":
+            # The cpu sheet is a 16-core part; peak FLOP/s scales with cores.
+            scale = (os.cpu_count() or 16) / 16.0
+            for dt in peaks:
+                peaks[dt] *= scale
+                sources[f"peak_flops_per_s.{dt}"] += f"; scaled to {os.cpu_count()} cores"
+    else:
+        base = spec("h100" if dev.platform == "gpu" else "cpu")
+        sources = {k: f"no spec sheet for {dev.device_kind!r}: set by hand" for k in base.sources}
+        peaks, bw = {}, 0.0
+        base = base.replace(price_per_hour=0.0, watts_busy=0.0, watts_idle=0.0, host_link=None)
+    # A measurement above the paper peak means the paper is wrong for this
+    # part (or the dtype runs on other units): raise the peak, never exceed it.
+    for dt in cfg.dtypes:
+        best = max((v for k, v in mm.items() if k.startswith(dt + "/")), default=0.0)
+        key = "f32_matmul" if dt == "f32" and "f32_matmul" in peaks else dt
+        if best > peaks.get(key, 0.0):
+            peaks[key] = best
+            sources[f"peak_flops_per_s.{key}"] = f"best matmul, {where}"
+    peaks.setdefault("f32", peaks.get("f32_matmul", 1.0))
+    best_bw = max(st.values())
+    if best_bw > bw:
+        bw = best_bw
+        sources["memory_bandwidth_bytes_per_s"] = f"best streaming benchmark, {where}"
+    mem, mem_src = _memory_bytes(dev)
+    if mem is not None:
+        sources["memory_bytes"] = f"{mem_src}, {where}"
+    sources["launch_overhead_s"] = (
+        f"round trip of a tiny jitted op (median of {cfg.launch_calls}), {where}"
+    )
+    prof = base.replace(
+        name=name,
+        kind=kind,
+        peak_flops_per_s=peaks,
+        memory_bandwidth_bytes_per_s=bw,
+        memory_bytes=mem if mem is not None else base.memory_bytes,
+        launch_overhead_s=roundtrip,
+        sources=sources,
+        origin="measured",
+        benchmarks={
+            "device_kind": dev.device_kind,
+            "matmul_flops_per_s": mm,
+            "stream_bytes_per_s": st,
+            "dispatch_roundtrip_s": roundtrip,
+            "dispatch_pipelined_s": pipelined,
+        },
+    )
+    prof = calibrate(prof, mm_samples + st_samples)
+    # No benchmark isolates `other` (gathers, sorts): assume it moves bytes
+    # like a reduction and computes like an elementwise op.
+    effs = {c: dict(e) for c, e in prof.efficiencies.items()}
+    effs["other"] = {"flops": effs["elementwise"]["flops"], "bytes": effs["reduction"]["bytes"]}
+    srcs = dict(prof.sources)
+    errs = [abs(predict(prof, w) - t) / t for w, t in mm_samples + st_samples]
+    say(f"  calibrated on {len(errs)} samples: median |error| {100 * np.median(errs):.0f}%")
+    srcs["efficiencies"] += "; 'other' copied from elementwise (flops) and reduction (bytes)"
+    return prof.replace(efficiencies=effs, sources=srcs)
+
+
+def _jax_version() -> str:
+    import jax
+
+    return jax.__version__
+
+
+def fit_link(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares `latency + bytes / bandwidth` on relative error.
+
+    Args:
+      samples: `(bytes, seconds)` pairs.
+
+    Returns:
+      `(latency_s, bandwidth_bytes_per_s)`, latency >= 0.
+    """
+    x = np.array([s[0] for s in samples], float)
+    t = np.array([s[1] for s in samples], float)
+    w = 1.0 / t  # relative: 4 KB and 256 MB both count
+    (lat, inv_bw), _ = nnls(np.stack([w, x * w], axis=1), np.ones_like(t))
+    if inv_bw <= 0:
+        inv_bw = 1.0 / float(np.max(x / t))
+    return float(lat), float(1.0 / inv_bw)
+
+
+class _Fresh:
+    """Fresh device buffers of a given size, generated on the device."""
+
+    def __init__(self):
+        self._fns: dict[Any, Callable] = {}
+        self._seed = 0.0
+
+    def __call__(self, dev, nbytes: int):
+        import jax
+        import jax.numpy as jnp
+        from jax.sharding import SingleDeviceSharding
+
+        key = (device_name(dev), nbytes)
+        if key not in self._fns:
+            n = nbytes // 4
+            self._fns[key] = jax.jit(
+                lambda s: jnp.full((n,), s, jnp.float32), out_shardings=SingleDeviceSharding(dev)
+            )
+        self._seed += 1.0
+        return _block(self._fns[key](self._seed))
+
+
+def _has_pinned_host(dev) -> bool:
+    try:
+        return any(m.kind == "pinned_host" for m in dev.addressable_memories())
+    except Exception:  # noqa: BLE001 - older or partial backends
+        # CUDA devices have had pinned_host memory since jax 0.4.3x; try it.
+        return dev.platform == "gpu"
+
+
+def transfer_paths(src, dst) -> list[str]:
+    """The transfer paths the runtime could use from `src` to `dst`."""
+    paths = ["device_put"]
+    pair = {src.platform, dst.platform}
+    if pair == {"gpu", "cpu"}:
+        gpu = src if src.platform == "gpu" else dst
+        if _has_pinned_host(gpu):
+            paths += ["pinned_host", "pinned_host_staged"]
+    return paths
+
+
+def _time_transfer(src, dst, path: str, nbytes: int, fresh: _Fresh) -> float:
+    """Seconds for one transfer of a fresh `nbytes` buffer along `path`."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    if path == "device_put":
+        x = fresh(src, nbytes)
+        t0 = time.perf_counter()
+        _block(jax.device_put(x, dst))
+        return time.perf_counter() - t0
+    gpu_to_cpu = src.platform == "gpu"
+    gpu = src if gpu_to_cpu else dst
+    pinned = SingleDeviceSharding(gpu, memory_kind="pinned_host")
+    on_device = SingleDeviceSharding(gpu, memory_kind="device")
+    if gpu_to_cpu:
+        x = fresh(src, nbytes)
+        t0 = time.perf_counter()
+        y = _block(jax.device_put(x, pinned))
+        if path == "pinned_host":
+            _block(jax.device_put(np.asarray(y), dst))
+        return time.perf_counter() - t0
+    if path == "pinned_host":
+        x = fresh(src, nbytes)
+        t0 = time.perf_counter()
+        p = jax.device_put(np.asarray(x), pinned)
+        _block(jax.device_put(p, on_device))
+        return time.perf_counter() - t0
+    # Staged host -> GPU: the buffer already sits in pinned memory.
+    p = _block(jax.device_put(np.asarray(fresh(src, nbytes)), pinned))
+    t0 = time.perf_counter()
+    _block(jax.device_put(p, on_device))
+    return time.perf_counter() - t0
+
+
+def profile_link(
+    src, dst, path: str, cfg: BenchConfig = FULL,
+    progress: Callable[[str], None] | None = None, fresh: _Fresh | None = None,
+) -> LinkProfile:
+    """Measures one transfer path at every size of `cfg` and fits it."""
+    src, dst = resolve_device(src), resolve_device(dst)
+    fresh = fresh or _Fresh()
+    say = progress or (lambda m: None)
+    samples = []
+    for nbytes in cfg.transfer_bytes:
+        k = cfg.k if nbytes <= 16 * _MB else max(3, cfg.k - 2)
+        _time_transfer(src, dst, path, nbytes, fresh)  # warm-up: compiles, allocates
+        t = statistics.median(_time_transfer(src, dst, path, nbytes, fresh) for _ in range(k))
+        samples.append((float(nbytes), t))
+    lat, bw = fit_link(samples)
+    big_b, big_t = samples[-1]
+    say(
+        f"  {device_name(src)} -> {device_name(dst)} [{path}]: latency {lat * 1e6:.1f} us, "
+        f"fit {bw / 1e9:.2f} GB/s; {big_b / _MB:.3g} MB at {big_b / big_t / 1e9:.2f} GB/s"
+    )
+    today = datetime.date.today().isoformat()
+    return LinkProfile(
+        src=device_name(src),
+        dst=device_name(dst),
+        path=path,
+        latency_s=lat,
+        bandwidth_bytes_per_s=bw,
+        source=f"measured {today} on {_host_id()}, jax {_jax_version()}: median of fresh "
+        f"buffers at {len(samples)} sizes, least squares on relative error",
+        samples=tuple(samples),
+    )
+
+
+def profile_devices(
+    devices: Sequence | None = None,
+    *,
+    quick: bool = False,
+    config: BenchConfig | None = None,
+    transfers: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> ProfileSet:
+    """Measures the devices present (or `devices`) and every path between them.
+
+    Args:
+      devices: JAX devices or names (`cpu:0`); default: every device present
+        (`jax.devices()` plus `jax.devices("cpu")`).
+      quick: small sizes and few repetitions (transfers up to 16 MB).
+      config: explicit sizes (overrides `quick`).
+      transfers: also measure every ordered device pair.
+      progress: called with one line per step (the CLI prints them).
+
+    Returns:
+      A ProfileSet of measured devices and links, with host metadata.
+
+    Raises:
+      ProfileError: a named device is not present.
+    """
+    cfg = config or (QUICK if quick else FULL)
+    devs = [resolve_device(d) for d in devices] if devices else present_devices()
+    say = progress or (lambda m: None)
+
+    def log(msg: str) -> None:
+        # The CLI prints progress itself; without a callback, log it.
+        if progress is None:
+            logging.info("%s", msg)
+        say(msg)
+
+    t0 = time.perf_counter()
+    profiles = {}
+    for d in devs:
+        p = profile_device(d, cfg, log)
+        profiles[p.name] = p
+    links = []
+    if transfers and len(devs) > 1:
+        fresh = _Fresh()
+        log("transfers:")
+        for s in devs:
+            for t in devs:
+                if s is t:
+                    continue
+                for path in transfer_paths(s, t):
+                    links.append(profile_link(s, t, path, cfg, log, fresh))
+    log(f"profiled {len(profiles)} device(s), {len(links)} path(s) in "
+        f"{time.perf_counter() - t0:.1f} s")
+    meta = {
+        "host": _host_id(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "jax_version": _jax_version(),
+        "mode": "quick" if cfg is QUICK else ("full" if cfg is FULL else "custom"),
+    }
+    return ProfileSet(profiles, tuple(links), meta)
+
+
+def summary_table(profiles: ProfileSet) -> str:
+    """A plain-text table of measured devices and links."""
+    rows = [
+        f"{'device':<10} {'kind':<8} {'f32 TFLOP/s':>12} {'bf16 TFLOP/s':>13} "
+        f"{'stream GB/s':>12} {'dispatch us':>12}  eff matmul/elem(bytes)/red(bytes)"
+    ]
+    for p in profiles.devices.values():
+        if p.origin != "measured":
+            continue
+        mm = p.benchmarks.get("matmul_flops_per_s", {})
+
+        def best(dt, mm=mm):
+            v = [x for k, x in mm.items() if k.startswith(dt + "/")]
+            return f"{max(v) / 1e12:.3f}" if v else "-"
+
+        st = max(p.benchmarks.get("stream_bytes_per_s", {"": math.nan}).values())
+        e = p.efficiencies
+        rows.append(
+            f"{p.name:<10} {p.kind:<8} {best('f32'):>12} {best('bf16'):>13} "
+            f"{st / 1e9:>12.2f} {p.launch_overhead_s * 1e6:>12.1f}  "
+            f"{e['matmul']['flops']:.2f}/{e['elementwise']['bytes']:.2f}/"
+            f"{e['reduction']['bytes']:.2f}"
+        )
+    if profiles.links:
+        rows.append("")
+        rows.append(f"{'link':<24} {'path':<20} {'latency us':>11} {'fit GB/s':>9}  "
+                    "measured GB/s by size")
+        for lk in profiles.links:
+            by_size = " ".join(
+                f"{_size(b)}:{b / t / 1e9:.2f}" for b, t in lk.samples
+            )
+            rows.append(
+                f"{lk.src + ' -> ' + lk.dst:<24} {lk.path:<20} {lk.latency_s * 1e6:>11.1f} "
+                f"{lk.bandwidth_bytes_per_s / 1e9:>9.2f}  {by_size}"
+            )
+    return "\n".join(rows)
+
+
+def _size(b: float) -> str:
+    if b >= _MB:
+        return f"{b / _MB:.0f}M"
+    return f"{b / 1024:.0f}K"
+

@@ -1,0 +1,271 @@
+"""Cost models: profiles, spec sheets, roofline calibration, measurement, `hetpar profile`."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hetpar.cost_models import (
+    OP_CLASSES,
+    DeviceProfile,
+    LayerWork,
+    LinkProfile,
+    ProfileSet,
+    Timing,
+    calibrate,
+    fit_link,
+    load_profiles,
+    measure,
+    measure_cached,
+    plan_prices,
+    predict,
+    save_profiles,
+    spec,
+    spec_kinds,
+    sweep_batch,
+    transfer_calibration,
+)
+
+from hetpar import ProfileError
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_every_spec_sheet_loads_and_cites_every_figure():
+    assert {"cpu", "t4", "a100", "h100", "h200", "tpu-v4", "tpu-v5e"} <= set(spec_kinds())
+    for kind in spec_kinds():
+        p = spec(kind)
+        assert p.name == p.kind == kind
+        for key in [f"peak_flops_per_s.{d}" for d in p.peak_flops_per_s] + [
+            "memory_bandwidth_bytes_per_s", "memory_bytes", "price_per_hour", "efficiencies"
+        ]:
+            assert p.sources[key], (kind, key)
+    h100 = spec("h100")
+    assert h100.peak_flops_per_s["bf16"] == pytest.approx(989.4e12)
+    assert h100.memory_bandwidth_bytes_per_s == pytest.approx(3.35e12)
+    assert spec("h200").memory_bytes == pytest.approx(141e9)
+
+
+def test_profile_json_round_trip(tmp_path):
+    links = (LinkProfile("cpu:0", "gpu:0", "pinned_host", 2e-5, 8e9, "test", ((4096.0, 2.1e-5),)),)
+    ps = ProfileSet({"h100": spec("h100"), "cpu": spec("cpu")}, links, {"host": "x"})
+    path = tmp_path / "p.json"
+    save_profiles(path, ps)
+    back = ProfileSet.from_json(json.loads(path.read_text()))
+    assert back == ps
+    assert load_profiles(path).devices["h100"] == spec("h100")
+
+
+def _file_with(device: dict, **top) -> dict:
+    return {"format": "hetpar.profiles", "version": 1, "devices": [device], "links": []} | top
+
+
+def test_missing_field_is_named(tmp_path):
+    d = spec("a100").to_json()
+    del d["memory_bandwidth_bytes_per_s"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_file_with(d)))
+    with pytest.raises(ProfileError, match="memory_bandwidth_bytes_per_s"):
+        load_profiles(path)
+
+
+def test_figure_without_source_and_efficiency_above_one_are_rejected():
+    d = spec("t4").to_json()
+    del d["sources"]["price_per_hour"]
+    with pytest.raises(ProfileError, match="price_per_hour.*no source"):
+        DeviceProfile.from_json(d)
+    d = spec("t4").to_json()
+    d["efficiencies"]["matmul"]["flops"] = 1.5
+    with pytest.raises(ProfileError, match="efficiencies.matmul.flops"):
+        DeviceProfile.from_json(d)
+
+
+def test_unknown_version_and_unknown_kind():
+    with pytest.raises(ProfileError, match="unknown version 7"):
+        ProfileSet.from_json(_file_with(spec("cpu").to_json(), version=7))
+    with pytest.raises(ProfileError, match="unknown device kind 'h900'.*h100"):
+        spec("h900")
+    with pytest.raises(ProfileError, match="h900"):
+        load_profiles().device("h900")
+
+
+def test_host_cpu_is_free_next_to_an_accelerator():
+    cpu, gpu = spec("cpu"), spec("h100")
+    assert plan_prices([cpu, gpu]) == {"cpu": 0.0, "h100": gpu.price_per_hour}
+    assert plan_prices([cpu]) == {"cpu": cpu.price_per_hour}
+    assert plan_prices([cpu, gpu], host_cpu_included=False)["cpu"] == cpu.price_per_hour
+
+
+def _work(rng, cls="matmul"):
+    return LayerWork(
+        {cls: float(rng.uniform(1e9, 1e12))},
+        {cls: float(rng.uniform(1e6, 1e10))},
+        launches=int(rng.integers(1, 4)),
+    )
+
+
+def test_calibration_recovers_known_efficiencies():
+    rng = np.random.default_rng(0)
+    base = spec("h100")
+    truth = {
+        "matmul": {"flops": 0.62, "bytes": 0.81},
+        "elementwise": {"flops": 0.35, "bytes": 0.7},
+        "reduction": {"flops": 0.2, "bytes": 0.45},
+        "other": {"flops": 0.1, "bytes": 0.3},
+    }
+    true_prof = base.replace(efficiencies=truth)
+    samples = []
+    for _ in range(30):
+        for cls in OP_CLASSES:
+            w = _work(rng, cls)
+            samples.append((w, predict(true_prof, w)))
+    # mixed-class layers too
+    for _ in range(20):
+        w = LayerWork({c: float(rng.uniform(1e9, 1e12)) for c in OP_CLASSES},
+                      {c: float(rng.uniform(1e6, 1e10)) for c in OP_CLASSES}, launches=3)
+        samples.append((w, predict(true_prof, w)))
+    fitted = calibrate(base, samples)
+    for c in OP_CLASSES:
+        for part in ("flops", "bytes"):
+            got = fitted.efficiencies[c][part]
+            assert got == pytest.approx(truth[c][part], rel=1e-3), (c, part)
+    assert "calibrated" in fitted.sources["efficiencies"]
+
+
+def test_calibration_keeps_efficiencies_at_most_one():
+    base = spec("cpu")
+    w = LayerWork({"matmul": 1e12}, {"matmul": 1e6})
+    # measured faster than the peak allows: the fit must not go past peak
+    fitted = calibrate(base, [(w, 0.5 * predict(base.replace(efficiencies={
+        c: {"flops": 1.0, "bytes": 1.0} for c in OP_CLASSES}), w))])
+    assert fitted.efficiencies["matmul"]["flops"] == 1.0
+
+
+def test_predictions_grow_with_flops_and_bytes_and_never_beat_peak():
+    for kind in spec_kinds():
+        p = spec(kind)
+        t_small = predict(p, LayerWork({"matmul": 1e9}, {"matmul": 1e6}))
+        t_flops = predict(p, LayerWork({"matmul": 1e12}, {"matmul": 1e6}))
+        t_bytes = predict(p, LayerWork({"matmul": 1e9}, {"matmul": 1e11}))
+        assert t_flops > t_small and t_bytes > t_small
+        for dt in ("f32", "bf16"):
+            w = LayerWork({"elementwise": 1e12, "matmul": 1e13}, {"reduction": 1e10}, dtype=dt)
+            floor = (1e12 / p.peak(dt) + 1e13 / p.peak(dt, "matmul")
+                     + 1e10 / p.memory_bandwidth_bytes_per_s)
+            assert predict(p, w) >= floor * (1 - 1e-12)
+
+
+def test_spec_kind_borrows_nearest_measured_sibling():
+    measured = spec("h100").replace(
+        name="gpu:0", origin="measured",
+        efficiencies={c: {"flops": 0.5, "bytes": 0.5} for c in OP_CLASSES},
+        launch_overhead_s=2e-5,
+    )
+    ps = ProfileSet({"gpu:0": measured, "h200": spec("h200"), "tpu-v4": spec("tpu-v4")})
+    h200 = ps.device("h200")
+    assert h200.origin == "transferred"
+    assert h200.efficiencies["matmul"]["flops"] == 0.5
+    assert h200.memory_bandwidth_bytes_per_s == spec("h200").memory_bandwidth_bytes_per_s
+    assert ps.device("tpu-v4").origin == "spec"  # no measured TPU sibling
+    with pytest.raises(ProfileError, match="same class"):
+        transfer_calibration(measured, spec("tpu-v4"))
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    sizes = [4096 * 4**i for i in range(9)]
+    lat, bw = fit_link([(b, 3e-5 + b / 12e9) for b in sizes])
+    assert lat == pytest.approx(3e-5, rel=1e-6) and bw == pytest.approx(12e9, rel=1e-6)
+    lk = LinkProfile("a", "b", "device_put", lat, bw, "t")
+    assert lk.time(1e9) == pytest.approx(3e-5 + 1e9 / 12e9)
+
+
+def test_cache_hit_skips_measurement(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_measure(fn, args, device, *, k, warmup):
+        calls.append(1)
+        return Timing.of([1e-3, 2e-3, 3e-3])
+
+    args = (jnp.ones((8, 8)),)
+    first = measure_cached("layer-a", jnp.sin, args, "cpu:0", measure_fn=fake_measure)
+    again = measure_cached("layer-a", jnp.sin, args, "cpu:0", measure_fn=fake_measure)
+    assert len(calls) == 1 and not first.cached and again.cached
+    assert again.median_s == first.median_s == 2e-3
+    # a different shape is a different entry
+    measure_cached("layer-a", jnp.sin, (jnp.ones((8, 9)),), "cpu:0", measure_fn=fake_measure)
+    assert len(calls) == 2
+
+
+def test_four_times_the_work_measures_slower():
+    a = jnp.ones((128, 256), jnp.float32)
+    b = jnp.ones((256, 256), jnp.float32)
+    small = measure(jnp.matmul, (a, b), "cpu:0", k=15)
+    big = measure(jnp.matmul, (jnp.ones((512, 256), jnp.float32), b), "cpu:0", k=15)
+    assert big.median_s > small.median_s
+    assert len(big.samples) == 15 and big.iqr_s >= 0
+
+
+def test_measure_on_a_second_device():
+    t = measure(lambda x: x + 1, (np.ones(4, np.float32),), "cpu:1", k=2, warmup=1)
+    assert len(t.samples) == 2 and not t.cached
+
+
+def test_sweep_batch():
+    def make(batch):
+        return jnp.tanh, (jnp.ones((batch, 64)),)
+
+    out = sweep_batch(make, [8, 32], "cpu:0", k=3, warmup=1)
+    assert [b for b, _ in out] == [8, 32]
+    assert all(t.median_s > 0 for _, t in out)
+
+
+def _absent_device() -> str:
+    from hetpar.cost_models import device_name, present_devices
+
+    present = {device_name(d) for d in present_devices()}
+    return next(n for n in ("gpu:0", "tpu:0", "gpu:99") if n not in present)
+
+
+def test_absent_device_is_a_clear_error():
+    absent = _absent_device()  # gpu:0 on a CPU-only machine
+    with pytest.raises(ProfileError, match=f"'{absent}' is not present"):
+        measure(jnp.sin, (jnp.ones(3),), absent)
+    from hetpar.cost_models import profile_devices
+
+    with pytest.raises(ProfileError, match=absent):
+        profile_devices([absent], quick=True)
+
+
+def _run_cli(*argv, devices=2):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, "-m", "hetpar", *argv],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=120,
+    )
+
+
+def test_cli_profile_quick_end_to_end(tmp_path):
+    out = tmp_path / "x.json"
+    r = _run_cli("profile", "--quick", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "cpu:0 -> cpu:1" in r.stderr  # progress while it runs
+    ps = load_profiles(out)
+    assert {"cpu:0", "cpu:1"} <= set(ps.devices)
+    assert ps.devices["cpu:0"].origin == "measured"
+    assert {(lk.src, lk.dst) for lk in ps.links} == {("cpu:0", "cpu:1"), ("cpu:1", "cpu:0")}
+    assert ps.fastest_link("cpu:0", "cpu:1", 1 << 20).bandwidth_bytes_per_s > 0
+    # a measured cpu lends its calibration to the cpu spec sheet
+    assert ps.device("cpu").origin == "transferred"
+
+
+def test_cli_profile_absent_device():
+    r = _run_cli("profile", "--quick", "--devices", "gpu:0", "--out", "/dev/null", devices=1)
+    assert r.returncode == 2
+    assert "gpu:0" in r.stderr and "not present" in r.stderr
