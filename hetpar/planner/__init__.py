@@ -1,0 +1,43 @@
+"""hetpar.planner: place layers on devices with an ILP (graph.json -> plan.json).
+
+The public surface is this flat list; the work lives in private modules:
+`_graph` (CostTable), `_evaluate` (the cost model), `_ilp` (the pulp model),
+`_baselines`, `_feasibility` (infeasibility diagnosis), `_plan` (Plan, plan).
+"""
+
+from hetpar.planner._baselines import (
+    BaselineResult,
+    all_baselines,
+    exhaustive,
+    greedy_fastest,
+    heft,
+    memory_fill,
+    single_device,
+)
+from hetpar.planner._evaluate import Predicted, evaluate, violations
+from hetpar.planner._graph import CostTable, Device, Edge, Layer, Link
+from hetpar.planner._ilp import highs_available
+from hetpar.planner._plan import Plan, plan
+from hetpar.planner._random import random_cost_table
+
+__all__ = [
+    "BaselineResult",
+    "CostTable",
+    "Device",
+    "Edge",
+    "Layer",
+    "Link",
+    "Plan",
+    "Predicted",
+    "all_baselines",
+    "evaluate",
+    "exhaustive",
+    "greedy_fastest",
+    "heft",
+    "highs_available",
+    "memory_fill",
+    "plan",
+    "random_cost_table",
+    "single_device",
+    "violations",
+]

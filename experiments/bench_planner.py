@@ -1,0 +1,98 @@
+"""Planner benchmark: solve times, gap against exhaustive search, ILP vs baselines.
+
+Writes experiments/results/planner_bench.{json,md}. Run:
+  python experiments/bench_planner.py [--seeds 3] [--time_limit 30]
+"""
+
+import json
+import os
+import platform
+
+from absl import app, flags
+
+from hetpar.planner import _bench, highs_available
+
+_SEEDS = flags.DEFINE_integer("seeds", 3, "random graphs per timing point")
+_TIME_LIMIT = flags.DEFINE_float("time_limit", 30.0, "solver time limit per solve, seconds")
+_OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results"),
+                           "results folder")
+
+TIMINGS = [  # layers, devices, mode, target median seconds
+    (200, 3, "sequential", 1.0), (1000, 4, "sequential", 10.0), (200, 3, "pipelined", 10.0)]
+
+
+def zoo_tables():
+    """The zoo graphs with spec-sheet costs for cpu, h100, tpu-v5e. TODO(lead): wire up.
+
+    Returns [] until `hetpar.cost_models.cost_table_for_model` exists; feed the
+    result to `_bench.versus_baselines`.
+    """
+    return []
+
+
+def main(argv):
+    del argv
+    solvers = ["cbc"] + (["highs"] if highs_available() else [])
+    timings = []
+    for layers, devices, mode, target in TIMINGS:
+        for memory in ("loose", "tight"):
+            for solver in solvers:
+                r = _bench.solve_times(layers, devices, mode=mode, memory=memory, solver=solver,
+                                       seeds=_SEEDS.value, time_limit=_TIME_LIMIT.value)
+                r["target_s"] = target
+                timings.append(r)
+    results = {
+        "machine": f"{os.cpu_count()}-core CPU dev box "
+                   f"({platform.processor() or platform.machine()}, "
+                   f"Python {platform.python_version()})",
+        "timings": timings,
+        "gap_vs_exhaustive": _bench.gap_vs_exhaustive(),
+        "random_vs_baselines": _bench.versus_baselines(_bench.random_tables()),
+        "zoo_vs_baselines": _bench.versus_baselines(zoo_tables()),
+    }
+    os.makedirs(_OUT.value, exist_ok=True)
+    with open(os.path.join(_OUT.value, "planner_bench.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(_OUT.value, "planner_bench.md"), "w") as f:
+        f.write(render(results))
+
+
+def render(r) -> str:
+    lines = ["# Planner benchmark", "", f"Machine: {r['machine']}.", "",
+             "Random DAGs (chain + skip edges) from `random_cost_table`; *loose*: every device "
+             "holds the model, *tight*: each accelerator holds 25-45% of it. Time = model build "
+             f"+ solve, median over seeds; solver time limit {r['timings'][0]['time_limit_s']} s, "
+             f"relative gap option {r['timings'][0]['gap_option']}.", "",
+             "| layers x devices | mode | memory | solver | median s | max s | target s | "
+             "statuses | final gaps |", "|---|---|---|---|---|---|---|---|---|"]
+    for t in r["timings"]:
+        gaps = ", ".join("-" if g is None else f"{g:.2g}" for g in t["gaps"])
+        # Runs that reached the time limit were stopped, whatever status they report.
+        stopped = sum(run["solve_s"] >= t["time_limit_s"] for run in t["runs"])
+        if stopped:
+            gaps += f" ({stopped} stopped at the time limit)"
+        lines.append(f"| {t['layers']}x{t['devices']} | {t['mode']} | {t['memory']} | "
+                     f"{t['solver']} | {t['median_s']:.2f} | {t['max_s']:.2f} | {t['target_s']} | "
+                     f"{', '.join(t['statuses'])} | {gaps} |")
+    g = r["gap_vs_exhaustive"]
+    lines += ["", f"Gap against exhaustive search: max relative gap {g['max_rel_gap']:.2e} over "
+              f"{g['instances']} instances of {g['layers']} layers x {g['devices']} devices "
+              "(default options).", ""]
+    for title, rows in (("Random graphs", r["random_vs_baselines"]),
+                        ("Zoo graphs", r["zoo_vs_baselines"])):
+        lines.append(f"## {title}: baselines' step time / ILP's (sequential, objective time)")
+        if not rows:
+            lines += ["", "Not run yet (needs the cost models).", ""]
+            continue
+        names = [k for k in rows[0] if k not in ("graph", "layers", "devices", "ilp", "status")]
+        lines += ["", "| graph | ILP s | " + " | ".join(names) + " |",
+                  "|---|---|" + "---|" * len(names)]
+        for row in rows:
+            cells = ["infeasible" if row[n] is None else f"{row[n]:.3f}" for n in names]
+            lines.append(f"| {row['graph']} | {row['ilp']:.4g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,74 @@
+"""`hetpar plan`: graph.json (or a model name) in, plan.json out."""
+
+from __future__ import annotations
+
+import argparse
+
+from hetpar._errors import HetparError
+
+
+def register(subparsers) -> None:
+    """Adds the `plan` sub-command."""
+    p = subparsers.add_parser(
+        "plan", help="place layers on devices with an ILP (graph.json -> plan.json)",
+        description="Solve the placement ILP on a cost table and write plan.json. Prints the "
+                    "assignment, the predicted objective of the plan and of every baseline, "
+                    "and the solver status.")
+    p.add_argument("model", nargs="?", metavar="MODEL",
+                   help="a zoo model to trace, cost and plan in one go (needs --devices)")
+    p.add_argument("--devices", help="comma-separated device kinds for MODEL, e.g. cpu,h100")
+    p.add_argument("--graph", help="graph.json to plan (from `hetpar trace --out`)")
+    p.add_argument("--objective", choices=("time", "cost", "energy"), default="time")
+    p.add_argument("--mode", choices=("sequential", "pipelined"), default="sequential")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches M (pipelined mode; default 4 there, 1 otherwise)")
+    p.add_argument("--contiguous", action="store_true",
+                   help="pipelined: each device holds one contiguous run of layers")
+    p.add_argument("--max-cost", type=float, default=None, help="dollars per step at most")
+    p.add_argument("--max-step-time", type=float, default=None, help="seconds per step at most")
+    p.add_argument("--solver", choices=("cbc", "highs"), default="cbc")
+    p.add_argument("--time-limit", type=float, default=None, help="solver time limit, seconds")
+    p.add_argument("--gap", type=float, default=None, help="relative optimality gap (1e-4)")
+    p.add_argument("--explain", action="store_true", help="say why each layer sits where it does")
+    p.add_argument("--out", help="where to write plan.json")
+    p.set_defaults(func=_run)
+
+
+def _table(args: argparse.Namespace):
+    from hetpar.planner import CostTable
+
+    if args.model is not None:
+        if args.graph is not None:
+            raise HetparError("give either MODEL (with --devices) or --graph, not both")
+        if not args.devices:
+            raise HetparError("planning from a model name needs --devices, e.g. --devices cpu,h100")
+        try:
+            from hetpar.cost_models import cost_table_for_model
+        except ImportError:
+            raise HetparError("planning from a model name needs the cost models (not built "
+                              "yet); pass --graph graph.json") from None
+        return cost_table_for_model(args.model, args.devices.split(","))
+    if args.graph is None:
+        raise HetparError("pass --graph graph.json (or a MODEL with --devices)")
+    return CostTable.load(args.graph)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hetpar.planner import plan
+
+    table = _table(args)
+    microbatches = args.microbatches
+    if microbatches is None:
+        microbatches = 4 if args.mode == "pipelined" else 1
+    result = plan(table, objective=args.objective, mode=args.mode, microbatches=microbatches,
+                  contiguous=args.contiguous, max_cost=args.max_cost,
+                  max_step_time=args.max_step_time, solver=args.solver,
+                  time_limit=args.time_limit, gap=args.gap)
+    print(result.summary(table))
+    if args.explain:
+        print()
+        print(result.explain(table))
+    if args.out:
+        result.save(args.out)
+        print(f"\nwrote {args.out}")
+    return 0

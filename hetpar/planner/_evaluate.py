@@ -1,0 +1,305 @@
+"""The planner's cost model: what any assignment of layers to devices costs.
+
+One evaluator serves the ILP (its reported objective is recomputed here), the
+baselines and the exhaustive oracle, so they are all compared on the same terms.
+
+Sequential mode (one microbatch): step time = Σ layer times + Σ transfers of
+edges that cross devices (DESIGN "Planner"; nothing overlaps).
+
+Pipelined mode (M microbatches): each layer takes t/M per microbatch and each
+crossing edge moves bytes/M per microbatch (a transfer still pays its full
+latency). Every device and every directed link is one pipeline resource (links
+are full duplex: a->b and b->a are separate). The bottleneck B is the busiest
+resource's time per microbatch, and the step time is
+
+    step_time = T1 + (M - 1) * B
+
+where T1 is one microbatch's latency through the whole graph (Σ t/M + Σ
+per-microbatch transfers): the first microbatch takes T1, each later one
+leaves B after the previous. With S stages of equal time B this is the
+textbook GPipe (M + S - 1) * B. GPipe and non-interleaved 1F1B have the same
+bubble, so they share this step time; they differ in activation memory in
+flight: GPipe keeps all M microbatches' activations (the whole batch's, as in
+`memory_bytes`), 1F1B at most min(M, S) of them, where S is the number of
+devices used. The memory limit is checked with GPipe's (conservative) figure.
+The parameter update is folded into each layer's time (it runs once a step;
+we do not model that separately).
+
+Energy counts devices only (busy watts while computing, idle watts for the rest
+of the step on every device used); links are free. Cost is step time x the
+hourly prices of the devices used / 3600.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from hetpar._errors import PlanError
+from hetpar.planner._graph import CostTable
+
+MODES = ("sequential", "pipelined")
+OBJECTIVES = ("time", "cost", "energy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Predicted:
+    """What one step costs under an assignment.
+
+    Attributes:
+      step_time_s: seconds per training step.
+      cost_usd_per_step: dollars per step.
+      energy_j_per_step: joules per step.
+      busy_s: seconds each device computes per step (devices used only).
+      compute_s: Σ of layer times (per step).
+      transfer_s: Σ of transfer times of crossing edges (per step, all microbatches).
+      memory_bytes: bytes held on each device used.
+      bottleneck_s: pipelined only: the busiest resource's time per microbatch.
+      bottleneck: pipelined only: which resource ("device gpu:0", "link a->b").
+      activation_bytes_in_flight: pipelined only: {"gpipe": {dev: bytes},
+        "1f1b": {dev: bytes}}.
+    """
+
+    step_time_s: float
+    cost_usd_per_step: float
+    energy_j_per_step: float
+    busy_s: Mapping[str, float]
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    memory_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    bottleneck_s: float | None = None
+    bottleneck: str | None = None
+    activation_bytes_in_flight: Mapping[str, Mapping[str, float]] | None = None
+
+    def objective(self, objective: str) -> float:
+        """The value of `objective` ("time", "cost" or "energy")."""
+        return {"time": self.step_time_s, "cost": self.cost_usd_per_step,
+                "energy": self.energy_j_per_step}[objective]
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["busy_s"] = dict(self.busy_s)
+        out["memory_bytes"] = dict(self.memory_bytes)
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Predicted:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise PlanError(f"predicted has unknown fields {sorted(unknown)}")
+        for key in ("step_time_s", "cost_usd_per_step", "energy_j_per_step", "busy_s"):
+            if key not in data:
+                raise PlanError(f"predicted is missing field {key!r}")
+        return cls(**data)
+
+
+class Arrays:
+    """A CostTable as numpy arrays indexed by layer and device position.
+
+    Attributes (L layers, D devices, E edges):
+      t, mem: [L, D] time and memory; t is inf where the layer cannot run.
+      ok: [L, D] whether the layer may run there (timed, allowed, pinned).
+      cap, price, watts_busy, watts_idle: [D].
+      eu, ev: [E] layer indices of each edge's ends.
+      lat, bw: [D, D] link latency and bandwidth (bw 0: no link).
+      pair_ok: [E, D, D] whether edge e's ends may sit on (a, b).
+      act: [L] activation bytes saved per step.
+    """
+
+    def __init__(self, table: CostTable):
+        self.table = table
+        self.devices = list(table.device_names)
+        self.layers = list(table.layer_names)
+        dindex = {d: i for i, d in enumerate(self.devices)}
+        lindex = {n: i for i, n in enumerate(self.layers)}
+        self.dindex, self.lindex = dindex, lindex
+        L, D, E = len(self.layers), len(self.devices), len(table.edges)
+        self.t = np.full((L, D), np.inf)
+        self.mem = np.zeros((L, D))
+        self.ok = np.zeros((L, D), dtype=bool)
+        for i, layer in enumerate(table.layers):
+            for d, v in layer.time_s.items():
+                self.t[i, dindex[d]] = v
+            for d, v in layer.memory_bytes.items():
+                self.mem[i, dindex[d]] = v
+            for d in layer.devices():
+                self.ok[i, dindex[d]] = True
+        self.cap = np.array([d.memory_bytes for d in table.devices])
+        self.price = np.array([d.price_per_hour for d in table.devices])
+        self.watts_busy = np.array([d.watts_busy for d in table.devices])
+        self.watts_idle = np.array([d.watts_idle for d in table.devices])
+        self.eu = np.array([lindex[e.src] for e in table.edges], dtype=int)
+        self.ev = np.array([lindex[e.dst] for e in table.edges], dtype=int)
+        self.fwd = np.array([e.bytes for e in table.edges], dtype=float)
+        self.bwd = np.array([e.bytes_backward for e in table.edges], dtype=float)
+        self.lat = np.zeros((D, D))
+        self.bw = np.zeros((D, D))
+        for k in table.links:
+            self.lat[dindex[k.src], dindex[k.dst]] = k.latency_s
+            self.bw[dindex[k.src], dindex[k.dst]] = k.bandwidth_bytes_per_s
+        has = self.bw > 0
+        np.fill_diagonal(has, True)
+        needs_back = self.bwd > 0
+        # pair (a, b) needs a->b, and b->a too when the edge carries a gradient back.
+        self.pair_ok = np.broadcast_to(has, (E, D, D)) & (
+            ~needs_back[:, None, None] | has.T[None, :, :])
+        act = np.zeros(L)
+        for i, layer in enumerate(table.layers):
+            act[i] = np.nan if layer.activation_bytes is None else layer.activation_bytes
+        out_bytes = np.bincount(self.eu, weights=self.fwd, minlength=L) if E else np.zeros(L)
+        self.act = np.where(np.isnan(act), out_bytes, act)
+        self.order = table.topological_order()
+
+    def edge_parts(self, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-microbatch transfer times of each edge for each placement (a, b).
+
+        Returns:
+          (fwd, bwd): [E, D, D]; fwd[e, a, b] runs on link a->b, bwd[e, a, b]
+          (the gradient) on link b->a. Zero on the diagonal, inf where the
+          pair has no link.
+        """
+        M = float(microbatches)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            f = self.lat[None] + self.fwd[:, None, None] / M / self.bw[None]
+            bt = self.bw.T[None]
+            b = np.where(self.bwd[:, None, None] > 0,
+                         self.lat.T[None] + self.bwd[:, None, None] / M / bt, 0.0)
+        D = len(self.devices)
+        eye = np.eye(D, dtype=bool)[None]
+        f = np.where(eye, 0.0, np.where(self.pair_ok, f, np.inf))
+        b = np.where(eye, 0.0, np.where(self.pair_ok, b, np.inf))
+        return f, b
+
+
+def _assignment_indices(arr: Arrays, assignment: Mapping[str, str]) -> np.ndarray:
+    missing = [n for n in arr.layers if n not in assignment]
+    if missing:
+        raise PlanError(f"assignment lacks layers {missing[:5]}; every layer needs a device")
+    extra = [n for n in assignment if n not in arr.lindex]
+    if extra:
+        raise PlanError(f"assignment names unknown layers {extra[:5]}")
+    out = np.empty(len(arr.layers), dtype=int)
+    for i, n in enumerate(arr.layers):
+        d = assignment[n]
+        if d not in arr.dindex:
+            raise PlanError(f"assignment puts {n!r} on unknown device {d!r}; devices: "
+                            f"{', '.join(arr.devices)}")
+        out[i] = arr.dindex[d]
+    return out
+
+
+def violations(table: CostTable, assignment: Mapping[str, str], *, contiguous: bool = False,
+               arrays: Arrays | None = None) -> list[str]:
+    """Every constraint an assignment breaks, in words (empty if it is feasible)."""
+    arr = arrays or Arrays(table)
+    a = _assignment_indices(arr, assignment)
+    out = []
+    for i, layer in enumerate(table.layers):
+        d = arr.devices[a[i]]
+        if not arr.ok[i, a[i]]:
+            if d not in layer.time_s:
+                out.append(f"{layer.name} has no time on {d}")
+            elif layer.pinned is not None and layer.pinned != d:
+                out.append(f"{layer.name} is pinned to {layer.pinned}, not {d}")
+            else:
+                out.append(f"{layer.name} is not allowed on {d}")
+    used = np.bincount(a, weights=arr.mem[np.arange(len(a)), a], minlength=len(arr.devices))
+    for j, d in enumerate(arr.devices):
+        if used[j] > arr.cap[j] * (1 + 1e-9):
+            out.append(f"{d} memory exceeded: needs {_gb(used[j])}, holds {_gb(arr.cap[j])}")
+    for k, e in enumerate(table.edges):
+        if not arr.pair_ok[k, a[arr.eu[k]], a[arr.ev[k]]]:
+            out.append(f"edge {e.src} -> {e.dst} crosses {arr.devices[a[arr.eu[k]]]} -> "
+                       f"{arr.devices[a[arr.ev[k]]]}, which have no link"
+                       + (" both ways" if e.bytes_backward > 0 else ""))
+    if contiguous:
+        seq = a[arr.order]
+        starts = np.bincount(seq[np.r_[True, seq[1:] != seq[:-1]]], minlength=len(arr.devices))
+        for j in np.nonzero(starts > 1)[0]:
+            out.append(f"{arr.devices[j]} holds {starts[j]} separate runs of layers "
+                       "(contiguous stages asked for)")
+    return out
+
+
+def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "sequential",
+             microbatches: int = 1, *, arrays: Arrays | None = None) -> Predicted:
+    """Predicts step time, dollars, joules and device busy time of any assignment.
+
+    Args:
+      table: the cost table.
+      assignment: {layer name: device name} for every layer.
+      mode: "sequential" or "pipelined" (see the module docstring for the formulas).
+      microbatches: M, pipelined mode only.
+      arrays: a precomputed `Arrays(table)` (saves time in loops).
+
+    Returns:
+      The Predicted costs. Memory limits are not checked here (see
+      `violations`); an edge across two devices without a link has infinite
+      transfer time.
+    """
+    if mode not in MODES:
+        raise PlanError(f"mode must be one of {MODES}, got {mode!r}")
+    M = int(microbatches) if mode == "pipelined" else 1
+    if M < 1:
+        raise PlanError(f"microbatches must be >= 1, got {microbatches}")
+    arr = arrays or Arrays(table)
+    a = _assignment_indices(arr, assignment)
+    L, D = len(a), len(arr.devices)
+    t = arr.t[np.arange(L), a]
+    busy = np.bincount(a, weights=t, minlength=D)
+    memory = np.bincount(a, weights=arr.mem[np.arange(L), a], minlength=D)
+    used = np.bincount(a, minlength=D) > 0
+    f, b = arr.edge_parts(M)
+    ia, ib = a[arr.eu], a[arr.ev]
+    ke = np.arange(len(ia))
+    fe, be = f[ke, ia, ib], b[ke, ia, ib]
+    transfer_mb = float(fe.sum() + be.sum())  # one microbatch
+    compute = float(t.sum())
+    extra = {}
+    if mode == "sequential":
+        step = compute + transfer_mb
+    else:
+        link = np.zeros((D, D))
+        np.add.at(link, (ia, ib), fe)
+        np.add.at(link, (ib, ia), be)
+        np.fill_diagonal(link, 0.0)
+        dev_mb = busy / M
+        kd, kl = int(np.argmax(dev_mb)), int(np.argmax(link))
+        if link.flat[kl] > dev_mb[kd]:
+            bottleneck = float(link.flat[kl])
+            src, dst = divmod(kl, D)
+            where = f"link {arr.devices[src]}->{arr.devices[dst]}"
+        else:
+            bottleneck = float(dev_mb[kd])
+            where = f"device {arr.devices[kd]}"
+        step = compute / M + transfer_mb + (M - 1) * bottleneck
+        act = np.bincount(a, weights=arr.act, minlength=D)
+        stages = int(used.sum())
+        extra = dict(
+            bottleneck_s=bottleneck, bottleneck=where,
+            activation_bytes_in_flight={
+                "gpipe": {arr.devices[j]: float(act[j]) for j in range(D) if used[j]},
+                "1f1b": {arr.devices[j]: float(act[j] / M * min(M, stages))
+                         for j in range(D) if used[j]}})
+    cost = step * float(arr.price[used].sum()) / 3600.0
+    energy = float(np.sum((busy * arr.watts_busy + (step - busy) * arr.watts_idle)[used]))
+    return Predicted(
+        step_time_s=float(step), cost_usd_per_step=float(cost), energy_j_per_step=energy,
+        busy_s={arr.devices[j]: float(busy[j]) for j in range(D) if used[j]},
+        compute_s=compute, transfer_s=transfer_mb * M,
+        memory_bytes={arr.devices[j]: float(memory[j]) for j in range(D) if used[j]},
+        **extra)
+
+
+def _gb(n: float) -> str:
+    if n >= 1e9:
+        return f"{n / 1e9:.3g} GB"
+    if n >= 1e6:
+        return f"{n / 1e6:.3g} MB"
+    if n >= 1e3:
+        return f"{n / 1e3:.3g} kB"
+    return f"{n:.3g} B"

@@ -1,0 +1,458 @@
+"""CostTable: the planner's input, and its file form graph.json.
+
+A CostTable says what every layer costs on every device (time, memory), which
+tensors cross between layers (edges, in bytes forward and backward) and what
+the devices and links between them are. It is validated once, when built, so
+everything downstream can trust it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import networkx as nx
+
+from hetpar._errors import GraphFormatError
+
+FORMAT = "hetpar.graph"
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """A device the planner may place layers on.
+
+    Attributes:
+      name: unique name, e.g. "cpu:0" or "gpu:0".
+      kind: device kind, e.g. "cpu", "h100", "tpu-v5e".
+      memory_bytes: memory available to layers (parameters, optimizer state,
+        saved activations, workspace).
+      price_per_hour: dollars per hour while in use (cost objective).
+      watts_busy: power while computing (energy objective).
+      watts_idle: power while in use but idle (energy objective).
+    """
+
+    name: str
+    kind: str
+    memory_bytes: float
+    price_per_hour: float = 0.0
+    watts_busy: float = 0.0
+    watts_idle: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """A directed link: sending `n` bytes from `src` to `dst` takes `latency_s + n / bandwidth`."""
+
+    src: str
+    dst: str
+    bandwidth_bytes_per_s: float
+    latency_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """A layer (forward, backward and update) and its cost on each device.
+
+    Attributes:
+      name: unique layer name.
+      time_s: seconds per step on each device it can run on; a device missing
+        here cannot run the layer.
+      memory_bytes: bytes the layer holds on each device of `time_s`.
+      allowed: if given, the only devices the layer may use.
+      pinned: if given, the device the layer must use.
+      activation_bytes: bytes of activations the layer saves for its backward
+        pass per step (all microbatches), part of `memory_bytes`; only used to
+        report pipelined activation memory in flight. None means "estimate it
+        as the bytes of the layer's outgoing edges".
+    """
+
+    name: str
+    time_s: Mapping[str, float]
+    memory_bytes: Mapping[str, float]
+    allowed: tuple[str, ...] | None = None
+    pinned: str | None = None
+    activation_bytes: float | None = None
+
+    def devices(self) -> tuple[str, ...]:
+        """Devices this layer may run on: timed there, allowed, and the pin if any."""
+        out = tuple(self.time_s)
+        if self.allowed is not None:
+            out = tuple(d for d in out if d in self.allowed)
+        if self.pinned is not None:
+            out = tuple(d for d in out if d == self.pinned)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Edge:
+    """A tensor crossing from layer `src` to layer `dst`.
+
+    `bytes` flow src -> dst in the forward pass; `bytes_backward` (its
+    gradient) flow dst -> src in the backward pass.
+    """
+
+    src: str
+    dst: str
+    bytes: float
+    bytes_backward: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+    """Costs of every layer on every device, the edges between layers, the links between devices.
+
+    Build it with the constructor (tests, cost models) or from graph.json with
+    `CostTable.load` / `CostTable.from_json`; both validate and raise
+    `GraphFormatError` naming the offending field.
+    """
+
+    devices: tuple[Device, ...]
+    links: tuple[Link, ...]
+    layers: tuple[Layer, ...]
+    edges: tuple[Edge, ...]
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "devices", tuple(self.devices))
+        object.__setattr__(self, "links", tuple(self.links))
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "edges", tuple(self.edges))
+        _validate(self)
+
+    # -- lookups -------------------------------------------------------------
+
+    @property
+    def device_names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.devices)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(layer.name for layer in self.layers)
+
+    def device(self, name: str) -> Device:
+        """The device called `name`."""
+        for d in self.devices:
+            if d.name == name:
+                return d
+        raise KeyError(name)
+
+    def link(self, src: str, dst: str) -> Link | None:
+        """The link src -> dst, or None."""
+        return self._link_map().get((src, dst))
+
+    def _link_map(self) -> dict[tuple[str, str], Link]:
+        return {(k.src, k.dst): k for k in self.links}
+
+    def topological_order(self) -> list[int]:
+        """Layer indices in a topological order, as close to the listed order as possible."""
+        g = nx.DiGraph()
+        g.add_nodes_from(range(len(self.layers)))
+        index = {layer.name: i for i, layer in enumerate(self.layers)}
+        g.add_edges_from((index[e.src], index[e.dst]) for e in self.edges)
+        return list(nx.lexicographical_topological_sort(g))
+
+    def with_pins(self, pins: Mapping[str, str]) -> CostTable:
+        """A copy of this table with extra layers pinned (same fingerprint)."""
+        names = set(self.layer_names)
+        for layer, dev in pins.items():
+            if layer not in names:
+                raise GraphFormatError(f"pins names unknown layer {layer!r}; known: "
+                                       f"{_few(sorted(names))}")
+            if dev not in self.device_names:
+                raise GraphFormatError(f"pins[{layer!r}] names unknown device {dev!r}; known: "
+                                       f"{', '.join(self.device_names)}")
+        layers = tuple(dataclasses.replace(layer, pinned=pins[layer.name])
+                       if layer.name in pins else layer for layer in self.layers)
+        return dataclasses.replace(self, layers=layers)
+
+    def fingerprint(self) -> str:
+        """A stable hash of the graph's structure: layer names, edges (src, dst) and device names.
+
+        Times, memory sizes, bytes, prices and links are deliberately left
+        out: re-profiling the same model on the same devices (or a new cost
+        model) changes the numbers but not what a plan refers to, so a plan
+        stays valid. A different model (layers, edges) or a different device
+        set changes the fingerprint.
+        """
+        payload = {
+            "layers": sorted(self.layer_names),
+            "edges": sorted([e.src, e.dst] for e in self.edges),
+            "devices": sorted(self.device_names),
+        }
+        blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+        return "sha256:" + hashlib.sha256(blob).hexdigest()[:16]
+
+    # -- file form -------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        """The graph.json form (a plain dict)."""
+        def layer_json(layer: Layer) -> dict:
+            out = {"name": layer.name, "time_s": dict(layer.time_s),
+                   "memory_bytes": dict(layer.memory_bytes)}
+            if layer.allowed is not None:
+                out["allowed"] = list(layer.allowed)
+            if layer.pinned is not None:
+                out["pinned"] = layer.pinned
+            if layer.activation_bytes is not None:
+                out["activation_bytes"] = layer.activation_bytes
+            return out
+
+        out = {
+            "format": FORMAT,
+            "version": VERSION,
+            "devices": [dataclasses.asdict(d) for d in self.devices],
+            "links": [dataclasses.asdict(k) for k in self.links],
+            "layers": [layer_json(layer) for layer in self.layers],
+            "edges": [dataclasses.asdict(e) for e in self.edges],
+        }
+        if self.meta:
+            out["meta"] = dict(self.meta)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CostTable:
+        """Builds and validates a CostTable from the graph.json form.
+
+        Raises:
+          GraphFormatError: naming the offending field and how to fix it.
+        """
+        if not isinstance(data, Mapping):
+            raise GraphFormatError(f"graph.json must hold a JSON object, got {type(data).__name__}")
+        fmt = data.get("format")
+        if fmt != FORMAT:
+            raise GraphFormatError(f"format is {fmt!r}, expected {FORMAT!r}: is this a graph.json "
+                                   "written by `hetpar trace --out`?")
+        version = data.get("version")
+        if version != VERSION:
+            raise GraphFormatError(f"version {version!r} is not supported (this hetpar reads "
+                                   f"version {VERSION}); re-export the graph with this hetpar")
+        for key in ("devices", "links", "layers", "edges"):
+            if key not in data:
+                raise GraphFormatError(f"missing field {key!r} (a list); see DESIGN.md 'Files'")
+            if not isinstance(data[key], list):
+                raise GraphFormatError(f"field {key!r} must be a list, got "
+                                       f"{type(data[key]).__name__}")
+        devices = tuple(
+            Device(name=_field(d, "name", f"devices[{i}]", str),
+                   kind=_field(d, "kind", f"devices[{i}]", str),
+                   memory_bytes=_field(d, "memory_bytes", f"devices[{i}]", float),
+                   price_per_hour=_field(d, "price_per_hour", f"devices[{i}]", float, 0.0),
+                   watts_busy=_field(d, "watts_busy", f"devices[{i}]", float, 0.0),
+                   watts_idle=_field(d, "watts_idle", f"devices[{i}]", float, 0.0))
+            for i, d in enumerate(_objects(data["devices"], "devices")))
+        links = tuple(
+            Link(src=_field(k, "src", f"links[{i}]", str),
+                 dst=_field(k, "dst", f"links[{i}]", str),
+                 bandwidth_bytes_per_s=_field(k, "bandwidth_bytes_per_s", f"links[{i}]", float),
+                 latency_s=_field(k, "latency_s", f"links[{i}]", float, 0.0))
+            for i, k in enumerate(_objects(data["links"], "links")))
+        layers = []
+        for i, layer in enumerate(_objects(data["layers"], "layers")):
+            where = f"layers[{i}]"
+            allowed = layer.get("allowed")
+            if allowed is not None:
+                if not isinstance(allowed, list) or not all(isinstance(a, str) for a in allowed):
+                    raise GraphFormatError(f"{where}.allowed must be a list of device names")
+                allowed = tuple(allowed)
+            act = layer.get("activation_bytes")
+            layers.append(Layer(
+                name=_field(layer, "name", where, str),
+                time_s=_number_map(layer, "time_s", where),
+                memory_bytes=_number_map(layer, "memory_bytes", where),
+                allowed=allowed,
+                pinned=_field(layer, "pinned", where, str, None),
+                activation_bytes=None if act is None else _field(layer, "activation_bytes",
+                                                                 where, float)))
+        edges = tuple(
+            Edge(src=_field(e, "src", f"edges[{i}]", str),
+                 dst=_field(e, "dst", f"edges[{i}]", str),
+                 bytes=_field(e, "bytes", f"edges[{i}]", float),
+                 bytes_backward=_field(e, "bytes_backward", f"edges[{i}]", float, 0.0))
+            for i, e in enumerate(_objects(data["edges"], "edges")))
+        meta = data.get("meta", {})
+        if not isinstance(meta, Mapping):
+            raise GraphFormatError("meta must be an object")
+        return cls(devices=devices, links=links, layers=tuple(layers), edges=edges,
+                   meta=dict(meta))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CostTable:
+        """Reads and validates a graph.json file."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise GraphFormatError(f"no graph file at {os.fspath(path)!r}") from None
+        except json.JSONDecodeError as e:
+            raise GraphFormatError(f"{os.fspath(path)!r} is not valid JSON: {e}") from None
+        try:
+            return cls.from_json(data)
+        except GraphFormatError as e:
+            raise GraphFormatError(f"{os.fspath(path)}: {e}") from None
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes graph.json."""
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+
+
+# -- validation ------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _objects(items: list, where: str) -> list[Mapping]:
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping):
+            raise GraphFormatError(f"{where}[{i}] must be an object, got {type(item).__name__}")
+    return items
+
+
+def _field(obj: Mapping, key: str, where: str, typ: type, default: Any = _MISSING) -> Any:
+    if key not in obj or obj[key] is None:
+        if default is _MISSING:
+            raise GraphFormatError(f"{where} is missing field {key!r}")
+        return default
+    value = obj[key]
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise GraphFormatError(f"{where}.{key} must be a number, got {value!r}")
+        return float(value)
+    if not isinstance(value, typ):
+        raise GraphFormatError(f"{where}.{key} must be a {typ.__name__}, got {value!r}")
+    return value
+
+
+def _number_map(obj: Mapping, key: str, where: str) -> dict[str, float]:
+    value = _field(obj, key, where, dict)
+    out = {}
+    for dev in value:
+        out[dev] = _field(value, dev, f"{where}.{key}", float)
+    return out
+
+
+def _few(names: Sequence[str], n: int = 8) -> str:
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
+
+
+def _check_number(value: float, where: str, *, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
+        raise GraphFormatError(f"{where} must be a number, got {value!r}")
+    if value < 0 or (positive and value == 0) or math.isinf(value):
+        need = "positive" if positive else "non-negative"
+        raise GraphFormatError(f"{where} is {value!r}; it must be {need} and finite")
+
+
+def _validate(table: CostTable) -> None:
+    """Checks a table's internal consistency; raises GraphFormatError naming the field."""
+    names: dict[str, int] = {}
+    for i, d in enumerate(table.devices):
+        if not isinstance(d, Device):
+            raise GraphFormatError(f"devices[{i}] must be a Device")
+        if not isinstance(d.name, str) or not d.name:
+            raise GraphFormatError(f"devices[{i}].name must be a non-empty string")
+        if d.name in names:
+            raise GraphFormatError(f"devices[{i}].name {d.name!r} duplicates devices"
+                                   f"[{names[d.name]}]; device names must be unique")
+        names[d.name] = i
+        _check_number(d.memory_bytes, f"devices[{i}].memory_bytes")
+        _check_number(d.price_per_hour, f"devices[{i}].price_per_hour")
+        _check_number(d.watts_busy, f"devices[{i}].watts_busy")
+        _check_number(d.watts_idle, f"devices[{i}].watts_idle")
+    if not table.devices:
+        raise GraphFormatError("devices is empty; list at least one device")
+    known = ", ".join(names)
+
+    seen_links: dict[tuple[str, str], int] = {}
+    for i, k in enumerate(table.links):
+        for end in ("src", "dst"):
+            if getattr(k, end) not in names:
+                raise GraphFormatError(f"links[{i}].{end} names unknown device "
+                                       f"{getattr(k, end)!r}; known devices: {known}")
+        if k.src == k.dst:
+            raise GraphFormatError(f"links[{i}] links {k.src!r} to itself; remove it "
+                                   "(transfers on one device are free)")
+        if (k.src, k.dst) in seen_links:
+            raise GraphFormatError(f"links[{i}] duplicates links[{seen_links[k.src, k.dst]}] "
+                                   f"({k.src} -> {k.dst}); keep one")
+        seen_links[k.src, k.dst] = i
+        _check_number(k.bandwidth_bytes_per_s, f"links[{i}].bandwidth_bytes_per_s",
+                      positive=True)
+        _check_number(k.latency_s, f"links[{i}].latency_s")
+
+    layers: dict[str, int] = {}
+    for i, layer in enumerate(table.layers):
+        where = f"layers[{i}]"
+        if not isinstance(layer, Layer):
+            raise GraphFormatError(f"{where} must be a Layer")
+        if not isinstance(layer.name, str) or not layer.name:
+            raise GraphFormatError(f"{where}.name must be a non-empty string")
+        if layer.name in layers:
+            raise GraphFormatError(f"{where}.name {layer.name!r} duplicates layers"
+                                   f"[{layers[layer.name]}]; layer names must be unique")
+        layers[layer.name] = i
+        where = f"layers[{i}] ({layer.name})"
+        for dev, t in layer.time_s.items():
+            if dev not in names:
+                raise GraphFormatError(f"{where}.time_s names unknown device {dev!r}; known "
+                                       f"devices: {known}. Add it to devices or drop the time")
+            _check_number(t, f"{where}.time_s[{dev!r}]")
+        for dev, m in layer.memory_bytes.items():
+            if dev not in names:
+                raise GraphFormatError(f"{where}.memory_bytes names unknown device {dev!r}; "
+                                       f"known devices: {known}")
+            _check_number(m, f"{where}.memory_bytes[{dev!r}]")
+        for dev in layer.time_s:
+            if dev not in layer.memory_bytes:
+                raise GraphFormatError(f"{where}.memory_bytes lacks {dev!r}, which time_s "
+                                       "names; give the layer's memory on every device it is "
+                                       "timed on")
+        for dev in layer.allowed or ():
+            if dev not in names:
+                raise GraphFormatError(f"{where}.allowed names unknown device {dev!r}; known "
+                                       f"devices: {known}")
+        if layer.pinned is not None:
+            if layer.pinned not in names:
+                raise GraphFormatError(f"{where}.pinned names unknown device "
+                                       f"{layer.pinned!r}; known devices: {known}")
+            if layer.pinned not in layer.time_s:
+                raise GraphFormatError(f"{where}.pinned is {layer.pinned!r} but time_s has no "
+                                       "time there; add its time on that device")
+        if layer.activation_bytes is not None:
+            _check_number(layer.activation_bytes, f"{where}.activation_bytes")
+        if not layer.devices():
+            raise GraphFormatError(f"{where} can run on no device: time_s names "
+                                   f"{sorted(layer.time_s) or 'none'}, allowed is "
+                                   f"{list(layer.allowed) if layer.allowed is not None else 'any'}"
+                                   "; give it a time on an allowed device")
+
+    seen_edges: dict[tuple[str, str], int] = {}
+    for i, e in enumerate(table.edges):
+        for end in ("src", "dst"):
+            if getattr(e, end) not in layers:
+                raise GraphFormatError(f"edges[{i}].{end} names unknown layer "
+                                       f"{getattr(e, end)!r}; known layers: "
+                                       f"{_few(list(layers))}")
+        if (e.src, e.dst) in seen_edges:
+            raise GraphFormatError(f"edges[{i}] duplicates edges[{seen_edges[e.src, e.dst]}] "
+                                   f"({e.src} -> {e.dst}); merge their bytes into one edge")
+        seen_edges[e.src, e.dst] = i
+        _check_number(e.bytes, f"edges[{i}].bytes")
+        _check_number(e.bytes_backward, f"edges[{i}].bytes_backward")
+
+    g = nx.DiGraph()
+    g.add_nodes_from(layers)
+    g.add_edges_from((e.src, e.dst) for e in table.edges)
+    if not nx.is_directed_acyclic_graph(g):
+        cycle = nx.find_cycle(g)
+        path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])
+        raise GraphFormatError(f"edges form a cycle ({path}); edges must form a DAG "
+                               "(forward data flow only; the backward pass is bytes_backward)")

@@ -1,0 +1,416 @@
+"""Plan: which device runs each layer, and what that is predicted to cost (plan.json).
+
+`plan(table, ...)` solves the ILP, evaluates the result and the baselines on
+the same cost model, and returns a Plan that can be saved, loaded, checked
+against a table and explained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from hetpar._errors import InfeasibleError, PlanError
+from hetpar.planner import _baselines, _feasibility, _ilp
+from hetpar.planner._baselines import BaselineResult
+from hetpar.planner._evaluate import MODES, OBJECTIVES, Arrays, Predicted, _gb, evaluate
+from hetpar.planner._graph import CostTable
+
+FORMAT = "hetpar.plan"
+VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A placement of layers on devices and its predicted costs (the plan.json form).
+
+    Attributes:
+      fingerprint: the CostTable's fingerprint (layers, edges, device names).
+      mode: "sequential" or "pipelined".
+      objective: "time", "cost" or "energy".
+      microbatches: M (1 in sequential mode).
+      assignment: {layer: device}.
+      predicted: the plan's Predicted costs.
+      solver: {"name", "status", "gap", "solve_time_s", "objective"}.
+      baselines: {name: BaselineResult}, evaluated on the same table.
+      contiguous: whether pipelined stages were constrained to be contiguous.
+      constraints: {"max_cost": ..., "max_step_time": ...} (None when unset).
+    """
+
+    fingerprint: str
+    mode: str
+    objective: str
+    microbatches: int
+    assignment: Mapping[str, str]
+    predicted: Predicted
+    solver: Mapping[str, Any]
+    baselines: Mapping[str, BaselineResult] = dataclasses.field(default_factory=dict)
+    contiguous: bool = False
+    constraints: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
+
+    # -- file form -------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        """The plan.json form."""
+        return {
+            "format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
+            "mode": self.mode, "objective": self.objective, "microbatches": self.microbatches,
+            "contiguous": self.contiguous, "constraints": dict(self.constraints),
+            "assignment": dict(self.assignment), "predicted": self.predicted.to_json(),
+            "solver": dict(self.solver),
+            "baselines": {k: v.to_json() for k, v in self.baselines.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Plan:
+        """Builds a Plan from its plan.json form.
+
+        Raises:
+          PlanError: naming the malformed field.
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError("plan.json must hold a JSON object")
+        if data.get("format") != FORMAT:
+            raise PlanError(f"format is {data.get('format')!r}, expected {FORMAT!r}: is this "
+                            "a plan written by `hetpar plan --out`?")
+        if data.get("version") != VERSION:
+            raise PlanError(f"version {data.get('version')!r} is not supported (this hetpar "
+                            f"reads version {VERSION}); re-plan with this hetpar")
+        for key in ("fingerprint", "mode", "objective", "microbatches", "assignment",
+                    "predicted", "solver"):
+            if key not in data:
+                raise PlanError(f"plan is missing field {key!r}")
+        if data["mode"] not in MODES:
+            raise PlanError(f"mode must be one of {MODES}, got {data['mode']!r}")
+        if data["objective"] not in OBJECTIVES:
+            raise PlanError(f"objective must be one of {OBJECTIVES}, got {data['objective']!r}")
+        mb = data["microbatches"]
+        if not isinstance(mb, int) or isinstance(mb, bool) or mb < 1:
+            raise PlanError(f"microbatches must be a positive integer, got {mb!r}")
+        assignment = data["assignment"]
+        if not isinstance(assignment, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in assignment.items()):
+            raise PlanError("assignment must map layer names to device names (strings)")
+        if not isinstance(data["solver"], Mapping):
+            raise PlanError("solver must be an object")
+        if not isinstance(data["predicted"], Mapping):
+            raise PlanError("predicted must be an object")
+        try:
+            predicted = Predicted.from_json(data["predicted"])
+        except TypeError as e:
+            raise PlanError(f"predicted is malformed: {e}") from None
+        baselines = data.get("baselines", {})
+        if not isinstance(baselines, Mapping):
+            raise PlanError("baselines must be an object")
+        return cls(
+            fingerprint=str(data["fingerprint"]), mode=data["mode"],
+            objective=data["objective"], microbatches=mb, assignment=dict(assignment),
+            predicted=predicted, solver=dict(data["solver"]),
+            baselines={k: BaselineResult.from_json(k, v) for k, v in baselines.items()},
+            contiguous=bool(data.get("contiguous", False)),
+            constraints=dict(data.get("constraints", {})))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Writes plan.json."""
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        """Reads and validates plan.json.
+
+        Raises:
+          PlanError: the file is missing, not JSON, or malformed.
+        """
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            raise PlanError(f"no plan file at {os.fspath(path)!r}") from None
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{os.fspath(path)!r} is not valid JSON: {e}") from None
+        try:
+            return cls.from_json(data)
+        except PlanError as e:
+            raise PlanError(f"{os.fspath(path)}: {e}") from None
+
+    # -- use -----------------------------------------------------------------
+
+    def check(self, table: CostTable) -> None:
+        """Checks that this plan fits `table` (same model, devices present).
+
+        Raises:
+          PlanError: the plan names devices the table lacks, or was made for a
+            different graph (fingerprint mismatch).
+        """
+        devices = set(table.device_names)
+        missing = sorted({d for d in self.assignment.values() if d not in devices})
+        if missing:
+            raise PlanError(f"the plan places layers on {missing}, which are not among the "
+                            f"devices present ({', '.join(table.device_names)}); re-plan for "
+                            "these devices")
+        if self.fingerprint != table.fingerprint():
+            layers = set(table.layer_names)
+            extra = sorted(set(self.assignment) - layers)[:5]
+            lacking = sorted(layers - set(self.assignment))[:5]
+            detail = ""
+            if extra or lacking:
+                detail = f" (plan-only layers: {extra}; layers the plan lacks: {lacking})"
+            raise PlanError(f"the plan was made for graph {self.fingerprint} but this graph is "
+                            f"{table.fingerprint()}{detail}: a different model, layer "
+                            "grouping or device set; re-plan")
+
+    def explain(self, table: CostTable) -> str:
+        """Says for each layer why it sits where it does.
+
+        For each layer: its time on each device, what moving it alone to each
+        other device would change (compute, transfers), and the constraint
+        that forbids the move if one does (pinned, not allowed, memory full,
+        no link).
+        """
+        self.check(table)
+        arr = Arrays(table)
+        a = np.array([arr.dindex[self.assignment[n]] for n in arr.layers])
+        M = self.microbatches if self.mode == "pipelined" else 1
+        f, b = arr.edge_parts(M)
+        comm = f + b
+        L, D = arr.ok.shape
+        memory = np.bincount(a, weights=arr.mem[np.arange(L), a], minlength=D)
+        incident: list[list[tuple[int, int, bool]]] = [[] for _ in range(L)]
+        for k in range(len(arr.eu)):
+            incident[arr.eu[k]].append((k, int(arr.ev[k]), True))
+            incident[arr.ev[k]].append((k, int(arr.eu[k]), False))
+        lines = [f"{self.mode} plan, objective {self.objective}; per microbatch where pipelined"]
+        for i, layer in enumerate(table.layers):
+            here = a[i]
+
+            def transfers(j: int, i: int = i) -> float:
+                tot = 0.0
+                for k, other, out in incident[i]:
+                    pair = (j, a[other]) if out else (a[other], j)
+                    tot += comm[k][pair]
+                return tot
+
+            t_here, x_here = arr.t[i, here] / M, transfers(here)
+            times = ", ".join(f"{d} {_s(arr.t[i, j] / M)}" if np.isfinite(arr.t[i, j])
+                              else f"{d} -" for j, d in enumerate(arr.devices))
+            lines.append(f"{layer.name} -> {arr.devices[here]}  (time: {times}; transfers here "
+                         f"{_s(x_here)})")
+            for j, d in enumerate(arr.devices):
+                if j == here:
+                    continue
+                if layer.pinned is not None:
+                    lines.append(f"    {d}: pinned to {layer.pinned}")
+                    continue
+                if not np.isfinite(arr.t[i, j]):
+                    lines.append(f"    {d}: no time measured there (cannot run)")
+                    continue
+                if not arr.ok[i, j]:
+                    lines.append(f"    {d}: not in the layer's allowed devices")
+                    continue
+                x_there = transfers(j)
+                if not np.isfinite(x_there):
+                    lines.append(f"    {d}: no link to a neighbour's device")
+                    continue
+                dt, dx = arr.t[i, j] / M - t_here, x_there - x_here
+                why = (f"compute {_signed(dt)}, transfers {_signed(dx)} "
+                       f"(net {_signed(dt + dx)})")
+                over = memory[j] + arr.mem[i, j] - arr.cap[j]
+                if over > 0:
+                    why += f"; memory full: would exceed {d} by {_gb(over)}"
+                lines.append(f"    {d}: {why}")
+        return "\n".join(lines)
+
+    def summary(self, table: CostTable | None = None) -> str:
+        """A readable table: the assignment, predicted costs, baselines and solver status.
+
+        Args:
+          table: if given, each layer's time on its device and its transfers are listed.
+        """
+        lines = [f"hetpar plan ({self.mode}, objective {self.objective}"
+                 + (f", {self.microbatches} microbatches" if self.mode == "pipelined" else "")
+                 + f", graph {self.fingerprint})", ""]
+        if table is not None:
+            arr = Arrays(table)
+            M = self.microbatches if self.mode == "pipelined" else 1
+            f, b = arr.edge_parts(M)
+            a = {n: arr.dindex[d] for n, d in self.assignment.items()}
+            xfer = dict.fromkeys(arr.layers, 0.0)
+            for k, e in enumerate(table.edges):
+                xfer[e.dst] += f[k, a[e.src], a[e.dst]] + b[k, a[e.src], a[e.dst]]
+            w = max(5, *(len(n) for n in arr.layers))
+            lines.append(f"{'layer':<{w}}  {'device':<10} {'time':>10} {'transfers in':>13}")
+            for n in arr.layers:
+                d = a[n]
+                lines.append(f"{n:<{w}}  {arr.devices[d]:<10} "
+                             f"{_s(arr.t[arr.lindex[n], d] / M):>10} {_s(xfer[n]):>13}")
+        else:
+            for n, d in self.assignment.items():
+                lines.append(f"{n}: {d}")
+        p = self.predicted
+        lines += ["", "predicted per step: " + _costs(p)]
+        if p.bottleneck_s is not None:
+            lines.append(f"bottleneck: {p.bottleneck} {_s(p.bottleneck_s)} per microbatch")
+        lines.append("busy: " + ", ".join(f"{d} {_s(s)}" for d, s in p.busy_s.items()))
+        s = self.solver
+        gap = s.get("gap")
+        lines.append(f"solver: {s.get('name')} {s.get('status')}"
+                     + (f", gap {gap:.2%}" if isinstance(gap, float) else "")
+                     + f", {s.get('solve_time_s', 0.0):.2f} s")
+        if self.baselines:
+            lines += ["", f"baselines ({self.objective}):"]
+            mine = p.objective(self.objective)
+            for name, r in self.baselines.items():
+                if r.predicted is None:
+                    lines.append(f"  {name:<16} infeasible: {r.reason}")
+                else:
+                    v = r.predicted.objective(self.objective)
+                    rel = f"{v / mine:.3f}x" if mine > 0 else ""
+                    lines.append(f"  {name:<16} {_costs(r.predicted)}  ({rel} the plan)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def _s(x: float) -> str:
+    if not np.isfinite(x):
+        return "inf"
+    if x == 0:
+        return "0"
+    if abs(x) >= 1:
+        return f"{x:.3g} s"
+    if abs(x) >= 1e-3:
+        return f"{x * 1e3:.3g} ms"
+    return f"{x * 1e6:.3g} us"
+
+
+def _signed(x: float) -> str:
+    return ("+" if x >= 0 else "-") + _s(abs(x))
+
+
+def _costs(p: Predicted) -> str:
+    return (f"{_s(p.step_time_s)}, ${p.cost_usd_per_step:.3g}, "
+            f"{p.energy_j_per_step:.3g} J")
+
+
+def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
+         microbatches: int = 1, contiguous: bool = False, max_cost: float | None = None,
+         max_step_time: float | None = None, solver: str = "cbc",
+         time_limit: float | None = None, gap: float | None = None,
+         pins: Mapping[str, str] | None = None, baselines: bool = True) -> Plan:
+    """Places every layer of `table` on a device by solving the placement ILP.
+
+    Args:
+      table: the CostTable (graph.json).
+      objective: "time" (seconds per step), "cost" (dollars per step) or
+        "energy" (joules per step).
+      mode: "sequential" (one microbatch; minimise Σ time + Σ transfers) or
+        "pipelined" (M microbatches; minimise T1 + (M - 1) x bottleneck, see
+        `hetpar.planner.evaluate`).
+      microbatches: M, pipelined mode.
+      contiguous: pipelined: each device holds one contiguous run of layers.
+      max_cost: dollars per step the plan may not exceed.
+      max_step_time: seconds per step the plan may not exceed.
+      solver: "cbc" (bundled with pulp) or "highs" (needs highspy).
+      time_limit: solver time limit in seconds; on expiry the best plan found
+        is returned with status "feasible" and its gap.
+      gap: relative optimality gap at which the solver may stop (default 1e-4).
+      pins: extra {layer: device} pins on top of the table's.
+      baselines: also evaluate the baselines (single devices, greedy, memory
+        fill, HEFT, exhaustive when small).
+
+    Returns:
+      The Plan.
+
+    Raises:
+      InfeasibleError: no assignment satisfies memory, links, pins and budgets;
+        the message names the device short of memory and by how much, the
+        edge without a link, or the budget that cannot be met.
+      PlanError: bad arguments.
+    """
+    if objective not in OBJECTIVES:
+        raise PlanError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if mode not in MODES:
+        raise PlanError(f"mode must be one of {MODES}, got {mode!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if mode == "sequential" and microbatches != 1:
+        raise PlanError("microbatches > 1 needs mode='pipelined'")
+    for name, v in (("max_cost", max_cost), ("max_step_time", max_step_time),
+                    ("time_limit", time_limit), ("gap", gap)):
+        if v is not None and not (v >= 0 and math.isfinite(v)):
+            raise PlanError(f"{name} must be a non-negative number, got {v!r}")
+    if pins:
+        table = table.with_pins(pins)
+    arr = Arrays(table)
+    if objective == "cost" or max_cost is not None:
+        if not arr.price.any():
+            raise PlanError("the cost objective and max_cost need price_per_hour on the "
+                            "devices; every device's price is 0")
+    if objective == "energy" and not (arr.watts_busy.any() or arr.watts_idle.any()):
+        raise PlanError("the energy objective needs watts_busy/watts_idle on the devices; "
+                        "every device's watts are 0")
+
+    reason = _feasibility.memory_shortfall(arr) or _feasibility.link_obstacle(arr)
+    if reason:
+        raise InfeasibleError(reason)
+    kwargs = dict(mode=mode, microbatches=microbatches, contiguous=contiguous,
+                  solver=solver, time_limit=time_limit, gap=gap)
+    sol = _ilp.solve(arr, objective=objective, max_cost=max_cost,
+                     max_step_time=max_step_time, **kwargs)
+    logging.info("ILP %s: %s in %.2f s (build %.2f s, %d vars, %d constraints)", solver,
+                 sol.status, sol.solve_time_s, sol.build_time_s, sol.variables, sol.constraints)
+    if sol.assignment is None:
+        raise _infeasible(arr, sol, objective, max_cost, max_step_time, kwargs)
+    predicted = evaluate(table, sol.assignment, mode, microbatches, arrays=arr)
+    value = predicted.objective(objective)
+    if sol.objective is not None and abs(sol.objective - value) > 1e-6 * max(abs(value), 1e-12):
+        logging.warning("ILP objective %.9g differs from the evaluated %.9g", sol.objective, value)
+    solver_info = {"name": solver, "status": sol.status, "gap": sol.gap,
+                   "solve_time_s": sol.solve_time_s, "build_time_s": sol.build_time_s,
+                   "objective": sol.objective, "variables": sol.variables,
+                   "constraints": sol.constraints}
+    base = {}
+    if baselines:
+        base = _baselines.all_baselines(table, objective, mode, microbatches, max_cost=max_cost,
+                                        max_step_time=max_step_time, contiguous=contiguous,
+                                        arrays=arr)
+    return Plan(fingerprint=table.fingerprint(), mode=mode, objective=objective,
+                microbatches=microbatches if mode == "pipelined" else 1,
+                assignment=sol.assignment, predicted=predicted, solver=solver_info,
+                baselines=base, contiguous=contiguous,
+                constraints={"max_cost": max_cost, "max_step_time": max_step_time})
+
+
+def _infeasible(arr: Arrays, sol, objective, max_cost, max_step_time, kwargs) -> PlanError:
+    if sol.status == "no_solution":
+        return PlanError(f"the solver found no plan within the time limit "
+                         f"({kwargs['time_limit']} s); raise time_limit")
+    if max_cost is not None or max_step_time is not None:
+        free = _ilp.solve(arr, objective="cost" if max_cost is not None else "time",
+                          **{**kwargs, "time_limit": kwargs["time_limit"] or 60})
+        if free.assignment is not None:
+            p = evaluate(arr.table, free.assignment, kwargs["mode"], kwargs["microbatches"],
+                         arrays=arr)
+            if max_cost is not None and max_step_time is None:
+                return InfeasibleError(f"no plan costs at most ${max_cost:.3g} per step; the "
+                                       f"cheapest costs ${p.cost_usd_per_step:.3g}; raise "
+                                       "max_cost")
+            if max_step_time is not None and max_cost is None:
+                return InfeasibleError(f"no plan takes at most {_s(max_step_time)} per step; "
+                                       f"the fastest takes {_s(p.step_time_s)}; raise "
+                                       "max_step_time")
+            return InfeasibleError("no plan meets both max_cost and max_step_time; relax one")
+    contiguous = " and contiguous stages" if kwargs["contiguous"] else ""
+    return InfeasibleError("no assignment satisfies memory, links and pins"
+                           f"{contiguous} together (each alone can be met); raise "
+                           "memory_bytes of the accelerators, add links, or relax pins/allowed")

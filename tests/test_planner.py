@@ -1,0 +1,288 @@
+"""Tests of hetpar.planner: the ILP against exhaustive search, baselines, errors, files, CLI."""
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hetpar._errors import GraphFormatError, InfeasibleError, PlanError
+from hetpar.planner import (
+    CostTable,
+    Device,
+    Edge,
+    Layer,
+    Link,
+    Plan,
+    evaluate,
+    exhaustive,
+    plan,
+    random_cost_table,
+    violations,
+)
+
+EXACT = 1e-9  # solver gap for oracle comparisons
+
+CASES = [
+    dict(shape=shape, memory=memory, missing_links=missing, restrict=restrict)
+    for shape, memory, missing, restrict in [
+        ("chain", "loose", False, False), ("dag", "loose", False, False),
+        ("chain", "tight", False, False), ("dag", "tight", False, True),
+        ("dag", "loose", True, False), ("dag", "tight", True, True),
+    ]
+]
+
+
+def _rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-300)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+@pytest.mark.parametrize("objective", ["time", "cost", "energy"])
+def test_sequential_matches_exhaustive_and_beats_baselines(seed, case, objective):
+    table = random_cost_table(seed, layers=8 + seed % 3, devices=3, **case)
+    try:
+        p = plan(table, objective=objective, gap=EXACT)
+    except InfeasibleError:
+        assert exhaustive(table, objective).predicted is None
+        return
+    value = p.predicted.objective(objective)
+    oracle = p.baselines["exhaustive"].predicted.objective(objective)
+    assert _rel(value, oracle) < 1e-6
+    assert _rel(p.solver["objective"], value) < 1e-6  # reported == evaluated
+    assert evaluate(table, p.assignment).objective(objective) == pytest.approx(value, rel=1e-12)
+    assert violations(table, p.assignment) == []
+    for name, r in p.baselines.items():
+        if r.predicted is not None:
+            assert value <= r.predicted.objective(objective) * (1 + 1e-6), name
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("objective", ["time", "cost"])
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_pipelined_matches_exhaustive(seed, objective, contiguous):
+    table = random_cost_table(seed, layers=8, devices=3, memory="tight" if seed else "loose")
+    p = plan(table, objective=objective, mode="pipelined", microbatches=4,
+             contiguous=contiguous, gap=EXACT)
+    oracle = exhaustive(table, objective, "pipelined", 4, contiguous=contiguous)
+    assert _rel(p.predicted.objective(objective), oracle.predicted.objective(objective)) < 1e-6
+    assert _rel(p.solver["objective"], p.predicted.objective(objective)) < 1e-6
+    assert violations(table, p.assignment, contiguous=contiguous) == []
+    again = evaluate(table, p.assignment, "pipelined", 4)
+    assert again.bottleneck_s == pytest.approx(p.predicted.bottleneck_s)
+    assert p.predicted.activation_bytes_in_flight is not None
+
+
+def _two_device_chain(price_b=3.0, speed_b=1.0, cap_b=1e12, n=4, price_a=0.5):
+    devices = (Device("a", "cpu", 1e12, price_a, 100.0, 50.0),
+               Device("b", "gpu", cap_b, price_b, 300.0, 50.0))
+    links = (Link("a", "b", 1e10, 1e-6), Link("b", "a", 1e10, 1e-6))
+    layers = tuple(Layer(f"l{i}", {"a": 1.0, "b": speed_b}, {"a": 1e9, "b": 1e9})
+                   for i in range(n))
+    edges = tuple(Edge(f"l{i}", f"l{i + 1}", 1e6, 1e6) for i in range(n - 1))
+    return CostTable(devices, links, layers, edges)
+
+
+def test_pipelining_beats_sequential_on_two_devices():
+    table = _two_device_chain()
+    seq = plan(table, gap=EXACT)
+    pipe = plan(table, mode="pipelined", microbatches=8, gap=EXACT)
+    assert pipe.predicted.step_time_s < 0.7 * seq.predicted.step_time_s
+    assert set(pipe.assignment.values()) == {"a", "b"}
+    assert pipe.predicted.bottleneck_s == pytest.approx(0.25, rel=1e-3)
+
+
+def test_cost_and_energy_choose_the_cheaper_device():
+    # b is 10% faster but 6x dearer and hungrier: time picks b, cost and energy pick a.
+    table = _two_device_chain(price_b=3.0, speed_b=0.9)
+    assert set(plan(table, objective="time").assignment.values()) == {"b"}
+    assert set(plan(table, objective="cost").assignment.values()) == {"a"}
+    assert set(plan(table, objective="energy").assignment.values()) == {"a"}
+
+
+def test_budgets():
+    table = _two_device_chain(price_b=3.0, speed_b=0.9)
+    cheap = plan(table, objective="cost").predicted
+    assert set(plan(table, max_cost=cheap.cost_usd_per_step * 1.0001).assignment.values()) == {"a"}
+    assert set(plan(table, objective="cost", max_step_time=3.7).assignment.values()) == {"b"}
+    with pytest.raises(InfeasibleError, match="fastest takes"):
+        plan(table, max_step_time=1.0)
+    with pytest.raises(InfeasibleError, match="cheapest costs"):
+        plan(table, max_cost=cheap.cost_usd_per_step / 2)
+
+
+def test_memory_pins_and_allowed_hold():
+    table = random_cost_table(3, layers=30, devices=3, memory="tight", restrict=True)
+    p = plan(table)
+    assert violations(table, p.assignment) == []
+    for layer in table.layers:
+        if layer.pinned:
+            assert p.assignment[layer.name] == layer.pinned
+        if layer.allowed is not None:
+            assert p.assignment[layer.name] in layer.allowed
+    pinned = plan(table, pins={"l0": "cpu:0", "l1": "cpu:0"})
+    assert pinned.assignment["l0"] == pinned.assignment["l1"] == "cpu:0"
+    assert pinned.fingerprint == p.fingerprint
+
+
+def test_infeasible_memory_names_the_device():
+    table = _two_device_chain(cap_b=2.5e9)
+    tight = CostTable(
+        (Device("a", "cpu", 1e9, 0.5), table.devices[1]), table.links, table.layers, table.edges)
+    with pytest.raises(InfeasibleError, match=r"need at least 4 GB but a \+ b hold 3.5 GB \(500 MB "
+                                              r"missing\); raise memory_bytes of a by 500 MB"):
+        plan(tight)
+    pinned = tight.with_pins({f"l{i}": "b" for i in range(3)})
+    with pytest.raises(InfeasibleError, match=r"only run on b need at least 3 GB but b holds"):
+        plan(pinned)
+
+
+def test_missing_link_between_pinned_neighbours():
+    t = _two_device_chain()
+    table = CostTable(t.devices, (t.links[0],), t.layers, t.edges).with_pins({"l0": "a",
+                                                                              "l1": "b"})
+    with pytest.raises(InfeasibleError, match="l0 -> l1 cannot be placed"):
+        plan(table)
+
+
+def test_exhaustive_refuses_large_graphs():
+    with pytest.raises(PlanError, match="exhaustive search would try"):
+        exhaustive(random_cost_table(0, layers=14, devices=3))
+    p = plan(random_cost_table(0, layers=14, devices=3), gap=1e-3)
+    assert p.baselines["exhaustive"].reason.startswith("skipped")
+
+
+GOOD = {
+    "format": "hetpar.graph", "version": 1,
+    "devices": [{"name": "cpu:0", "kind": "cpu", "memory_bytes": 1e11, "price_per_hour": 0.8,
+                 "watts_busy": 200, "watts_idle": 60},
+                {"name": "gpu:0", "kind": "h100", "memory_bytes": 8e10, "price_per_hour": 3.0,
+                 "watts_busy": 700, "watts_idle": 80}],
+    "links": [{"src": "cpu:0", "dst": "gpu:0", "bandwidth_bytes_per_s": 8e9, "latency_s": 2e-5},
+              {"src": "gpu:0", "dst": "cpu:0", "bandwidth_bytes_per_s": 8e9, "latency_s": 2e-5}],
+    "layers": [{"name": "conv1", "time_s": {"cpu:0": 1.2e-3, "gpu:0": 9e-5},
+                "memory_bytes": {"cpu:0": 4e6, "gpu:0": 4e6}},
+               {"name": "conv2", "time_s": {"cpu:0": 2e-3, "gpu:0": 1e-4},
+                "memory_bytes": {"cpu:0": 4e6, "gpu:0": 4e6}}],
+    "edges": [{"src": "conv1", "dst": "conv2", "bytes": 3.2e6, "bytes_backward": 3.2e6}],
+}
+
+
+def _bad(edit):
+    data = copy.deepcopy(GOOD)
+    edit(data)
+    return data
+
+
+BAD_GRAPHS = {
+    "format": (lambda d: d.update(format="hetpar.plan"), "format"),
+    "version": (lambda d: d.update(version=7), "version 7"),
+    "missing layers": (lambda d: d.pop("layers"), "'layers'"),
+    "missing device field": (lambda d: d["devices"][0].pop("memory_bytes"),
+                             r"devices\[0\] is missing field 'memory_bytes'"),
+    "missing edge bytes": (lambda d: d["edges"][0].pop("bytes"), r"edges\[0\].*'bytes'"),
+    "unknown device": (lambda d: d["layers"][0]["time_s"].update({"tpu:9": 1.0}),
+                       r"layers\[0\] \(conv1\)\.time_s names unknown device 'tpu:9'"),
+    "negative time": (lambda d: d["layers"][1]["time_s"].update({"gpu:0": -1.0}),
+                      r"layers\[1\] \(conv2\)\.time_s\['gpu:0'\].*non-negative"),
+    "negative memory": (lambda d: d["devices"][1].update(memory_bytes=-5),
+                        r"devices\[1\]\.memory_bytes"),
+    "negative bytes": (lambda d: d["edges"][0].update(bytes=-1), r"edges\[0\]\.bytes"),
+    "unknown layer": (lambda d: d["edges"][0].update(dst="conv9"),
+                      r"edges\[0\]\.dst names unknown layer 'conv9'"),
+    "cycle": (lambda d: d["edges"].append({"src": "conv2", "dst": "conv1", "bytes": 1}),
+              "cycle"),
+    "duplicate layer": (lambda d: d["layers"].append(copy.deepcopy(d["layers"][0])),
+                        r"layers\[2\]\.name 'conv1' duplicates layers\[0\]"),
+    "duplicate device": (lambda d: d["devices"].append(copy.deepcopy(d["devices"][0])),
+                         r"devices\[2\]\.name 'cpu:0' duplicates"),
+    "string number": (lambda d: d["devices"][0].update(memory_bytes="lots"),
+                      r"devices\[0\]\.memory_bytes must be a number"),
+    "pinned unknown": (lambda d: d["layers"][0].update(pinned="gpu:7"), r"pinned.*'gpu:7'"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_GRAPHS)
+def test_malformed_graph_names_the_field(name, tmp_path):
+    edit, pattern = BAD_GRAPHS[name]
+    path = tmp_path / "graph.json"
+    path.write_text(json.dumps(_bad(edit)))
+    with pytest.raises(GraphFormatError, match=pattern):
+        CostTable.load(path)
+
+
+def test_graph_round_trip_and_fingerprint(tmp_path):
+    table = CostTable.from_json(GOOD)
+    table.save(tmp_path / "g.json")
+    again = CostTable.load(tmp_path / "g.json")
+    assert again == table
+    retimed = _bad(lambda d: d["layers"][0]["time_s"].update({"gpu:0": 5.0}))
+    assert CostTable.from_json(retimed).fingerprint() == table.fingerprint()
+    renamed = _bad(lambda d: d["devices"][1].update(name="gpu:1"))
+    renamed["layers"] = [dict(la, time_s={"cpu:0": 1.0}, memory_bytes={"cpu:0": 1.0})
+                         for la in renamed["layers"]]
+    renamed["links"] = []
+    assert CostTable.from_json(renamed).fingerprint() != table.fingerprint()
+
+
+def test_layer_without_time_cannot_run_there():
+    data = _bad(lambda d: d["layers"][1]["time_s"].pop("gpu:0"))
+    p = plan(CostTable.from_json(data), gap=EXACT)
+    assert p.assignment["conv2"] == "cpu:0"
+
+
+def test_plan_save_load_check(tmp_path):
+    table = random_cost_table(1, layers=6, devices=3)
+    p = plan(table, mode="pipelined", microbatches=4)
+    p.save(tmp_path / "plan.json")
+    q = Plan.load(tmp_path / "plan.json")
+    assert q == p
+    q.check(table)
+    assert "l0 ->" in q.explain(table)
+    assert "baselines" in q.summary(table)
+    other = random_cost_table(1, layers=7, devices=3)
+    with pytest.raises(PlanError, match="different model"):
+        q.check(other)
+    fewer = random_cost_table(1, layers=6, devices=2)
+    if set(p.assignment.values()) - set(fewer.device_names):
+        with pytest.raises(PlanError, match="not among the devices present"):
+            q.check(fewer)
+    data = p.to_json()
+    del data["assignment"]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(PlanError, match="missing field 'assignment'"):
+        Plan.load(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.load(tmp_path / "bad.json")
+
+
+@pytest.mark.skipif(not __import__("hetpar.planner").planner.highs_available(),
+                    reason="highspy not installed")
+def test_highs_agrees_with_cbc():
+    table = random_cost_table(2, layers=10, devices=3, memory="tight")
+    a = plan(table, gap=EXACT, baselines=False)
+    b = plan(table, gap=EXACT, solver="highs", baselines=False)
+    assert b.solver["name"] == "highs" and b.solver["status"] == "optimal"
+    assert _rel(a.predicted.step_time_s, b.predicted.step_time_s) < 1e-6
+
+
+def test_cli_end_to_end(tmp_path):
+    graph = tmp_path / "graph.json"
+    random_cost_table(4, layers=6, devices=3).save(graph)
+    out = tmp_path / "plan.json"
+    run = subprocess.run([sys.executable, "-m", "hetpar", "plan", "--graph", str(graph),
+                          "--objective", "cost", "--out", str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "exhaustive" in run.stdout and "solver: cbc optimal" in run.stdout
+    p = Plan.load(out)
+    assert p.objective == "cost"
+    p.check(CostTable.load(graph))
+    bad = subprocess.run([sys.executable, "-m", "hetpar", "plan", "--graph",
+                          str(tmp_path / "missing.json")], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2
+    assert "no graph file" in bad.stderr and "Traceback" not in bad.stderr
