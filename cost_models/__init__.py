@@ -40,8 +40,36 @@ from hetpar.cost_models._profiles import (
 )
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict, transfer_calibration
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
+from hetpar.cost_models._table import (
+    LAUNCH_MODELS,
+    accuracy,
+    cost_table,
+    cost_table_for_model,
+    fit_layers,
+    layer_records,
+    layer_work,
+    measure_layer,
+    per_sample,
+    random_inputs,
+    record_work,
+    resolve_devices,
+    trace_model,
+)
 
 __all__ = [
+    "record_work",
+    "layer_records",
+    "fit_layers",
+    "accuracy",
+    "LAUNCH_MODELS",
+    "trace_model",
+    "resolve_devices",
+    "random_inputs",
+    "per_sample",
+    "measure_layer",
+    "layer_work",
+    "cost_table_for_model",
+    "cost_table",
     "DTYPES",
     "FORMAT",
     "FULL",

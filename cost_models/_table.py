@@ -1,0 +1,670 @@
+"""From a LayerGraph and a device list to the planner's CostTable (graph.json).
+
+`cost_table` fills, for every (layer, device), the time of the layer's stage
+(forward + backward + update: what the runtime will run for it) and the
+memory it holds, and adds the devices (capacity, price, power) and the links
+between them.
+
+Device names
+------------
+A device list mixes two kinds of entries:
+
+- present (or profiled) devices by their JAX name, `platform:id`
+  (`cpu:0`, `gpu:0`). Their graph.json name is that JAX name, so the runtime
+  can find them; their `kind` is the spec-sheet kind (`cpu`, `h200`, ...).
+  A name that a profile file describes may be planned for on a machine where
+  it is absent, but not measured there.
+- spec-sheet kinds (`h100`, `tpu-v5e`, `cpu`) for what-if planning. Each
+  becomes a device named `<kind>:<i>` (`h100:0`, `h100:1` when listed twice),
+  with the first index no present device already uses; `h100:1` may also be
+  written out. They are always predicted, never measured: no JAX device
+  stands behind them.
+
+Times
+-----
+Predicted by the roofline (`predict`) from the layer's counted work (the op
+class `data_movement` and control flow count as `other`), with one launch:
+a layer is one executable. With `measure=True`, present devices are measured
+instead: the layer's callable alone, random inputs of the right dtypes,
+median of k runs, cached on disk (`measure_cached`). The predictions are
+kept in `meta` next to the measurements so reports can show both.
+
+Links
+-----
+Measured links from the profile set, the fastest path per ordered pair over
+the graph's edge sizes (the runtime takes the fastest path; the
+`pinned_host_staged` path is left out because it times only half a
+transfer). CPU devices of one host share its memory: between them a copy
+runs at the host's memory bandwidth. An accelerator without a measured path
+to a CPU uses its spec sheet's host link, and two accelerators without a
+measured path go through the host (two hops in series).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from absl import logging
+from hetpar.cost_models._measure import (
+    Timing,
+    device_name,
+    measure_cached,
+    present_devices,
+)
+from hetpar.cost_models._profiles import OP_CLASSES, DeviceProfile, LinkProfile, ProfileSet
+from hetpar.cost_models._roofline import LayerWork, predict
+from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
+
+from hetpar._errors import ProfileError
+
+# LayerGraph op classes the roofline has no class of its own for.
+_CLASS_MAP = {"data_movement": "other", "control_flow": "other"}
+
+# Not a whole transfer path: it times only pinned host -> device (see LinkProfile).
+_PARTIAL_PATHS = frozenset({"pinned_host_staged"})
+
+_NAME = re.compile(r"^([A-Za-z0-9_.\-]+):(\d+)$")
+
+
+# -- work ------------------------------------------------------------------------
+
+
+def layer_dtype(graph, layer: str) -> str:
+    """`bf16` when the layer's matmuls read 16-bit floats, else `f32`."""
+    closed, _, _ = graph.layer_jaxpr(layer)
+    for e in closed.jaxpr.eqns:
+        if e.primitive.name in ("dot_general", "conv_general_dilated"):
+            if any(str(getattr(a.aval, "dtype", "")) in ("bfloat16", "float16")
+                   for a in e.invars):
+                return "bf16"
+    return "f32"
+
+
+def layer_work(info, *, dtype: str = "f32", launches: int = 1) -> LayerWork:
+    """The roofline's view of a LayerInfo's counted work.
+
+    Args:
+      info: a `LayerInfo` (its `work.by_class` is `{class: [flops, trans, bytes]}`).
+      dtype: whose peak applies (`f32`, `bf16`).
+      launches: dispatches; a layer's stage is one executable, so 1.
+
+    Returns:
+      A LayerWork over the roofline's op classes.
+    """
+    flops = dict.fromkeys(OP_CLASSES, 0.0)
+    nbytes = dict.fromkeys(OP_CLASSES, 0.0)
+    trans = 0.0
+    for cls, (f, t, b) in info.work.by_class.items():
+        c = _CLASS_MAP.get(cls, cls)
+        if c not in flops:
+            c = "other"
+        flops[c] += float(f)
+        nbytes[c] += float(b)
+        trans += float(t)
+    return LayerWork(flops, nbytes, launches=launches, transcendentals=trans, dtype=dtype)
+
+
+# -- devices ---------------------------------------------------------------------
+
+
+class _Dev:
+    """One device of the table: its graph.json name, profile and JAX device (or None)."""
+
+    def __init__(self, name: str, profile: DeviceProfile, jax_device=None):
+        self.name = name
+        self.profile = profile
+        self.jax_device = jax_device
+
+    @property
+    def kind(self) -> str:
+        return self.profile.kind
+
+
+def _present_by_name() -> dict[str, Any]:
+    return {device_name(d): d for d in present_devices()}
+
+
+def _profile_for_present(name: str, dev, profiles: ProfileSet) -> DeviceProfile:
+    """A present device's profile: measured by name, else a measured one of its kind, else spec."""
+    from hetpar.cost_models._microbench import spec_kind_of
+
+    if name in profiles.devices:
+        return profiles.device(name)
+    kind = spec_kind_of(dev) if dev is not None else name.split(":")[0]
+    # Virtual devices of one host (cpu:1 beside a measured cpu:0) are the same silicon.
+    for p in profiles.devices.values():
+        if p.origin == "measured" and p.kind == kind:
+            return p
+    if kind not in spec_kinds():
+        raise ProfileError(
+            f"device {name!r} (kind {kind!r}) has no measured profile and no spec sheet; "
+            f"run `hetpar profile --out profiles.json` and pass --profiles profiles.json"
+        )
+    return profiles.device(kind)
+
+
+def resolve_devices(
+    devices: Sequence[str], profiles: ProfileSet, *, measure: bool = False
+) -> list[_Dev]:
+    """Graph.json devices for a device list; see the module docstring for the names.
+
+    Raises:
+      ProfileError: an entry is neither a present or profiled device nor a
+        spec-sheet kind; or `measure` asks for a device that is not present.
+    """
+    if not devices:
+        raise ProfileError("no devices given; list some, e.g. --devices cpu:0,gpu:0,h100")
+    present = _present_by_name()
+    out: list[_Dev] = []
+    taken: set[str] = set(present)
+    spec_entries: list[tuple[str, int | None]] = []
+    for raw in devices:
+        entry = raw.strip()
+        m = _NAME.match(entry)
+        if entry in present or (entry in profiles.devices and m and \
+                profiles.devices[entry].origin == "measured"):
+            if any(d.name == entry for d in out):
+                raise ProfileError(f"device {entry!r} is listed twice")
+            if measure and entry not in present:
+                raise ProfileError(
+                    f"cannot measure {entry!r}: it is not present on this machine (present: "
+                    f"{', '.join(present)}); drop --measure to predict it from its profile"
+                )
+            jd = present.get(entry)
+            prof = _profile_for_present(entry, jd, profiles).replace(name=entry)
+            out.append(_Dev(entry, prof, jd))
+            continue
+        kind, idx = (m.group(1), int(m.group(2))) if m else (entry, None)
+        if kind in spec_kinds():
+            spec_entries.append((kind, idx))
+            continue
+        if m and kind in ("cpu", "gpu", "tpu", "cuda", "rocm"):
+            raise ProfileError(
+                f"device {entry!r} is not present (present: {', '.join(present)})"
+                + ("; --measure needs a present device" if measure else "")
+                + "; to plan for a device that is not here, name its spec-sheet kind "
+                f"({', '.join(spec_kinds())}) or pass a profile file that describes it"
+            )
+        raise ProfileError(
+            f"unknown device kind {entry!r}; known kinds: {', '.join(spec_kinds())}; "
+            f"present devices: {', '.join(present)}"
+        )
+    taken |= {d.name for d in out}
+    for kind, idx in spec_entries:
+        if idx is None:
+            idx = 0
+            while f"{kind}:{idx}" in taken:
+                idx += 1
+        name = f"{kind}:{idx}"
+        if name in taken:
+            raise ProfileError(f"device {name!r} is listed twice or names a present device")
+        taken.add(name)
+        out.append(_Dev(name, profiles.device(kind).replace(name=name), None))
+    return out
+
+
+# -- links -----------------------------------------------------------------------
+
+
+def _series(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    """Two hops one after the other: latencies add, 1/bandwidths add."""
+    return a[0] + b[0], 1.0 / (1.0 / a[1] + 1.0 / b[1])
+
+
+def _link(src: _Dev, dst: _Dev, profiles: ProfileSet, sizes: Sequence[float],
+          cpu_names: Sequence[str]) -> tuple[float, float] | None:
+    """(latency_s, bandwidth) of the best path src -> dst, or None when unknown."""
+
+    def measured(a: str, b: str) -> LinkProfile | None:
+        cands = [lk for lk in profiles.links_between(a, b) if lk.path not in _PARTIAL_PATHS]
+        if not cands:
+            return None
+        return min(cands, key=lambda lk: sum(lk.time(n) for n in sizes))
+
+    lk = measured(src.name, dst.name)
+    if lk is not None:
+        return lk.latency_s, lk.bandwidth_bytes_per_s
+    s_cpu, d_cpu = src.profile.device_class == "cpu", dst.profile.device_class == "cpu"
+    if s_cpu and d_cpu:
+        host = src.profile
+        return host.launch_overhead_s, host.memory_bandwidth_bytes_per_s / 2  # read + write
+
+    def to_host(acc: _Dev, outbound: bool) -> tuple[float, float] | None:
+        # Any measured CPU of the host will do: its CPU devices share one memory.
+        for c in cpu_names:
+            lk = measured(acc.name, c) if outbound else measured(c, acc.name)
+            if lk is not None:
+                return lk.latency_s, lk.bandwidth_bytes_per_s
+        hl = acc.profile.host_link
+        return (hl.latency_s, hl.bandwidth_bytes_per_s) if hl else None
+
+    if d_cpu:
+        return to_host(src, True)
+    if s_cpu:
+        return to_host(dst, False)
+    a, b = to_host(src, True), to_host(dst, False)
+    return _series(a, b) if a and b else None
+
+
+# -- inputs and measurement ------------------------------------------------------
+
+
+def _index_bounds(jaxpr) -> dict:
+    """Upper bounds (exclusive) for integer variables used as indices, by variable.
+
+    Gathers, scatters and dynamic slices bound their index operands; the
+    bound is carried back through the integer arithmetic that built them
+    (converts, broadcasts, concatenates, wrap-around selects), conservatively.
+    """
+    from jax.extend import core as jcore
+
+    bounds: dict = {}
+
+    def bound(v, b):
+        if isinstance(v, jcore.Var) and np.issubdtype(np.dtype(v.aval.dtype), np.integer):
+            bounds[v] = min(bounds.get(v, b), max(1, int(b)))
+
+    for e in reversed(jaxpr.eqns):
+        p = e.primitive.name
+        if p == "gather":
+            op, idx = e.invars[0], e.invars[1]
+            dims = e.params["dimension_numbers"].start_index_map
+            if dims:
+                bound(idx, min(op.aval.shape[d] for d in dims))
+        elif p.startswith("scatter"):
+            op, idx = e.invars[0], e.invars[1]
+            dims = e.params["dimension_numbers"].scatter_dims_to_operand_dims
+            if dims:
+                bound(idx, min(op.aval.shape[d] for d in dims))
+        elif p in ("dynamic_slice", "dynamic_update_slice"):
+            op = e.invars[0]
+            sizes = (e.params["slice_sizes"] if p == "dynamic_slice"
+                     else e.invars[1].aval.shape)
+            first = 1 if p == "dynamic_slice" else 2
+            for d, a in enumerate(e.invars[first:]):
+                bound(a, op.aval.shape[d] - sizes[d] + 1)
+        outs = [o for o in e.outvars if o in bounds]
+        if outs:
+            b = min(bounds[o] for o in outs)
+            for a in e.invars:
+                bound(a, b)
+    return bounds
+
+
+def random_inputs(graph, layer: str, seed: int = 0) -> tuple[Callable, list]:
+    """The layer's callable and random arguments of the right shapes and dtypes.
+
+    Floats are standard normal, booleans fair coins, integers uniform below
+    the bound their uses as indices set (embedding rows, label classes; 128
+    when unused as an index), typed PRNG keys come from `jax.random.key`.
+
+    Returns:
+      (fn, args) for `measure`.
+    """
+    import jax
+
+    closed, _, _ = graph.layer_jaxpr(layer)
+    fn, shapes = graph.layer_callable(layer)
+    bounds = _index_bounds(closed.jaxpr)
+    rng = np.random.default_rng(seed)
+    args = []
+    for v, s in zip(closed.jaxpr.invars, shapes, strict=True):
+        shape, dt = tuple(s.shape), s.dtype
+        if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+            n = max(1, math.prod(shape))
+            keys = jax.random.split(jax.random.key(seed), n)
+            args.append(keys.reshape(shape))
+        elif np.dtype(dt) == np.bool_:
+            args.append(rng.random(shape) < 0.5)
+        elif np.issubdtype(np.dtype(dt), np.integer):
+            hi = min(bounds.get(v, 128), int(np.iinfo(np.dtype(dt)).max) + 1)
+            args.append(rng.integers(0, max(1, hi), size=shape).astype(dt))
+        else:
+            args.append(rng.standard_normal(shape).astype(dt))
+    return fn, args
+
+
+def layer_key(graph, layer: str) -> str:
+    """The layer's fingerprint for the measurement cache: a hash of its jaxpr."""
+    closed, _, _ = graph.layer_jaxpr(layer)
+    return "layer/" + hashlib.sha256(str(closed).encode()).hexdigest()[:24]
+
+
+def measure_layer(graph, layer: str, device, *, k: int = 10, warmup: int = 2) -> Timing:
+    """Times one layer's stage alone on a present device (cached on disk).
+
+    Args:
+      graph: the LayerGraph.
+      layer: the layer's name.
+      device: a JAX device or its name (`gpu:0`).
+      k: timed runs (median and IQR are reported).
+      warmup: untimed runs first (the first compiles).
+
+    Returns:
+      The Timing; `cached` when it came from the disk cache.
+    """
+    fn, args = random_inputs(graph, layer)
+    return measure_cached(layer_key(graph, layer), fn, args, device, k=k, warmup=warmup)
+
+
+# -- the table -------------------------------------------------------------------
+
+
+def _edge_sizes(graph) -> list[float]:
+    sizes = []
+    for _, _, d in graph.graph.edges(data=True):
+        sizes += [b for b in (d["bytes"], d["bytes_backward"]) if b > 0]
+    return sizes or [1e6]
+
+
+def cost_table(
+    graph,
+    devices: Sequence[str],
+    *,
+    profiles: ProfileSet | None = None,
+    measure: bool = False,
+    k: int = 10,
+    progress: Callable[[str], None] | None = None,
+    host_cpu_included: bool = True,
+    meta: Mapping[str, Any] | None = None,
+):
+    """The planner's CostTable of `graph` on `devices`.
+
+    Args:
+      graph: a LayerGraph (`hetpar.passes.trace`).
+      devices: present devices (`cpu:0`, `gpu:0`) and spec-sheet kinds
+        (`h100`, `tpu-v5e`); see the module docstring for graph.json names.
+      profiles: measured profiles (`load_profiles(path)`); default: spec
+        sheets alone.
+      measure: measure every layer on the present devices instead of
+        predicting it (spec-sheet devices stay predicted).
+      k: timed runs per measurement.
+      progress: called with one line per measured layer.
+      host_cpu_included: price the host CPU beside an accelerator at its
+        `host_price_per_hour` (see `plan_prices`).
+      meta: extra entries for the table's `meta`.
+
+    Returns:
+      A validated `hetpar.planner._graph.CostTable`. Its `meta` holds the
+      predicted (`predicted_s`) and, with `measure`, measured
+      (`measured_s`, `measured_iqr_s`) seconds per layer and device, and the
+      source of every device's figures.
+
+    Raises:
+      ProfileError: unknown device kind, or `measure` for a device that is
+        not present.
+    """
+    from hetpar.planner._graph import CostTable, Device, Edge, Layer, Link
+
+    profiles = profiles if profiles is not None else ProfileSet(
+        {k_: spec(k_) for k_ in spec_kinds()})
+    devs = resolve_devices(devices, profiles, measure=measure)
+    prices = plan_prices([d.profile for d in devs], host_cpu_included=host_cpu_included)
+    predicted: dict[str, dict[str, float]] = {}
+    measured: dict[str, dict[str, float]] = {}
+    measured_iqr: dict[str, dict[str, float]] = {}
+    layers = []
+    n = len(graph.layers)
+    for i, name in enumerate(graph.layers):
+        info = graph[name]
+        work = layer_work(info, dtype=layer_dtype(graph, name))
+        predicted[name] = {d.name: predict(d.profile, work) for d in devs}
+        times = dict(predicted[name])
+        if measure:
+            for d in devs:
+                if d.jax_device is None:
+                    continue
+                t = measure_layer(graph, name, d.jax_device, k=k)
+                measured.setdefault(name, {})[d.name] = t.median_s
+                measured_iqr.setdefault(name, {})[d.name] = t.iqr_s
+                times[d.name] = t.median_s
+                if progress:
+                    progress(f"[{i + 1}/{n}] {name} on {d.name}: {t.median_s * 1e3:.3f} ms"
+                             f" (predicted {predicted[name][d.name] * 1e3:.3f} ms)"
+                             + (" cached" if t.cached else ""))
+        mem = float(info.memory_bytes)
+        layers.append(Layer(name=name, time_s=times, memory_bytes={d.name: mem for d in devs},
+                            activation_bytes=float(info.activation_bytes)))
+    edges = [Edge(u, v, float(e["bytes"]), float(e["bytes_backward"]))
+             for u, v, e in graph.graph.edges(data=True)]
+    sizes = _edge_sizes(graph)
+    cpu_names = [d.name for d in devs if d.profile.device_class == "cpu"]
+    cpu_names += [n_ for n_, p in profiles.devices.items()
+                  if p.origin == "measured" and p.device_class == "cpu" and n_ not in cpu_names]
+    links = []
+    for a in devs:
+        for b in devs:
+            if a is b:
+                continue
+            lk = _link(a, b, profiles, sizes, cpu_names)
+            if lk is None:
+                logging.warning("no link from %s to %s: they cannot hold adjacent layers",
+                                a.name, b.name)
+                continue
+            links.append(Link(a.name, b.name, bandwidth_bytes_per_s=lk[1], latency_s=lk[0]))
+    table_devices = [
+        Device(name=d.name, kind=d.kind, memory_bytes=float(d.profile.memory_bytes),
+               price_per_hour=float(prices[d.name]), watts_busy=float(d.profile.watts_busy),
+               watts_idle=float(d.profile.watts_idle))
+        for d in devs
+    ]
+    info_meta: dict[str, Any] = {
+        "source": "hetpar costs",
+        "graph_fingerprint": graph.fingerprint(),
+        "timing": "measured" if measure else "predicted",
+        "predicted_s": predicted,
+        "device_sources": {d.name: {"origin": d.profile.origin, **dict(d.profile.sources)}
+                           for d in devs},
+    }
+    if measure:
+        info_meta["measured_s"] = measured
+        info_meta["measured_iqr_s"] = measured_iqr
+    info_meta.update(meta or {})
+    return CostTable(devices=tuple(table_devices), links=tuple(links), layers=tuple(layers),
+                     edges=tuple(edges), meta=info_meta)
+
+
+def example_args(workload) -> tuple:
+    """A workload's step arguments, abstract when the zoo allows it (nothing allocated)."""
+    import jax
+
+    try:
+        return tuple(jax.eval_shape(workload.example_args))
+    except Exception:  # noqa: BLE001 - some zoo builds only run concretely
+        logging.debug("eval_shape of example_args failed; building them concretely")
+        return tuple(workload.example_args())
+
+
+def trace_model(model: str, *, small: bool = False, batch: int | None = None,
+                config: Mapping[str, Any] | None = None, depth: int | None = None):
+    """(workload, LayerGraph) of a zoo model's train step."""
+    from hetpar.passes import trace
+
+    from hetpar import zoo
+
+    w = zoo.get(model, small=small, batch=batch, **dict(config or {}))
+    return w, trace(w.train_step, *example_args(w), depth=depth)
+
+
+def cost_table_for_model(
+    model: str,
+    devices: Sequence[str],
+    *,
+    small: bool = False,
+    batch: int | None = None,
+    config: Mapping[str, Any] | None = None,
+    measure: bool = False,
+    profiles: ProfileSet | str | None = None,
+    k: int = 10,
+    progress: Callable[[str], None] | None = None,
+):
+    """The CostTable of a zoo model's train step on `devices` (`hetpar plan MODEL`).
+
+    Args:
+      model: a zoo name (`hetpar models`).
+      devices: as for `cost_table`.
+      small: the model's small test config.
+      batch: batch size (default: the model's).
+      config: model config overrides.
+      measure: measure present devices instead of predicting.
+      profiles: a ProfileSet, or the path of a profile file.
+      k: timed runs per measurement.
+      progress: as for `cost_table`.
+
+    Returns:
+      The CostTable; `meta` also names the model and batch size.
+    """
+    from hetpar.cost_models._profiles import load_profiles
+
+    if isinstance(profiles, str):
+        profiles = load_profiles(profiles)
+    w, graph = trace_model(model, small=small, batch=batch, config=config)
+    return cost_table(graph, devices, profiles=profiles, measure=measure, k=k,
+                      progress=progress,
+                      meta={"model": model, "batch": w.config.get("batch_size"),
+                            "small": small})
+
+
+def per_sample(table, batch: int) -> dict[str, dict[str, dict[str, float]]]:
+    """Per layer and device: seconds, dollars and joules per sample.
+
+    Dollars use the device's plan price (`price_per_hour`), joules its busy
+    power; both scale the layer's step time, divided by the batch size.
+
+    Returns:
+      `{layer: {device: {"time_s", "usd", "joules"}}}` per sample.
+    """
+    devs = {d.name: d for d in table.devices}
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for layer in table.layers:
+        row = {}
+        for dev, t in layer.time_s.items():
+            d = devs[dev]
+            row[dev] = {"time_s": t / batch, "usd": t * d.price_per_hour / 3600 / batch,
+                        "joules": t * d.watts_busy / batch}
+        out[layer.name] = row
+    return out
+
+
+# -- accuracy of the predictor ---------------------------------------------------
+
+#: How a layer's launches count in the calibrated model: one dispatch per
+#: layer (its stage is one executable), or one per unfused equation.
+LAUNCH_MODELS = ("executable", "equations")
+
+
+def layer_records(
+    model: str,
+    device,
+    *,
+    small: bool = False,
+    batch: int | None = None,
+    k: int = 10,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Measures every layer of a zoo model on one present device.
+
+    Returns:
+      One record per layer: model, layer, device, device kind, batch, the
+      layer's work (`LayerWork.to_json`), its unfused equation count, and
+      the measured median and IQR in seconds. `accuracy` reads these.
+    """
+    from hetpar.cost_models._measure import resolve_device
+    from hetpar.cost_models._microbench import spec_kind_of
+
+    dev = resolve_device(device)
+    w, graph = trace_model(model, small=small, batch=batch)
+    out = []
+    for name in graph.layers:
+        info = graph[name]
+        t = measure_layer(graph, name, dev, k=k)
+        out.append({
+            "model": model, "layer": name, "device": device_name(dev),
+            "device_kind": dev.device_kind, "kind": spec_kind_of(dev),
+            "batch": w.config.get("batch_size"), "small": small,
+            "work": layer_work(info, dtype=layer_dtype(graph, name)).to_json(),
+            "equations": int(info.work.launches),
+            "measured_s": t.median_s, "iqr_s": t.iqr_s,
+        })
+        if progress:
+            progress(f"{model}/{name} on {device_name(dev)}: {t.median_s * 1e3:.3f} ms")
+    return out
+
+
+def record_work(record: Mapping[str, Any], launch_model: str = "executable") -> LayerWork:
+    """The LayerWork of a record, with launches counted as `launch_model` says."""
+    data = dict(record["work"])
+    data["launches"] = 1 if launch_model == "executable" else max(1, record["equations"])
+    return LayerWork.from_json(data)
+
+
+def fit_layers(profile: DeviceProfile, records: Sequence[Mapping[str, Any]], *,
+               launch_model: str = "executable") -> DeviceProfile:
+    """Calibrates `profile` on measured layers: per-class efficiencies and the launch cost."""
+    from hetpar.cost_models._roofline import calibrate
+
+    samples = [(record_work(r, launch_model), r["measured_s"]) for r in records]
+    return calibrate(profile, samples, fit_overhead=True)
+
+
+def _errors(profile: DeviceProfile, records, launch_model: str) -> np.ndarray:
+    pred = np.array([predict(profile, record_work(r, launch_model)) for r in records])
+    meas = np.array([r["measured_s"] for r in records])
+    return np.abs(pred - meas) / meas
+
+
+def _stats(err: np.ndarray) -> dict[str, Any]:
+    if err.size == 0:
+        return {"n": 0, "median_ape": None, "p90_ape": None}
+    return {"n": int(err.size), "median_ape": float(np.median(err)),
+            "p90_ape": float(np.percentile(err, 90))}
+
+
+def accuracy(
+    records: Sequence[Mapping[str, Any]],
+    base: Mapping[str, DeviceProfile],
+    train_models: Sequence[str],
+    *,
+    launch_model: str = "executable",
+    threshold_s: float = 100e-6,
+) -> dict[str, Any]:
+    """Held-out error of the calibrated roofline, per device.
+
+    Args:
+      records: from `layer_records`.
+      base: device name -> profile to calibrate (its peaks stay fixed).
+      train_models: models whose layers calibrate; the rest are held out.
+      launch_model: one of `LAUNCH_MODELS`.
+      threshold_s: the "large layer" cut (by measured time).
+
+    Returns:
+      `{device: {"train": ..., "test": ..., "test_large": ..., "uncalibrated_test": ...,
+      "profile": calibrated efficiencies}}`, each a dict of n, median and
+      90th-percentile absolute percentage error (as fractions).
+    """
+    out: dict[str, Any] = {}
+    for dev in sorted({r["device"] for r in records}):
+        rs = [r for r in records if r["device"] == dev]
+        train = [r for r in rs if r["model"] in train_models]
+        test = [r for r in rs if r["model"] not in train_models]
+        if not train or not test:
+            continue
+        prof = fit_layers(base[dev], train, launch_model=launch_model)
+        large = [r for r in test if r["measured_s"] > threshold_s]
+        out[dev] = {
+            "kind": rs[0]["kind"], "device_kind": rs[0]["device_kind"],
+            "train": _stats(_errors(prof, train, launch_model)),
+            "test": _stats(_errors(prof, test, launch_model)),
+            "test_large": _stats(_errors(prof, large, launch_model)),
+            "uncalibrated_test_large": _stats(_errors(base[dev], large, launch_model)),
+            "efficiencies": {c: dict(e) for c, e in prof.efficiencies.items()},
+            "launch_overhead_s": prof.launch_overhead_s,
+            "train_models": sorted({r["model"] for r in train}),
+            "test_models": sorted({r["model"] for r in test}),
+        }
+    return out

@@ -1,0 +1,83 @@
+"""`hetpar costs MODEL --devices LIST`: per-layer time, dollars and joules; writes graph.json."""
+
+from __future__ import annotations
+
+import sys
+
+from hetpar.cli._common import add_model_args, parse_config
+
+
+def register(sub) -> None:
+    """Adds the `costs` sub-command."""
+    p = sub.add_parser(
+        "costs",
+        help="per-layer time, cost and energy on each device; write graph.json for the planner",
+        description=(
+            "Time of every layer's stage (forward + backward + update) on each device, "
+            "predicted by the calibrated roofline or, with --measure, measured on the "
+            "present devices; cost per sample in dollars and energy per sample in joules. "
+            "Devices mix present ones (cpu:0, gpu:0) and spec-sheet kinds for what-if "
+            "planning (h100, tpu-v5e), which become h100:0, tpu-v5e:0 in graph.json."
+        ),
+    )
+    add_model_args(p)
+    p.add_argument("--devices", required=True,
+                   help="comma-separated devices, e.g. cpu:0,gpu:0,h100")
+    p.add_argument("--measure", action="store_true",
+                   help="measure every layer on the present devices (cached on disk)")
+    p.add_argument("--k", type=int, default=10, help="timed runs per measurement")
+    p.add_argument("--profiles", default=None,
+                   help="profile file from `hetpar profile` (default: spec sheets)")
+    p.add_argument("--out", default=None, help="write graph.json here")
+    p.set_defaults(func=_run)
+
+
+def _fmt_time(s: float) -> str:
+    return f"{s * 1e6:.1f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
+
+
+def _run(args) -> int:
+    from hetpar.cost_models import cost_table_for_model, per_sample
+
+    devices = [d.strip() for d in args.devices.split(",") if d.strip()]
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    table = cost_table_for_model(
+        args.model, devices, small=args.small, batch=args.batch,
+        config=parse_config(args.config), measure=args.measure, profiles=args.profiles,
+        k=args.k, progress=progress if args.measure else None)
+    batch = int(table.meta.get("batch") or 1)
+    predicted = table.meta["predicted_s"]
+    measured = table.meta.get("measured_s", {})
+    costs = per_sample(table, batch)
+    names = table.device_names
+    print(f"{args.model} (batch {batch}): seconds per step, then per sample "
+          f"$ (price/h) and J (busy watts)")
+    for d in table.devices:
+        print(f"  {d.name:<12} kind {d.kind:<8} ${d.price_per_hour:.3f}/h  "
+              f"{d.watts_busy:.0f} W busy  {d.memory_bytes / 2**30:.0f} GiB")
+    head = f"{'layer':<28}" + "".join(f"{n:>34}" for n in names)
+    print(head)
+    total = {n: [0.0, 0.0, 0.0] for n in names}
+    for layer in table.layers:
+        cells = []
+        for n in names:
+            pred = predicted[layer.name][n]
+            meas = measured.get(layer.name, {}).get(n)
+            t = f"{_fmt_time(pred)}" + (f"/{_fmt_time(meas)}m" if meas is not None else "")
+            c = costs[layer.name][n]
+            cells.append(f"{t:>16} {c['usd']:>8.1e}$ {c['joules']:>6.1e}J")
+            total[n][0] += layer.time_s[n]
+            total[n][1] += c["usd"]
+            total[n][2] += c["joules"]
+        print(f"{layer.name[:27]:<28}" + "".join(f"{c:>34}" for c in cells))
+    print(f"{'total (step)':<28}" + "".join(
+        f"{_fmt_time(t):>16} {u:>8.1e}$ {j:>6.1e}J".rjust(34) for t, u, j in total.values()))
+    print("times: predicted" + ("/measured (m)" if measured else "") +
+          "; $ and J are per sample, from the time used in graph.json")
+    if args.out:
+        table.save(args.out)
+        print(f"wrote {args.out}")
+    return 0

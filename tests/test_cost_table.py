@@ -1,0 +1,103 @@
+"""cost_table and `hetpar costs`: from a traced zoo model to the planner's graph.json."""
+
+import functools
+
+import pytest
+from hetpar.cost_models import _measure
+
+from hetpar import cost_models
+from hetpar._errors import ProfileError
+from hetpar.planner._graph import CostTable
+
+
+@functools.cache
+def _lm():
+    return cost_models.trace_model("lm_embed", small=True)
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_predicted_table_is_valid_and_matches_the_graph():
+    _, graph = _lm()
+    table = cost_models.cost_table(graph, ["cpu:0", "cpu:1", "h100"])
+    assert isinstance(table, CostTable)
+    assert table.device_names == ("cpu:0", "cpu:1", "h100:0")
+    assert [d.kind for d in table.devices] == ["cpu", "cpu", "h100"]
+    assert table.layer_names == tuple(graph.layers)
+    for layer in table.layers:
+        assert all(t > 0 for t in layer.time_s.values())
+        assert set(layer.memory_bytes.values()) == {graph[layer.name].memory_bytes}
+    assert {(e.src, e.dst, e.bytes, e.bytes_backward) for e in table.edges} == {
+        (u, v, d["bytes"], d["bytes_backward"]) for u, v, d in graph.graph.edges(data=True)
+    }
+    # Every ordered pair is linked; the host CPU beside the H100 costs nothing extra.
+    assert len(table.links) == 6
+    assert table.device("cpu:0").price_per_hour == 0.0
+    assert table.device("h100:0").price_per_hour > 0
+    CostTable.from_json(table.to_json())  # round trip validates
+
+
+def test_bigger_layer_predicts_slower():
+    _, graph = _lm()
+    table = cost_models.cost_table(graph, ["cpu:0", "h100"])
+    by_flops = sorted(graph.layers, key=lambda n: graph[n].flops + graph[n].bytes_accessed)
+    small, big = by_flops[0], by_flops[-1]
+    for dev in table.device_names:
+        assert table.layers[table.layer_names.index(big)].time_s[dev] > \
+            table.layers[table.layer_names.index(small)].time_s[dev]
+
+
+def test_measure_uses_the_cache_the_second_time(monkeypatch):
+    _, graph = _lm()
+    calls = []
+    real = _measure.measure
+
+    def counting(*args, **kw):
+        calls.append(args[2])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(_measure, "measure", counting)
+    first = cost_models.cost_table(graph, ["cpu:0"], measure=True, k=2)
+    assert len(calls) == len(graph.layers)
+    assert first.meta["measured_s"].keys() == set(graph.layers)
+    second = cost_models.cost_table(graph, ["cpu:0"], measure=True, k=2)
+    assert len(calls) == len(graph.layers)  # all cache hits
+    assert second.layers == first.layers
+
+
+def test_measure_on_an_absent_device_is_a_clear_error():
+    _, graph = _lm()
+    with pytest.raises(ProfileError, match="not present"):
+        cost_models.cost_table(graph, ["cpu:0", "gpu:0"], measure=True)
+
+
+def test_unknown_device_kind_is_a_clear_error():
+    _, graph = _lm()
+    with pytest.raises(ProfileError, match="unknown device kind 'quantum'"):
+        cost_models.cost_table(graph, ["cpu:0", "quantum"])
+
+
+def test_cli_writes_a_graph_json_the_planner_loads(tmp_path, capsys):
+    from hetpar.cli import _main, _parser
+
+    out = tmp_path / "graph.json"
+    args = _parser().parse_args(["costs", "lm_embed", "--small", "--devices", "cpu:0,h100",
+                                 "--measure", "--k", "2", "--out", str(out)])
+    assert _main(args) == 0
+    printed = capsys.readouterr().out
+    assert "h100:0" in printed and "$" in printed and "J" in printed
+    table = CostTable.load(out)
+    assert table.device_names == ("cpu:0", "h100:0")
+    assert table.meta["model"] == "lm_embed"
+
+
+def test_cli_measure_absent_device_exits_with_an_error(capsys):
+    from hetpar.cli import _main, _parser
+
+    args = _parser().parse_args(["costs", "lm_embed", "--small", "--devices", "gpu:0",
+                                 "--measure"])
+    assert _main(args) == 2
+    assert "not present" in capsys.readouterr().err
