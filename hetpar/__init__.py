@@ -3,6 +3,7 @@
 The public API is this flat list; the work lives in private modules.
 """
 
+from hetpar._auto import AutoStep, auto
 from hetpar._errors import (
     GraphFormatError,
     HetparError,
@@ -12,13 +13,24 @@ from hetpar._errors import (
     TraceError,
     UnknownModelError,
 )
+from hetpar._grad import grad, value_and_grad
 from hetpar._report import CostReport, report
 from hetpar.passes import LayerGraph, layer, trace
+from hetpar.planner import CostTable, Plan, plan
+from hetpar.runtime import StageError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoStep",
+    "auto",
+    "grad",
+    "value_and_grad",
     "CostReport",
+    "CostTable",
+    "Plan",
+    "StageError",
+    "plan",
     "LayerGraph",
     "layer",
     "report",

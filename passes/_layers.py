@@ -34,6 +34,9 @@ from hetpar.passes._program import Program
 from jax.extend import core as jcore
 
 SHARED = "shared"
+#: Name scope `hetpar.value_and_grad` puts around microbatch i: `hetpar_mb<i>`.
+MICROBATCH_SCOPE = "hetpar_mb"
+_MICROBATCH = re.compile(rf"^{MICROBATCH_SCOPE}(\d+)$")
 
 _WRAPPER = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
 _HEAVY = frozenset({"dot_general", "conv_general_dilated"})
@@ -49,11 +52,23 @@ def module_path(name_stack: str) -> tuple[str, ...]:
     for part in str(name_stack).split("/"):
         while (m := _WRAPPER.match(part)) is not None:
             part = m.group(1)
+        if _MICROBATCH.match(part):
+            continue  # microbatch scopes say when, not which layer
         # Rematerialised regions repeat the scope they were traced in
         # (`transpose(jvp(M))/jvp(M)`): collapse the repeat.
         if part and (not parts or parts[-1] != part):
             parts.append(part)
     return tuple(parts)
+
+
+def microbatch_of(name_stack: str) -> int | None:
+    """The microbatch an equation belongs to (`hetpar_mb<i>` in its stack), or None."""
+    for part in str(name_stack).split("/"):
+        while (m := _WRAPPER.match(part)) is not None:
+            part = m.group(1)
+        if (m := _MICROBATCH.match(part)) is not None:
+            return int(m.group(1))
+    return None
 
 
 def is_backward(name_stack: str) -> bool:
