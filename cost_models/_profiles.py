@@ -184,6 +184,10 @@ class DeviceProfile:
       memory_bandwidth_bytes_per_s: peak device-memory bandwidth.
       memory_bytes: device memory capacity.
       launch_overhead_s: fixed cost per kernel launch (dispatch included).
+        A layer's stage is one executable: one launch per call.
+      buffer_overhead_s: fixed cost per input or output array of a call
+        (argument handling, one buffer per parameter and optimizer-state
+        leaf); 0 unless calibrated on measured layers.
       price_per_hour: on-demand dollars per device-hour when rented alone.
       host_price_per_hour: marginal dollars per hour when this device is the
         host CPU of an accelerator instance whose price already covers it
@@ -215,6 +219,7 @@ class DeviceProfile:
     host_price_per_hour: float = 0.0
     origin: str = "spec"
     benchmarks: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    buffer_overhead_s: float = 0.0
 
     @property
     def device_class(self) -> str:
@@ -247,6 +252,8 @@ class DeviceProfile:
         for f in _DEVICE_FIGURES:
             out[f] = getattr(self, f)
         out["host_price_per_hour"] = self.host_price_per_hour
+        if self.buffer_overhead_s:
+            out["buffer_overhead_s"] = self.buffer_overhead_s
         out["host_link"] = self.host_link.to_json() if self.host_link else None
         out["efficiencies"] = {c: dict(e) for c, e in self.efficiencies.items()}
         out["sources"] = dict(self.sources)
@@ -284,6 +291,9 @@ class DeviceProfile:
         host_price = _num(
             where, "host_price_per_hour", data.get("host_price_per_hour", 0.0), allow_zero=True
         )
+        buffer_overhead = _num(
+            where, "buffer_overhead_s", data.get("buffer_overhead_s", 0.0), allow_zero=True
+        )
         link = data.get("host_link")
         host_link = LinkProfile.from_json(link, f"{where} host_link") if link else None
         effs = _require(where, data, "efficiencies", "{op_class: {'flops': e, 'bytes': e}}")
@@ -315,6 +325,7 @@ class DeviceProfile:
             sources={str(k): str(v) for k, v in sources.items()},
             origin=origin,
             benchmarks=dict(data.get("benchmarks", {})),
+            buffer_overhead_s=buffer_overhead,
             **figures,
         )
 

@@ -4,12 +4,20 @@ For one layer on one device::
 
     t = sum over op classes c of max(flops_c / (eff_flops_c * peak),
                                      bytes_c / (eff_bytes_c * bandwidth))
-        + launches * launch_overhead
+        + launches * launch_overhead + buffers * buffer_overhead
+
+and never less than `max(flops / peak, io_bytes / bandwidth)`.
 
 The classes are summed, not maxed together, because a layer's matmuls,
 elementwise ops and reductions run as separate kernels one after another.
-Efficiencies lie in (0, 1], so no prediction beats the device's peak.
-`calibrate` fits them by non-negative least squares on relative error.
+`buffers` counts the arrays a call takes and returns: on a GPU nearly every
+layer stage costs 0.1-0.2 ms even with almost no work, and that floor grows
+with the number of parameter and optimizer-state leaves it passes.
+Efficiencies lie in (0, 1] and `io_bytes` (the call's inputs and outputs,
+read or written at least once) bounds the memory side, so no prediction
+beats the device's peak. `calibrate` fits the efficiencies and overheads by
+non-negative least squares on relative error, then refines them in log
+space (a robust fit of the ratio predicted / measured).
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ class LayerWork:
         FLOPs (one each), whose calibrated efficiency absorbs their real cost.
       dtype: the dtype whose peak applies (`f32`, `bf16`); f32 matmul-class
         work uses the profile's `f32_matmul` peak when it has one.
+      buffers: input plus output arrays of the call (0: unknown); each costs
+        the profile's `buffer_overhead_s`.
+      io_bytes: bytes of those arrays; every one is read or written at
+        least once, so `io_bytes / bandwidth` is a lower bound on the time.
     """
 
     flops_by_class: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -50,6 +62,8 @@ class LayerWork:
     launches: int = 1
     transcendentals: float = 0.0
     dtype: str = "f32"
+    buffers: int = 0
+    io_bytes: float = 0.0
 
     def __post_init__(self):
         for what in (self.flops_by_class, self.bytes_by_class):
@@ -61,6 +75,9 @@ class LayerWork:
                 )
             if any(v < 0 for v in what.values()):
                 raise ProfileError(f"LayerWork: negative count in {dict(what)}")
+        if self.buffers < 0 or self.io_bytes < 0:
+            raise ProfileError(
+                f"LayerWork: negative buffers ({self.buffers}) or io_bytes ({self.io_bytes})")
 
     def flops(self, op_class: str) -> float:
         """FLOPs of `op_class`, transcendentals included in `elementwise`."""
@@ -94,12 +111,19 @@ def _terms(profile: DeviceProfile, work: LayerWork) -> tuple[np.ndarray, np.ndar
     return comp, mem
 
 
+def physical_floor(profile: DeviceProfile, work: LayerWork) -> float:
+    """Seconds `work` takes at the device's peak FLOP/s and bandwidth, no less."""
+    comp, mem = _terms(profile, work)
+    io = work.io_bytes / profile.memory_bandwidth_bytes_per_s
+    return float(max(comp.sum(), mem.max(initial=0.0), io))
+
+
 def predict(profile: DeviceProfile, work: LayerWork) -> float:
     """Predicted seconds for `work` on the device of `profile`.
 
     Args:
       profile: the device (measured, spec sheet, or transferred).
-      work: per-op-class FLOPs and bytes and the launch count.
+      work: per-op-class FLOPs and bytes, the launch and buffer counts.
 
     Returns:
       Seconds; never less than the time at the device's physical peak.
@@ -108,7 +132,8 @@ def predict(profile: DeviceProfile, work: LayerWork) -> float:
     ef = np.array([profile.efficiencies[c]["flops"] for c in OP_CLASSES])
     eb = np.array([profile.efficiencies[c]["bytes"] for c in OP_CLASSES])
     t = np.maximum(comp / ef, mem / eb).sum()
-    return float(t + work.launches * profile.launch_overhead_s)
+    t += work.launches * profile.launch_overhead_s + work.buffers * profile.buffer_overhead_s
+    return float(max(t, physical_floor(profile, work)))
 
 
 def calibrate(
@@ -117,13 +142,17 @@ def calibrate(
     *,
     fit_overhead: bool = False,
     iterations: int = 50,
+    log_refine: bool = True,
 ) -> DeviceProfile:
-    """Fits the efficiencies (and optionally the launch overhead) to measurements.
+    """Fits the efficiencies (and optionally the per-call overheads) to measurements.
 
     The model is linear in the inverse efficiencies once it is known which
     side of each max() is active; we alternate between fixing the active
     sides and solving non-negative least squares on relative error, from a
-    few starting points, and keep the best fit. Inverse efficiencies are
+    few starting points, and keep the best fit. Then (`log_refine`) a robust
+    least-squares fit of log(predicted / measured) starts from that best
+    fit: relative-error least squares is pulled by the few layers it
+    overpredicts most, the log fit by none. Inverse efficiencies are
     constrained to >= 1, so the fitted efficiencies lie in (0, 1]. A class
     whose compute (or memory) side is never active in the samples keeps its
     previous efficiency: the data say nothing about it.
@@ -131,8 +160,11 @@ def calibrate(
     Args:
       profile: the device; its peaks and bandwidth stay fixed.
       samples: `(work, measured_seconds)` pairs on that device.
-      fit_overhead: also fit `launch_overhead_s` (needs varied launch counts).
+      fit_overhead: also fit `launch_overhead_s` (the fixed cost per call:
+        a layer's stage is one launch) and, when the samples count buffers,
+        `buffer_overhead_s` (the cost per input or output array).
       iterations: active-set rounds per starting point.
+      log_refine: refine in log space after the least-squares fit.
 
     Returns:
       A new profile with fitted efficiencies and updated sources.
@@ -147,21 +179,25 @@ def calibrate(
         raise ProfileError("calibrate: every measured time must be a positive number")
     comp, mem = (np.array(a) for a in zip(*(_terms(profile, w) for w, _ in samples), strict=True))
     launches = np.array([float(w.launches) for w, _ in samples])
+    buffers = np.array([float(w.buffers) for w, _ in samples])
+    floor = np.array([physical_floor(profile, w) for w, _ in samples])
+    fit_buffers = fit_overhead and bool(np.any(buffers > 0))
     w = 1.0 / times  # relative error: times span orders of magnitude
     n_cls = len(OP_CLASSES)
     u0 = np.array([1.0 / profile.efficiencies[c]["flops"] for c in OP_CLASSES])
     v0 = np.array([1.0 / profile.efficiencies[c]["bytes"] for c in OP_CLASSES])
-    o0 = profile.launch_overhead_s
+    o0, b0 = profile.launch_overhead_s, profile.buffer_overhead_s
 
-    def model(u, v, o):
-        return np.maximum(comp * u, mem * v).sum(axis=1) + launches * o
+    def model(u, v, o, b):
+        t = np.maximum(comp * u, mem * v).sum(axis=1) + launches * o + buffers * b
+        return np.maximum(t, floor)
 
-    def loss(u, v, o):
-        return float(np.sum(((model(u, v, o) - times) * w) ** 2))
+    def loss(u, v, o, b):
+        return float(np.sum(((model(u, v, o, b) - times) * w) ** 2))
 
-    best = (loss(u0, v0, o0), u0, v0, o0)
+    best = (loss(u0, v0, o0, b0), u0, v0, o0, b0)
     for start in (u0, np.ones(n_cls), np.full(n_cls, 10.0), np.full(n_cls, 100.0)):
-        u, v, o = start.copy(), start.copy(), o0
+        u, v, o, b = start.copy(), start.copy(), o0, b0
         for _ in range(iterations):
             comp_side = comp * u >= mem * v
             a_cols = comp * comp_side  # coefficient of u_c
@@ -182,31 +218,41 @@ def calibrate(
                 slots.append(("o", 0))
             else:
                 fixed_rhs += launches * o
+            if fit_buffers:
+                cols.append(buffers)
+                slots.append(("b", 0))
+            else:
+                fixed_rhs += buffers * b
             if not cols:
                 break
             design = np.stack(cols, axis=1) * w[:, None]
             rhs = (times - fixed_rhs) * w
             x, _ = nnls(design, rhs, maxiter=50 * design.shape[1])
-            new_u, new_v, new_o = u.copy(), v.copy(), o
+            new_u, new_v, new_o, new_b = u.copy(), v.copy(), o, b
             for (kind, c), val in zip(slots, x, strict=True):
                 if kind == "u":
                     new_u[c] = 1.0 + val
                 elif kind == "v":
                     new_v[c] = 1.0 + val
-                else:
+                elif kind == "o":
                     new_o = val
+                else:
+                    new_b = val
             done = (
                 np.allclose(new_u, u, rtol=1e-10)
                 and np.allclose(new_v, v, rtol=1e-10)
                 and np.isclose(new_o, o, rtol=1e-10)
+                and np.isclose(new_b, b, rtol=1e-10)
             )
-            u, v, o = new_u, new_v, new_o
+            u, v, o, b = new_u, new_v, new_o, new_b
             if done:
                 break
-        cand = (loss(u, v, o), u, v, o)
+        cand = (loss(u, v, o, b), u, v, o, b)
         if cand[0] < best[0]:
             best = cand
-    final_loss, u, v, o = best
+    _, u, v, o, b = best
+    if log_refine:
+        u, v, o, b = _log_refine(model, times, u, v, o, b, fit_overhead, fit_buffers)
     effs = {
         c: {
             "flops": float(np.clip(1.0 / u[i], _MIN_EFF, 1.0)),
@@ -214,22 +260,58 @@ def calibrate(
         }
         for i, c in enumerate(OP_CLASSES)
     }
-    rel = np.abs(model(u, v, o) - times) / times
+    rel = np.abs(model(u, v, o, b) - times) / times
     logging.debug(
         "calibrated %s on %d samples: median |error| %.1f%%, max %.1f%%",
         profile.name, len(samples), 100 * np.median(rel), 100 * np.max(rel),
     )
     today = datetime.date.today().isoformat()
     sources = dict(profile.sources)
+    how = "non-negative least squares" + (", refined in log space," if log_refine else "")
     sources["efficiencies"] = (
-        f"calibrated {today} by non-negative least squares on {len(samples)} measured "
+        f"calibrated {today} by {how} on {len(samples)} measured "
         f"samples (median |error| {100 * np.median(rel):.1f}%)"
     )
     changes: dict[str, Any] = {"efficiencies": effs, "sources": sources}
     if fit_overhead:
         changes["launch_overhead_s"] = float(o)
         sources["launch_overhead_s"] = f"fitted {today} with the efficiencies"
+    if fit_buffers:
+        changes["buffer_overhead_s"] = float(b)
+        sources["buffer_overhead_s"] = f"fitted {today} with the efficiencies"
     return profile.replace(**changes)
+
+
+def _log_refine(model, times, u, v, o, b, fit_overhead: bool, fit_buffers: bool):
+    """Robust least squares on log(model / times) from (u, v, o, b); keeps the bounds."""
+    from scipy.optimize import least_squares
+
+    n = len(u)
+    x0 = np.concatenate([u, v, [o, b]])
+    free = np.array([True] * (2 * n) + [fit_overhead, fit_buffers])
+    lo = np.concatenate([np.ones(2 * n), [0.0, 0.0]])
+    # Overheads in microseconds keep the variables on comparable scales.
+    scale = np.concatenate([np.ones(2 * n), [1e-6, 1e-6]])
+
+    def unpack(z):
+        x = x0.copy()
+        x[free] = z * scale[free]
+        return x[:n], x[n:2 * n], x[2 * n], x[2 * n + 1]
+
+    def resid(z):
+        return np.log(model(*unpack(z))) - np.log(times)
+
+    z0 = np.maximum(x0[free] / scale[free], lo[free] / scale[free])
+    try:
+        res = least_squares(resid, z0, bounds=(lo[free] / scale[free], np.inf),
+                            loss="soft_l1", f_scale=0.1, max_nfev=2000)
+    except (ValueError, np.linalg.LinAlgError) as e:  # degenerate data: keep the LS fit
+        logging.debug("log refinement failed: %s", e)
+        return u, v, o, b
+    z = res.x * scale[free]
+    # least_squares keeps strictly inside its bounds: snap what sits on one.
+    z = np.where(z <= lo[free] * (1 + 1e-6) + 1e-15, lo[free], z) / scale[free]
+    return unpack(z)
 
 
 def transfer_calibration(measured: DeviceProfile, spec_profile: DeviceProfile) -> DeviceProfile:
@@ -257,9 +339,13 @@ def transfer_calibration(measured: DeviceProfile, spec_profile: DeviceProfile) -
     sources["launch_overhead_s"] = f"transferred from {measured.name!r}: " + measured.sources.get(
         "launch_overhead_s", "measured"
     )
+    if measured.buffer_overhead_s:
+        sources["buffer_overhead_s"] = f"transferred from {measured.name!r}: " + \
+            measured.sources.get("buffer_overhead_s", "measured")
     return spec_profile.replace(
         efficiencies={c: dict(e) for c, e in measured.efficiencies.items()},
         launch_overhead_s=measured.launch_overhead_s,
+        buffer_overhead_s=measured.buffer_overhead_s,
         sources=sources,
         origin="transferred",
     )

@@ -85,13 +85,39 @@ def layer_dtype(graph, layer: str) -> str:
     return "f32"
 
 
-def layer_work(info, *, dtype: str = "f32", launches: int = 1) -> LayerWork:
+def layer_io(graph, layer: str) -> tuple[int, float]:
+    """(arrays, bytes) of the layer callable's inputs and outputs, from its jaxpr.
+
+    Each array is a buffer the runtime hands over per call (one per
+    parameter and optimizer-state leaf, activation and gradient); together
+    they are read or written at least once.
+    """
+    from jax.extend import core as jcore
+
+    closed, _, _ = graph.layer_jaxpr(layer)
+    n, nbytes = 0, 0.0
+    for v in list(closed.jaxpr.invars) + list(closed.jaxpr.outvars):
+        aval = getattr(v, "aval", None)
+        if isinstance(v, jcore.Literal) or aval is None or not hasattr(aval, "shape"):
+            continue  # literals are not buffers
+        n += 1
+        try:
+            nbytes += float(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+        except TypeError:  # extended dtypes (PRNG keys): a key is a few words
+            nbytes += float(math.prod(aval.shape)) * 8.0
+    return n, nbytes
+
+
+def layer_work(info, *, dtype: str = "f32", launches: int = 1, buffers: int = 0,
+               io_bytes: float = 0.0) -> LayerWork:
     """The roofline's view of a LayerInfo's counted work.
 
     Args:
       info: a `LayerInfo` (its `work.by_class` is `{class: [flops, trans, bytes]}`).
       dtype: whose peak applies (`f32`, `bf16`).
       launches: dispatches; a layer's stage is one executable, so 1.
+      buffers, io_bytes: the call's input and output arrays and their bytes
+        (`layer_io`); 0 when unknown.
 
     Returns:
       A LayerWork over the roofline's op classes.
@@ -106,7 +132,14 @@ def layer_work(info, *, dtype: str = "f32", launches: int = 1) -> LayerWork:
         flops[c] += float(f)
         nbytes[c] += float(b)
         trans += float(t)
-    return LayerWork(flops, nbytes, launches=launches, transcendentals=trans, dtype=dtype)
+    return LayerWork(flops, nbytes, launches=launches, transcendentals=trans, dtype=dtype,
+                     buffers=int(buffers), io_bytes=float(io_bytes))
+
+
+def graph_layer_work(graph, layer: str) -> LayerWork:
+    """`layer_work` of one layer of a LayerGraph, with its dtype, buffers and io bytes."""
+    n, io = layer_io(graph, layer)
+    return layer_work(graph[layer], dtype=layer_dtype(graph, layer), buffers=n, io_bytes=io)
 
 
 # -- devices ---------------------------------------------------------------------
@@ -412,7 +445,7 @@ def cost_table(
     n = len(graph.layers)
     for i, name in enumerate(graph.layers):
         info = graph[name]
-        work = layer_work(info, dtype=layer_dtype(graph, name))
+        work = graph_layer_work(graph, name)
         predicted[name] = {d.name: predict(d.profile, work) for d in devs}
         times = dict(predicted[name])
         if measure:
@@ -587,7 +620,7 @@ def layer_records(
             "model": model, "layer": name, "device": device_name(dev),
             "device_kind": dev.device_kind, "kind": spec_kind_of(dev),
             "batch": w.config.get("batch_size"), "small": small,
-            "work": layer_work(info, dtype=layer_dtype(graph, name)).to_json(),
+            "work": graph_layer_work(graph, name).to_json(),
             "equations": int(info.work.launches),
             "measured_s": t.median_s, "iqr_s": t.iqr_s,
         })

@@ -11,6 +11,9 @@ for layers above 100 us (Habitat: 11.8%; Google's learned TPU model: ~13%).
     python experiments/cost_accuracy.py --records experiments/results/accuracy_h200.json
 
 The second form recomputes the report from saved measurements (no device).
+Records saved before the work counts had `buffers` and `io_bytes` get them
+by re-tracing their model at the recorded config (`--refresh_work`, on by
+default); records of layers the zoo no longer has are dropped and listed.
 """
 
 from __future__ import annotations
@@ -29,6 +32,32 @@ _BUDGET = flags.DEFINE_float("budget_s", 300.0, "stop starting new models after 
 _K = flags.DEFINE_integer("k", 10, "timed runs per layer")
 _CPU_BATCH = flags.DEFINE_integer("cpu_batch", 32, "batch of the small configs on the CPU")
 _MODELS = flags.DEFINE_list("models", None, "zoo models (default: all)")
+_REFRESH = flags.DEFINE_bool("refresh_work", True,
+                             "recount the work of saved records that lack buffer counts")
+
+
+def _refresh_work(records):
+    """Recounts `work` of records without buffer counts; drops layers the zoo lost."""
+    from hetpar.cost_models._table import graph_layer_work, trace_model
+
+    stale = {(r["model"], r["small"], r["batch"]) for r in records
+             if "buffers" not in r["work"]}
+    works, dropped = {}, []
+    for model, small, batch in sorted(stale):
+        _, graph = trace_model(model, small=small, batch=batch)
+        for name in graph.layers:
+            works[(model, small, batch, name)] = graph_layer_work(graph, name).to_json()
+    out = []
+    for r in records:
+        if "buffers" in r["work"]:
+            out.append(r)
+            continue
+        key = (r["model"], r["small"], r["batch"], r["layer"])
+        if key in works:
+            out.append(dict(r, work=works[key]))
+        else:
+            dropped.append(f"{r['model']}/{r['layer']} on {r['device']}")
+    return out, dropped
 
 
 def _base_profiles(records):
@@ -87,6 +116,8 @@ def _markdown(result) -> str:
                          f"{pct(tl['p90_ape'])} | {pct(u['median_ape'])} | "
                          f"{pct(tr['median_ape'])} |")
         lines.append("")
+    if result.get("dropped_stale"):
+        lines += [f"Dropped (layer no longer in the zoo): {', '.join(result['dropped_stale'])}", ""]
     if result.get("skipped"):
         lines += [f"Not measured (time budget): {', '.join(result['skipped'])}", ""]
     return "\n".join(lines) + "\n"
@@ -103,9 +134,14 @@ def main(argv):
         parts = [json.loads(pathlib.Path(p).read_text()) for p in _RECORDS.value]
         result = parts[0]
         records = [r for part in parts for r in part["records"]]
+        all_models = sorted({r["model"] for r in records})
         result["records"] = records
         result["device_kinds"] = {r["device"]: r["device_kind"] for r in records}
         result["skipped"] = sorted(set.intersection(*(set(p.get("skipped", [])) for p in parts)))
+        if _REFRESH.value:
+            records, dropped = _refresh_work(records)
+            result["records"] = records
+            result["dropped_stale"] = dropped
     else:
         models = _MODELS.value or zoo.names()
         records, skipped = _measure_all(models, time.time() + _BUDGET.value)
@@ -116,7 +152,9 @@ def main(argv):
             "device_kinds": {r["device"]: r["device_kind"] for r in records},
             "skipped": skipped, "records": records,
         }
-    measured = sorted({r["model"] for r in records})
+        all_models = sorted({r["model"] for r in records})
+    # The split is fixed by the measured models, before any stale layer is dropped.
+    measured = all_models
     result["train_models"] = measured[0::2]
     result["test_models"] = measured[1::2]
     base = _base_profiles(records)

@@ -109,7 +109,9 @@ class CompiledStep:
         if len(used) == 1:
             self._device = self.devices[used[0]]
             sharding = jax.sharding.SingleDeviceSharding(self._device)
-            self._jit = jax.jit(self._step, out_shardings=sharding)
+            # Explicit shardings in and out: fresh and resident arguments then hit
+            # the same executable (jit's cache tells committed inputs apart).
+            self._jit = jax.jit(self._step, in_shardings=sharding, out_shardings=sharding)
             self._executor = None
         else:
             self.stages = split(self.graph, self.assignment, schedule=options.schedule)

@@ -269,3 +269,33 @@ def test_cli_profile_absent_device():
     r = _run_cli("profile", "--quick", "--devices", "gpu:0", "--out", "/dev/null", devices=1)
     assert r.returncode == 2
     assert "gpu:0" in r.stderr and "not present" in r.stderr
+
+
+def test_calibration_recovers_per_call_and_per_buffer_costs():
+    base = spec("h100")
+    true = base.replace(launch_overhead_s=60e-6, buffer_overhead_s=4e-6)
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(40):
+        w = LayerWork({"matmul": float(rng.uniform(1e6, 1e11))},
+                      {"elementwise": float(rng.uniform(1e5, 1e9))},
+                      buffers=int(rng.integers(2, 60)))
+        samples.append((w, predict(true, w)))
+    fitted = calibrate(base, samples, fit_overhead=True)
+    assert fitted.launch_overhead_s == pytest.approx(60e-6, rel=0.05)
+    assert fitted.buffer_overhead_s == pytest.approx(4e-6, rel=0.05)
+    for w, t in samples:
+        assert predict(fitted, w) == pytest.approx(t, rel=0.05)
+
+
+def test_io_bytes_bound_the_prediction_and_buffers_round_trip(tmp_path):
+    p = spec("h100").replace(buffer_overhead_s=3e-6, sources={
+        **spec("h100").sources, "buffer_overhead_s": "test"})
+    w = LayerWork({}, {}, launches=0, io_bytes=1e9, buffers=0)
+    assert predict(p, w) >= 1e9 / p.memory_bandwidth_bytes_per_s
+    assert predict(p, LayerWork({}, {}, buffers=10)) == pytest.approx(
+        p.launch_overhead_s + 10 * 3e-6)
+    assert LayerWork.from_json(LayerWork({}, {}, buffers=7, io_bytes=5.0).to_json()).buffers == 7
+    again = DeviceProfile.from_json(json.loads(json.dumps(p.to_json())))
+    assert again.buffer_overhead_s == 3e-6
+    assert transfer_calibration(p, spec("a100")).buffer_overhead_s == 3e-6

@@ -101,3 +101,16 @@ def test_cli_measure_absent_device_exits_with_an_error(capsys):
                                  "--measure"])
     assert _main(args) == 2
     assert "not present" in capsys.readouterr().err
+
+
+def test_layer_work_counts_buffers_and_io_bytes():
+    from hetpar.cost_models._table import graph_layer_work, layer_io
+
+    _, graph = _lm()
+    for name in graph.layers:
+        n, io = layer_io(graph, name)
+        closed, _, _ = graph.layer_jaxpr(name)
+        assert n <= len(closed.jaxpr.invars) + len(closed.jaxpr.outvars)
+        assert n > 0 and io > 0
+        w = graph_layer_work(graph, name)
+        assert (w.buffers, w.io_bytes) == (n, io)

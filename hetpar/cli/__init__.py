@@ -12,7 +12,7 @@ import importlib
 import logging as pylogging
 import sys
 
-from absl import app, logging
+from absl import app, flags, logging
 from absl.flags import argparse_flags
 
 from hetpar._errors import HetparError
@@ -42,6 +42,8 @@ def _parser() -> argparse_flags.ArgumentParser:
 def _main(args) -> int:
     # JAX logs at INFO that it found no TPU; that is noise on every CPU/GPU machine.
     pylogging.getLogger("jax._src.xla_bridge").setLevel(pylogging.ERROR)
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # progress is printed; --verbosity=0 for logs
     try:
         return int(args.func(args) or 0)
     except HetparError as e:

@@ -1,0 +1,46 @@
+"""CPU + GPU execution on a real accelerator (skipped without a GPU)."""
+
+import jax
+import numpy as np
+import pytest
+
+import hetpar
+from hetpar import zoo
+from hetpar.runtime import TransferEngine
+
+from .test_runtime import check_steps
+
+pytestmark = pytest.mark.gpu
+
+
+def test_transfer_engine_moves_values_both_ways():
+    gpu, cpu = jax.devices("gpu")[0], jax.devices("cpu")[0]
+    engine = TransferEngine()
+    x = np.arange(1 << 20, dtype=np.float32)
+    on_gpu = engine.move(jax.device_put(x, cpu), gpu)
+    back = engine.move(on_gpu, cpu)
+    assert next(iter(on_gpu.devices())) == gpu and next(iter(back.devices())) == cpu
+    np.testing.assert_array_equal(np.asarray(back), x)
+    assert engine.path(gpu, cpu, 1 << 24) == "pinned_host"
+
+
+@pytest.mark.parametrize("name", ["resnet18", "transformer", "cnn_preprocess"])
+def test_cpu_gpu_alternating_plan_equals_jit(name):
+    w = zoo.get(name, small=True, learning_rate=1e-4)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    plan = {n: ("gpu:0" if i % 2 else "cpu:0") for i, n in enumerate(layers)}
+    # GPU matmuls run in TF32 by default; compare at that precision.
+    with jax.default_matmul_precision("highest"):
+        step = hetpar.auto(w.train_step, plan=plan)
+        check_steps(w.train_step, step, args, rtol=1e-4)
+
+
+def test_cpu_gpu_pipeline_1f1b():
+    w = zoo.get("mlp", small=True, learning_rate=1e-4, batch=8)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    plan = {n: ("cpu:0" if i == 0 else "gpu:0") for i, n in enumerate(layers)}
+    with jax.default_matmul_precision("highest"):
+        step = hetpar.auto(w.train_step, plan=plan, microbatches=4, schedule="1f1b")
+        check_steps(w.train_step, step, args, microbatches=4, rtol=1e-4)
