@@ -195,9 +195,16 @@ def _transfer_engine(devices, options):
 
 
 def _signature(args) -> tuple:
+    """What a compiled step is keyed on: the argument structure, shapes and dtypes.
+
+    On every call, so kept cheap (tens of microseconds for a ResNet's state).
+    """
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((getattr(x, "shape", None), str(getattr(x, "dtype", type(x))))
-                       for x in leaves)
+    try:
+        return tree, tuple([(x.shape, x.dtype) for x in leaves])
+    except AttributeError:  # Python scalars among the arguments
+        return tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)))
+                           for x in leaves)
 
 
 class AutoStep:

@@ -64,8 +64,12 @@ def trace_program(fn: Callable, *args) -> Program:
 
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    from hetpar._errors import HetparError
+
     try:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    except HetparError:
+        raise  # already says what is wrong (e.g. microbatches that do not divide the batch)
     except Exception as e:  # JAX raises many types; all mean "this step does not trace"
         name = getattr(fn, "__name__", repr(fn))
         raise TraceError(
