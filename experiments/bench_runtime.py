@@ -104,7 +104,8 @@ def overlap(steps: int, small: bool, microbatches: int = 4) -> dict:
                 busy.setdefault(d, []).append(b)
         ex.record_events = False
         busy = {d: statistics.median(v) for d, v in busy.items()}
-        out.setdefault("runs", {})[m] = {"step_s": t, "busy_s": busy, "ratio_to_busiest": t / max(busy.values())}
+        out.setdefault("runs", {})[m] = {"step_s": t, "busy_s": busy,
+                                         "ratio_to_busiest": t / max(busy.values())}
     return out
 
 
@@ -139,9 +140,14 @@ def to_markdown(res: dict) -> str:
              "## Overhead: one-device hetpar plan vs plain jax.jit (goal <= 1.03)", "",
              "| model | device | batch | hetpar | jax.jit | ratio |", "|---|---|---|---|---|---|"]
     for r in res["overhead"]:
+        if "error" in r:
+            lines.append(f"| failed: {r['error']} | | | | | |")
+            continue
         lines.append(f"| {r['model']} | {r['device']} | {r['batch']} | {r['hetpar_s']*1e3:.2f} ms"
                      f" | {r['jit_s']*1e3:.2f} ms | {r['ratio']:.3f} |")
     o = res["overlap"]
+    if "error" in o:
+        o = {"batch": "?", "runs": {}, "error": o["error"]}
     lines += ["", "## Overlap: cnn_preprocess, augmentation on cpu:0, CNN on the accelerator "
               "(goal: step <= 1.1x busier device)", "",
               f"batch {o['batch']}", "",
@@ -150,7 +156,7 @@ def to_markdown(res: dict) -> str:
         busy = ", ".join(f"{d} {b*1e3:.2f} ms" for d, b in r["busy_s"].items())
         lines.append(f"| {m} | {r['step_s']*1e3:.2f} ms | {busy} | "
                      f"{r['ratio_to_busiest']:.3f} |")
-    if res["transfers"]:
+    if isinstance(res["transfers"], list) and res["transfers"]:
         lines += ["", "## Transfers (fresh buffers, value checked; PCIe Gen5 x16 peak 63 GB/s)", "",
                   "| direction | size | jax.device_put | transfer engine (path) |",
                   "|---|---|---|---|"]
@@ -163,6 +169,17 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _guard(fn, *args):
+    """Runs one benchmark; a failure is reported in the results instead of ending the run."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - the report says what failed
+        import traceback
+
+        traceback.print_exc()
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def main(argv):
     del argv
     small = FLAGS.quick
@@ -172,9 +189,9 @@ def main(argv):
         "host": ", ".join(sorted({d.device_kind for d in devs.values()})),
         "jax": jax.__version__,
         "devices": sorted(devs),
-        "overhead": [overhead(n, steps, small) for n in ("resnet18", "transformer")],
-        "overlap": overlap(steps, small),
-        "transfers": transfers(sizes=(1 << 20,) if small else (1 << 20, 16 << 20, 256 << 20)),
+        "overhead": [_guard(overhead, n, steps, small) for n in ("resnet18", "transformer")],
+        "overlap": _guard(overlap, steps, small),
+        "transfers": _guard(transfers, (1 << 20,) if small else (1 << 20, 16 << 20, 256 << 20)),
     }
     md = to_markdown(res)
     print(md)

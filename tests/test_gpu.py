@@ -30,10 +30,12 @@ def test_cpu_gpu_alternating_plan_equals_jit(name):
     args = w.example_args()
     layers = hetpar.trace(w.train_step, *args).layers
     plan = {n: ("gpu:0" if i % 2 else "cpu:0") for i, n in enumerate(layers)}
-    # GPU matmuls run in TF32 by default; compare at that precision.
+    # The oracle runs on the CPU. GPU matmuls run in TF32 by default, so force
+    # full f32; cuDNN's convolutions still sum in another order than the CPU's,
+    # which BatchNorm over a batch of 2 amplifies to ~1e-4.
     with jax.default_matmul_precision("highest"):
         step = hetpar.auto(w.train_step, plan=plan)
-        check_steps(w.train_step, step, args, rtol=1e-4)
+        check_steps(w.train_step, step, args, rtol=5e-4)
 
 
 def test_cpu_gpu_pipeline_1f1b():

@@ -32,6 +32,10 @@ def _has_pinned_host(dev) -> bool:
         return False
 
 
+def _is_extended(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
 def _nbytes(x) -> int:
     return int(getattr(x, "nbytes", 0) or 0)
 
@@ -82,7 +86,8 @@ class TransferEngine:
         n = _nbytes(x)
         with self._lock:
             self.bytes_moved += n
-        if self.path(src, dst, n) == "pinned_host":
+        # PRNG keys (extended dtypes) have no NumPy view: they take device_put.
+        if self.path(src, dst, n) == "pinned_host" and not _is_extended(x.dtype):
             if src.platform == "gpu":
                 staged = jax.device_put(x, SingleDeviceSharding(src, memory_kind="pinned_host"))
                 return jax.device_put(np.asarray(staged), dst)
