@@ -8,7 +8,9 @@ through the transfer engine (so a transfer starts as soon as its producer is
 done, while other stages compute) and runs its executable.
 
 Failures: an exception inside a stage stops the step and surfaces as a
-`StageError` naming the stage's layers and device. No input buffer is
+`StageError` naming the stage's layers and device (for accelerator stages
+whose error only shows when their results are read: as JAX's own error, as
+with `jax.jit`). No input buffer is
 donated, so the caller's parameters and optimizer state are never left
 half-updated or deleted (the price: the old and new state coexist in memory
 during a step, as with `jax.jit` without `donate_argnums`).
@@ -117,8 +119,15 @@ class Executor:
                     return
                 done[idx].set()
             # Execution is asynchronous: errors surface when results are awaited.
-            # Awaiting each stage's results in order, after all are dispatched,
-            # names the failing stage without serialising the device's queue.
+            # A CPU worker awaits its stages' results in order once all are
+            # dispatched: that names a failing stage without serialising the
+            # queue. Accelerator workers return as soon as their stages are
+            # queued, like `jax.jit`: the step returns while the accelerator
+            # still computes, so the caller's next step can start its
+            # parameter-free CPU stages (input augmentation) meanwhile. Errors
+            # there surface when the results are read.
+            if dev.platform != "cpu":
+                return
             for st, outs in dispatched:
                 try:
                     jax.block_until_ready(outs)
