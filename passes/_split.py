@@ -186,8 +186,18 @@ def split(graph: LayerGraph, assignment: Mapping[str, str], *,
     device_order = _gpipe_order(stages)
     if schedule == "1f1b" and first_mb is not None:
         device_order = _one_f_one_b(stages, device_order) or device_order
-    input_devices = [home if layer in (None, SHARED) else assignment[layer]
-                     for layer in graph.input_layers]
+    # Shared inputs (the optimizer's step count) live where they are first read,
+    # like the shared equations: otherwise every step would pull the new count
+    # back from the accelerator to the home device and wait for it.
+    first_read: dict[jcore.Var, str] = {}
+    for i, e in enumerate(eqns):
+        for a in e.invars:
+            if isinstance(a, jcore.Var):
+                first_read.setdefault(a, device[i])
+    input_devices = [
+        first_read.get(v, home) if layer in (None, SHARED) else assignment[layer]
+        for v, layer in zip(jaxpr.invars, graph.input_layers)
+    ]
     return StageGraph(graph, dict(assignment), tuple(stages), device_order,
                       tuple(input_devices), home, schedule)
 
