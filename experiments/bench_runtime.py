@@ -80,6 +80,8 @@ def overlap(steps: int, small: bool, microbatches: int = 4) -> dict:
     acc = _accelerator()
     w = zoo.get("cnn_preprocess", small=small, batch=8 if small else 64)
     args = w.example_args()
+    # Input data arrives on the host, as from a data loader.
+    args = (*args[:2], jax.device_put(args[2], jax.devices("cpu")[0]))
     layers = hetpar.trace(w.train_step, *args).layers
     augment = {"random_rotation", "random_zoom", "rescaling"}
     plan = {n: ("cpu:0" if n in augment else acc) for n in layers}
