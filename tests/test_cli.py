@@ -1,0 +1,87 @@
+"""The cost report and the command line, as a user meets them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import hetpar
+from hetpar import zoo
+
+
+def hetpar_cli(*argv, check=True):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run([sys.executable, "-m", "hetpar", *argv], capture_output=True,
+                          text=True, env=env, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_report_json_keys():
+    w = zoo.get("mlp", small=True)
+    rep = hetpar.report(w.train_step, *jax.eval_shape(w.example_args)).to_json()
+    assert {"model", "batch", "mode", "layers", "totals"} <= set(rep)
+    layer_keys = {"name", "flops", "bytes_accessed", "transcendentals", "param_bytes",
+                  "activation_bytes", "xla_flops", "xla_bytes_accessed"}
+    assert all(layer_keys <= set(row) for row in rep["layers"])
+    assert {"flops", "bytes_accessed", "transcendentals", "xla_flops",
+            "xla_bytes_accessed"} <= set(rep["totals"])
+    # Per-layer counts add up to the total (the shared group is tiny).
+    assert sum(r["flops"] for r in rep["layers"]) == pytest.approx(rep["totals"]["flops"],
+                                                                    rel=1e-3)
+    assert rep["totals"]["xla_flops"] > 0
+
+
+def test_report_by_op():
+    w = zoo.get("conv6", small=True)
+    rep = hetpar.report(w.train_step, *jax.eval_shape(w.example_args), by="op", xla=False)
+    names = [r["name"] for r in rep.rows]
+    assert "conv_general_dilated" in names and "dot_general" in names
+
+
+def test_cli_report_json_and_csv():
+    out = hetpar_cli("report", "mlp", "--small", "--format", "json").stdout
+    data = json.loads(out)
+    assert data["model"] == "mlp" and data["layers"]
+    csv = hetpar_cli("report", "mlp", "--small", "--format", "csv", "--no-xla").stdout
+    assert csv.splitlines()[0].startswith("name,flops")
+
+
+def test_cli_trace_writes_graph_json(tmp_path):
+    path = tmp_path / "graph.json"
+    hetpar_cli("trace", "conv6", "--small", "--out", str(path))
+    data = json.loads(path.read_text())
+    assert data["format"] == "hetpar.graph" and len(data["layers"]) >= 7
+
+
+def test_cli_hlo_of_one_layer():
+    out = hetpar_cli("hlo", "mlp", "--small", "--layer", "fc1").stdout
+    assert "HloModule" in out
+
+
+def test_cli_run_main_job():
+    out = hetpar_cli("run", "mlp", "--small", "--steps", "2").stdout
+    assert "hetpar.auto" in out and "jax.jit" in out
+    if not [d for d in jax.devices() if d.platform != "cpu"]:
+        assert "what-if" in out  # spec-sheet plans when no accelerator is here
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (("report", "resnet51"), "unknown"),
+        (("report", "mlp", "--config", "widht=3"), "widht"),
+        (("report", "mlp", "--config", "nonsense"), "KEY=VALUE"),
+        (("hlo", "mlp", "--small", "--layer", "nope"), "no layer 'nope'"),
+        (("costs", "mlp", "--small", "--devices", "cpu:0,quantum"), "quantum"),
+    ],
+)
+def test_cli_bad_input_is_one_clear_line(argv, message):
+    proc = hetpar_cli(*argv, check=False)
+    assert proc.returncode == 2
+    assert message.lower() in proc.stderr.lower()
+    assert "Traceback" not in proc.stderr
