@@ -38,11 +38,12 @@ from typing import Any
 
 import numpy as np
 from absl import logging
+from scipy.optimize import nnls
+
 from hetpar.cost_models._measure import device_name, measure, present_devices, resolve_device
 from hetpar.cost_models._profiles import DeviceProfile, LinkProfile, ProfileSet
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 from hetpar.cost_models._specs import spec, spec_kinds
-from scipy.optimize import nnls
 
 _MB = 1 << 20
 

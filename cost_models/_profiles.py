@@ -188,6 +188,11 @@ class DeviceProfile:
       buffer_overhead_s: fixed cost per input or output array of a call
         (argument handling, one buffer per parameter and optimizer-state
         leaf); 0 unless calibrated on measured layers.
+      fused_bytes_efficiency: fraction of peak bandwidth reached on a
+        layer's after-fusion traffic (XLA's `bytes accessed` of the compiled
+        layer, `LayerWork.fused_bytes`), in (0, 1]; None until calibrated,
+        when the elementwise class's bytes efficiency (a streaming
+        benchmark: real traffic too) stands in. See `fused_efficiency`.
       price_per_hour: on-demand dollars per device-hour when rented alone.
       host_price_per_hour: marginal dollars per hour when this device is the
         host CPU of an accelerator instance whose price already covers it
@@ -220,6 +225,13 @@ class DeviceProfile:
     origin: str = "spec"
     benchmarks: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     buffer_overhead_s: float = 0.0
+    fused_bytes_efficiency: float | None = None
+
+    def fused_efficiency(self) -> float:
+        """Efficiency on after-fusion bytes: calibrated, else the elementwise bytes one."""
+        if self.fused_bytes_efficiency is not None:
+            return self.fused_bytes_efficiency
+        return self.efficiencies["elementwise"]["bytes"]
 
     @property
     def device_class(self) -> str:
@@ -254,6 +266,8 @@ class DeviceProfile:
         out["host_price_per_hour"] = self.host_price_per_hour
         if self.buffer_overhead_s:
             out["buffer_overhead_s"] = self.buffer_overhead_s
+        if self.fused_bytes_efficiency is not None:
+            out["fused_bytes_efficiency"] = self.fused_bytes_efficiency
         out["host_link"] = self.host_link.to_json() if self.host_link else None
         out["efficiencies"] = {c: dict(e) for c, e in self.efficiencies.items()}
         out["sources"] = dict(self.sources)
@@ -294,6 +308,13 @@ class DeviceProfile:
         buffer_overhead = _num(
             where, "buffer_overhead_s", data.get("buffer_overhead_s", 0.0), allow_zero=True
         )
+        fused_eff = data.get("fused_bytes_efficiency")
+        if fused_eff is not None:
+            fused_eff = _num(where, "fused_bytes_efficiency", fused_eff)
+            if fused_eff > 1.0:
+                raise ProfileError(
+                    f"{where}: field 'fused_bytes_efficiency' = {fused_eff} exceeds 1: no "
+                    "device moves its after-fusion bytes faster than its peak bandwidth")
         link = data.get("host_link")
         host_link = LinkProfile.from_json(link, f"{where} host_link") if link else None
         effs = _require(where, data, "efficiencies", "{op_class: {'flops': e, 'bytes': e}}")
@@ -326,6 +347,7 @@ class DeviceProfile:
             origin=origin,
             benchmarks=dict(data.get("benchmarks", {})),
             buffer_overhead_s=buffer_overhead,
+            fused_bytes_efficiency=fused_eff,
             **figures,
         )
 

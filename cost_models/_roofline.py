@@ -8,6 +8,15 @@ For one layer on one device::
 
 and never less than `max(flops / peak, io_bytes / bandwidth)`.
 
+When the layer's after-fusion traffic is known (`fused_bytes`: XLA's
+`bytes accessed` of the layer compiled for the device), it replaces the
+unfused per-class byte counts, which overstate what fused kernels move:
+it is shared among the classes in proportion to their unfused bytes and
+charged at one efficiency of its own (`fused_bytes_efficiency`, <= 1
+against the peak bandwidth, since fused bytes are real traffic)::
+
+    bytes_c = max(fused_bytes, io_bytes) * unfused_bytes_c / sum(unfused_bytes)
+
 The classes are summed, not maxed together, because a layer's matmuls,
 elementwise ops and reductions run as separate kernels one after another.
 `buffers` counts the arrays a call takes and returns: on a GPU nearly every
@@ -29,10 +38,10 @@ from typing import Any
 
 import numpy as np
 from absl import logging
-from hetpar.cost_models._profiles import OP_CLASSES, DeviceProfile
 from scipy.optimize import nnls
 
 from hetpar._errors import ProfileError
+from hetpar.cost_models._profiles import OP_CLASSES, DeviceProfile
 
 # Efficiencies below this are treated as a fitting accident, not a device.
 _MIN_EFF = 1e-6
@@ -55,6 +64,9 @@ class LayerWork:
         the profile's `buffer_overhead_s`.
       io_bytes: bytes of those arrays; every one is read or written at
         least once, so `io_bytes / bandwidth` is a lower bound on the time.
+      fused_bytes: bytes the layer moves after XLA's fusion on the device
+        it runs on (None: unknown, e.g. a spec-sheet device that is not
+        present); when known the predictor uses it for the bytes term.
     """
 
     flops_by_class: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -64,6 +76,7 @@ class LayerWork:
     dtype: str = "f32"
     buffers: int = 0
     io_bytes: float = 0.0
+    fused_bytes: float | None = None
 
     def __post_init__(self):
         for what in (self.flops_by_class, self.bytes_by_class):
@@ -78,6 +91,8 @@ class LayerWork:
         if self.buffers < 0 or self.io_bytes < 0:
             raise ProfileError(
                 f"LayerWork: negative buffers ({self.buffers}) or io_bytes ({self.io_bytes})")
+        if self.fused_bytes is not None and not self.fused_bytes >= 0:
+            raise ProfileError(f"LayerWork: fused_bytes must be >= 0, got {self.fused_bytes}")
 
     def flops(self, op_class: str) -> float:
         """FLOPs of `op_class`, transcendentals included in `elementwise`."""
@@ -103,19 +118,39 @@ class LayerWork:
         return cls(**data)
 
 
-def _terms(profile: DeviceProfile, work: LayerWork) -> tuple[np.ndarray, np.ndarray]:
-    """Per-class times at efficiency 1: (compute seconds, memory seconds)."""
+def fused_by_class(work: LayerWork) -> np.ndarray | None:
+    """The after-fusion bytes shared among the classes (None: not known).
+
+    Shares follow the unfused byte counts; no less than `io_bytes` in all
+    (XLA leaves custom calls' operands out on some backends).
+    """
+    if work.fused_bytes is None:
+        return None
+    total = max(float(work.fused_bytes), float(work.io_bytes))
+    unfused = np.array([work.bytes(c) for c in OP_CLASSES])
+    if unfused.sum() > 0:
+        return total * unfused / unfused.sum()
+    return total * np.array([c == "other" for c in OP_CLASSES], dtype=float)
+
+
+def _terms(profile: DeviceProfile, work: LayerWork) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-class times at efficiency 1: (compute, unfused memory, fused memory) seconds.
+
+    Exactly one of the two memory arrays is non-zero: fused when known.
+    """
     bw = profile.memory_bandwidth_bytes_per_s
     comp = np.array([work.flops(c) / profile.peak(work.dtype, c) for c in OP_CLASSES])
-    mem = np.array([work.bytes(c) / bw for c in OP_CLASSES])
-    return comp, mem
+    fused = fused_by_class(work)
+    if fused is None:
+        return comp, np.array([work.bytes(c) / bw for c in OP_CLASSES]), np.zeros(len(comp))
+    return comp, np.zeros(len(comp)), fused / bw
 
 
 def physical_floor(profile: DeviceProfile, work: LayerWork) -> float:
     """Seconds `work` takes at the device's peak FLOP/s and bandwidth, no less."""
-    comp, mem = _terms(profile, work)
+    comp, mem, fused = _terms(profile, work)
     io = work.io_bytes / profile.memory_bandwidth_bytes_per_s
-    return float(max(comp.sum(), mem.max(initial=0.0), io))
+    return float(max(comp.sum(), mem.max(initial=0.0), fused.sum(), io))
 
 
 def predict(profile: DeviceProfile, work: LayerWork) -> float:
@@ -123,15 +158,16 @@ def predict(profile: DeviceProfile, work: LayerWork) -> float:
 
     Args:
       profile: the device (measured, spec sheet, or transferred).
-      work: per-op-class FLOPs and bytes, the launch and buffer counts.
+      work: per-op-class FLOPs and bytes (after fusion when `fused_bytes`
+        is known), the launch and buffer counts.
 
     Returns:
       Seconds; never less than the time at the device's physical peak.
     """
-    comp, mem = _terms(profile, work)
+    comp, mem, fused = _terms(profile, work)
     ef = np.array([profile.efficiencies[c]["flops"] for c in OP_CLASSES])
     eb = np.array([profile.efficiencies[c]["bytes"] for c in OP_CLASSES])
-    t = np.maximum(comp / ef, mem / eb).sum()
+    t = np.maximum(np.maximum(comp / ef, mem / eb), fused / profile.fused_efficiency()).sum()
     t += work.launches * profile.launch_overhead_s + work.buffers * profile.buffer_overhead_s
     return float(max(t, physical_floor(profile, work)))
 
@@ -153,7 +189,10 @@ def calibrate(
     least-squares fit of log(predicted / measured) starts from that best
     fit: relative-error least squares is pulled by the few layers it
     overpredicts most, the log fit by none. Inverse efficiencies are
-    constrained to >= 1, so the fitted efficiencies lie in (0, 1]. A class
+    constrained to >= 1, so the fitted efficiencies lie in (0, 1]. Samples
+    whose after-fusion bytes are known (`LayerWork.fused_bytes`) fit one
+    more efficiency, `fused_bytes_efficiency`, in place of the per-class
+    bytes efficiencies. A class
     whose compute (or memory) side is never active in the samples keeps its
     previous efficiency: the data say nothing about it.
 
@@ -177,7 +216,8 @@ def calibrate(
     times = np.array([float(t) for _, t in samples])
     if np.any(~np.isfinite(times)) or np.any(times <= 0):
         raise ProfileError("calibrate: every measured time must be a positive number")
-    comp, mem = (np.array(a) for a in zip(*(_terms(profile, w) for w, _ in samples), strict=True))
+    comp, mem, fmem = (np.array(a) for a in zip(*(_terms(profile, w) for w, _ in samples),
+                                               strict=True))
     launches = np.array([float(w.launches) for w, _ in samples])
     buffers = np.array([float(w.buffers) for w, _ in samples])
     floor = np.array([physical_floor(profile, w) for w, _ in samples])
@@ -186,24 +226,26 @@ def calibrate(
     n_cls = len(OP_CLASSES)
     u0 = np.array([1.0 / profile.efficiencies[c]["flops"] for c in OP_CLASSES])
     v0 = np.array([1.0 / profile.efficiencies[c]["bytes"] for c in OP_CLASSES])
+    f0 = 1.0 / profile.fused_efficiency()
     o0, b0 = profile.launch_overhead_s, profile.buffer_overhead_s
 
-    def model(u, v, o, b):
-        t = np.maximum(comp * u, mem * v).sum(axis=1) + launches * o + buffers * b
+    def model(u, v, f, o, b):
+        side = np.maximum(np.maximum(comp * u, mem * v), fmem * f)
+        t = side.sum(axis=1) + launches * o + buffers * b
         return np.maximum(t, floor)
 
-    def loss(u, v, o, b):
-        return float(np.sum(((model(u, v, o, b) - times) * w) ** 2))
+    def loss(u, v, f, o, b):
+        return float(np.sum(((model(u, v, f, o, b) - times) * w) ** 2))
 
-    best = (loss(u0, v0, o0, b0), u0, v0, o0, b0)
+    best = (loss(u0, v0, f0, o0, b0), u0, v0, f0, o0, b0)
     for start in (u0, np.ones(n_cls), np.full(n_cls, 10.0), np.full(n_cls, 100.0)):
-        u, v, o, b = start.copy(), start.copy(), o0, b0
+        u, v, f, o, b = start.copy(), start.copy(), float(start[0]), o0, b0
         for _ in range(iterations):
-            comp_side = comp * u >= mem * v
-            a_cols = comp * comp_side  # coefficient of u_c
-            b_cols = mem * ~comp_side  # coefficient of v_c
+            comp_side = comp * u >= np.maximum(mem * v, fmem * f)
+            fused_side = ~comp_side & (fmem * f >= mem * v) & (fmem > 0)
+            mem_side = ~comp_side & ~fused_side
             cols, fixed_rhs, slots = [], np.zeros_like(times), []
-            for kind, mat, params in (("u", a_cols, u), ("v", b_cols, v)):
+            for kind, mat, params in (("u", comp * comp_side, u), ("v", mem * mem_side, v)):
                 for c in range(n_cls):
                     col = mat[:, c]
                     if np.any(col * w > 1e-12):
@@ -213,6 +255,11 @@ def calibrate(
                         slots.append((kind, c))
                     else:
                         fixed_rhs += col * params[c]
+            fcol = (fmem * fused_side).sum(axis=1)  # one efficiency for all fused bytes
+            if np.any(fcol * w > 1e-12):
+                fixed_rhs += fcol
+                cols.append(fcol)
+                slots.append(("f", 0))
             if fit_overhead:
                 cols.append(launches)
                 slots.append(("o", 0))
@@ -228,12 +275,14 @@ def calibrate(
             design = np.stack(cols, axis=1) * w[:, None]
             rhs = (times - fixed_rhs) * w
             x, _ = nnls(design, rhs, maxiter=50 * design.shape[1])
-            new_u, new_v, new_o, new_b = u.copy(), v.copy(), o, b
+            new_u, new_v, new_f, new_o, new_b = u.copy(), v.copy(), f, o, b
             for (kind, c), val in zip(slots, x, strict=True):
                 if kind == "u":
                     new_u[c] = 1.0 + val
                 elif kind == "v":
                     new_v[c] = 1.0 + val
+                elif kind == "f":
+                    new_f = 1.0 + val
                 elif kind == "o":
                     new_o = val
                 else:
@@ -241,18 +290,19 @@ def calibrate(
             done = (
                 np.allclose(new_u, u, rtol=1e-10)
                 and np.allclose(new_v, v, rtol=1e-10)
+                and np.isclose(new_f, f, rtol=1e-10)
                 and np.isclose(new_o, o, rtol=1e-10)
                 and np.isclose(new_b, b, rtol=1e-10)
             )
-            u, v, o, b = new_u, new_v, new_o, new_b
+            u, v, f, o, b = new_u, new_v, new_f, new_o, new_b
             if done:
                 break
-        cand = (loss(u, v, o, b), u, v, o, b)
+        cand = (loss(u, v, f, o, b), u, v, f, o, b)
         if cand[0] < best[0]:
             best = cand
-    _, u, v, o, b = best
+    _, u, v, f, o, b = best
     if log_refine:
-        u, v, o, b = _log_refine(model, times, u, v, o, b, fit_overhead, fit_buffers)
+        u, v, f, o, b = _log_refine(model, times, u, v, f, o, b, fit_overhead, fit_buffers)
     effs = {
         c: {
             "flops": float(np.clip(1.0 / u[i], _MIN_EFF, 1.0)),
@@ -260,7 +310,7 @@ def calibrate(
         }
         for i, c in enumerate(OP_CLASSES)
     }
-    rel = np.abs(model(u, v, o, b) - times) / times
+    rel = np.abs(model(u, v, f, o, b) - times) / times
     logging.debug(
         "calibrated %s on %d samples: median |error| %.1f%%, max %.1f%%",
         profile.name, len(samples), 100 * np.median(rel), 100 * np.max(rel),
@@ -273,6 +323,12 @@ def calibrate(
         f"samples (median |error| {100 * np.median(rel):.1f}%)"
     )
     changes: dict[str, Any] = {"efficiencies": effs, "sources": sources}
+    n_fused = int(np.sum(fmem.sum(axis=1) > 0))
+    fused_active = (fmem * f >= np.maximum(comp * u, mem * v)) & (fmem > 0)
+    if n_fused and np.any(fused_active):  # else the data say nothing about it
+        changes["fused_bytes_efficiency"] = float(np.clip(1.0 / f, _MIN_EFF, 1.0))
+        sources["fused_bytes_efficiency"] = (
+            f"calibrated {today} with the efficiencies ({n_fused} samples with fused bytes)")
     if fit_overhead:
         changes["launch_overhead_s"] = float(o)
         sources["launch_overhead_s"] = f"fitted {today} with the efficiencies"
@@ -282,21 +338,21 @@ def calibrate(
     return profile.replace(**changes)
 
 
-def _log_refine(model, times, u, v, o, b, fit_overhead: bool, fit_buffers: bool):
-    """Robust least squares on log(model / times) from (u, v, o, b); keeps the bounds."""
+def _log_refine(model, times, u, v, f, o, b, fit_overhead: bool, fit_buffers: bool):
+    """Robust least squares on log(model / times) from (u, v, f, o, b); keeps the bounds."""
     from scipy.optimize import least_squares
 
     n = len(u)
-    x0 = np.concatenate([u, v, [o, b]])
-    free = np.array([True] * (2 * n) + [fit_overhead, fit_buffers])
-    lo = np.concatenate([np.ones(2 * n), [0.0, 0.0]])
+    x0 = np.concatenate([u, v, [f, o, b]])
+    free = np.array([True] * (2 * n + 1) + [fit_overhead, fit_buffers])
+    lo = np.concatenate([np.ones(2 * n + 1), [0.0, 0.0]])
     # Overheads in microseconds keep the variables on comparable scales.
-    scale = np.concatenate([np.ones(2 * n), [1e-6, 1e-6]])
+    scale = np.concatenate([np.ones(2 * n + 1), [1e-6, 1e-6]])
 
     def unpack(z):
         x = x0.copy()
         x[free] = z * scale[free]
-        return x[:n], x[n:2 * n], x[2 * n], x[2 * n + 1]
+        return x[:n], x[n:2 * n], x[2 * n], x[2 * n + 1], x[2 * n + 2]
 
     def resid(z):
         return np.log(model(*unpack(z))) - np.log(times)
@@ -307,7 +363,7 @@ def _log_refine(model, times, u, v, o, b, fit_overhead: bool, fit_buffers: bool)
                             loss="soft_l1", f_scale=0.1, max_nfev=2000)
     except (ValueError, np.linalg.LinAlgError) as e:  # degenerate data: keep the LS fit
         logging.debug("log refinement failed: %s", e)
-        return u, v, o, b
+        return u, v, f, o, b
     z = res.x * scale[free]
     # least_squares keeps strictly inside its bounds: snap what sits on one.
     z = np.where(z <= lo[free] * (1 + 1e-6) + 1e-15, lo[free], z) / scale[free]
@@ -342,8 +398,12 @@ def transfer_calibration(measured: DeviceProfile, spec_profile: DeviceProfile) -
     if measured.buffer_overhead_s:
         sources["buffer_overhead_s"] = f"transferred from {measured.name!r}: " + \
             measured.sources.get("buffer_overhead_s", "measured")
+    if measured.fused_bytes_efficiency is not None:
+        sources["fused_bytes_efficiency"] = f"transferred from {measured.name!r}: " + \
+            measured.sources.get("fused_bytes_efficiency", "measured")
     return spec_profile.replace(
         efficiencies={c: dict(e) for c, e in measured.efficiencies.items()},
+        fused_bytes_efficiency=measured.fused_bytes_efficiency,
         launch_overhead_s=measured.launch_overhead_s,
         buffer_overhead_s=measured.buffer_overhead_s,
         sources=sources,

@@ -38,9 +38,8 @@ import importlib.resources
 import json
 from collections.abc import Iterable
 
-from hetpar.cost_models._profiles import DeviceProfile, ProfileSet
-
 from hetpar._errors import ProfileError
+from hetpar.cost_models._profiles import DeviceProfile, ProfileSet
 
 
 @functools.cache

@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 from absl import logging
+
+from hetpar._errors import ProfileError
 from hetpar.cost_models._measure import (
     Timing,
     device_name,
@@ -59,8 +61,6 @@ from hetpar.cost_models._measure import (
 from hetpar.cost_models._profiles import OP_CLASSES, DeviceProfile, LinkProfile, ProfileSet
 from hetpar.cost_models._roofline import LayerWork, predict
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
-
-from hetpar._errors import ProfileError
 
 # LayerGraph op classes the roofline has no class of its own for.
 _CLASS_MAP = {"data_movement": "other", "control_flow": "other"}
@@ -516,9 +516,8 @@ def example_args(workload) -> tuple:
 def trace_model(model: str, *, small: bool = False, batch: int | None = None,
                 config: Mapping[str, Any] | None = None, depth: int | None = None):
     """(workload, LayerGraph) of a zoo model's train step."""
-    from hetpar.passes import trace
-
     from hetpar import zoo
+    from hetpar.passes import trace
 
     w = zoo.get(model, small=small, batch=batch, **dict(config or {}))
     return w, trace(w.train_step, *example_args(w), depth=depth)

@@ -126,9 +126,9 @@ def _markdown(result) -> str:
 def main(argv):
     del argv
     import jax
-    from hetpar.cost_models import LAUNCH_MODELS, accuracy
 
     from hetpar import zoo
+    from hetpar.cost_models import LAUNCH_MODELS, accuracy
 
     if _RECORDS.value:
         parts = [json.loads(pathlib.Path(p).read_text()) for p in _RECORDS.value]

@@ -18,10 +18,10 @@ import platform
 import jax
 import jax.numpy as jnp
 from absl import app, flags
-from hetpar.passes import trace
-from hetpar.passes._xla import step_cost
 
 from hetpar import zoo
+from hetpar.passes import trace
+from hetpar.passes._xla import step_cost
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("backend", "cpu", "XLA backend whose compiler gives the XLA columns")

@@ -167,6 +167,7 @@ def main(argv):
         data = json.loads(pathlib.Path(_DATA.value).read_text())
     else:
         import jax
+
         from hetpar.cost_models import present_devices, spec_kind_of
 
         devices = present_devices()

@@ -21,10 +21,11 @@ from collections.abc import Callable, Sequence
 
 import jax
 import networkx as nx
+from jax.extend import core as jcore
+
 from hetpar.passes._costs import Work, eqn_work, eqns_work, nbytes
 from hetpar.passes._layers import SHARED, assign_layers, is_backward, is_forward
 from hetpar.passes._program import Program, subjaxpr, trace_program
-from jax.extend import core as jcore
 
 #: Roles of a flat input of the step.
 PARAM, OPT_STATE, BATCH = "param", "opt_state", "batch"

@@ -30,8 +30,9 @@ import re
 from collections import Counter
 from collections.abc import Sequence
 
-from hetpar.passes._program import Program
 from jax.extend import core as jcore
+
+from hetpar.passes._program import Program
 
 SHARED = "shared"
 #: Name scope `hetpar.value_and_grad` puts around microbatch i: `hetpar_mb<i>`.

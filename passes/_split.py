@@ -23,11 +23,11 @@ import dataclasses
 import heapq
 from collections.abc import Mapping
 
-from hetpar.passes._layer_graph import LayerGraph
-from hetpar.passes._layers import SHARED, is_backward, microbatch_of
 from jax.extend import core as jcore
 
 from hetpar._errors import PlanError
+from hetpar.passes._layer_graph import LayerGraph
+from hetpar.passes._layers import SHARED, is_backward, microbatch_of
 
 _PHASE_RANK = {"pre": 0, "forward": 1, "main": 1, "backward": 2, "post": 3}
 SCHEDULES = ("gpipe", "1f1b")

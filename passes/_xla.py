@@ -13,8 +13,9 @@ import dataclasses
 
 import jax
 from absl import logging
-from hetpar.passes._layer_graph import LayerGraph
 from jax.extend import core as jcore
+
+from hetpar.passes._layer_graph import LayerGraph
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from hetpar import ProfileError
 from hetpar.cost_models import (
     OP_CLASSES,
     DeviceProfile,
@@ -29,8 +31,6 @@ from hetpar.cost_models import (
     sweep_batch,
     transfer_calibration,
 )
-
-from hetpar import ProfileError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

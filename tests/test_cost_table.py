@@ -3,10 +3,10 @@
 import functools
 
 import pytest
-from hetpar.cost_models import _measure
 
 from hetpar import cost_models
 from hetpar._errors import ProfileError
+from hetpar.cost_models import _measure
 from hetpar.planner._graph import CostTable
 
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
 from hetpar.passes import eqn_work, op_class
 from hetpar.passes._costs import jaxpr_work
 

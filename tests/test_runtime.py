@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hetpar.passes import SHARED
 
 import hetpar
 from hetpar import zoo
 from hetpar._auto import _marked
+from hetpar.passes import SHARED
 
 CPU = jax.devices("cpu")
 

@@ -6,13 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from hetpar.passes import SHARED, module_path, trace
-from hetpar.passes._layer_graph import PARAM
-from hetpar.passes._layers import is_backward, is_forward
 from jax.extend import core as jcore
 
 import hetpar
 from hetpar import zoo
+from hetpar.passes import SHARED, module_path, trace
+from hetpar.passes._layer_graph import PARAM
+from hetpar.passes._layers import is_backward, is_forward
 
 
 class Block(nn.Module):
