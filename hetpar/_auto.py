@@ -99,10 +99,6 @@ class CompiledStep:
         self.table = None
         self.plan = None
         self.assignment = self._assign(options)
-        missing = sorted({d for d in self.assignment.values() if d not in self.devices})
-        if missing:
-            raise PlanError(f"the plan places layers on {missing}, which are not present "
-                            f"(present: {sorted(self.devices)})")
         used = sorted(set(self.assignment.values()))
         self.stages: StageGraph | None = None
         self._out_tree = self.graph.program.out_tree
@@ -131,18 +127,17 @@ class CompiledStep:
 
     def _assign(self, options: Options) -> dict[str, str]:
         plan = options.plan
-        if isinstance(plan, Mapping):
-            return dict(plan)
         if plan is None:
             return self._solve(options, self._candidate_devices(options))
         from hetpar.planner import Plan
 
         if isinstance(plan, (str, os.PathLike)):
             plan = Plan.load(plan)
-        if not isinstance(plan, Plan):
+        if not isinstance(plan, (Plan, Mapping)):
             raise PlanError(f"plan must be a path to plan.json, a hetpar.Plan or a dict "
                             f"{{layer: device}}, got {type(plan).__name__}")
-        wanted = sorted(set(plan.assignment.values()))
+        assignment = dict(plan.assignment if isinstance(plan, Plan) else plan)
+        wanted = sorted(set(assignment.values()))
         absent = [d for d in wanted if d not in self.devices]
         if absent:
             if options.on_missing_device == "replan":
@@ -153,6 +148,8 @@ class CompiledStep:
             raise PlanError(f"the plan places layers on {absent}, which are not present here "
                             f"(present: {sorted(self.devices)}). Pass "
                             "on_missing_device='replan' to plan afresh for these devices.")
+        if isinstance(plan, Mapping):
+            return assignment
         table = self._cost_table(wanted, options)
         plan.check(table)
         self.table, self.plan = table, plan

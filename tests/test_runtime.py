@@ -209,6 +209,16 @@ def test_plan_naming_a_missing_device(tmp_path):
         hetpar.auto(w.train_step, plan=dict.fromkeys(layers, "gpu:0"))(*args)
 
 
+def test_missing_device_can_replan(caplog):
+    w = small("mlp")
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    step = hetpar.auto(w.train_step, plan=dict.fromkeys(layers, "gpu:7"),
+                       devices=["cpu:0", "cpu:1"], on_missing_device="replan")
+    check_steps(w.train_step, step, args, steps=1)
+    assert set(step.assignment.values()) <= {f"cpu:{i}" for i in range(len(CPU))}
+
+
 def test_microbatches_must_divide_the_batch():
     w = zoo.get("mlp", small=True, batch=4)
     args = w.example_args()
