@@ -41,11 +41,13 @@ from hetpar.cost_models._profiles import (
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict, transfer_calibration
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
 from hetpar.cost_models._table import (
+    BYTES_MODELS,
     LAUNCH_MODELS,
     accuracy,
     cost_table,
     cost_table_for_model,
     fit_layers,
+    layer_fused_bytes,
     layer_records,
     layer_work,
     measure_layer,
@@ -62,6 +64,8 @@ __all__ = [
     "fit_layers",
     "accuracy",
     "LAUNCH_MODELS",
+    "BYTES_MODELS",
+    "layer_fused_bytes",
     "trace_model",
     "resolve_devices",
     "random_inputs",

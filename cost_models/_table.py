@@ -42,6 +42,7 @@ measured path go through the host (two hops in series).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -108,8 +109,51 @@ def layer_io(graph, layer: str) -> tuple[int, float]:
     return n, nbytes
 
 
+# XLA's cost analysis counts a loop body once: after-fusion bytes of a layer
+# holding one would understate its traffic by the trip count.
+_LOOPS = frozenset({"scan", "while"})
+
+
+def _has_loop(jaxpr) -> bool:
+    from jax.extend import core as jcore
+
+    for e in jaxpr.eqns:
+        if e.primitive.name in _LOOPS:
+            return True
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+                if isinstance(inner, jcore.Jaxpr) and _has_loop(inner):
+                    return True
+    return False
+
+
+def layer_xla_cost(graph, layer: str, backend: str):
+    """XLA's after-fusion cost of the layer compiled alone for `backend` (an `XlaCost`).
+
+    Returns None when XLA's figures cannot stand for the layer: it holds a
+    loop (XLA counts the body once) or the compile or analysis failed.
+    """
+    from hetpar.passes._xla import compiled_cost
+
+    closed, inputs, _ = graph.layer_jaxpr(layer)
+    if _has_loop(closed.jaxpr):
+        return None
+    try:
+        return compiled_cost(closed, [v.aval for v in inputs], backend)
+    except Exception as e:  # noqa: BLE001 - the unfused count still stands
+        logging.warning("XLA cost of %s on %s failed: %s", layer, backend, e)
+        return None
+
+
+def layer_fused_bytes(graph, layer: str, backend: str) -> float | None:
+    """Bytes the layer moves after XLA's fusion on `backend`, or None when unknown."""
+    cost = layer_xla_cost(graph, layer, backend)
+    return None if cost is None else cost.bytes_accessed
+
+
 def layer_work(info, *, dtype: str = "f32", launches: int = 1, buffers: int = 0,
-               io_bytes: float = 0.0) -> LayerWork:
+               io_bytes: float = 0.0, fused_bytes: float | None = None) -> LayerWork:
     """The roofline's view of a LayerInfo's counted work.
 
     Args:
@@ -118,6 +162,8 @@ def layer_work(info, *, dtype: str = "f32", launches: int = 1, buffers: int = 0,
       launches: dispatches; a layer's stage is one executable, so 1.
       buffers, io_bytes: the call's input and output arrays and their bytes
         (`layer_io`); 0 when unknown.
+      fused_bytes: after-fusion bytes on the device (`layer_fused_bytes`),
+        None when unknown.
 
     Returns:
       A LayerWork over the roofline's op classes.
@@ -133,13 +179,20 @@ def layer_work(info, *, dtype: str = "f32", launches: int = 1, buffers: int = 0,
         nbytes[c] += float(b)
         trans += float(t)
     return LayerWork(flops, nbytes, launches=launches, transcendentals=trans, dtype=dtype,
-                     buffers=int(buffers), io_bytes=float(io_bytes))
+                     buffers=int(buffers), io_bytes=float(io_bytes),
+                     fused_bytes=None if fused_bytes is None else float(fused_bytes))
 
 
-def graph_layer_work(graph, layer: str) -> LayerWork:
-    """`layer_work` of one layer of a LayerGraph, with its dtype, buffers and io bytes."""
+def graph_layer_work(graph, layer: str, backend: str | None = None) -> LayerWork:
+    """`layer_work` of one layer of a LayerGraph, with its dtype, buffers and io bytes.
+
+    With `backend` (a present platform: `cpu`, `gpu`), the layer is compiled
+    for it and XLA's after-fusion bytes fill `fused_bytes`.
+    """
     n, io = layer_io(graph, layer)
-    return layer_work(graph[layer], dtype=layer_dtype(graph, layer), buffers=n, io_bytes=io)
+    fused = None if backend is None else layer_fused_bytes(graph, layer, backend)
+    return layer_work(graph[layer], dtype=layer_dtype(graph, layer), buffers=n, io_bytes=io,
+                      fused_bytes=fused)
 
 
 # -- devices ---------------------------------------------------------------------
@@ -388,6 +441,34 @@ def measure_layer(graph, layer: str, device, *, k: int = 10, warmup: int = 2) ->
 # -- the table -------------------------------------------------------------------
 
 
+def _fused_works(graph, layer: str, work: LayerWork, devs: Sequence[_Dev]
+                 ) -> dict[str, LayerWork]:
+    """Per device, `work` with the after-fusion bytes where they can be known.
+
+    A present device gets its own backend's figure (the layer is compiled
+    for it to be measured anyway). A spec-sheet device borrows the figure
+    of a present device of its class (same compiler, same fusion; the
+    fused/unfused ratio of the layer carries over), else keeps the
+    unfused count.
+    """
+    by_backend: dict[str, float | None] = {}
+    by_class: dict[str, float] = {}
+    for d in devs:
+        if d.jax_device is None:
+            continue
+        platform = d.jax_device.platform
+        if platform not in by_backend:
+            by_backend[platform] = layer_fused_bytes(graph, layer, platform)
+        if by_backend[platform] is not None:
+            by_class.setdefault(d.profile.device_class, by_backend[platform])
+    out = {}
+    for d in devs:
+        fused = (by_backend.get(d.jax_device.platform) if d.jax_device is not None
+                 else by_class.get(d.profile.device_class))
+        out[d.name] = work if fused is None else dataclasses.replace(work, fused_bytes=fused)
+    return out
+
+
 def _edge_sizes(graph) -> list[float]:
     sizes = []
     for _, _, d in graph.graph.edges(data=True):
@@ -415,7 +496,9 @@ def cost_table(
       profiles: measured profiles (`load_profiles(path)`); default: spec
         sheets alone.
       measure: measure every layer on the present devices instead of
-        predicting it (spec-sheet devices stay predicted).
+        predicting it (spec-sheet devices stay predicted). The predictions
+        kept in `meta` then use XLA's after-fusion bytes of each layer
+        (`_fused_works`); without `measure` they use the unfused count.
       k: timed runs per measurement.
       progress: called with one line per measured layer.
       host_cpu_included: price the host CPU beside an accelerator at its
@@ -446,7 +529,10 @@ def cost_table(
     for i, name in enumerate(graph.layers):
         info = graph[name]
         work = graph_layer_work(graph, name)
-        predicted[name] = {d.name: predict(d.profile, work) for d in devs}
+        works = {d.name: work for d in devs}
+        if measure:
+            works = _fused_works(graph, name, work, devs)
+        predicted[name] = {d.name: predict(d.profile, works[d.name]) for d in devs}
         times = dict(predicted[name])
         if measure:
             for d in devs:
@@ -589,6 +675,10 @@ def per_sample(table, batch: int) -> dict[str, dict[str, dict[str, float]]]:
 #: layer (its stage is one executable), or one per unfused equation.
 LAUNCH_MODELS = ("executable", "equations")
 
+#: Which byte count the bytes term uses: XLA's after-fusion bytes where the
+#: record has them (`fused`), or hetpar's unfused count always (`unfused`).
+BYTES_MODELS = ("fused", "unfused")
+
 
 def layer_records(
     model: str,
@@ -603,7 +693,9 @@ def layer_records(
 
     Returns:
       One record per layer: model, layer, device, device kind, batch, the
-      layer's work (`LayerWork.to_json`), its unfused equation count, and
+      layer's work (`LayerWork.to_json`, with the after-fusion bytes on
+      this device in `fused_bytes` when XLA gives them), XLA's cost analysis
+      (`xla`, None for layers with loops), its unfused equation count, and
       the measured median and IQR in seconds. `accuracy` reads these.
     """
     from hetpar.cost_models._measure import resolve_device
@@ -615,11 +707,16 @@ def layer_records(
     for name in graph.layers:
         info = graph[name]
         t = measure_layer(graph, name, dev, k=k)
+        xla = layer_xla_cost(graph, name, dev.platform)
+        work = graph_layer_work(graph, name)
+        if xla is not None and xla.bytes_accessed is not None:
+            work = dataclasses.replace(work, fused_bytes=xla.bytes_accessed)
         out.append({
             "model": model, "layer": name, "device": device_name(dev),
             "device_kind": dev.device_kind, "kind": spec_kind_of(dev),
             "batch": w.config.get("batch_size"), "small": small,
-            "work": graph_layer_work(graph, name).to_json(),
+            "work": work.to_json(),
+            "xla": None if xla is None else dataclasses.asdict(xla),
             "equations": int(info.work.launches),
             "measured_s": t.median_s, "iqr_s": t.iqr_s,
         })
@@ -628,24 +725,29 @@ def layer_records(
     return out
 
 
-def record_work(record: Mapping[str, Any], launch_model: str = "executable") -> LayerWork:
-    """The LayerWork of a record, with launches counted as `launch_model` says."""
+def record_work(record: Mapping[str, Any], launch_model: str = "executable",
+                bytes_model: str = "fused") -> LayerWork:
+    """The LayerWork of a record, launches and bytes counted as the models say."""
     data = dict(record["work"])
     data["launches"] = 1 if launch_model == "executable" else max(1, record["equations"])
+    if bytes_model == "unfused":
+        data["fused_bytes"] = None
     return LayerWork.from_json(data)
 
 
 def fit_layers(profile: DeviceProfile, records: Sequence[Mapping[str, Any]], *,
-               launch_model: str = "executable") -> DeviceProfile:
+               launch_model: str = "executable", bytes_model: str = "fused") -> DeviceProfile:
     """Calibrates `profile` on measured layers: per-class efficiencies and the launch cost."""
     from hetpar.cost_models._roofline import calibrate
 
-    samples = [(record_work(r, launch_model), r["measured_s"]) for r in records]
+    samples = [(record_work(r, launch_model, bytes_model), r["measured_s"]) for r in records]
     return calibrate(profile, samples, fit_overhead=True)
 
 
-def _errors(profile: DeviceProfile, records, launch_model: str) -> np.ndarray:
-    pred = np.array([predict(profile, record_work(r, launch_model)) for r in records])
+def _errors(profile: DeviceProfile, records, launch_model: str,
+            bytes_model: str = "fused") -> np.ndarray:
+    pred = np.array([predict(profile, record_work(r, launch_model, bytes_model))
+                     for r in records])
     meas = np.array([r["measured_s"] for r in records])
     return np.abs(pred - meas) / meas
 
@@ -663,6 +765,7 @@ def accuracy(
     train_models: Sequence[str],
     *,
     launch_model: str = "executable",
+    bytes_model: str = "fused",
     threshold_s: float = 100e-6,
 ) -> dict[str, Any]:
     """Held-out error of the calibrated roofline, per device.
@@ -672,6 +775,7 @@ def accuracy(
       base: device name -> profile to calibrate (its peaks stay fixed).
       train_models: models whose layers calibrate; the rest are held out.
       launch_model: one of `LAUNCH_MODELS`.
+      bytes_model: one of `BYTES_MODELS`.
       threshold_s: the "large layer" cut (by measured time).
 
     Returns:
@@ -686,16 +790,20 @@ def accuracy(
         test = [r for r in rs if r["model"] not in train_models]
         if not train or not test:
             continue
-        prof = fit_layers(base[dev], train, launch_model=launch_model)
+        prof = fit_layers(base[dev], train, launch_model=launch_model, bytes_model=bytes_model)
         large = [r for r in test if r["measured_s"] > threshold_s]
         out[dev] = {
             "kind": rs[0]["kind"], "device_kind": rs[0]["device_kind"],
-            "train": _stats(_errors(prof, train, launch_model)),
-            "test": _stats(_errors(prof, test, launch_model)),
-            "test_large": _stats(_errors(prof, large, launch_model)),
-            "uncalibrated_test_large": _stats(_errors(base[dev], large, launch_model)),
+            "train": _stats(_errors(prof, train, launch_model, bytes_model)),
+            "test": _stats(_errors(prof, test, launch_model, bytes_model)),
+            "test_large": _stats(_errors(prof, large, launch_model, bytes_model)),
+            "uncalibrated_test_large": _stats(_errors(base[dev], large, launch_model,
+                                                      bytes_model)),
             "efficiencies": {c: dict(e) for c, e in prof.efficiencies.items()},
+            "fused_bytes_efficiency": prof.fused_bytes_efficiency,
+            "with_fused_bytes": sum(r["work"].get("fused_bytes") is not None for r in rs),
             "launch_overhead_s": prof.launch_overhead_s,
+            "buffer_overhead_s": prof.buffer_overhead_s,
             "train_models": sorted({r["model"] for r in train}),
             "test_models": sorted({r["model"] for r in test}),
         }

@@ -30,7 +30,7 @@ from hetpar.runtime import TransferEngine
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "experiments/results/runtime", "output path prefix (.md, .json)")
-flags.DEFINE_integer("steps", 60, "timed steps per measurement")
+flags.DEFINE_integer("steps", 100, "timed steps per measurement")
 flags.DEFINE_bool("quick", False, "small configs and few steps (a smoke test on CPU)")
 
 
@@ -64,11 +64,12 @@ def overhead(name: str, steps: int, small: bool) -> dict:
     for _ in range(3):  # warm-up and compile
         _, s_auto = _median_step(auto, s_auto, batch, 1)
         _, s_jit = _median_step(jitted, s_jit, batch, 1)
+    # Alternate single steps so both see the same drift of the host.
     t_auto, t_jit = [], []
-    for _ in range(5):
-        t, s_auto = _median_step(auto, s_auto, batch, max(1, steps // 5))
+    for _ in range(steps):
+        t, s_auto = _median_step(auto, s_auto, batch, 1)
         t_auto.append(t)
-        t, s_jit = _median_step(jitted, s_jit, batch, max(1, steps // 5))
+        t, s_jit = _median_step(jitted, s_jit, batch, 1)
         t_jit.append(t)
     a, j = statistics.median(t_auto), statistics.median(t_jit)
     return {"model": name, "device": str(dev.device_kind), "batch": w.config["batch_size"],

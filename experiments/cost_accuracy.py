@@ -14,6 +14,13 @@ The second form recomputes the report from saved measurements (no device).
 Records saved before the work counts had `buffers` and `io_bytes` get them
 by re-tracing their model at the recorded config (`--refresh_work`, on by
 default); records of layers the zoo no longer has are dropped and listed.
+Records without after-fusion bytes get them where their device's platform
+is present here (`--refresh_fused`: the CPU's, on any machine).
+
+Each layer is also compiled alone for its device and XLA's `bytes accessed`
+(after fusion) is recorded as `work.fused_bytes`; the report gives the
+error with those bytes (the predictor's default where they are known) and,
+for comparison, with hetpar's unfused byte count.
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ _CPU_BATCH = flags.DEFINE_integer("cpu_batch", 32, "batch of the small configs o
 _MODELS = flags.DEFINE_list("models", None, "zoo models (default: all)")
 _REFRESH = flags.DEFINE_bool("refresh_work", True,
                              "recount the work of saved records that lack buffer counts")
+_REFRESH_FUSED = flags.DEFINE_bool("refresh_fused", True,
+                                   "add after-fusion bytes to saved records of platforms "
+                                   "present here")
 
 
 def _refresh_work(records):
@@ -58,6 +68,38 @@ def _refresh_work(records):
         else:
             dropped.append(f"{r['model']}/{r['layer']} on {r['device']}")
     return out, dropped
+
+
+def _refresh_fused(records):
+    """Adds `fused_bytes` (and `xla`) to records of present platforms that were never asked."""
+    import dataclasses
+
+    import jax
+    from hetpar.cost_models import LayerWork
+    from hetpar.cost_models._table import layer_xla_cost, trace_model
+
+    present = {d.platform for d in jax.devices()} | {"cpu"}
+    stale = {(r["model"], r["small"], r["batch"], r["device"].split(":")[0]) for r in records
+             if "xla" not in r and r["device"].split(":")[0] in present}
+    fused = {}
+    for model, small, batch, platform in sorted(stale):
+        _, graph = trace_model(model, small=small, batch=batch)
+        for name in graph.layers:
+            xla = layer_xla_cost(graph, name, platform)
+            fused[(model, small, batch, platform, name)] = xla
+    out = []
+    for r in records:
+        key = (r["model"], r["small"], r["batch"], r["device"].split(":")[0], r["layer"])
+        if key not in fused:
+            out.append(r)
+            continue
+        xla = fused[key]
+        work = LayerWork.from_json(r["work"])
+        if xla is not None and xla.bytes_accessed is not None:
+            work = dataclasses.replace(work, fused_bytes=xla.bytes_accessed)
+        out.append(dict(r, work=work.to_json(),
+                        xla=None if xla is None else dataclasses.asdict(xla)))
+    return out
 
 
 def _base_profiles(records):
@@ -99,8 +141,26 @@ def _markdown(result) -> str:
              + "; errors are on the held-out models: " + ", ".join(result["test_models"]) + ".",
              "APE = |predicted - measured| / measured. Goal: median <= 10% for layers "
              "above 100 us.", ""]
-    for lm, per_dev in result["launch_models"].items():
-        lines += [f"## launches counted per {lm}", "",
+    lines += ["## Summary: held-out layers above 100 us, median / p90 APE", "",
+              "| device | card | bytes | per executable | per equations |", "|---|---|---|---|---|"]
+    for bm, key in (("after fusion (XLA) where known", "launch_models"),
+                    ("unfused (hetpar)", "unfused_bytes")):
+        for dev in result["launch_models"].get("executable", {}):
+            cells = []
+            for lm in ("executable", "equations"):
+                r = result.get(key, {}).get(lm, {}).get(dev)
+                tl = r["test_large"] if r else None
+                cells.append("-" if not tl or tl["median_ape"] is None else
+                             f"{100 * tl['median_ape']:.1f}% / {100 * tl['p90_ape']:.1f}%")
+            kind = result["device_kinds"].get(dev, "?")
+            lines.append(f"| {dev} | {kind} | {bm} | {cells[0]} | {cells[1]} |")
+    lines.append("")
+    sections = [(f"after-fusion bytes, launches counted per {lm}", per_dev)
+                for lm, per_dev in result["launch_models"].items()]
+    sections += [(f"unfused bytes, launches counted per {lm}", per_dev)
+                 for lm, per_dev in result.get("unfused_bytes", {}).items()]
+    for title, per_dev in sections:
+        lines += [f"## {title}", "",
                   "| device | card | layers (test) | median APE | p90 APE | layers > 100 us |"
                   " median APE > 100 us | p90 APE > 100 us | uncalibrated median > 100 us |"
                   " train median |",
@@ -116,6 +176,14 @@ def _markdown(result) -> str:
                          f"{pct(tl['p90_ape'])} | {pct(u['median_ape'])} | "
                          f"{pct(tr['median_ape'])} |")
         lines.append("")
+        effs = [f"{dev}: fused-bytes efficiency "
+                + ("-" if r.get("fused_bytes_efficiency") is None
+                   else f"{r['fused_bytes_efficiency']:.3f}")
+                + f" ({r.get('with_fused_bytes', 0)} records with fused bytes), launch "
+                f"{1e6 * r['launch_overhead_s']:.1f} us, buffer "
+                f"{1e6 * r.get('buffer_overhead_s', 0.0):.2f} us"
+                for dev, r in per_dev.items()]
+        lines += ["Fitted: " + "; ".join(effs) + ".", ""]
     if result.get("dropped_stale"):
         lines += [f"Dropped (layer no longer in the zoo): {', '.join(result['dropped_stale'])}", ""]
     if result.get("skipped"):
@@ -128,7 +196,7 @@ def main(argv):
     import jax
 
     from hetpar import zoo
-    from hetpar.cost_models import LAUNCH_MODELS, accuracy
+    from hetpar.cost_models import BYTES_MODELS, LAUNCH_MODELS, accuracy
 
     if _RECORDS.value:
         parts = [json.loads(pathlib.Path(p).read_text()) for p in _RECORDS.value]
@@ -142,6 +210,9 @@ def main(argv):
             records, dropped = _refresh_work(records)
             result["records"] = records
             result["dropped_stale"] = dropped
+        if _REFRESH_FUSED.value:
+            records = _refresh_fused(records)
+            result["records"] = records
     else:
         models = _MODELS.value or zoo.names()
         records, skipped = _measure_all(models, time.time() + _BUDGET.value)
@@ -158,8 +229,15 @@ def main(argv):
     result["train_models"] = measured[0::2]
     result["test_models"] = measured[1::2]
     base = _base_profiles(records)
+    assert BYTES_MODELS == ("fused", "unfused")
     result["launch_models"] = {
-        lm: accuracy(records, base, result["train_models"], launch_model=lm)
+        lm: accuracy(records, base, result["train_models"], launch_model=lm,
+                     bytes_model="fused")
+        for lm in LAUNCH_MODELS
+    }
+    result["unfused_bytes"] = {
+        lm: accuracy(records, base, result["train_models"], launch_model=lm,
+                     bytes_model="unfused")
         for lm in LAUNCH_MODELS
     }
     tag = _TAG.value or next((r["kind"] for r in records if r["kind"] != "cpu"), "cpu")
