@@ -58,6 +58,15 @@ def test_cli_trace_writes_graph_json(tmp_path):
     assert data["format"] == "hetpar.graph" and len(data["layers"]) >= 7
 
 
+def test_cli_plan_from_a_model_name(tmp_path):
+    path = tmp_path / "plan.json"
+    out = hetpar_cli("plan", "conv6", "--small", "--devices", "cpu:0,h100", "--out",
+                     str(path)).stdout
+    assert "baselines" in out
+    plan = hetpar.Plan.load(path)
+    assert set(plan.assignment.values()) <= {"cpu:0", "h100:0"}
+
+
 def test_cli_hlo_of_one_layer():
     out = hetpar_cli("hlo", "mlp", "--small", "--layer", "fc1").stdout
     assert "HloModule" in out

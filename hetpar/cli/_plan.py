@@ -17,6 +17,10 @@ def register(subparsers) -> None:
     p.add_argument("model", nargs="?", metavar="MODEL",
                    help="a zoo model to trace, cost and plan in one go (needs --devices)")
     p.add_argument("--devices", help="comma-separated device kinds for MODEL, e.g. cpu,h100")
+    p.add_argument("--small", action="store_true", help="MODEL's small test config")
+    p.add_argument("--batch", type=int, default=None, help="MODEL's batch size")
+    p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                   help="MODEL config override (repeatable)")
     p.add_argument("--graph", help="graph.json to plan (from `hetpar trace --out`)")
     p.add_argument("--objective", choices=("time", "cost", "energy"), default="time")
     p.add_argument("--mode", choices=("sequential", "pipelined"), default="sequential")
@@ -42,12 +46,12 @@ def _table(args: argparse.Namespace):
             raise HetparError("give either MODEL (with --devices) or --graph, not both")
         if not args.devices:
             raise HetparError("planning from a model name needs --devices, e.g. --devices cpu,h100")
-        try:
-            from hetpar.cost_models import cost_table_for_model
-        except ImportError:
-            raise HetparError("planning from a model name needs the cost models (not built "
-                              "yet); pass --graph graph.json") from None
-        return cost_table_for_model(args.model, args.devices.split(","))
+        from hetpar.cli._common import parse_config
+        from hetpar.cost_models import cost_table_for_model
+
+        return cost_table_for_model(args.model, [d.strip() for d in args.devices.split(",")],
+                                    small=args.small, batch=args.batch,
+                                    config=parse_config(args.config))
     if args.graph is None:
         raise HetparError("pass --graph graph.json (or a MODEL with --devices)")
     return CostTable.load(args.graph)
