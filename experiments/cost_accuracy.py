@@ -75,6 +75,7 @@ def _refresh_fused(records):
     import dataclasses
 
     import jax
+
     from hetpar.cost_models import LayerWork
     from hetpar.cost_models._table import layer_xla_cost, trace_model
 
@@ -143,7 +144,7 @@ def _markdown(result) -> str:
              "above 100 us.", ""]
     lines += ["## Summary: held-out layers above 100 us, median / p90 APE", "",
               "| device | card | bytes | per executable | per equations |", "|---|---|---|---|---|"]
-    for bm, key in (("after fusion (XLA) where known", "launch_models"),
+    for bm, key in (("after fusion (XLA) on gpu/tpu, else unfused", "launch_models"),
                     ("unfused (hetpar)", "unfused_bytes")):
         for dev in result["launch_models"].get("executable", {}):
             cells = []

@@ -299,3 +299,47 @@ def test_io_bytes_bound_the_prediction_and_buffers_round_trip(tmp_path):
     again = DeviceProfile.from_json(json.loads(json.dumps(p.to_json())))
     assert again.buffer_overhead_s == 3e-6
     assert transfer_calibration(p, spec("a100")).buffer_overhead_s == 3e-6
+
+
+def test_fused_bytes_are_read_on_cpu_and_undercut_the_unfused_count():
+    from hetpar.cost_models._table import layer_fused_bytes, layer_work
+    from hetpar.passes import trace
+
+    def chain(x):
+        for _ in range(6):
+            x = jnp.tanh(x) * 1.5 + 0.25
+        return x
+
+    x = jnp.ones((256, 256), jnp.float32)
+    graph = trace(lambda x: jnp.sum(chain(x)), x)
+    for name in graph.layers:
+        fused = layer_fused_bytes(graph, name, "cpu")
+        assert fused is not None and fused > 0
+        unfused = sum(layer_work(graph[name]).bytes_by_class.values())
+        assert fused <= unfused
+
+
+def test_predictor_uses_fused_bytes_when_known():
+    import dataclasses
+
+    from hetpar.cost_models import DeviceProfile, LayerWork, calibrate, predict, spec
+
+    prof = spec("h100")
+    work = LayerWork({"elementwise": 1e6}, {"elementwise": 8e9}, io_bytes=1e8)
+    fused = dataclasses.replace(work, fused_bytes=1e9)
+    assert predict(prof, fused) < predict(prof, work)
+    # The fused traffic at the calibrated efficiency, never beating the bandwidth.
+    half = prof.replace(fused_bytes_efficiency=0.5)
+    bw = prof.memory_bandwidth_bytes_per_s
+    assert predict(half, fused) >= 1e9 / (0.5 * bw)
+    assert predict(half, fused) > predict(prof.replace(fused_bytes_efficiency=1.0), fused)
+    # Never below io_bytes / bandwidth, even with a tiny fused count.
+    tiny = dataclasses.replace(work, fused_bytes=1.0)
+    assert predict(prof, tiny) >= 1e8 / bw
+    # The calibration fits the fused-bytes efficiency and keeps it <= 1.
+    samples = [(dataclasses.replace(work, fused_bytes=b), b / (0.4 * bw) + prof.launch_overhead_s)
+               for b in (1e8, 3e8, 1e9, 3e9)]
+    cal = calibrate(prof, samples)
+    assert 0.3 < cal.fused_bytes_efficiency <= 1.0
+    back = DeviceProfile.from_json(cal.to_json())
+    assert back.fused_bytes_efficiency == cal.fused_bytes_efficiency
