@@ -71,7 +71,17 @@ class Executor:
         self.stages = stages
         self.devices = dict(devices)
         self.transfer = transfer or TransferEngine(names={d: n for n, d in devices.items()})
-        self.compiled = [_compile(st, self.devices[st.device]) for st in stages.stages]
+        # Microbatches repeat the same stage computations: compile each distinct
+        # (jaxpr, consts, device) once. A jaxpr's text names its variables by
+        # position, so structurally equal stages print alike.
+        cache: dict = {}
+        self.compiled = []
+        for st in stages.stages:
+            key = (str(st.jaxpr.jaxpr), tuple(id(c) for c in st.jaxpr.consts), st.device)
+            if key not in cache:
+                cache[key] = _compile(st, self.devices[st.device])
+            self.compiled.append(cache[key])
+        self.distinct_executables = len(cache)
         jaxpr = stages.graph.program.jaxpr.jaxpr
         self._invars = list(jaxpr.invars)
         self._outvars = list(jaxpr.outvars)
