@@ -51,10 +51,18 @@ class StageEvent:
 
 
 def _compile(stage: Stage, device: jax.Device):
+    """The stage as a `jax.jit` function, compiled now for its device.
+
+    Calls go through jit's C++ dispatch (the compile below fills the cache it
+    reads); an AOT `Compiled` object was seen blocking its caller on a GPU.
+    """
     sharding = SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding)
             for v in stage.inputs]
-    return jax.jit(jcore.jaxpr_as_fun(stage.jaxpr)).lower(*args).compile()
+    fn = jax.jit(jcore.jaxpr_as_fun(stage.jaxpr), in_shardings=sharding,
+                 out_shardings=sharding)
+    fn.lower(*args).compile()
+    return fn
 
 
 class Executor:
