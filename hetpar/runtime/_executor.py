@@ -53,8 +53,8 @@ class StageEvent:
 def _compile(stage: Stage, device: jax.Device):
     """The stage as a `jax.jit` function, compiled now for its device.
 
-    Calls go through jit's C++ dispatch (the compile below fills the cache it
-    reads); an AOT `Compiled` object was seen blocking its caller on a GPU.
+    Calls go through jit's C++ dispatch; the compile below fills the cache it
+    reads, so the first step does not pay for compilation.
     """
     sharding = SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding)
