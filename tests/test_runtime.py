@@ -113,6 +113,20 @@ def test_pipelined_plan_equals_jit(name, microbatches, schedule):
         assert {s.microbatch for s in stages.stages} >= set(range(microbatches))
 
 
+@pytest.mark.parametrize("name", [n for n in zoo.names()
+                                  if n not in ("mlp", "transformer", "resnet18")])
+def test_every_model_pipelined(name):
+    """The rest of the zoo, pipelined once (M=2, 1F1B), to keep CI short."""
+    w = zoo.get(name, small=True, learning_rate=1e-4, batch=4)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    half = len(layers) // 2
+    plan = {n: ("cpu:0" if i < half else "cpu:1") for i, n in enumerate(layers)}
+    step = hetpar.auto(w.train_step, plan=plan, microbatches=2, schedule="1f1b")
+    check_steps(w.train_step, step, args, steps=2, microbatches=2,
+                rtol=RTOL.get(name, 1e-5))
+
+
 def test_microbatched_gradient_equals_full_batch_without_batchnorm():
     w = zoo.get("mlp", small=True, learning_rate=1e-4, batch=4)
     args = w.example_args()
