@@ -156,9 +156,15 @@ class CompiledStep:
         return dict(plan.assignment)
 
     def _cost_table(self, devices: list[str], options: Options):
-        from hetpar.cost_models import cost_table
+        from hetpar.cost_models import cost_table, load_profiles
 
-        profiles = None if options.profile in (None, "auto") else options.profile
+        profiles = options.profile
+        if profiles in (None, "auto"):
+            # A profile file `hetpar profile` wrote, named by the environment;
+            # else the spec sheets of the devices' kinds.
+            profiles = os.environ.get("HETPAR_PROFILES") or None
+        if isinstance(profiles, (str, os.PathLike)):
+            profiles = load_profiles(profiles)
         return cost_table(self.graph, devices, profiles=profiles)
 
     def _solve(self, options: Options, devices: list[str]) -> dict[str, str]:
@@ -274,7 +280,8 @@ def auto(fn: Callable | None = None, *, devices: Sequence[str] | None = None,
         microbatches through the device pipeline and the update runs once.
       batch_argnums: which arguments of `fn` are batch data (default: the last).
       schedule: "gpipe" or "1f1b".
-      profile: "auto" (spec sheets and profiles found), or a ProfileSet.
+      profile: "auto" (the profile file named by $HETPAR_PROFILES, else spec
+        sheets), a path to a `hetpar profile` file, or a ProfileSet.
       depth: module-path depth naming layers (see `hetpar.trace`).
       on_missing_device: "error", or "replan" to plan afresh when a loaded
         plan names devices that are not present.
