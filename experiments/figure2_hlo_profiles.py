@@ -114,8 +114,10 @@ def to_markdown(rows: list[dict], backend: str) -> str:
               "jaxpr equation for its operands and results once, while the lowered HLO "
               "holds more, smaller ops (broadcasts, converts, copies) that each read and "
               "write. Both are unfused counts; XLA's 'after' column is the fused traffic.",
-              "- XLA's 'after' FLOPs can exceed 'before' (MobileNetV1 4.6 -> 15): the CPU "
-              "backend rewrites depthwise convolutions into denser forms. On a GPU "
+              "- XLA's 'after' FLOPs can exceed 'before' (MobileNetV1 4.6 -> 15, as in the "
+              "report): most likely XLA's convolution-group rewriting, which turns grouped "
+              "(depthwise) convolutions and their gradients into dense ones with masked "
+              "kernels (not verified pass by pass). On a GPU "
               "(figure2_gpu_h200.md) 'after' leaves out cuDNN convolutions entirely (they "
               "are custom calls), and the lowered analysis returns nothing: why hetpar "
               "counts FLOPs itself rather than relying on XLA."]
