@@ -30,7 +30,8 @@ def register(subparsers) -> None:
                    help="pipelined: each device holds one contiguous run of layers")
     p.add_argument("--max-cost", type=float, default=None, help="dollars per step at most")
     p.add_argument("--max-step-time", type=float, default=None, help="seconds per step at most")
-    p.add_argument("--solver", choices=("cbc", "highs"), default="cbc")
+    p.add_argument("--solver", choices=("auto", "cbc", "highs"), default="auto",
+                   help="auto: HiGHS when highspy is installed, else CBC")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit, seconds")
     p.add_argument("--gap", type=float, default=None, help="relative optimality gap (1e-4)")
     p.add_argument("--explain", action="store_true", help="say why each layer sits where it does")

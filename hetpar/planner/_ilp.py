@@ -20,9 +20,11 @@ objective only pushes w down, so at the optimum w[d] = T u[d].
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -251,6 +253,21 @@ def solve(arr: Arrays, *, objective: str = "time", mode: str = "sequential",
                        final_gap, solve_s, build, solver, n_vars, n_cons)
 
 
+@contextlib.contextmanager
+def _quiet_stdout():
+    """Silences file descriptor 1 (native code's prints) for the duration."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float | None,
                 gap: float) -> tuple[str, float | None, float]:
     t0 = time.perf_counter()
@@ -277,7 +294,8 @@ def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float | None,
             o, lb = float(obj.group(1)), float(low.group(1))
             final_gap = max(0.0, o - lb) / max(abs(o), 1e-12)
     else:
-        prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap))
+        with _quiet_stdout():  # highspy prints a banner from C++ whatever msg says
+            prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap))
         try:
             final_gap = float(prob.solverModel.getInfo().mip_gap)
         except Exception:  # older highspy: no info; the status still says enough

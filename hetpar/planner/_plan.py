@@ -304,7 +304,7 @@ def _costs(p: Predicted) -> str:
 
 def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
          microbatches: int = 1, contiguous: bool = False, max_cost: float | None = None,
-         max_step_time: float | None = None, solver: str = "cbc",
+         max_step_time: float | None = None, solver: str = "auto",
          time_limit: float | None = None, gap: float | None = None,
          pins: Mapping[str, str] | None = None, baselines: bool = True) -> Plan:
     """Places every layer of `table` on a device by solving the placement ILP.
@@ -320,7 +320,10 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
       contiguous: pipelined: each device holds one contiguous run of layers.
       max_cost: dollars per step the plan may not exceed.
       max_step_time: seconds per step the plan may not exceed.
-      solver: "cbc" (bundled with pulp) or "highs" (needs highspy).
+      solver: "cbc" (bundled with pulp), "highs" (needs highspy), or "auto":
+        HiGHS when highspy is installed, else CBC. HiGHS proved optimality
+        several times faster on memory-tight instances
+        (experiments/results/planner_bench.md).
       time_limit: solver time limit in seconds; on expiry the best plan found
         is returned with status "feasible" and its gap.
       gap: relative optimality gap at which the solver may stop (default 1e-4).
@@ -339,6 +342,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     """
     if objective not in OBJECTIVES:
         raise PlanError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    if solver == "auto":
+        solver = "highs" if _ilp.highs_available() else "cbc"
     if mode not in MODES:
         raise PlanError(f"mode must be one of {MODES}, got {mode!r}")
     if not isinstance(microbatches, int) or microbatches < 1:

@@ -29,8 +29,10 @@ def random_cost_table(seed: int, layers: int = 8, devices: int = 3, *, shape: st
       layers: number of layers.
       devices: number of devices (1..8; the first is a CPU).
       shape: "chain" (l_i -> l_{i+1}) or "dag" (a chain plus random skip edges).
-      memory: "loose" (everything fits on any device) or "tight" (accelerators
-        hold about a third of the model).
+      memory: "loose" (everything fits on any device), "tight" (every
+        accelerator holds about a third of the model) or "one_tight" (the first
+        accelerator holds about a third, the others everything: DESIGN.md's
+        "tight GPU memory limit" instance).
       missing_links: drop some accelerator-to-accelerator links.
       restrict: give some layers `allowed` lists and pins.
 
@@ -49,10 +51,12 @@ def random_cost_table(seed: int, layers: int = 8, devices: int = 3, *, shape: st
     for j, (name, kind, _, price, wb, wi) in enumerate(devs):
         if j == 0:
             cap = 4 * total
-        elif memory == "tight":
+        elif memory == "tight" or (memory == "one_tight" and j == 1):
             cap = total * rng.uniform(0.25, 0.45)
-        else:
+        elif memory in ("loose", "one_tight"):
             cap = 2 * total
+        else:
+            raise ValueError(f"memory must be 'loose', 'tight' or 'one_tight', got {memory!r}")
         device_list.append(Device(name, kind, float(cap), price, wb, wi))
     layer_list = []
     for i in range(layers):
