@@ -256,7 +256,9 @@ class AutoStep:
         """Why each layer is where it is (the planner's explanation)."""
         step = self._need_last()
         if step.plan is None or step.table is None:
-            return "\n".join(f"{layer}: {dev} (given)" for layer, dev in step.assignment.items())
+            why = ("given in the plan" if self.options.plan is not None
+                   else "the only device to plan for")
+            return "\n".join(f"{layer}: {dev} ({why})" for layer, dev in step.assignment.items())
         return step.plan.explain(step.table)
 
 
