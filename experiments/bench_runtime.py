@@ -22,6 +22,7 @@ import time
 
 import jax
 import numpy as np
+from _timing import median_step
 from absl import app, flags
 
 import hetpar
@@ -32,16 +33,6 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "experiments/results/runtime", "output path prefix (.md, .json)")
 flags.DEFINE_integer("steps", 100, "timed steps per measurement")
 flags.DEFINE_bool("quick", False, "small configs and few steps (a smoke test on CPU)")
-
-
-def _median_step(step, state, batch, steps: int) -> tuple[float, tuple]:
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        *state, loss = step(*state, batch)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), tuple(state)
 
 
 def _accelerator() -> str:
@@ -62,14 +53,14 @@ def overhead(name: str, steps: int, small: bool) -> dict:
     jitted = jax.jit(w.train_step)
     s_auto, s_jit = (variables, opt_state), (variables, opt_state)
     for _ in range(3):  # warm-up and compile
-        _, s_auto = _median_step(auto, s_auto, batch, 1)
-        _, s_jit = _median_step(jitted, s_jit, batch, 1)
+        _, s_auto = median_step(auto, s_auto, batch, 1)
+        _, s_jit = median_step(jitted, s_jit, batch, 1)
     # Alternate single steps so both see the same drift of the host.
     t_auto, t_jit = [], []
     for _ in range(steps):
-        t, s_auto = _median_step(auto, s_auto, batch, 1)
+        t, s_auto = median_step(auto, s_auto, batch, 1)
         t_auto.append(t)
-        t, s_jit = _median_step(jitted, s_jit, batch, 1)
+        t, s_jit = median_step(jitted, s_jit, batch, 1)
         t_jit.append(t)
     a, j = statistics.median(t_auto), statistics.median(t_jit)
     return {"model": name, "device": str(dev.device_kind), "batch": w.config["batch_size"],
@@ -92,8 +83,8 @@ def overlap(steps: int, small: bool, microbatches: int = 4) -> dict:
         compiled = step.lower(*args)
         state = args[:2]
         for _ in range(3):
-            _, state = _median_step(step, state, args[2], 1)
-        t, state = _median_step(step, state, args[2], steps)
+            _, state = median_step(step, state, args[2], 1)
+        t, state = median_step(step, state, args[2], steps)
         # The caller that does not block on each step's loss: CPU stages of step
         # k+1 that need no parameters (augmentation) run while the GPU finishes k.
         t0 = time.perf_counter()

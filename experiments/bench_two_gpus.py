@@ -20,11 +20,11 @@ stops the sweep early (what ran is still written). Usage:
 from __future__ import annotations
 
 import json
-import statistics
 import time
 
 import jax
 import numpy as np
+from _timing import median_step
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -41,21 +41,11 @@ flags.DEFINE_string("profiles", None, "measured profiles (hetpar profile --out) 
 _T0 = time.perf_counter()
 
 
-def _median_step(step, state, batch, steps):
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        *state, loss = step(*state, batch)
-        jax.block_until_ready(loss)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), tuple(state)
-
-
 def _time(step, args, steps):
     state = tuple(args[:-1])
     for _ in range(2):
-        _, state = _median_step(step, state, args[-1], 1)
-    return _median_step(step, state, args[-1], steps)[0]
+        _, state = median_step(step, state, args[-1], 1)
+    return median_step(step, state, args[-1], steps)[0]
 
 
 def _devices(quick):

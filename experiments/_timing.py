@@ -1,0 +1,27 @@
+"""Step timing shared by the benchmark scripts in this folder."""
+
+import statistics
+import time
+
+import jax
+
+
+def median_step(step, state, batch, steps: int) -> tuple[float, tuple]:
+    """Runs `steps` training steps, blocking on each loss.
+
+    Args:
+      step: `step(*state, batch) -> (*new_state, loss)`.
+      state: the state arguments (e.g. `(variables, opt_state)`).
+      batch: the batch argument.
+      steps: how many steps to time.
+
+    Returns:
+      (median seconds per step, the state after the last step).
+    """
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        *state, loss = step(*state, batch)
+        jax.block_until_ready(loss)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), tuple(state)
