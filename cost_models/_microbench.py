@@ -336,21 +336,15 @@ class _Fresh:
         return _block(self._fns[key](self._seed))
 
 
-def _has_pinned_host(dev) -> bool:
-    try:
-        return any(m.kind == "pinned_host" for m in dev.addressable_memories())
-    except Exception:  # noqa: BLE001 - older or partial backends
-        # CUDA devices have had pinned_host memory since jax 0.4.3x; try it.
-        return dev.platform == "gpu"
-
-
 def transfer_paths(src, dst) -> list[str]:
     """The transfer paths the runtime could use from `src` to `dst`."""
     paths = ["device_put"]
     pair = {src.platform, dst.platform}
     if pair == {"gpu", "cpu"}:
         gpu = src if src.platform == "gpu" else dst
-        if _has_pinned_host(gpu):
+        from hetpar.runtime._transfer import has_pinned_host  # the runtime's own test
+
+        if has_pinned_host(gpu):
             paths += ["pinned_host", "pinned_host_staged"]
     return paths
 

@@ -1,5 +1,6 @@
 """Step timing shared by the benchmark scripts in this folder."""
 
+import json
 import statistics
 import time
 
@@ -25,3 +26,12 @@ def median_step(step, state, batch, steps: int) -> tuple[float, tuple]:
         jax.block_until_ready(loss)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), tuple(state)
+
+
+def write_results(prefix: str, markdown: str, results: dict) -> None:
+    """Prints the markdown report and writes it and the JSON results beside each other."""
+    print(markdown)
+    with open(prefix + ".md", "w") as f:
+        f.write(markdown)
+    with open(prefix + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=str)

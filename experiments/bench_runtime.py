@@ -16,13 +16,12 @@ the devices. Usage (on the GPU machine):
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
 import jax
 import numpy as np
-from _timing import median_step
+from _timing import median_step, write_results
 from absl import app, flags
 
 import hetpar
@@ -198,12 +197,7 @@ def main(argv):
         "overlap": _guard(overlap, steps, small),
         "transfers": _guard(transfers, (1 << 20,) if small else (1 << 20, 16 << 20, 256 << 20)),
     }
-    md = to_markdown(res)
-    print(md)
-    with open(FLAGS.out + ".md", "w") as f:
-        f.write(md)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    write_results(FLAGS.out, to_markdown(res), res)
 
 
 if __name__ == "__main__":

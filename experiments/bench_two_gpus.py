@@ -24,7 +24,7 @@ import time
 
 import jax
 import numpy as np
-from _timing import median_step
+from _timing import median_step, write_results
 from absl import app, flags
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -166,12 +166,7 @@ def main(argv):
     devs = _devices(quick)[1]
     res = {"host": ", ".join(sorted({d.device_kind for d in devs})) + f" x{len(devs)}",
            "jax": jax.__version__, "steps": FLAGS.steps, "rows": rows}
-    md = to_markdown(res)
-    print(md)
-    with open(FLAGS.out + ".md", "w") as f:
-        f.write(md)
-    with open(FLAGS.out + ".json", "w") as f:
-        json.dump(res, f, indent=1, default=str)
+    write_results(FLAGS.out, to_markdown(res), res)
     with open(FLAGS.out + "_timelines.json", "w") as f:
         json.dump(timelines, f, default=str)
 

@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 
-def _has_pinned_host(dev) -> bool:
+def has_pinned_host(dev) -> bool:
+    """True if `dev` (a GPU) offers `pinned_host` memory: the fast GPU <-> CPU path."""
     try:
         return any(m.kind == "pinned_host" for m in dev.addressable_memories())
     except Exception:  # noqa: BLE001 - backends without memory kinds
@@ -61,7 +62,7 @@ class TransferEngine:
         gpu_cpu = {src.platform, dst.platform} == {"gpu", "cpu"}
         gpu = src if src.platform == "gpu" else dst
         candidates = ["device_put"]
-        if gpu_cpu and _has_pinned_host(gpu):
+        if gpu_cpu and has_pinned_host(gpu):
             candidates.append("pinned_host")
         fits = self._links.get((self._names.get(src), self._names.get(dst)))
         if fits:
