@@ -526,6 +526,10 @@ def cost_table(
         {k_: spec(k_) for k_ in spec_kinds()})
     devs = resolve_devices(devices, profiles, measure=measure)
     prices = plan_prices([d.profile for d in devs], host_cpu_included=host_cpu_included)
+    # A host CPU that is free beside its accelerator is still rented as a CPU
+    # machine by a plan that uses it alone.
+    alone = {d.name: float(d.profile.price_per_hour) for d in devs
+             if d.profile.price_per_hour > prices[d.name]}
     predicted: dict[str, dict[str, float]] = {}
     measured: dict[str, dict[str, float]] = {}
     measured_iqr: dict[str, dict[str, float]] = {}
@@ -574,7 +578,7 @@ def cost_table(
     table_devices = [
         Device(name=d.name, kind=d.kind, memory_bytes=float(d.profile.memory_bytes),
                price_per_hour=float(prices[d.name]), watts_busy=float(d.profile.watts_busy),
-               watts_idle=float(d.profile.watts_idle))
+               watts_idle=float(d.profile.watts_idle), price_alone_per_hour=alone.get(d.name))
         for d in devs
     ]
     info_meta: dict[str, Any] = {

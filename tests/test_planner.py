@@ -1,6 +1,7 @@
 """Tests of hetpar.planner: the ILP against exhaustive search, baselines, errors, files, CLI."""
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -100,6 +101,26 @@ def test_cost_and_energy_choose_the_cheaper_device():
     assert set(plan(table, objective="time").assignment.values()) == {"b"}
     assert set(plan(table, objective="cost").assignment.values()) == {"a"}
     assert set(plan(table, objective="energy").assignment.values()) == {"a"}
+
+
+@pytest.mark.parametrize("mode", ["sequential", "pipelined"])
+@pytest.mark.parametrize("seed", range(4))
+def test_host_cpu_free_beside_its_gpu_but_priced_alone(seed, mode):
+    # The host CPU costs 0 beside the GPU but 2.0/h as a machine of its own:
+    # the cost optimum must never call all-CPU free, and must equal exhaustive search.
+    base = random_cost_table(seed, layers=7, devices=3)
+    devices = tuple(dataclasses.replace(d, price_per_hour=0.0, price_alone_per_hour=2.0)
+                    if d.kind == "cpu" else d for d in base.devices)
+    table = dataclasses.replace(base, devices=devices)
+    m = 4 if mode == "pipelined" else 1
+    p = plan(table, objective="cost", mode=mode, microbatches=m, gap=EXACT)
+    oracle = exhaustive(table, "cost", mode, m)
+    assert _rel(p.predicted.cost_usd_per_step, oracle.predicted.cost_usd_per_step) < 1e-6
+    assert _rel(p.solver["objective"], p.predicted.cost_usd_per_step) < 1e-6
+    cpu = next(d.name for d in devices if d.kind == "cpu")
+    alone = evaluate(table, {layer: cpu for layer in table.layer_names}, mode, m)
+    assert alone.cost_usd_per_step == pytest.approx(alone.step_time_s * 2.0 / 3600)
+    assert CostTable.from_json(table.to_json()).devices == table.devices
 
 
 def test_budgets():

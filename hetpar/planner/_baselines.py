@@ -244,7 +244,8 @@ def exhaustive(table: CostTable, objective: str = "time", mode: str = "sequentia
         for j in range(D):
             feasible &= ((seq == j) & change).sum(axis=1) <= 1
     used = np.stack([(A == j).any(axis=1) for j in range(D)], axis=1)
-    cost = step * (used * arr.price[None]).sum(axis=1) / 3600.0
+    price = np.where((used.sum(axis=1) == 1)[:, None], arr.price_alone[None], arr.price[None])
+    cost = step * (used * price).sum(axis=1) / 3600.0
     energy = ((busy * arr.watts_busy[None] + (step[:, None] - busy) * arr.watts_idle[None])
               * used).sum(axis=1)
     if max_cost is not None:

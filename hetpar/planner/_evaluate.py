@@ -104,6 +104,7 @@ class Arrays:
       t, mem: [L, D] time and memory; t is inf where the layer cannot run.
       ok: [L, D] whether the layer may run there (timed, allowed, pinned).
       cap, price, watts_busy, watts_idle: [D].
+      price_alone: [D] hourly price when a plan uses that device alone.
       eu, ev: [E] layer indices of each edge's ends.
       lat, bw: [D, D] link latency and bandwidth (bw 0: no link).
       pair_ok: [E, D, D] whether edge e's ends may sit on (a, b).
@@ -130,6 +131,8 @@ class Arrays:
                 self.ok[i, dindex[d]] = True
         self.cap = np.array([d.memory_bytes for d in table.devices])
         self.price = np.array([d.price_per_hour for d in table.devices])
+        self.price_alone = np.array([d.price_per_hour if d.price_alone_per_hour is None
+                                     else d.price_alone_per_hour for d in table.devices])
         self.watts_busy = np.array([d.watts_busy for d in table.devices])
         self.watts_idle = np.array([d.watts_idle for d in table.devices])
         self.eu = np.array([lindex[e.src] for e in table.edges], dtype=int)
@@ -285,7 +288,8 @@ def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "seque
                 "gpipe": {arr.devices[j]: float(act[j]) for j in range(D) if used[j]},
                 "1f1b": {arr.devices[j]: float(act[j] / M * min(M, stages))
                          for j in range(D) if used[j]}})
-    cost = step * float(arr.price[used].sum()) / 3600.0
+    price = arr.price_alone if used.sum() == 1 else arr.price
+    cost = step * float(price[used].sum()) / 3600.0
     energy = float(np.sum((busy * arr.watts_busy + (step - busy) * arr.watts_idle)[used]))
     return Predicted(
         step_time_s=float(step), cost_usd_per_step=float(cost), energy_j_per_step=energy,

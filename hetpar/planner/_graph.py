@@ -36,6 +36,11 @@ class Device:
       price_per_hour: dollars per hour while in use (cost objective).
       watts_busy: power while computing (energy objective).
       watts_idle: power while in use but idle (energy objective).
+      price_alone_per_hour: dollars per hour when a plan uses this device and
+        no other (None: `price_per_hour`). A host CPU costs nothing beside its
+        GPU, which is already rented, but a plan that uses only the CPU rents
+        a CPU machine: without this, the cost objective would call all-CPU
+        free.
     """
 
     name: str
@@ -44,6 +49,7 @@ class Device:
     price_per_hour: float = 0.0
     watts_busy: float = 0.0
     watts_idle: float = 0.0
+    price_alone_per_hour: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,7 +213,9 @@ class CostTable:
         out = {
             "format": FORMAT,
             "version": VERSION,
-            "devices": [dataclasses.asdict(d) for d in self.devices],
+            "devices": [{k: v for k, v in dataclasses.asdict(d).items()
+                         if not (k == "price_alone_per_hour" and v is None)}
+                        for d in self.devices],
             "links": [dataclasses.asdict(k) for k in self.links],
             "layers": [layer_json(layer) for layer in self.layers],
             "edges": [dataclasses.asdict(e) for e in self.edges],
@@ -245,7 +253,9 @@ class CostTable:
                    memory_bytes=_field(d, "memory_bytes", f"devices[{i}]", float),
                    price_per_hour=_field(d, "price_per_hour", f"devices[{i}]", float, 0.0),
                    watts_busy=_field(d, "watts_busy", f"devices[{i}]", float, 0.0),
-                   watts_idle=_field(d, "watts_idle", f"devices[{i}]", float, 0.0))
+                   watts_idle=_field(d, "watts_idle", f"devices[{i}]", float, 0.0),
+                   price_alone_per_hour=_field(d, "price_alone_per_hour", f"devices[{i}]",
+                                               float, None))
             for i, d in enumerate(_objects(data["devices"], "devices")))
         links = tuple(
             Link(src=_field(k, "src", f"links[{i}]", str),
@@ -367,6 +377,13 @@ def _validate(table: CostTable) -> None:
         _check_number(d.price_per_hour, f"devices[{i}].price_per_hour")
         _check_number(d.watts_busy, f"devices[{i}].watts_busy")
         _check_number(d.watts_idle, f"devices[{i}].watts_idle")
+        if d.price_alone_per_hour is not None:
+            _check_number(d.price_alone_per_hour, f"devices[{i}].price_alone_per_hour")
+            if d.price_alone_per_hour < d.price_per_hour:
+                raise GraphFormatError(
+                    f"devices[{i}].price_alone_per_hour ({d.price_alone_per_hour}) is below "
+                    f"its price_per_hour ({d.price_per_hour}); renting a device alone never "
+                    "costs less than beside others: drop the field or raise it")
     if not table.devices:
         raise GraphFormatError("devices is empty; list at least one device")
     known = ", ".join(names)

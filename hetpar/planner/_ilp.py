@@ -201,33 +201,53 @@ def solve(arr: Arrays, *, objective: str = "time", mode: str = "sequential",
     needs_used = objective in ("cost", "energy") or max_cost is not None
     step = prob.add_variable("T", lowBound=0)
     prob.addConstraint(step_expr - step == 0, "step")
-    w = {}
+    w, used_var = {}, {}
     if needs_used:
         for j in range(D):
             rows = np.nonzero(arr.ok[:, j])[0]
             if not len(rows):
                 continue
-            u = prob.add_variable(f"u{j}", cat=pulp.LpBinary)
+            u = used_var[j] = prob.add_variable(f"u{j}", cat=pulp.LpBinary)
             for i in rows:
                 prob.addConstraint(_affine([(u, 1.0), (x[i, j], -1.0)]) >= 0, f"used{i}_{j}")
             w[j] = prob.add_variable(f"w{j}", lowBound=0)
             prob.addConstraint(_affine([(w[j], 1.0), (step, -1.0), (u, -t_max)]) >= -t_max,
                                f"prod{j}")
 
+    # Dollars: Σ price[d] w[d], plus, for a device priced higher when a plan
+    # uses it alone (a host CPU rented as its own machine), the surcharge on
+    # alone[d] >= w[d] - Σ_{k != d} w[k]. That bound is exact only when u and
+    # w are exact both ways, so u[k] <= Σ_l x[l, k] and w[k] <= T, t_max u[k]
+    # are added too (otherwise an idle device could be "used" to dodge it).
+    price_terms = [(w[j], float(arr.price[j])) for j in w]
+    surcharged = [j for j in w if arr.price_alone[j] > arr.price[j]] if len(w) > 1 else []
+    if needs_used and surcharged:
+        for j in w:
+            rows = np.nonzero(arr.ok[:, j])[0]
+            u = used_var[j]
+            prob.addConstraint(_affine([(u, 1.0)] + [(x[i, j], -1.0) for i in rows]) <= 0,
+                               f"usedonly{j}")
+            prob.addConstraint(_affine([(w[j], 1.0), (step, -1.0)]) <= 0, f"wle{j}")
+            prob.addConstraint(_affine([(w[j], 1.0), (u, -t_max)]) <= 0, f"wleu{j}")
+        for j in surcharged:
+            alone = prob.add_variable(f"alone{j}", lowBound=0)
+            prob.addConstraint(_affine([(alone, 1.0), (w[j], -1.0)]
+                                       + [(w[k], 1.0) for k in w if k != j]) >= 0, f"alone{j}")
+            price_terms.append((alone, float(arr.price_alone[j] - arr.price[j])))
+
     if max_step_time is not None:
         prob.addConstraint(_affine([(step, 1.0)]) <= max_step_time / scale, "max_step_time")
     if max_cost is not None:
         prob.addConstraint(
-            _affine([(w[j], float(arr.price[j]) / 3600.0 * scale) for j in w]) <= max_cost,
-            "max_cost")
+            _affine([(v, p / 3600.0 * scale) for v, p in price_terms]) <= max_cost, "max_cost")
 
     if objective == "time":
         norm = scale
         prob.setObjective(_affine([(step, 1.0)]))
     elif objective == "cost":
-        pmax = float(arr.price.max()) or 1.0
+        pmax = float(max(arr.price.max(), arr.price_alone.max())) or 1.0
         norm = scale * pmax / 3600.0
-        prob.setObjective(_affine([(w[j], float(arr.price[j]) / pmax) for j in w]))
+        prob.setObjective(_affine([(v, p / pmax) for v, p in price_terms]))
     elif objective == "energy":
         wmax = float(max(arr.watts_busy.max(), arr.watts_idle.max())) or 1.0
         norm = scale * wmax

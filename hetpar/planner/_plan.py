@@ -358,7 +358,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         table = table.with_pins(pins)
     arr = Arrays(table)
     if objective == "cost" or max_cost is not None:
-        if not arr.price.any():
+        if not (arr.price.any() or arr.price_alone.any()):
             raise PlanError("the cost objective and max_cost need price_per_hour on the "
                             "devices; every device's price is 0")
     if objective == "energy" and not (arr.watts_busy.any() or arr.watts_idle.any()):
