@@ -55,6 +55,7 @@ from hetpar.cost_models._table import (
     random_inputs,
     record_work,
     resolve_devices,
+    scale_to_step,
     trace_model,
 )
 
@@ -68,6 +69,7 @@ __all__ = [
     "layer_fused_bytes",
     "trace_model",
     "resolve_devices",
+    "scale_to_step",
     "random_inputs",
     "per_sample",
     "measure_layer",

@@ -114,3 +114,18 @@ def test_layer_work_counts_buffers_and_io_bytes():
         assert n > 0 and io > 0
         w = graph_layer_work(graph, name)
         assert (w.buffers, w.io_bytes) == (n, io)
+
+
+def test_scale_to_step_matches_whole_step_and_keeps_ratios():
+    from hetpar.cost_models import scale_to_step
+    from hetpar.planner import evaluate
+
+    table = cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True)
+    scaled = scale_to_step(table, {"cpu:0": 0.5})
+    one = {layer: "cpu:0" for layer in scaled.layer_names}
+    assert evaluate(scaled, one).step_time_s == pytest.approx(0.5)
+    a, b = table.layers[0].time_s["cpu:0"], table.layers[1].time_s["cpu:0"]
+    assert scaled.layers[0].time_s["cpu:0"] / scaled.layers[1].time_s["cpu:0"] == pytest.approx(a / b)
+    assert scaled.fingerprint() == table.fingerprint()
+    with pytest.raises(ProfileError, match="not devices of the table"):
+        scale_to_step(table, {"gpu:7": 1.0})
