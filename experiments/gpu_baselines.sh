@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue "measured comparisons" on the one-GPU machine: hetpar against its
-# baselines for every zoo model, the memory-bound case, and the dispatch probe.
-# Needs the pulp wheel in .whl/ (carried). Results go to $OUT.
+# Issue "measured comparisons" on the one-GPU machine: the hand-off probe, then
+# hetpar against its baselines for the zoo models named in $MODELS (default:
+# all but resnet50/vgg16, which a second call runs: MODELS=resnet50,vgg16
+# TAG=_big MEMORY=""). Needs the pulp wheel in .whl/ (carried). Results: $OUT.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 start=$(date +%s)
@@ -10,13 +11,12 @@ python3 -m pip install -q --no-build-isolation --no-deps -e .
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/gpu.txt"
 cd experiments
-timeout 40 python3 probe_dispatch.py > "$OUT/probe_dispatch.txt" 2>&1
-timeout 330 python3 bench_baselines.py --out "$OUT/baselines_h200" \
-  --models lm_embed,mlp,rnn,cnn_preprocess,conv6,mobilenet_v1,resnet18,alexnet,cyclegan_generator,transformer \
-  2>&1 | grep -v "^I1\|^W1" > "$OUT/baselines_h200.log"
-echo "after main: $(( $(date +%s) - start )) s"
-left=$(( 560 - ($(date +%s) - start) ))
-timeout $left python3 bench_baselines.py --out "$OUT/baselines_h200_big" --memory_model "" \
-  --models resnet50,vgg16 2>&1 | grep -v "^I1\|^W1" > "$OUT/baselines_h200_big.log"
+if [ -z "${TAG:-}" ]; then
+  timeout 90 python3 probe_handoff.py 2>&1 | grep -v "^I1\|^W1" | tee "$OUT/probe_handoff.txt"
+fi
+MODELS=${MODELS:-lm_embed,mlp,rnn,cnn_preprocess,conv6,mobilenet_v1,resnet18,alexnet,cyclegan_generator,transformer}
+timeout $(( ${BUDGET:-560} - ($(date +%s) - start) )) python3 bench_baselines.py \
+  --out "$OUT/baselines_h200${TAG:-}" --models "$MODELS" --memory_model "${MEMORY-transformer}" \
+  2>&1 | grep -v "^I1\|^W1" > "$OUT/baselines_h200${TAG:-}.log"
 echo "total: $(( $(date +%s) - start )) s"
-tail -5 "$OUT/baselines_h200.log"; cat "$OUT/probe_dispatch.txt" | tail -12
+grep -A12 "^## Goals" "$OUT/baselines_h200${TAG:-}.md"

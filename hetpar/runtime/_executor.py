@@ -19,6 +19,7 @@ during a step, as with `jax.jit` without `donate_argnums`).
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -99,12 +100,28 @@ class Executor:
                          for name in stages.device_order}
         self.last_events: list[StageEvent] = []
         self.record_events = False
+        # Workers hand work to each other through events; a woken worker then
+        # waits for the GIL, which a thread busy dispatching keeps for up to
+        # the interpreter's switch interval (5 ms by default), i.e. up to 5 ms
+        # per hand-off. A step shortens the interval while it runs (None:
+        # leave it); experiments/bench_baselines.py measures both.
+        self.switch_interval_s: float | None = 1e-4
 
     def place_inputs(self, flat_args: Sequence) -> list:
         """Each input on its planned device (a no-op for state already resident)."""
         return [self.transfer.move(x, d) for x, d in zip(flat_args, self._input_devices)]
 
     def __call__(self, flat_args: Sequence) -> list:
+        if self.switch_interval_s is None:
+            return self._run(flat_args)
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(self.switch_interval_s)
+        try:
+            return self._run(flat_args)
+        finally:
+            sys.setswitchinterval(previous)
+
+    def _run(self, flat_args: Sequence) -> list:
         env: dict = dict(zip(self._invars, self.place_inputs(flat_args)))
         done = [threading.Event() for _ in self.stages.stages]
         failure: list = []

@@ -1,0 +1,70 @@
+"""Probe: what a CPU <-> GPU (or GPU <-> GPU) crossing costs the split runtime.
+
+On the H200 host, plans that moved one small layer to the CPU measured ~3 ms
+per step more than predicted (experiments/results/baselines_h200.md), like
+the ~3 ms per stage of the two-GPU pipeline. Suspect: worker threads handing
+work to each other wait for the GIL, which a busy thread keeps for up to
+`sys.getswitchinterval()` (5 ms). This measures mixed plans with the
+executor's switch interval left alone (None) and shortened, beside plain
+`jax.jit` on the accelerator. Usage: python experiments/probe_handoff.py
+"""
+
+import statistics
+import sys
+import time
+
+import jax
+
+import hetpar
+from hetpar import zoo
+
+
+def steps(fn, state, batch, n=30):
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        *state, loss = fn(*state, batch)
+        jax.block_until_ready(loss)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), tuple(state)
+
+
+def case(model, plan_of, label):
+    w = zoo.get(model)
+    args = w.example_args()
+    layers = list(hetpar.trace(w.train_step, *args).layers)
+    asg = plan_of(layers)
+    acc = [d for d in jax.devices() if d.platform != "cpu"][0]
+    batch = jax.device_put(args[2], acc)
+    jitted = jax.jit(w.train_step)
+    s = jax.device_put(tuple(args[:2]), acc)
+    _, s = steps(jitted, s, batch, 3)
+    t_jit, _ = steps(jitted, s, batch)
+    step = hetpar.auto(w.train_step, plan=asg)
+    state = tuple(args[:2])
+    _, state = steps(step, state, batch, 3)
+    ex = step.lower(*state, batch)._executor
+    out = [f"{model} {label}: jax.jit {t_jit * 1e3:.2f} ms"]
+    for interval in (None, 1e-4, 1e-5, None, 1e-4):
+        ex.switch_interval_s = interval
+        t, state = steps(step, state, batch)
+        out.append(f"switch interval {interval}: {t * 1e3:.2f} ms")
+    print("; ".join(out), f"({len(ex.stages.stages)} stages, default interval "
+          f"{sys.getswitchinterval()})", flush=True)
+
+
+def main():
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    case("lm_embed", lambda ls: {n: "cpu:0" if n == "fc2" else "gpu:0" for n in ls},
+         "fc2 on cpu:0")
+    case("cnn_preprocess", lambda ls: {n: "cpu:0" if n == "fc2" else "gpu:0" for n in ls},
+         "fc2 on cpu:0")
+    case("transformer", lambda ls: {n: "cpu:0" if n == "ln_f" else "gpu:0" for n in ls},
+         "ln_f on cpu:0")
+    if len(gpus) > 1:
+        case("transformer", lambda ls: {n: "gpu:0" if i < len(ls) // 2 else "gpu:1"
+                                        for i, n in enumerate(ls)}, "half/half on two GPUs")
+
+
+if __name__ == "__main__":
+    main()
