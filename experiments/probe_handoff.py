@@ -2,15 +2,17 @@
 
 On the H200 host, plans that moved one small layer to the CPU measured ~3 ms
 per step more than predicted (experiments/results/baselines_h200.md), like
-the ~3 ms per stage of the two-GPU pipeline. Suspect: worker threads handing
-work to each other wait for the GIL, which a busy thread keeps for up to
-`sys.getswitchinterval()` (5 ms). This measures mixed plans with the
-executor's switch interval left alone (None) and shortened, beside plain
-`jax.jit` on the accelerator. Usage: python experiments/probe_handoff.py
+the ~3 ms per stage of the two-GPU pipeline. A first suspect, worker threads
+waiting for the GIL (switch interval 5 ms), was ruled out on the H200
+(probe_handoff_h200.txt: 1e-4 s changed nothing). The second: every transfer
+call pays ~0.15-0.4 ms (the link latencies `hetpar profile` measured) and a
+stage's inputs were moved one array per call. This measures mixed plans with
+one call per array ("per array") against one batched call per source device
+("batched", the runtime's default), beside plain `jax.jit` on the
+accelerator. Usage: python experiments/probe_handoff.py
 """
 
 import statistics
-import sys
 import time
 
 import jax
@@ -45,12 +47,13 @@ def case(model, plan_of, label):
     _, state = steps(step, state, batch, 3)
     ex = step.lower(*state, batch)._executor
     out = [f"{model} {label}: jax.jit {t_jit * 1e3:.2f} ms"]
-    for interval in (None, 1e-4, 1e-5, None, 1e-4):
-        ex.switch_interval_s = interval
+    batched = ex.transfer.move_many
+    per_array = lambda xs, d: [ex.transfer.move(x, d) for x in xs]  # noqa: E731
+    for label, mover in (("per array", per_array), ("batched", batched)) * 2:
+        ex.transfer.move_many = mover
         t, state = steps(step, state, batch)
-        out.append(f"switch interval {interval}: {t * 1e3:.2f} ms")
-    print("; ".join(out), f"({len(ex.stages.stages)} stages, default interval "
-          f"{sys.getswitchinterval()})", flush=True)
+        out.append(f"{label}: {t * 1e3:.2f} ms")
+    print("; ".join(out), f"({len(ex.stages.stages)} stages)", flush=True)
 
 
 def main():

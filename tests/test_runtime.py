@@ -281,3 +281,29 @@ def test_failing_stage_names_layer_and_device_and_keeps_state():
         auto_step(w, jnp.ones((2, 4)))
     for a, b in zip(w, before):  # the caller's state is intact
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_one_device_plan_takes_a_batch_committed_elsewhere():
+    # A host data loader hands over batches committed to cpu:0; the plan runs on cpu:1.
+    w = small("mlp")
+    variables, opt_state, batch = w.example_args()
+    step = hetpar.auto(w.train_step, devices=["cpu:1"])
+    *state, loss = step(variables, opt_state, jax.device_put(batch, CPU[0]))
+    ref = jax.jit(w.train_step)(variables, opt_state, batch)
+    np.testing.assert_allclose(float(loss), float(ref[-1]), rtol=1e-6)
+    assert {next(iter(x.devices())) for x in jax.tree_util.tree_leaves(state)} == {CPU[1]}
+
+
+def test_move_many_batches_by_source_and_keeps_values():
+    from hetpar.runtime import TransferEngine
+
+    engine = TransferEngine()
+    xs = [jax.device_put(np.arange(4.0) + i, CPU[i % 3]) for i in range(6)]
+    xs += [jax.random.key(0), np.ones(2)]
+    out = engine.move_many(xs, CPU[1])
+    assert out[1] is xs[1] and out[4] is xs[4]  # already there: the same array
+    for x, y in zip(xs[:6], out[:6]):
+        assert y.devices() == {CPU[1]}
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert out[6].devices() == {CPU[1]} and out[7].devices() == {CPU[1]}
+    assert engine.bytes_moved == 4 * xs[0].nbytes + xs[6].nbytes  # the numpy array is not counted

@@ -19,7 +19,6 @@ during a step, as with `jax.jit` without `donate_argnums`).
 from __future__ import annotations
 
 import dataclasses
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -100,28 +99,19 @@ class Executor:
                          for name in stages.device_order}
         self.last_events: list[StageEvent] = []
         self.record_events = False
-        # Workers hand work to each other through events; a woken worker then
-        # waits for the GIL, which a thread busy dispatching keeps for up to
-        # the interpreter's switch interval (5 ms by default), i.e. up to 5 ms
-        # per hand-off. A step shortens the interval while it runs (None:
-        # leave it); experiments/bench_baselines.py measures both.
-        self.switch_interval_s: float | None = 1e-4
 
     def place_inputs(self, flat_args: Sequence) -> list:
         """Each input on its planned device (a no-op for state already resident)."""
-        return [self.transfer.move(x, d) for x, d in zip(flat_args, self._input_devices)]
+        by_device: dict = {}
+        for i, d in enumerate(self._input_devices):
+            by_device.setdefault(d, []).append(i)
+        out = list(flat_args)
+        for d, idx in by_device.items():
+            for i, y in zip(idx, self.transfer.move_many([flat_args[i] for i in idx], d)):
+                out[i] = y
+        return out
 
     def __call__(self, flat_args: Sequence) -> list:
-        if self.switch_interval_s is None:
-            return self._run(flat_args)
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(self.switch_interval_s)
-        try:
-            return self._run(flat_args)
-        finally:
-            sys.setswitchinterval(previous)
-
-    def _run(self, flat_args: Sequence) -> list:
         env: dict = dict(zip(self._invars, self.place_inputs(flat_args)))
         done = [threading.Event() for _ in self.stages.stages]
         failure: list = []
@@ -141,7 +131,7 @@ class Executor:
                     return
                 try:
                     start = time.perf_counter()
-                    args = [self.transfer.move(env[v], dev) for v in st.inputs]
+                    args = self.transfer.move_many([env[v] for v in st.inputs], dev)
                     outs = self.compiled[idx](*args)
                     if self.record_events:
                         jax.block_until_ready(outs)
