@@ -42,7 +42,7 @@ from absl import app, flags
 
 import hetpar
 from hetpar import InfeasibleError, zoo
-from hetpar.cost_models import cost_table, scale_to_step
+from hetpar.cost_models import cost_table, load_profiles, scale_to_step
 from hetpar.planner import evaluate, greedy_fastest, memory_fill, plan, violations
 
 FLAGS = flags.FLAGS
@@ -53,6 +53,8 @@ flags.DEFINE_integer("cpu_steps", 3, "timed steps for plans that run layers on t
 flags.DEFINE_integer("k", 3, "timed runs per layer measurement")
 flags.DEFINE_bool("quick", False, "small configs, a second CPU device as the 'GPU' (smoke test)")
 flags.DEFINE_string("memory_model", "transformer", "model of the memory-bound case ('' skips)")
+flags.DEFINE_string("profiles", None, "measured profiles (hetpar profile --out): link "
+                    "latencies and bandwidths, prices and watts for the cost tables")
 flags.DEFINE_float("memory_fraction", 0.8,
                    "memory-bound case: GPU budget as a fraction of what the model needs")
 
@@ -153,7 +155,8 @@ def _describe(assignment: dict, acc: str) -> str:
 def measure_table(w, args, acc: str, jit_s: dict, k: int):
     graph = hetpar.trace(w.train_step, *args)
     t0 = time.perf_counter()
-    raw = cost_table(graph, [acc, CPU], measure=True, k=k,
+    profiles = load_profiles(FLAGS.profiles) if FLAGS.profiles else None
+    raw = cost_table(graph, [acc, CPU], measure=True, k=k, profiles=profiles,
                      progress=lambda line: print("  " + line, flush=True))
     print(f"  cost table measured in {time.perf_counter() - t0:.0f} s", flush=True)
     return raw, scale_to_step(raw, jit_s)
@@ -276,7 +279,7 @@ def to_markdown(res: dict) -> str:
              "Dollars: list price per hour of the devices a plan uses (a host CPU beside its GPU "
              "is free; a CPU used alone is rented as a CPU machine); joules: busy watts while "
              "computing + idle watts for the rest of the step, devices used only "
-             "(spec-sheet watts; see cost_models/specs).", ""]
+             f"(watts, prices and links from: {res.get('profiles', 'spec sheets')}).", ""]
     models = [m for m in res["models"] if "error" not in m]
     # 1. speedups
     lines += ["## CPU vs GPU training speedup (all-CPU jax.jit / all-GPU jax.jit)", "",
@@ -354,7 +357,8 @@ def main(argv):
     devs = hetpar._auto.present_devices()
     res = {"host": " + ".join(sorted({f"{d.device_kind}" for d in devs.values()})),
            "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "devices": sorted(devs),
-           "steps": steps, "cpu_steps": cpu_steps, "models": []}
+           "steps": steps, "cpu_steps": cpu_steps, "profiles": FLAGS.profiles or "spec sheets",
+           "models": []}
     tables = {}
     for name in names:
         try:

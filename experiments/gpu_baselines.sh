@@ -16,7 +16,7 @@ if [ -z "${TAG:-}" ]; then
 fi
 MODELS=${MODELS:-lm_embed,mlp,rnn,cnn_preprocess,conv6,mobilenet_v1,resnet18,alexnet,cyclegan_generator,transformer}
 timeout $(( ${BUDGET:-560} - ($(date +%s) - start) )) python3 bench_baselines.py \
-  --out "$OUT/baselines_h200${TAG:-}" --models "$MODELS" --memory_model "${MEMORY-transformer}" \
+  --out "$OUT/baselines_h200${TAG:-}" --models "$MODELS" --memory_model "${MEMORY-transformer}" ${PROFILES:+--profiles $PROFILES} \
   2>&1 | grep -v "^I1\|^W1" > "$OUT/baselines_h200${TAG:-}.log"
 echo "total: $(( $(date +%s) - start )) s"
 grep -A12 "^## Goals" "$OUT/baselines_h200${TAG:-}.md"
