@@ -37,6 +37,11 @@ flags.DEFINE_integer("steps", 20, "timed steps per configuration")
 flags.DEFINE_float("budget_s", 420.0, "stop starting new configurations after this long")
 flags.DEFINE_bool("quick", False, "small configs on virtual CPU devices (a smoke test)")
 flags.DEFINE_string("profiles", None, "measured profiles (hetpar profile --out) for the planner")
+flags.DEFINE_string("model", None, "run only this model (default: the built-in sweep)")
+flags.DEFINE_integer("batch", None, "with --model: its batch size")
+flags.DEFINE_list("microbatches", ["1", "4"], "with --model: microbatch counts")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "with --model: schedules")
+flags.DEFINE_bool("planner", True, "also run the planner's plan (else only half/half)")
 
 _T0 = time.perf_counter()
 
@@ -80,11 +85,25 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                      "step_s": dp, "speedup": one / dp})
     except Exception as e:  # noqa: BLE001 - e.g. a batch that does not split
         rows.append({"model": name, "batch": batch, "config": "data parallel", "error": str(e)})
+    # How much of a microbatched pipeline's time is launching kernels: one GPU
+    # running the whole step M times at batch/M (an update each time, so a
+    # slight over-estimate). If M x that exceeds the full-batch step, small
+    # microbatches are launch-bound and no pipeline over two GPUs can win.
+    for m in microbatches:
+        if m > 1 and batch % m == 0 and time.perf_counter() - _T0 < FLAGS.budget_s:
+            wm = zoo.get(name, small=quick, batch=batch // m)
+            tm = _time(jax.jit(wm.train_step), jax.device_put(wm.example_args(), devs[0]), steps)
+            rows.append({"model": name, "batch": batch,
+                         "config": f"one GPU, whole step at batch {batch // m}, x{m}",
+                         "microbatches": m, "step_s": m * tm, "speedup": one / (m * tm)})
+            print(json.dumps(rows[-1], default=str), flush=True)
     layers = hetpar.trace(w.train_step, *args).layers
     half = {n: names[0] if i < len(layers) // 2 else names[1] for i, n in enumerate(layers)}
     for m in microbatches:
         for sched in schedules:
-            for plan_name, plan in (("planner", None), ("half/half", half)):
+            plans = (("planner", None), ("half/half", half)) if FLAGS.planner else (
+                ("half/half", half),)
+            for plan_name, plan in plans:
                 if time.perf_counter() - _T0 > FLAGS.budget_s:
                     return
                 try:
@@ -149,11 +168,16 @@ def main(argv):
 
         _PROFILES = load_profiles(FLAGS.profiles)
     quick = FLAGS.quick
+    if quick:
+        jax.config.update("jax_num_cpu_devices", 2)
     rows, timelines = [], {}
     plan = ([("transformer", 8, (1, 2), ("gpipe", "1f1b"))] if quick else
             [("transformer", 32, (1, 4, 16), ("gpipe", "1f1b")),
              ("alexnet", 128, (4,), ("gpipe",)),
              ("vgg16", 32, (4,), ("gpipe",))])
+    if FLAGS.model:
+        plan = [(FLAGS.model, FLAGS.batch, tuple(int(m) for m in FLAGS.microbatches),
+                 tuple(FLAGS.schedules))]
     for name, batch, ms, scheds in plan:
         if time.perf_counter() - _T0 > FLAGS.budget_s:
             break
