@@ -24,6 +24,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from absl import logging
+
 from hetpar._errors import ProfileError
 
 FORMAT = "hetpar.profiles"
@@ -556,4 +558,12 @@ def load_profiles(path: str | os.PathLike | None = None, *, specs: bool = True) 
     except json.JSONDecodeError as e:
         raise ProfileError(f"profile file {str(path)!r} is not valid JSON: {e}") from None
     loaded = ProfileSet.from_json(data)
+    if loaded.meta.get("mode") == "quick":
+        # Seen on two H200s: a quick profile predicted a 2 ms transformer block
+        # at 0.8 s. Its links are fine; its devices' fits are not.
+        logging.warning(
+            "profile file %s was measured with `hetpar profile --quick`: its compute "
+            "efficiencies are fitted on small, launch-bound sizes and can be off by 100x or "
+            "more; its transfer links are usable. Measure without --quick before planning.",
+            path)
     return dataclasses.replace(loaded, devices={**base, **loaded.devices})

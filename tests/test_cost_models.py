@@ -343,3 +343,14 @@ def test_predictor_uses_fused_bytes_when_known():
     assert 0.3 < cal.fused_bytes_efficiency <= 1.0
     back = DeviceProfile.from_json(cal.to_json())
     assert back.fused_bytes_efficiency == cal.fused_bytes_efficiency
+
+
+def test_loading_a_quick_profile_warns(tmp_path, caplog):
+    import logging as pylogging
+
+    path = tmp_path / "quick.json"
+    ps = ProfileSet({"cpu:0": spec("cpu").replace(name="cpu:0")}, (), {"mode": "quick"})
+    save_profiles(path, ps)
+    with caplog.at_level(pylogging.WARNING):
+        load_profiles(path)
+    assert "--quick" in caplog.text and "links are usable" in caplog.text
