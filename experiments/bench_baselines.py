@@ -201,7 +201,9 @@ def compare(name: str, small: bool, steps: int, cpu_steps: int, k: int) -> dict:
                      "busy_s": r["busy_s"], "assignment": asg,
                      "predicted_s": evaluate(table, asg).step_time_s,
                      "predicted_raw_s": evaluate(raw, asg).step_time_s})
-    out = {"model": name, "batch": batch, "rows": rows, "jit_s": jit_s,
+    # The measured table itself, for offline analysis of prediction errors.
+    out_tables = {"raw": raw.to_json()}
+    out = {"model": name, "batch": batch, "rows": rows, "jit_s": jit_s, **out_tables,
            "step_scale": table.meta["step_scale"],
            "devices": {d.name: {"kind": d.kind, "price_per_hour": d.price_per_hour,
                                 "price_alone_per_hour": d.price_alone_per_hour,

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from hetpar._errors import GraphFormatError, InfeasibleError, PlanError
@@ -308,3 +309,39 @@ def test_cli_end_to_end(tmp_path):
                          timeout=120)
     assert bad.returncode == 2
     assert "no graph file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _with_fixed(table, frac, seed=0):
+    rng = np.random.default_rng(seed)
+    layers = tuple(dataclasses.replace(layer, fixed_s={
+        d: float(t * frac * rng.random()) for d, t in layer.time_s.items()})
+        for layer in table.layers)
+    return dataclasses.replace(table, layers=layers)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pipelined_with_fixed_per_microbatch_time_matches_exhaustive(seed):
+    table = _with_fixed(random_cost_table(seed, layers=8, devices=3), 0.8, seed)
+    p = plan(table, mode="pipelined", microbatches=4, gap=EXACT)
+    oracle = exhaustive(table, "time", "pipelined", 4)
+    assert _rel(p.predicted.step_time_s, oracle.predicted.step_time_s) < 1e-6
+    assert _rel(p.solver["objective"], p.predicted.step_time_s) < 1e-6
+    assert CostTable.from_json(table.to_json()).layers == table.layers
+
+
+def test_fixed_time_is_paid_by_every_microbatch():
+    # Two equal layers on two devices; all of a layer's time fixed: pipelining
+    # M microbatches cannot beat running the whole batch once per device.
+    table = _two_device_chain(n=2, speed_b=1.0)
+    whole = dataclasses.replace(table, layers=tuple(
+        dataclasses.replace(layer, fixed_s=dict(layer.time_s)) for layer in table.layers))
+    split = {"l0": "a", "l1": "b"}
+    ideal = evaluate(table, split, "pipelined", 4).step_time_s
+    bound = evaluate(whole, split, "pipelined", 4).step_time_s
+    assert ideal == pytest.approx(0.5 + 3 * 0.25, rel=1e-3)  # (M + S - 1) x t / M
+    assert bound == pytest.approx(2 + 3 * 1, rel=1e-3)  # every microbatch pays t whole
+    assert evaluate(whole, split).step_time_s == evaluate(table, split).step_time_s
+    with pytest.raises(GraphFormatError, match="exceeds its time_s"):
+        CostTable.from_json({**table.to_json(), "layers": [
+            {**table.to_json()["layers"][0], "fixed_s": {"a": 5.0}},
+            table.to_json()["layers"][1]]})

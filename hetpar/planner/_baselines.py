@@ -210,7 +210,7 @@ def exhaustive(table: CostTable, objective: str = "time", mode: str = "sequentia
     A = np.array(list(itertools.product(*choices)), dtype=np.int64).reshape(n, L)
     M = microbatches if mode == "pipelined" else 1
     rows = np.arange(L)[None, :]
-    t = arr.t[rows, A]  # [n, L]
+    t = arr.t_at(M)[rows, A]  # [n, L]
     feasible = np.ones(n, dtype=bool)
     busy = np.zeros((n, D))
     memory = np.zeros((n, D))

@@ -121,10 +121,13 @@ class Arrays:
         L, D, E = len(self.layers), len(self.devices), len(table.edges)
         self.t = np.full((L, D), np.inf)
         self.mem = np.zeros((L, D))
+        self.fixed = np.zeros((L, D))
         self.ok = np.zeros((L, D), dtype=bool)
         for i, layer in enumerate(table.layers):
             for d, v in layer.time_s.items():
                 self.t[i, dindex[d]] = v
+            for d, v in (layer.fixed_s or {}).items():
+                self.fixed[i, dindex[d]] = v
             for d, v in layer.memory_bytes.items():
                 self.mem[i, dindex[d]] = v
             for d in layer.devices():
@@ -156,6 +159,14 @@ class Arrays:
         out_bytes = np.bincount(self.eu, weights=self.fwd, minlength=L) if E else np.zeros(L)
         self.act = np.where(np.isnan(act), out_bytes, act)
         self.order = table.topological_order()
+
+    def t_at(self, microbatches: int) -> np.ndarray:
+        """[L, D] seconds per step when the step runs as M microbatches.
+
+        Each microbatch pays the layer's fixed part whole and its scalable
+        part / M: M x (fixed + (t - fixed) / M) = t + (M - 1) x fixed.
+        """
+        return self.t + (int(microbatches) - 1) * self.fixed
 
     def edge_parts(self, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-microbatch transfer times of each edge for each placement (a, b).
@@ -252,7 +263,7 @@ def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "seque
     arr = arrays or Arrays(table)
     a = _assignment_indices(arr, assignment)
     L, D = len(a), len(arr.devices)
-    t = arr.t[np.arange(L), a]
+    t = arr.t_at(M)[np.arange(L), a]
     busy = np.bincount(a, weights=t, minlength=D)
     memory = np.bincount(a, weights=arr.mem[np.arange(L), a], minlength=D)
     used = np.bincount(a, minlength=D) > 0

@@ -108,8 +108,9 @@ def solve(arr: Arrays, *, objective: str = "time", mode: str = "sequential",
     M = microbatches if mode == "pipelined" else 1
     pipelined = mode == "pipelined"
 
-    finite_t = np.where(arr.ok, arr.t, 0.0)
-    scale = float(np.mean(np.where(arr.ok, arr.t, np.inf).min(axis=1)))
+    t_step = arr.t_at(M)  # per step, with each microbatch's fixed part
+    finite_t = np.where(arr.ok, t_step, 0.0)
+    scale = float(np.mean(np.where(arr.ok, t_step, np.inf).min(axis=1)))
     if not scale > 0:
         scale = float(finite_t.max()) or 1.0
     f_mb, b_mb = arr.edge_parts(M)  # per microbatch

@@ -180,6 +180,7 @@ class Plan:
         arr = Arrays(table)
         a = np.array([arr.dindex[self.assignment[n]] for n in arr.layers])
         M = self.microbatches if self.mode == "pipelined" else 1
+        t = arr.t_at(M)
         f, b = arr.edge_parts(M)
         comm = f + b
         L, D = arr.ok.shape
@@ -199,8 +200,8 @@ class Plan:
                     tot += comm[k][pair]
                 return tot
 
-            t_here, x_here = arr.t[i, here] / M, transfers(here)
-            times = ", ".join(f"{d} {_s(arr.t[i, j] / M)}" if np.isfinite(arr.t[i, j])
+            t_here, x_here = t[i, here] / M, transfers(here)
+            times = ", ".join(f"{d} {_s(t[i, j] / M)}" if np.isfinite(t[i, j])
                               else f"{d} -" for j, d in enumerate(arr.devices))
             lines.append(f"{layer.name} -> {arr.devices[here]}  (time: {times}; transfers here "
                          f"{_s(x_here)})")
@@ -210,7 +211,7 @@ class Plan:
                 if layer.pinned is not None:
                     lines.append(f"    {d}: pinned to {layer.pinned}")
                     continue
-                if not np.isfinite(arr.t[i, j]):
+                if not np.isfinite(t[i, j]):
                     lines.append(f"    {d}: no time measured there (cannot run)")
                     continue
                 if not arr.ok[i, j]:
@@ -220,7 +221,7 @@ class Plan:
                 if not np.isfinite(x_there):
                     lines.append(f"    {d}: no link to a neighbour's device")
                     continue
-                dt, dx = arr.t[i, j] / M - t_here, x_there - x_here
+                dt, dx = t[i, j] / M - t_here, x_there - x_here
                 why = (f"compute {_signed(dt)}, transfers {_signed(dx)} "
                        f"(net {_signed(dt + dx)})")
                 over = memory[j] + arr.mem[i, j] - arr.cap[j]
@@ -251,7 +252,7 @@ class Plan:
             for n in arr.layers:
                 d = a[n]
                 lines.append(f"{n:<{w}}  {arr.devices[d]:<10} "
-                             f"{_s(arr.t[arr.lindex[n], d] / M):>10} {_s(xfer[n]):>13}")
+                             f"{_s(arr.t_at(M)[arr.lindex[n], d] / M):>10} {_s(xfer[n]):>13}")
         else:
             for n, d in self.assignment.items():
                 lines.append(f"{n}: {d}")
