@@ -491,6 +491,8 @@ def cost_table(
     progress: Callable[[str], None] | None = None,
     host_cpu_included: bool = True,
     meta: Mapping[str, Any] | None = None,
+    microbatch_graph=None,
+    microbatches: int = 1,
 ):
     """The planner's CostTable of `graph` on `devices`.
 
@@ -509,6 +511,12 @@ def cost_table(
       host_cpu_included: price the host CPU beside an accelerator at its
         `host_price_per_hour` (see `plan_prices`).
       meta: extra entries for the table's `meta`.
+      microbatch_graph: with `measure`, the same step traced at batch / M
+        (same layer names). Each layer is measured there too and its
+        `fixed_s` (what every microbatch pays whole: kernel launches) is
+        fitted from t = fixed + per_sample x batch at both sizes:
+        fixed = (M t_small - t) / (M - 1), clipped to [0, t].
+      microbatches: M, the ratio of the two batches.
 
     Returns:
       A validated `hetpar.planner._graph.CostTable`. Its `meta` holds the
@@ -533,6 +541,9 @@ def cost_table(
     predicted: dict[str, dict[str, float]] = {}
     measured: dict[str, dict[str, float]] = {}
     measured_iqr: dict[str, dict[str, float]] = {}
+    fixed: dict[str, dict[str, float]] = {}
+    if microbatch_graph is not None and not (measure and microbatches > 1):
+        raise ProfileError("microbatch_graph needs measure=True and microbatches > 1")
     layers = []
     n = len(graph.layers)
     for i, name in enumerate(graph.layers):
@@ -551,13 +562,18 @@ def cost_table(
                 measured.setdefault(name, {})[d.name] = t.median_s
                 measured_iqr.setdefault(name, {})[d.name] = t.iqr_s
                 times[d.name] = t.median_s
+                if microbatch_graph is not None and name in microbatch_graph.layers:
+                    small = measure_layer(microbatch_graph, name, d.jax_device, k=k).median_s
+                    f = (microbatches * small - t.median_s) / (microbatches - 1)
+                    fixed.setdefault(name, {})[d.name] = min(max(f, 0.0), t.median_s)
                 if progress:
                     progress(f"[{i + 1}/{n}] {name} on {d.name}: {t.median_s * 1e3:.3f} ms"
                              f" (predicted {predicted[name][d.name] * 1e3:.3f} ms)"
                              + (" cached" if t.cached else ""))
         mem = float(info.memory_bytes)
         layers.append(Layer(name=name, time_s=times, memory_bytes={d.name: mem for d in devs},
-                            activation_bytes=float(info.activation_bytes)))
+                            activation_bytes=float(info.activation_bytes),
+                            fixed_s=fixed.get(name)))
     edges = [Edge(u, v, float(e["bytes"]), float(e["bytes_backward"]))
              for u, v, e in graph.graph.edges(data=True)]
     sizes = _edge_sizes(graph)
@@ -592,6 +608,8 @@ def cost_table(
     if measure:
         info_meta["measured_s"] = measured
         info_meta["measured_iqr_s"] = measured_iqr
+    if fixed:
+        info_meta["fixed_s"] = f"fitted from each layer measured at batch and batch/{microbatches}"
     info_meta.update(meta or {})
     return CostTable(devices=tuple(table_devices), links=tuple(links), layers=tuple(layers),
                      edges=tuple(edges), meta=info_meta)
@@ -659,6 +677,7 @@ def cost_table_for_model(
     profiles: ProfileSet | str | None = None,
     k: int = 10,
     progress: Callable[[str], None] | None = None,
+    microbatches: int = 1,
 ):
     """The CostTable of a zoo model's train step on `devices` (`hetpar plan MODEL`).
 
@@ -672,17 +691,33 @@ def cost_table_for_model(
       profiles: a ProfileSet, or the path of a profile file.
       k: timed runs per measurement.
       progress: as for `cost_table`.
+      microbatches: with `measure` and M > 1, also measure every layer at
+        batch / M and fit its `fixed_s` (see `cost_table`), so pipelined
+        plans pay what small microbatches really cost.
 
     Returns:
       The CostTable; `meta` also names the model and batch size.
+
+    Raises:
+      ProfileError: M > 1 without `measure`, or a batch M does not divide.
     """
     from hetpar.cost_models._profiles import load_profiles
 
     if isinstance(profiles, str):
         profiles = load_profiles(profiles)
     w, graph = trace_model(model, small=small, batch=batch, config=config)
+    small_graph = None
+    if microbatches > 1:
+        full = int(w.config["batch_size"])
+        if not measure:
+            raise ProfileError("microbatches > 1 fits fixed_s from measurements: add measure")
+        if full % microbatches:
+            raise ProfileError(f"microbatches={microbatches} does not divide the batch ({full})")
+        _, small_graph = trace_model(model, small=small, batch=full // microbatches,
+                                     config=config)
     return cost_table(graph, devices, profiles=profiles, measure=measure, k=k,
-                      progress=progress,
+                      progress=progress, microbatch_graph=small_graph,
+                      microbatches=microbatches,
                       meta={"model": model, "batch": w.config.get("batch_size"),
                             "small": small})
 

@@ -94,3 +94,11 @@ def test_cli_bad_input_is_one_clear_line(argv, message):
     assert proc.returncode == 2
     assert message.lower() in proc.stderr.lower()
     assert "Traceback" not in proc.stderr
+
+
+def test_cli_costs_measures_the_fixed_part_per_microbatch(tmp_path):
+    out = tmp_path / "graph.json"
+    hetpar_cli("costs", "mlp", "--small", "--devices", "cpu:0", "--measure", "--k", "2",
+               "--microbatches", "2", "--out", str(out))
+    layers = json.loads(out.read_text())["layers"]
+    assert all(0 <= layer["fixed_s"]["cpu:0"] <= layer["time_s"]["cpu:0"] for layer in layers)

@@ -130,3 +130,18 @@ def test_scale_to_step_matches_whole_step_and_keeps_ratios():
     assert scaled.fingerprint() == table.fingerprint()
     with pytest.raises(ProfileError, match="not devices of the table"):
         scale_to_step(table, {"gpu:7": 1.0})
+
+
+def test_measured_fixed_part_per_microbatch():
+    table = cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, measure=True, k=2,
+                                             microbatches=2)
+    for layer in table.layers:
+        assert set(layer.fixed_s) == {"cpu:0"}
+        assert 0.0 <= layer.fixed_s["cpu:0"] <= layer.time_s["cpu:0"]
+    assert "batch/2" in table.meta["fixed_s"]
+    assert CostTable.from_json(table.to_json()).layers == table.layers
+    with pytest.raises(ProfileError, match="add measure"):
+        cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, microbatches=2)
+    with pytest.raises(ProfileError, match="does not divide"):
+        cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, measure=True,
+                                         microbatches=7)

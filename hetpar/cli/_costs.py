@@ -26,6 +26,9 @@ def register(sub) -> None:
     p.add_argument("--measure", action="store_true",
                    help="measure every layer on the present devices (cached on disk)")
     p.add_argument("--k", type=int, default=10, help="timed runs per measurement")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="with --measure: also measure at batch/M and fit each layer's fixed_s "
+                        "(what every microbatch of a pipeline pays whole)")
     p.add_argument("--profiles", default=None,
                    help="profile file from `hetpar profile` (default: spec sheets)")
     p.add_argument("--out", default=None, help="write graph.json here")
@@ -47,7 +50,7 @@ def _run(args) -> int:
     table = cost_table_for_model(
         args.model, devices, small=args.small, batch=args.batch,
         config=parse_config(args.config), measure=args.measure, profiles=args.profiles,
-        k=args.k, progress=progress if args.measure else None)
+        k=args.k, progress=progress if args.measure else None, microbatches=args.microbatches)
     batch = int(table.meta.get("batch") or 1)
     predicted = table.meta["predicted_s"]
     measured = table.meta.get("measured_s", {})
