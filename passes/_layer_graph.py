@@ -143,10 +143,25 @@ class LayerGraph:
         saved_seen: set = set()
         flow: dict[tuple[str, str], list[float]] = {}
         counted: set = set()
+        # A step input lives on its owner layer's device; another layer that
+        # reads it (a tied embedding's head, labels for the loss) receives it
+        # from there every step, like a produced tensor.
+        input_owner = {v: layer for v, layer in zip(jaxpr.invars, self.input_layers)
+                       if layer in order}
         for j, e in enumerate(eqns):
             dst = self.eqn_layers[j]
             for a in e.invars:
-                if not isinstance(a, jcore.Var) or a not in producer:
+                if not isinstance(a, jcore.Var):
+                    continue
+                if a in input_owner:
+                    src = input_owner[a]
+                    if src == dst or dst == SHARED or (a, dst) in counted:
+                        continue
+                    counted.add((a, dst))
+                    key = (src, dst) if order[src] < order[dst] else (dst, src)
+                    flow.setdefault(key, [0.0, 0.0])[0 if key[0] == src else 1] += nbytes(a.aval)
+                    continue
+                if a not in producer:
                     continue
                 i = producer[a]
                 src = self.eqn_layers[i]

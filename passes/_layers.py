@@ -140,9 +140,12 @@ def assign_layers(
             for a in e.invars:
                 if isinstance(a, jcore.Var):
                     first_named_consumer.setdefault(a, layer[i])
-    for v in list(jaxpr.invars) + list(jaxpr.constvars):
-        if v in first_named_consumer:
-            producer[v] = first_named_consumer[v]
+    # Step inputs are not produced by any layer: an unnamed equation that reads
+    # only inputs (labels sliced from the batch) waits for its first consumer
+    # (rule 5) instead of joining the first layer that happened to read the
+    # same input. Before, GPT-2's loss scattered a [batch, seq, vocab]
+    # gradient inside `wte`, because `wte` reads the tokens the labels come
+    # from: an 817 MB edge that was never the model's.
 
     def define(i: int) -> None:
         for o in eqns[i].outvars:

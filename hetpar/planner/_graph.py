@@ -82,7 +82,7 @@ class Layer:
         few microseconds). Pipelined over M microbatches the layer takes
         fixed + (time - fixed) / M per microbatch, time + (M - 1) x fixed per
         step. None (or a device missing) means 0: time scales with the batch.
-        On two H200s the transformer's step fits 15.9 ms + 0.60 ms per sample
+        On two H200s the transformer's step fits 15.5 ms + 0.60 ms per sample
         (experiments/results/two_gpus_affine_h200x2.md).
     """
 
