@@ -4,11 +4,8 @@
 # all but resnet50/vgg16, which a second call runs: MODELS=resnet50,vgg16
 # TAG=_big MEMORY=""). Needs the pulp wheel in .whl/ (carried). Results: $OUT.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
+source experiments/_gpu_setup.sh
 start=$(date +%s)
-python3 -m pip install -q --no-index --find-links .whl pulp
-python3 -m pip install -q --no-build-isolation --no-deps -e .
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 lscpu | grep -E "Model name|^CPU\(s\)" | tee -a "$OUT/gpu.txt"
 cd experiments
 if [ -z "${TAG:-}" ]; then

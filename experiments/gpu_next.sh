@@ -6,10 +6,7 @@
 #   bash experiments/gpu_next.sh two
 # Needs the pulp wheel in .whl/ (carried). Results go to $OUT.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --find-links .whl pulp
-python3 -m pip install -q --no-build-isolation --no-deps -e .
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+source experiments/_gpu_setup.sh
 cd experiments
 if [ "${1:-one}" = one ]; then
   # jit-first one-device path against jax.jit, interleaved (goal <= 1.03).

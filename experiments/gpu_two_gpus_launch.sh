@@ -2,10 +2,7 @@
 # Two GPUs: is the microbatched pipeline launch-bound? Each run adds "one GPU,
 # whole step at batch/M, xM" beside hetpar's M-microbatch pipeline. Needs .whl/.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --find-links .whl pulp
-python3 -m pip install -q --no-build-isolation --no-deps -e .
-nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+source experiments/_gpu_setup.sh
 cd experiments
 run() {  # out budget args...
   local out=$1 budget=$2; shift 2

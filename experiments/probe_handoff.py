@@ -12,23 +12,11 @@ one call per array ("per array") against one batched call per source device
 accelerator. Usage: python experiments/probe_handoff.py
 """
 
-import statistics
-import time
-
 import jax
+from _timing import median_step
 
 import hetpar
 from hetpar import zoo
-
-
-def steps(fn, state, batch, n=30):
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        *state, loss = fn(*state, batch)
-        jax.block_until_ready(loss)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), tuple(state)
 
 
 def case(model, plan_of, label):
@@ -40,18 +28,18 @@ def case(model, plan_of, label):
     batch = jax.device_put(args[2], acc)
     jitted = jax.jit(w.train_step)
     s = jax.device_put(tuple(args[:2]), acc)
-    _, s = steps(jitted, s, batch, 3)
-    t_jit, _ = steps(jitted, s, batch)
+    _, s = median_step(jitted, s, batch, 3)
+    t_jit, _ = median_step(jitted, s, batch, 30)
     step = hetpar.auto(w.train_step, plan=asg)
     state = tuple(args[:2])
-    _, state = steps(step, state, batch, 3)
+    _, state = median_step(step, state, batch, 3)
     ex = step.lower(*state, batch)._executor
     out = [f"{model} {label}: jax.jit {t_jit * 1e3:.2f} ms"]
     batched = ex.transfer.move_many
     per_array = lambda xs, d: [ex.transfer.move(x, d) for x in xs]  # noqa: E731
     for label, mover in (("per array", per_array), ("batched", batched)) * 2:
         ex.transfer.move_many = mover
-        t, state = steps(step, state, batch)
+        t, state = median_step(step, state, batch, 30)
         out.append(f"{label}: {t * 1e3:.2f} ms")
     print("; ".join(out), f"({len(ex.stages.stages)} stages)", flush=True)
 
