@@ -639,8 +639,12 @@ def scale_to_step(table, step_s: Mapping[str, float]):
         raise ProfileError(f"scale_to_step: {unknown} are not devices of the table "
                            f"({', '.join(table.device_names)})")
     factor = {d: step_s[d] / totals[d] for d in step_s if totals[d] > 0}
-    layers = tuple(dataclasses.replace(layer, time_s={
-        d: t * factor.get(d, 1.0) for d, t in layer.time_s.items()}) for layer in table.layers)
+    layers = tuple(dataclasses.replace(
+        layer,
+        time_s={d: t * factor.get(d, 1.0) for d, t in layer.time_s.items()},
+        fixed_s=None if layer.fixed_s is None else {
+            d: f * factor.get(d, 1.0) for d, f in layer.fixed_s.items()})
+        for layer in table.layers)
     meta = {**table.meta, "step_scale": factor, "step_s": dict(step_s)}
     return dataclasses.replace(table, layers=layers, meta=meta)
 

@@ -194,7 +194,8 @@ class CompiledStep:
                     # experiments/results/baselines_h200_run1.md).
                     self._move_batch = True
             args = list(args)
-            for i in self.options.batch_argnums or (len(args) - 1,):
+            batch_argnums = self.options.batch_argnums
+            for i in (len(args) - 1,) if batch_argnums is None else batch_argnums:
                 args[i] = jax.device_put(args[i], self._device)
             try:
                 return self._jit(*args)

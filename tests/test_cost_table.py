@@ -145,3 +145,18 @@ def test_measured_fixed_part_per_microbatch():
     with pytest.raises(ProfileError, match="does not divide"):
         cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, measure=True,
                                          microbatches=7)
+
+
+def test_scale_to_step_scales_the_fixed_part_too():
+    import dataclasses
+
+    from hetpar.cost_models import scale_to_step
+
+    table = cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True)
+    table = dataclasses.replace(table, layers=tuple(
+        dataclasses.replace(layer, fixed_s={"cpu:0": 0.5 * layer.time_s["cpu:0"]})
+        for layer in table.layers))
+    total = sum(layer.time_s["cpu:0"] for layer in table.layers)
+    scaled = scale_to_step(table, {"cpu:0": total / 4})  # validated on the way
+    for layer in scaled.layers:
+        assert layer.fixed_s["cpu:0"] == pytest.approx(0.5 * layer.time_s["cpu:0"])

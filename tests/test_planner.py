@@ -345,3 +345,15 @@ def test_fixed_time_is_paid_by_every_microbatch():
         CostTable.from_json({**table.to_json(), "layers": [
             {**table.to_json()["layers"][0], "fixed_s": {"a": 5.0}},
             table.to_json()["layers"][1]]})
+
+
+def test_price_alone_holds_when_only_one_device_can_run_anything():
+    table = _two_device_chain(price_a=0.0)
+    devices = (dataclasses.replace(table.devices[0], price_alone_per_hour=2.0), table.devices[1])
+    table = dataclasses.replace(table, devices=devices)
+    pinned = {layer: "a" for layer in table.layer_names}
+    p = plan(table, objective="cost", pins=pinned, gap=EXACT)
+    assert p.predicted.cost_usd_per_step == pytest.approx(p.predicted.step_time_s * 2.0 / 3600)
+    assert _rel(p.solver["objective"], p.predicted.cost_usd_per_step) < 1e-6
+    with pytest.raises(InfeasibleError):
+        plan(table, objective="time", pins=pinned, max_cost=p.predicted.cost_usd_per_step / 2)

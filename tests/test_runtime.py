@@ -307,3 +307,28 @@ def test_move_many_batches_by_source_and_keeps_values():
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert out[6].devices() == {CPU[1]} and out[7].devices() == {CPU[1]}
     assert engine.bytes_moved == 4 * xs[0].nbytes + xs[6].nbytes  # the numpy array is not counted
+
+
+def test_a_parameter_read_on_another_device_moves_once_per_step():
+    # GPT-2's tied embedding: `wte` owns it, `lm_head` on another device reads
+    # it in every microbatch's forward and backward stage.
+    w = zoo.get("transformer", small=True, batch=4, learning_rate=1e-4)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    plan = {n: "cpu:0" if n == "wte" else "cpu:1" for n in layers}
+    step = hetpar.auto(w.train_step, plan=plan, microbatches=4)
+    ex = step.lower(*args)._executor
+    emb = args[0]["params"]["wte"]["embedding"]
+    moved = []
+    inner = ex.transfer.move_many
+
+    def spy(xs, dst):
+        moved.extend(x for x in xs if getattr(x, "shape", None) == emb.shape and dst == CPU[1]
+                     and x.devices() != {dst})
+        return inner(xs, dst)
+
+    ex.transfer.move_many = spy
+    *state, _ = step(*args)  # the first step places every input on its device
+    moved.clear()
+    check_steps(w.train_step, step, (*state, args[-1]), steps=2, microbatches=4)
+    assert len(moved) == 2  # once per step, not once per microbatch stage (8 before)

@@ -221,7 +221,7 @@ def solve(arr: Arrays, *, objective: str = "time", mode: str = "sequential",
     # w are exact both ways, so u[k] <= Σ_l x[l, k] and w[k] <= T, t_max u[k]
     # are added too (otherwise an idle device could be "used" to dodge it).
     price_terms = [(w[j], float(arr.price[j])) for j in w]
-    surcharged = [j for j in w if arr.price_alone[j] > arr.price[j]] if len(w) > 1 else []
+    surcharged = [j for j in w if arr.price_alone[j] > arr.price[j]]
     if needs_used and surcharged:
         for j in w:
             rows = np.nonzero(arr.ok[:, j])[0]

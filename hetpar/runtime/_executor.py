@@ -92,6 +92,7 @@ class Executor:
         self.distinct_executables = len(cache)
         jaxpr = stages.graph.program.jaxpr.jaxpr
         self._invars = list(jaxpr.invars)
+        self._is_input = set(self._invars)
         self._outvars = list(jaxpr.outvars)
         self._input_devices = [self.devices[d] for d in stages.input_devices]
         self._producer = {v: st.index for st in stages.stages for v in st.outputs}
@@ -117,6 +118,19 @@ class Executor:
         failure: list = []
         events: list[StageEvent] = []
         t0 = time.perf_counter()
+        # Step inputs (parameters) read on another device move there once per
+        # step, not once per microbatch stage that reads them (a tied GPT-2
+        # embedding is 154 MB). Keyed by device: each has one worker, no lock.
+        moved_inputs: dict = {}
+
+        def inputs_on(st: Stage, name: str, dev) -> list:
+            args = [moved_inputs.get((v, name), env[v]) for v in st.inputs]
+            todo = [k for k, v in enumerate(st.inputs) if (v, name) not in moved_inputs]
+            for k, y in zip(todo, self.transfer.move_many([args[k] for k in todo], dev)):
+                args[k] = y
+                if st.inputs[k] in self._is_input:
+                    moved_inputs[st.inputs[k], name] = y
+            return args
 
         def run_device(name: str) -> None:
             dev = self.devices[name]
@@ -131,7 +145,7 @@ class Executor:
                     return
                 try:
                     start = time.perf_counter()
-                    args = self.transfer.move_many([env[v] for v in st.inputs], dev)
+                    args = inputs_on(st, name, dev)
                     outs = self.compiled[idx](*args)
                     if self.record_events:
                         jax.block_until_ready(outs)
