@@ -89,10 +89,11 @@ def greedy_fastest(table: CostTable, mode: str = "sequential", microbatches: int
                    arrays: Arrays | None = None) -> BaselineResult:
     """Each layer on its fastest allowed device with room left (transfers ignored)."""
     arr = arrays or Arrays(table)
+    t = arr.t_at(microbatches if mode == "pipelined" else 1)
     left = arr.cap.astype(float).copy()
     out = {}
     for i in arr.order:
-        for j in np.argsort(np.where(arr.ok[i], arr.t[i], np.inf), kind="stable"):
+        for j in np.argsort(np.where(arr.ok[i], t[i], np.inf), kind="stable"):
             if arr.ok[i, j] and arr.mem[i, j] <= left[j]:
                 left[j] -= arr.mem[i, j]
                 out[arr.layers[i]] = arr.devices[j]
@@ -140,9 +141,10 @@ def heft(table: CostTable, mode: str = "sequential", microbatches: int = 1, *,
     """HEFT list scheduling: upward rank order, earliest-finish-time device."""
     arr = arrays or Arrays(table)
     L, D = arr.ok.shape
+    t = arr.t_at(microbatches if mode == "pipelined" else 1)
     f, b = arr.edge_parts(1)
     comm = f + b
-    mean_t = np.array([arr.t[i, arr.ok[i]].mean() for i in range(L)])
+    mean_t = np.array([t[i, arr.ok[i]].mean() for i in range(L)])
     off = ~np.eye(D, dtype=bool)
     succ: list[list[tuple[int, int]]] = [[] for _ in range(L)]
     pred: list[list[tuple[int, int]]] = [[] for _ in range(L)]
@@ -175,7 +177,7 @@ def heft(table: CostTable, mode: str = "sequential", microbatches: int = 1, *,
                     continue
                 c = comm[k, where[p], j]
                 ready = max(ready, finish[p] + c)
-            eft = max(avail[j], ready) + arr.t[i, j]
+            eft = max(avail[j], ready) + t[i, j]
             if eft < best:
                 best, best_j = eft, j
         if best_j < 0 or not np.isfinite(best):
