@@ -633,11 +633,15 @@ def scale_to_step(table, step_s: Mapping[str, float]):
     Returns:
       The scaled CostTable; `meta["step_scale"]` holds the factor per device.
     """
-    totals = {d: sum(layer.time_s.get(d, 0.0) for layer in table.layers) for d in step_s}
     unknown = sorted(set(step_s) - set(table.device_names))
     if unknown:
         raise ProfileError(f"scale_to_step: {unknown} are not devices of the table "
                            f"({', '.join(table.device_names)})")
+    bad = {d: t for d, t in step_s.items() if not (math.isfinite(t) and t > 0)}
+    if bad:
+        raise ProfileError(f"scale_to_step: step times must be positive seconds, got {bad}; "
+                           "pass the median step time measured on each device")
+    totals = {d: sum(layer.time_s.get(d, 0.0) for layer in table.layers) for d in step_s}
     factor = {d: step_s[d] / totals[d] for d in step_s if totals[d] > 0}
     layers = tuple(dataclasses.replace(
         layer,
@@ -710,6 +714,8 @@ def cost_table_for_model(
     if isinstance(profiles, str):
         profiles = load_profiles(profiles)
     w, graph = trace_model(model, small=small, batch=batch, config=config)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ProfileError(f"microbatches must be a positive integer, got {microbatches!r}")
     small_graph = None
     if microbatches > 1:
         full = int(w.config["batch_size"])

@@ -130,6 +130,8 @@ def test_scale_to_step_matches_whole_step_and_keeps_ratios():
     assert scaled.fingerprint() == table.fingerprint()
     with pytest.raises(ProfileError, match="not devices of the table"):
         scale_to_step(table, {"gpu:7": 1.0})
+    with pytest.raises(ProfileError, match="must be positive seconds"):
+        scale_to_step(table, {"cpu:0": 0.0})
 
 
 def test_measured_fixed_part_per_microbatch():
@@ -142,6 +144,9 @@ def test_measured_fixed_part_per_microbatch():
     assert CostTable.from_json(table.to_json()).layers == table.layers
     with pytest.raises(ProfileError, match="add measure"):
         cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, microbatches=2)
+    with pytest.raises(ProfileError, match="positive integer"):
+        cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, measure=True,
+                                         microbatches=0)
     with pytest.raises(ProfileError, match="does not divide"):
         cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, measure=True,
                                          microbatches=7)
