@@ -84,20 +84,21 @@ class TransferEngine:
         out = list(xs)
         groups: dict = {}
         for i, x in enumerate(xs):
-            if not isinstance(x, jax.Array) or _is_extended(x.dtype):
-                out[i] = self.move(x, dst)
+            if not isinstance(x, jax.Array):
+                out[i] = jax.device_put(x, dst)
                 continue
             devs = x.devices()
             src = next(iter(devs))
             if len(devs) == 1 and src == dst:
                 continue
-            groups.setdefault(src, []).append(i)
-        for src, idx in groups.items():
+            # PRNG keys (extended dtypes) have no NumPy view: they take device_put.
+            groups.setdefault((src, _is_extended(x.dtype)), []).append(i)
+        for (src, extended), idx in groups.items():
             arrays = [xs[i] for i in idx]
             n = sum(_nbytes(x) for x in arrays)
             with self._lock:
                 self.bytes_moved += n
-            if self.path(src, dst, n) == "pinned_host":
+            if not extended and self.path(src, dst, n) == "pinned_host":
                 if src.platform == "gpu":
                     staged = jax.device_put(
                         arrays, SingleDeviceSharding(src, memory_kind="pinned_host"))
@@ -114,24 +115,4 @@ class TransferEngine:
 
     def move(self, x, dst: jax.Device):
         """`x` on `dst` (the same array when it is already there)."""
-        if not isinstance(x, jax.Array):
-            return jax.device_put(x, dst)
-        devs = x.devices()
-        if len(devs) == 1:
-            src = next(iter(devs))
-            if src == dst:
-                return x
-        else:
-            src = next(iter(devs))
-        n = _nbytes(x)
-        with self._lock:
-            self.bytes_moved += n
-        # PRNG keys (extended dtypes) have no NumPy view: they take device_put.
-        if self.path(src, dst, n) == "pinned_host" and not _is_extended(x.dtype):
-            if src.platform == "gpu":
-                staged = jax.device_put(x, SingleDeviceSharding(src, memory_kind="pinned_host"))
-                return jax.device_put(np.asarray(staged), dst)
-            staged = jax.device_put(np.asarray(x),
-                                    SingleDeviceSharding(dst, memory_kind="pinned_host"))
-            return jax.device_put(staged, SingleDeviceSharding(dst, memory_kind="device"))
-        return jax.device_put(x, dst)
+        return self.move_many([x], dst)[0]
