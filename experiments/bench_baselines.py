@@ -37,6 +37,7 @@ import time
 import traceback
 
 import jax
+import numpy as np
 from _timing import median_step, write_results
 from absl import app, flags
 
@@ -44,6 +45,7 @@ import hetpar
 from hetpar import InfeasibleError, zoo
 from hetpar.cost_models import cost_table, load_profiles, scale_to_step
 from hetpar.planner import evaluate, greedy_fastest, memory_fill, plan, violations
+from hetpar.planner._evaluate import Arrays
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "experiments/results/baselines", "output path prefix (.md, .json)")
@@ -126,17 +128,15 @@ def run_plan(w, args, assignment: dict, steps: int, microbatches: int = 1,
 
 def dollars_and_joules(table, assignment: dict, step_s: float, busy_s: dict,
                        batch: int) -> tuple[float, float]:
-    """Measured $ per 1000 samples and J per step, priced like the planner's model."""
-    devs = {d.name: d for d in table.devices}
-    used = sorted(set(assignment.values()))
-    price = 0.0
-    for u in used:
-        d = devs[u]
-        alone = d.price_alone_per_hour if d.price_alone_per_hour is not None else d.price_per_hour
-        price += alone if len(used) == 1 else d.price_per_hour
-    joules = sum(devs[u].watts_busy * min(busy_s.get(u, step_s), step_s)
-                 + devs[u].watts_idle * max(0.0, step_s - busy_s.get(u, step_s)) for u in used)
-    return step_s * price / 3600.0 / batch * 1000.0, joules
+    """Measured $ per 1000 samples and J per step, priced by the planner's own rules."""
+    arr = Arrays(table)
+    used = np.zeros(len(arr.devices), bool)
+    busy = np.zeros(len(arr.devices))
+    for d in set(assignment.values()):
+        used[arr.dindex[d]] = True
+        busy[arr.dindex[d]] = min(busy_s.get(d, step_s), step_s)
+    return (step_s * arr.hourly_price(used) / 3600.0 / batch * 1000.0,
+            arr.joules(used, busy, step_s))
 
 
 def _key(assignment: dict) -> tuple:

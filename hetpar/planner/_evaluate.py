@@ -160,6 +160,15 @@ class Arrays:
         self.act = np.where(np.isnan(act), out_bytes, act)
         self.order = table.topological_order()
 
+    def hourly_price(self, used: np.ndarray) -> float:
+        """Dollars per hour of the devices `used` ([D] bool); one used alone at its solo price."""
+        price = self.price_alone if used.sum() == 1 else self.price
+        return float(price[used].sum())
+
+    def joules(self, used: np.ndarray, busy: np.ndarray, step: float) -> float:
+        """Joules of a step: busy watts while computing, idle watts for the rest, devices used."""
+        return float(np.sum((busy * self.watts_busy + (step - busy) * self.watts_idle)[used]))
+
     def t_at(self, microbatches: int) -> np.ndarray:
         """[L, D] seconds per step when the step runs as M microbatches.
 
@@ -299,9 +308,8 @@ def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "seque
                 "gpipe": {arr.devices[j]: float(act[j]) for j in range(D) if used[j]},
                 "1f1b": {arr.devices[j]: float(act[j] / M * min(M, stages))
                          for j in range(D) if used[j]}})
-    price = arr.price_alone if used.sum() == 1 else arr.price
-    cost = step * float(price[used].sum()) / 3600.0
-    energy = float(np.sum((busy * arr.watts_busy + (step - busy) * arr.watts_idle)[used]))
+    cost = step * arr.hourly_price(used) / 3600.0
+    energy = arr.joules(used, busy, step)
     return Predicted(
         step_time_s=float(step), cost_usd_per_step=float(cost), energy_j_per_step=energy,
         busy_s={arr.devices[j]: float(busy[j]) for j in range(D) if used[j]},
