@@ -109,7 +109,7 @@ class CompiledStep:
             # the same executable (jit's cache tells committed inputs apart).
             self._jit = jax.jit(self._step, in_shardings=sharding, out_shardings=sharding)
             self._executor = None
-            self._move_batch = False
+            self._sharding = sharding
         else:
             self.stages = split(self.graph, self.assignment, schedule=options.schedule)
             self._executor = Executor(self.stages, {d: self.devices[d] for d in used},
@@ -181,26 +181,27 @@ class CompiledStep:
 
     # -- running ----------------------------------------------------------
 
+    def _batch_here(self, args: tuple) -> tuple:
+        """`args` with batch arrays committed to another device moved to the plan's one.
+
+        jit would accept them and copy them itself, but by a slow path: a host
+        batch made AlexNet's step 4.1x jit's on the H200, against 1x when moved
+        with `device_put` first (experiments/results/probe_overhead_h200_run2.txt).
+        Numpy batches and resident arrays go to jit untouched (its C++ path).
+        """
+        nums = self.options.batch_argnums
+        nums = (len(args) - 1,) if nums is None else nums
+        moved = None
+        for i in nums:
+            if any(isinstance(x, jax.Array) and x.sharding != self._sharding
+                   for x in jax.tree_util.tree_leaves(args[i])):
+                moved = moved or list(args)
+                moved[i] = jax.device_put(args[i], self._device)
+        return args if moved is None else tuple(moved)
+
     def __call__(self, *args):
         if self._executor is None:
-            if not self._move_batch:
-                try:  # numpy or resident arguments: jit's C++ path, nothing added
-                    return self._jit(*args)
-                except ValueError:
-                    # An argument committed to another device, typically the
-                    # batch from a data loader on the CPU device. Move batches
-                    # first from now on: a refused call costs far more than the
-                    # move (3.5x jit's step for AlexNet on the H200,
-                    # experiments/results/baselines_h200_run1.md).
-                    self._move_batch = True
-            args = list(args)
-            batch_argnums = self.options.batch_argnums
-            for i in (len(args) - 1,) if batch_argnums is None else batch_argnums:
-                args[i] = jax.device_put(args[i], self._device)
-            try:
-                return self._jit(*args)
-            except ValueError:  # state committed to another device: move it too
-                return self._jit(*jax.device_put(tuple(args), self._device))
+            return self._jit(*self._batch_here(args))
         flat = jax.tree_util.tree_leaves(args)
         return jax.tree_util.tree_unflatten(self._out_tree, self._executor(flat))
 

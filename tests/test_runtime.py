@@ -292,6 +292,11 @@ def test_one_device_plan_takes_a_batch_committed_elsewhere():
     ref = jax.jit(w.train_step)(variables, opt_state, batch)
     np.testing.assert_allclose(float(loss), float(ref[-1]), rtol=1e-6)
     assert {next(iter(x.devices())) for x in jax.tree_util.tree_leaves(state)} == {CPU[1]}
+    # It is moved with device_put before jit sees it (jit's own copy is slow).
+    on_cpu0 = jax.device_put(batch, CPU[0])
+    moved = step.lower(variables, opt_state, on_cpu0)._batch_here((variables, opt_state, on_cpu0))
+    assert {d for x in jax.tree_util.tree_leaves(moved[2]) for d in x.devices()} == {CPU[1]}
+    assert moved[0] is variables
 
 
 def test_move_many_batches_by_source_and_keeps_values():
