@@ -573,7 +573,7 @@ def cost_table(
         mem = float(info.memory_bytes)
         layers.append(Layer(name=name, time_s=times, memory_bytes={d.name: mem for d in devs},
                             activation_bytes=float(info.activation_bytes),
-                            fixed_s=fixed.get(name)))
+                            fixed_s=fixed.get(name), param_bytes=float(info.param_bytes)))
     edges = [Edge(u, v, float(e["bytes"]), float(e["bytes_backward"]))
              for u, v, e in graph.graph.edges(data=True)]
     sizes = _edge_sizes(graph)

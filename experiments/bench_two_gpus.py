@@ -42,6 +42,8 @@ flags.DEFINE_integer("batch", None, "with --model: its batch size")
 flags.DEFINE_list("microbatches", ["1", "4"], "with --model: microbatch counts")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "with --model: schedules")
 flags.DEFINE_bool("planner", True, "also run the planner's plan (else only half/half)")
+flags.DEFINE_float("memory_fraction", 0.0, "also run a memory-bound case: a per-GPU budget of "
+                   "this fraction of what the step needs (0: skip)")
 
 _T0 = time.perf_counter()
 
@@ -72,69 +74,169 @@ def data_parallel(w, args, devs, steps):
     return _time(jax.jit(w.train_step), (*state, batch), steps)
 
 
+def calibrated_table(w, args, names, one_s, floor):
+    """The planner's table of the step on the two GPUs, calibrated to measured steps.
+
+    Layer shares come from the spec sheets; they are scaled so the whole step
+    on one GPU takes what `jax.jit` measured (`scale_to_step`), and each layer
+    gets the same fraction of fixed time (what every microbatch pays whole)
+    as the whole step: fixed = (M x t(b/M) - t(b)) / (M - 1) from the
+    launch-floor row (experiments/probe_launch.py). Links from --profiles.
+    """
+    import dataclasses
+
+    from hetpar.cost_models import cost_table, scale_to_step
+
+    graph = hetpar.trace(w.train_step, *args)
+    table = scale_to_step(cost_table(graph, names, profiles=_PROFILES),
+                          dict.fromkeys(names, one_s))
+    fixed = 0.0
+    if floor:
+        m, t_m = max(floor.items())
+        fixed = min(max((m * t_m - one_s) / (m - 1), 0.0), one_s)
+    share = fixed / one_s
+    layers = tuple(dataclasses.replace(la, fixed_s={d: share * t for d, t in la.time_s.items()})
+                   for la in table.layers)
+    return dataclasses.replace(table, layers=layers), fixed
+
+
+def _run(step, args, steps, **row):
+    compiled = step.lower(*args)
+    t = _time(step, args, steps)
+    used = compiled.plan.replicas if compiled.plan is not None and compiled.plan.replicas else (
+        sorted(set(compiled.assignment.values())))
+    return compiled, {**row, "step_s": t, "devices_used": list(used)}
+
+
+def _close_to_jit(w, step, args, gpu):
+    """Relative error of one hetpar step's outputs against one GPU's jax.jit."""
+    ref = jax.jit(w.train_step)(*jax.device_put(args, gpu))
+    out = step(*args)
+    num = sum(float(np.sum((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+              for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)))
+    den = sum(float(np.sum(np.asarray(b, np.float64) ** 2)) for b in jax.tree_util.tree_leaves(ref))
+    return (num / max(den, 1e-300)) ** 0.5
+
+
 def run_model(name, batch, microbatches, schedules, steps, quick, rows, timelines):
+    from hetpar.planner import evaluate, evaluate_data_parallel, plan
+
     names, devs = _devices(quick)
     w = zoo.get(name, small=quick, batch=batch)
     args = w.example_args()
     one = _time(jax.jit(w.train_step), jax.device_put(args, devs[0]), steps)
-    rows.append({"model": name, "batch": batch, "config": "one GPU (jax.jit)", "step_s": one,
-                 "speedup": 1.0})
+    base = {"model": name, "batch": batch}
+
+    def add(row):
+        rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
+
+    add({**base, "config": "one GPU (jax.jit)", "step_s": one, "speedup": 1.0})
     try:
         dp = data_parallel(w, args, devs, steps)
-        rows.append({"model": name, "batch": batch, "config": "data parallel (jax.jit, sharded)",
-                     "step_s": dp, "speedup": one / dp})
+        dp_row = {**base, "config": "data parallel (jax.jit, sharded)", "step_s": dp,
+                  "speedup": one / dp}
     except Exception as e:  # noqa: BLE001 - e.g. a batch that does not split
-        rows.append({"model": name, "batch": batch, "config": "data parallel", "error": str(e)})
+        dp_row = {**base, "config": "data parallel", "error": str(e)}
     # How much of a microbatched pipeline's time is launching kernels: one GPU
     # running the whole step M times at batch/M (an update each time, so a
     # slight over-estimate). If M x that exceeds the full-batch step, small
     # microbatches are launch-bound and no pipeline over two GPUs can win.
+    floor = {}
     for m in microbatches:
         if m > 1 and batch % m == 0 and time.perf_counter() - _T0 < FLAGS.budget_s:
             wm = zoo.get(name, small=quick, batch=batch // m)
-            tm = _time(jax.jit(wm.train_step), jax.device_put(wm.example_args(), devs[0]), steps)
-            rows.append({"model": name, "batch": batch,
-                         "config": f"one GPU, whole step at batch {batch // m}, x{m}",
-                         "microbatches": m, "step_s": m * tm, "speedup": one / (m * tm)})
-            print(json.dumps(rows[-1], default=str), flush=True)
-    layers = hetpar.trace(w.train_step, *args).layers
+            floor[m] = _time(jax.jit(wm.train_step), jax.device_put(wm.example_args(), devs[0]),
+                             steps)
+            add({**base, "config": f"one GPU, whole step at batch {batch // m}, x{m}",
+                 "microbatches": m, "step_s": m * floor[m], "speedup": one / (m * floor[m])})
+    table, fixed = calibrated_table(w, args, names, one, floor)
+    print(f"calibrated: one GPU {one * 1e3:.1f} ms, fixed part {fixed * 1e3:.2f} ms", flush=True)
+    if "error" not in dp_row:
+        dp_row["predicted_speedup"] = one / evaluate_data_parallel(table, names).step_time_s
+    add(dp_row)
+    layers = table.layer_names
     half = {n: names[0] if i < len(layers) // 2 else names[1] for i, n in enumerate(layers)}
+
+    def predicted(assignment, m):
+        mode = "pipelined" if m > 1 else "sequential"
+        return one / evaluate(table, assignment, mode, m).step_time_s
+
+    # The planner's choice on the calibrated table (it may replicate the step).
+    if FLAGS.planner:
+        try:
+            p = plan(table, baselines=False)
+            step = hetpar.auto(w.train_step, plan=p, profile=_PROFILES or "auto")
+            compiled, row = _run(step, args, steps, **base, config="hetpar planner",
+                                 microbatches=1)
+            row.update(speedup=one / row["step_s"],
+                       predicted_speedup=one / p.predicted.step_time_s,
+                       chosen=p.solver.get("chosen", "layer placement"),
+                       rel_error_vs_jit=_close_to_jit(w, step, args, devs[0]))
+            add(row)
+        except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+            add({**base, "config": "hetpar planner", "error": f"{type(e).__name__}: {e}"[:300]})
     for m in microbatches:
         for sched in schedules:
-            plans = (("planner", None), ("half/half", half)) if FLAGS.planner else (
-                ("half/half", half),)
-            for plan_name, plan in plans:
-                if time.perf_counter() - _T0 > FLAGS.budget_s:
-                    return
-                try:
-                    step = hetpar.auto(w.train_step, devices=names, plan=plan, microbatches=m,
-                                       schedule=sched, profile=_PROFILES or "auto")
-                    compiled = step.lower(*args)
-                    t = _time(step, args, steps)
-                    row = {"model": name, "batch": batch, "config": f"hetpar {plan_name}",
-                           "microbatches": m, "schedule": sched, "step_s": t,
-                           "speedup": one / t,
-                           "devices_used": sorted(set(compiled.assignment.values()))}
-                    if compiled.plan is not None:
-                        pred = compiled.plan.predicted.step_time_s
-                        single = [b.predicted.step_time_s
-                                  for k, b in compiled.plan.baselines.items()
-                                  if k.startswith("only") and b.predicted is not None]
-                        row["predicted_step_s"] = pred
-                        row["predicted_speedup"] = min(single) / pred if single else None
-                    rows.append(row)
-                    if compiled._executor is not None and (name, m, sched) not in timelines:
-                        ex = compiled._executor
-                        ex.record_events = True
-                        step(*args)
-                        ex.record_events = False
-                        timelines[f"{name} M={m} {sched} {plan_name}"] = [
-                            vars(ev) for ev in ex.last_events]
-                except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-                    rows.append({"model": name, "batch": batch, "config": f"hetpar {plan_name}",
-                                 "microbatches": m, "schedule": sched,
-                                 "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                print(json.dumps(rows[-1], default=str), flush=True)
+            if time.perf_counter() - _T0 > FLAGS.budget_s:
+                return
+            try:
+                step = hetpar.auto(w.train_step, devices=names, plan=half, microbatches=m,
+                                   schedule=sched, profile=_PROFILES or "auto")
+                compiled, row = _run(step, args, steps, **base, config="hetpar half/half",
+                                     microbatches=m, schedule=sched)
+                row.update(speedup=one / row["step_s"], predicted_speedup=predicted(half, m))
+                add(row)
+                key = f"{name} M={m} {sched} half/half"
+                if compiled._executor is not None and key not in timelines:
+                    ex = compiled._executor
+                    ex.record_events = True
+                    step(*args)
+                    ex.record_events = False
+                    timelines[key] = [vars(ev) for ev in ex.last_events]
+            except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+                add({**base, "config": "hetpar half/half", "microbatches": m, "schedule": sched,
+                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    if FLAGS.memory_fraction and time.perf_counter() - _T0 < FLAGS.budget_s:
+        memory_case(w, args, table, one, names, devs, steps, rows, base, add)
+
+
+def memory_case(w, args, table, one, names, devs, steps, rows, base, add):
+    """A model too large for one GPU: a per-GPU memory budget every plan obeys.
+
+    The budget is a fraction of what the step needs on one device (parameters,
+    gradients, optimizer state, activations). One GPU and data parallelism
+    (a full copy of the state on each GPU) cannot run; hetpar pipelines the
+    step over both. Its result is checked against one GPU's jax.jit without
+    the budget (the card itself has the memory).
+    """
+    import dataclasses
+
+    from hetpar.planner import data_parallel_obstacle, plan, violations
+
+    need = sum(la.memory_bytes[names[0]] for la in table.layers)
+    budget = FLAGS.memory_fraction * need
+    tight = dataclasses.replace(table, devices=tuple(
+        dataclasses.replace(d, memory_bytes=budget) for d in table.devices))
+    m, sched = 4, "1f1b"
+    cfg = {**base, "config": f"memory budget {budget / 1e9:.2f} GB per GPU "
+           f"(needs {need / 1e9:.2f} GB): hetpar planner", "microbatches": m, "schedule": sched}
+    try:
+        p = plan(tight, mode="pipelined", microbatches=m, baselines=False)
+        one_gpu = violations(tight, dict.fromkeys(table.layer_names, names[0]))
+        step = hetpar.auto(w.train_step, plan=dict(p.assignment), microbatches=m,
+                           schedule=sched, profile=_PROFILES or "auto")
+        compiled, row = _run(step, args, steps, **cfg)
+        per_gpu = {d: sum(la.memory_bytes[d] for la in table.layers if p.assignment[la.name] == d)
+                   for d in names}
+        row.update(speedup=one / row["step_s"], predicted_speedup=one / p.predicted.step_time_s,
+                   one_gpu="cannot run: " + "; ".join(one_gpu),
+                   data_parallel="cannot run: " + str(data_parallel_obstacle(tight, names)),
+                   gpu_gb={d: v / 1e9 for d, v in per_gpu.items()},
+                   rel_error_vs_jit=_close_to_jit(w, step, args, devs[0]))
+        add(row)
+    except Exception as e:  # noqa: BLE001
+        add({**cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 
 def to_markdown(res) -> str:
@@ -142,18 +244,29 @@ def to_markdown(res) -> str:
              f"jax {res['jax']}. Median step over {res['steps']} steps after warm-up; speedup = "
              "one-GPU step time / this step time (same batch).", "",
              "| model | batch | configuration | M | schedule | step | speedup | predicted speedup "
-             "| devices |", "|---|---|---|---|---|---|---|---|---|"]
+             "| devices | notes |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['batch']} | {r['config']} | "
                          f"{r.get('microbatches', '')} | {r.get('schedule', '')} | failed: "
-                         f"{r['error'][:120]} | | | |")
+                         f"{r['error'][:120]} | | | | |")
             continue
         pred = r.get("predicted_speedup")
+        notes = []
+        if "chosen" in r:
+            notes.append(f"chose {r['chosen']}")
+        if "rel_error_vs_jit" in r:
+            notes.append(f"rel. error vs jax.jit {r['rel_error_vs_jit']:.1e}")
+        if "gpu_gb" in r:
+            notes.append("held " + ", ".join(f"{d} {v:.2f} GB" for d, v in r["gpu_gb"].items()))
+        for k in ("one_gpu", "data_parallel"):
+            if k in r:
+                notes.append(f"{k.replace('_', ' ')}: {r[k][:160]}")
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['config']} | {r.get('microbatches', '')} | "
             f"{r.get('schedule', '')} | {r['step_s'] * 1e3:.2f} ms | {r['speedup']:.2f}x | "
-            f"{'' if pred is None else f'{pred:.2f}x'} | {', '.join(r.get('devices_used', []))} |")
+            f"{'' if pred is None else f'{pred:.2f}x'} | {', '.join(r.get('devices_used', []))} | "
+            f"{'; '.join(notes)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -25,7 +25,7 @@ from hetpar._grad import microbatching
 from hetpar.passes import LayerGraph, trace
 from hetpar.passes._layers import microbatch_of
 from hetpar.passes._split import StageGraph, split
-from hetpar.runtime import Executor
+from hetpar.runtime import Executor, Replicated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,7 @@ class Options:
     profile: Any = "auto"
     depth: int | None = None
     on_missing_device: str = "error"
+    data_parallel: bool = True
 
 
 def _device_name(d: jax.Device) -> str:
@@ -102,13 +103,25 @@ class CompiledStep:
         used = sorted(set(self.assignment.values()))
         self.stages: StageGraph | None = None
         self._out_tree = self.graph.program.out_tree
-        if len(used) == 1:
+        self._replicated = None
+        self._executor = None
+        replicas = self.plan.replicas if self.plan is not None else ()
+        if replicas:
+            absent = [d for d in replicas if d not in self.devices]
+            if absent:
+                raise PlanError(f"the plan replicates the step over {absent}, which are not "
+                                f"present (present: {sorted(self.devices)})")
+            # The user's step, not the microbatch-marked one: each replica runs
+            # its share of the batch whole.
+            self._replicated = Replicated(fn, [self.devices[d] for d in replicas], args,
+                                          options.batch_argnums)
+            used = list(replicas)
+        elif len(used) == 1:
             self._device = self.devices[used[0]]
             sharding = jax.sharding.SingleDeviceSharding(self._device)
             # Explicit shardings in and out: fresh and resident arguments then hit
             # the same executable (jit's cache tells committed inputs apart).
             self._jit = jax.jit(self._step, in_shardings=sharding, out_shardings=sharding)
-            self._executor = None
             self._sharding = sharding
         else:
             self.stages = split(self.graph, self.assignment, schedule=options.schedule)
@@ -138,7 +151,7 @@ class CompiledStep:
             raise PlanError(f"plan must be a path to plan.json, a hetpar.Plan or a dict "
                             f"{{layer: device}}, got {type(plan).__name__}")
         assignment = dict(plan.assignment if isinstance(plan, Plan) else plan)
-        wanted = sorted(set(assignment.values()))
+        wanted = sorted(set(assignment.values()) | set(getattr(plan, "replicas", ())))
         absent = [d for d in wanted if d not in self.devices]
         if absent:
             if options.on_missing_device == "replan":
@@ -151,7 +164,13 @@ class CompiledStep:
                             "on_missing_device='replan' to plan afresh for these devices.")
         if isinstance(plan, Mapping):
             return assignment
+        # The plan's fingerprint names the devices it was planned over: those it
+        # uses, or (a plan that left some idle) every device given or present.
         table = self._cost_table(wanted, options)
+        if plan.fingerprint != table.fingerprint():
+            wider = self._cost_table(self._candidate_devices(options), options)
+            if plan.fingerprint == wider.fingerprint():
+                table = wider
         plan.check(table)
         self.table, self.plan = table, plan
         return dict(plan.assignment)
@@ -176,7 +195,8 @@ class CompiledStep:
         self.table = self._cost_table(devices, options)
         m = int(options.microbatches)
         self.plan = solve(self.table, objective=options.objective,
-                          mode="pipelined" if m > 1 else "sequential", microbatches=m)
+                          mode="pipelined" if m > 1 else "sequential", microbatches=m,
+                          data_parallel=options.data_parallel)
         return dict(self.plan.assignment)
 
     # -- running ----------------------------------------------------------
@@ -200,6 +220,8 @@ class CompiledStep:
         return args if moved is None else tuple(moved)
 
     def __call__(self, *args):
+        if self._replicated is not None:
+            return self._replicated(*args)
         if self._executor is None:
             return self._jit(*self._batch_here(args))
         flat = jax.tree_util.tree_leaves(args)
@@ -281,7 +303,7 @@ def auto(fn: Callable | None = None, *, devices: Sequence[str] | None = None,
          objective: str = "time", plan: Any = None, microbatches: int = 1,
          batch_argnums: Sequence[int] | int | None = None, schedule: str = "gpipe",
          profile: Any = "auto", depth: int | None = None,
-         on_missing_device: str = "error"):
+         on_missing_device: str = "error", data_parallel: bool = True):
     """Runs a training step across the devices present, placed by hetpar's planner.
 
     Usable as `@hetpar.auto` or `hetpar.auto(step, devices=[...], ...)`.
@@ -302,6 +324,10 @@ def auto(fn: Callable | None = None, *, devices: Sequence[str] | None = None,
       depth: module-path depth naming layers (see `hetpar.trace`).
       on_missing_device: "error", or "replan" to plan afresh when a loaded
         plan names devices that are not present.
+      data_parallel: let the planner choose to run the whole step data
+        parallel over two or more accelerators of one kind (batch split, state
+        replicated, `Plan.replicas`) when it predicts that faster (or cheaper)
+        than any placement of layers. False: layer placements only.
 
     Returns:
       An `AutoStep`: call it like `fn`; it has `.plan`, `.report()`,
@@ -311,7 +337,7 @@ def auto(fn: Callable | None = None, *, devices: Sequence[str] | None = None,
         batch_argnums = (batch_argnums,)
     options = Options(tuple(devices) if devices else None, objective, plan, microbatches,
                       tuple(batch_argnums) if batch_argnums is not None else None, schedule,
-                      profile, depth, on_missing_device)
+                      profile, depth, on_missing_device, bool(data_parallel))
     if on_missing_device not in ("error", "replan"):
         raise HetparError("on_missing_device must be 'error' or 'replan'")
     if fn is None:

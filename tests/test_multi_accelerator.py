@@ -1,13 +1,15 @@
 """Several accelerators plus the CPU, on virtual CPU devices.
 
 Four CPU devices stand in for a host with two GPUs: cpu:2 and cpu:3 get H100
-profiles (and an NVLink-class link between them), cpu:0 stays a CPU. The
-planner must pipeline across the two "GPUs"; the split step must equal
-`jax.jit` on one device.
+profiles (and an NVLink-class link between them), cpu:0 stays a CPU. Asked
+for layer placements only, the planner must pipeline across the two "GPUs";
+left free, it runs the step data parallel over them. Either way the step must
+equal `jax.jit` on one device.
 """
 
 import itertools
 
+import jax
 import pytest
 
 import hetpar
@@ -48,9 +50,44 @@ def test_pipeline_over_two_gpus_equals_jit(schedule):
     w = zoo.get("transformer", small=True, batch=8, learning_rate=1e-4)
     args = w.example_args()
     step = hetpar.auto(w.train_step, devices=["cpu:0", *GPUS], profile=two_gpu_profiles(),
-                       microbatches=4, schedule=schedule)
+                       microbatches=4, schedule=schedule, data_parallel=False)
     compiled = step.lower(*args)
     used = set(compiled.assignment.values())
     assert used >= set(GPUS), compiled.plan.summary(compiled.table)  # both "GPUs" busy
     assert compiled.plan.mode == "pipelined"
     check_steps(w.train_step, step, args, microbatches=4)
+
+
+def test_data_parallel_over_two_gpus_equals_jit():
+    w = zoo.get("transformer", small=True, batch=8, learning_rate=1e-4)
+    args = w.example_args()
+    step = hetpar.auto(w.train_step, devices=["cpu:0", *GPUS], profile=two_gpu_profiles())
+    compiled = step.lower(*args)
+    # Equal "GPUs", a fast peer link: replicas beat any layer placement.
+    assert compiled.plan.replicas == GPUS, compiled.plan.summary()
+    assert "data parallel" in compiled.plan.solver["chosen"]
+    layer_plan = compiled.plan.solver["layer_plan_predicted"]["step_time_s"]
+    assert compiled.plan.predicted.step_time_s < layer_plan
+    out = check_steps(w.train_step, step, args)
+    # State stays replicated on both replicas: the next step moves none of it.
+    for leaf in jax.tree_util.tree_leaves(out[:-1]):
+        assert {f"cpu:{d.id}" for d in leaf.devices()} == set(GPUS)
+
+
+def test_data_parallel_refuses_a_batch_that_does_not_split():
+    w = zoo.get("transformer", small=True, batch=3)
+    step = hetpar.auto(w.train_step, devices=list(GPUS), profile=two_gpu_profiles())
+    with pytest.raises(hetpar.HetparError, match=r"does not split over 2 replicas.*multiple of 2"):
+        step(*w.example_args())
+
+
+def test_data_parallel_plan_round_trips_and_runs_from_file(tmp_path):
+    w = zoo.get("transformer", small=True, batch=4, learning_rate=1e-4)
+    args = w.example_args()
+    first = hetpar.auto(w.train_step, devices=list(GPUS), profile=two_gpu_profiles())
+    plan = first.lower(*args).plan
+    plan.save(tmp_path / "plan.json")
+    loaded = hetpar.Plan.load(tmp_path / "plan.json")
+    assert loaded.replicas == GPUS and loaded == plan
+    again = hetpar.auto(w.train_step, plan=tmp_path / "plan.json", profile=two_gpu_profiles())
+    check_steps(w.train_step, again, args, steps=2)

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -357,3 +358,93 @@ def test_price_alone_holds_when_only_one_device_can_run_anything():
     assert _rel(p.solver["objective"], p.predicted.cost_usd_per_step) < 1e-6
     with pytest.raises(InfeasibleError):
         plan(table, objective="time", pins=pinned, max_cost=p.predicted.cost_usd_per_step / 2)
+
+
+# -- data parallel --------------------------------------------------------------
+
+
+def _two_gpus(link_bw=100e9, cap=1e12, param=4e8, fixed=0.0):
+    """Two equal GPUs and a host CPU; three layers, 1 s of GPU time in all."""
+    devices = (Device("cpu:0", "cpu", 1e12, 0.0, 200.0, 60.0, price_alone_per_hour=1.0),
+               Device("gpu:0", "h100", cap, 3.0, 700.0, 80.0),
+               Device("gpu:1", "h100", cap, 3.0, 700.0, 80.0))
+    links = tuple(Link(a, b, link_bw if "cpu:0" not in (a, b) else 1e10, 1e-5)
+                  for a in ("cpu:0", "gpu:0", "gpu:1") for b in ("cpu:0", "gpu:0", "gpu:1")
+                  if a != b)
+    times = (0.2, 0.5, 0.3)
+    layers = tuple(Layer(f"l{i}", {"cpu:0": 50 * t, "gpu:0": t, "gpu:1": t},
+                         dict.fromkeys(("cpu:0", "gpu:0", "gpu:1"), 3e9),
+                         activation_bytes=1e9, param_bytes=param / 3,
+                         fixed_s={"gpu:0": fixed * t, "gpu:1": fixed * t})
+                   for i, t in enumerate(times))
+    edges = (Edge("l0", "l1", 1e8, 1e8), Edge("l1", "l2", 1e8, 1e8))
+    return CostTable(devices, links, layers, edges)
+
+
+def test_data_parallel_prediction_by_hand():
+    from hetpar.planner import evaluate_data_parallel
+
+    p = evaluate_data_parallel(_two_gpus(fixed=0.1), ["gpu:0", "gpu:1"])
+    busy = 0.1 * 1.0 + 0.9 * 1.0 / 2  # fixed part whole, the rest halved
+    allreduce = 2 * (2 - 1) * (1e-5 + 4e8 / 2 / 100e9)  # ring, 2 (N-1) steps of grads / N
+    assert p.step_time_s == pytest.approx(busy + allreduce)
+    assert p.transfer_s == pytest.approx(allreduce)
+    assert p.busy_s == {"gpu:0": pytest.approx(busy), "gpu:1": pytest.approx(busy)}
+    # Each replica holds all state (2e9 per layer) and half the activations (1e9 per layer).
+    assert p.memory_bytes["gpu:0"] == pytest.approx(3 * (2e9 + 0.5e9))
+    assert p.cost_usd_per_step == pytest.approx(p.step_time_s * 6.0 / 3600)
+
+
+def test_planner_chooses_data_parallel_only_when_it_is_faster():
+    fast = plan(_two_gpus(), gap=EXACT)
+    assert fast.replicas == ("gpu:0", "gpu:1")
+    assert set(fast.assignment.values()) == {"gpu:0"}
+    assert fast.predicted.step_time_s == pytest.approx(0.5 + 2 * (1e-5 + 2e8 / 100e9))
+    assert fast.baselines["data parallel gpu:0+gpu:1"].predicted == fast.predicted
+    assert fast.solver["layer_plan_predicted"]["step_time_s"] == pytest.approx(1.0)
+    # Over a slow peer link the all-reduce costs more than it saves.
+    slow = plan(_two_gpus(link_bw=1e8), gap=EXACT)
+    assert slow.replicas == () and slow.predicted.step_time_s == pytest.approx(1.0)
+    assert slow.baselines["data parallel gpu:0+gpu:1"].feasible
+    assert plan(_two_gpus(), data_parallel=False).replicas == ()
+
+
+@pytest.mark.parametrize("edit,reason", [
+    (dict(cap=7e9), r"gpu:0 memory: a replica holds .*7.5 GB.*holds 7 GB"),
+    (dict(param=None), "lacks param_bytes"),
+])
+def test_data_parallel_obstacles_are_named(edit, reason):
+    table = _two_gpus(**{k: v for k, v in edit.items() if k != "param"})
+    if "param" in edit:
+        table = dataclasses.replace(table, layers=tuple(
+            dataclasses.replace(la, param_bytes=None) for la in table.layers))
+    p = plan(table, gap=EXACT)
+    assert p.replicas == ()
+    assert re.search(reason, p.baselines["data parallel gpu:0+gpu:1"].reason)
+
+
+def test_data_parallel_respects_pins_and_budgets():
+    table = _two_gpus().with_pins({"l0": "cpu:0"})
+    assert "cannot run on" in plan(table).baselines["data parallel gpu:0+gpu:1"].reason
+    capped = plan(_two_gpus(), max_step_time=0.9)  # DP (0.504 s) meets it, alone
+    assert capped.replicas == ("gpu:0", "gpu:1")
+
+
+def test_plan_file_keeps_replicas_and_rejects_bad_ones(tmp_path):
+    p = plan(_two_gpus())
+    p.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").replicas == ("gpu:0", "gpu:1")
+    data = p.to_json()
+    data["replicas"] = ["gpu:0"]
+    with pytest.raises(PlanError, match="replicas must list two or more"):
+        Plan.from_json(data)
+    data["replicas"] = ["gpu:0", "gpu:7"]
+    with pytest.raises(PlanError, match=r"\['gpu:7'\], which are not among"):
+        Plan.from_json(data).check(_two_gpus())
+    table = _two_gpus()
+    again = CostTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.layers[0].param_bytes == pytest.approx(4e8 / 3)
+    bad = table.to_json()
+    bad["layers"][0]["param_bytes"] = -1
+    with pytest.raises(GraphFormatError, match=r"layers\[0\].*param_bytes"):
+        CostTable.from_json(bad)

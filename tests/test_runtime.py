@@ -11,6 +11,7 @@ Tolerance: the relative L2 error over all floating-point state, <= 1e-5
 (f32 rounding differs between one fused program and several stages).
 """
 
+import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -207,6 +208,20 @@ def test_plan_for_another_model_is_a_clear_error(tmp_path):
     other = small("conv6")
     with pytest.raises(hetpar.PlanError):
         hetpar.auto(other.train_step, plan=str(path))(*other.example_args())
+
+
+def test_saved_plan_that_leaves_a_device_idle_loads(tmp_path):
+    # Planned over cpu:0 and cpu:1, everything on one: the plan's fingerprint
+    # names both devices though it uses one.
+    w = small("mlp")
+    args = w.example_args()
+    step = hetpar.auto(w.train_step, devices=["cpu:0", "cpu:1"])
+    plan = step.lower(*args).plan
+    idle = dataclasses.replace(plan, assignment=dict.fromkeys(plan.assignment, "cpu:1"))
+    idle.save(tmp_path / "plan.json")
+    again = hetpar.auto(w.train_step, devices=["cpu:0", "cpu:1"], plan=tmp_path / "plan.json")
+    check_steps(w.train_step, again, args, steps=1)
+    assert again.plan == idle and set(again.assignment.values()) == {"cpu:1"}
 
 
 def test_plan_dict_with_unknown_layers_is_a_clear_error():

@@ -14,10 +14,16 @@ from hetpar.planner._baselines import (
     memory_fill,
     single_device,
 )
-from hetpar.planner._evaluate import Predicted, evaluate, violations
+from hetpar.planner._evaluate import (
+    Predicted,
+    data_parallel_obstacle,
+    evaluate,
+    evaluate_data_parallel,
+    violations,
+)
 from hetpar.planner._graph import CostTable, Device, Edge, Layer, Link
 from hetpar.planner._ilp import highs_available
-from hetpar.planner._plan import Plan, plan
+from hetpar.planner._plan import Plan, plan, replica_groups
 from hetpar.planner._random import random_cost_table
 
 __all__ = [
@@ -30,7 +36,9 @@ __all__ = [
     "Plan",
     "Predicted",
     "all_baselines",
+    "data_parallel_obstacle",
     "evaluate",
+    "evaluate_data_parallel",
     "exhaustive",
     "greedy_fastest",
     "heft",
@@ -38,6 +46,7 @@ __all__ = [
     "memory_fill",
     "plan",
     "random_cost_table",
+    "replica_groups",
     "single_device",
     "violations",
 ]

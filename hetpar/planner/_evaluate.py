@@ -28,12 +28,16 @@ we do not model that separately).
 Energy counts devices only (busy watts while computing, idle watts for the rest
 of the step on every device used); links are free. Cost is step time x the
 hourly prices of the devices used / 3600.
+
+Data parallel (`evaluate_data_parallel`), the other way to use several
+accelerators of one kind: each replica runs the whole step on batch / N
+(fixed part whole, the rest / N), then the gradients are all-reduced.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -109,6 +113,7 @@ class Arrays:
       lat, bw: [D, D] link latency and bandwidth (bw 0: no link).
       pair_ok: [E, D, D] whether edge e's ends may sit on (a, b).
       act: [L] activation bytes saved per step.
+      param: [L] parameter (= gradient) bytes; nan where unknown.
     """
 
     def __init__(self, table: CostTable):
@@ -156,6 +161,8 @@ class Arrays:
         act = np.zeros(L)
         for i, layer in enumerate(table.layers):
             act[i] = np.nan if layer.activation_bytes is None else layer.activation_bytes
+        self.param = np.array([np.nan if layer.param_bytes is None else layer.param_bytes
+                               for layer in table.layers], dtype=float).reshape(L)
         out_bytes = np.bincount(self.eu, weights=self.fwd, minlength=L) if E else np.zeros(L)
         self.act = np.where(np.isnan(act), out_bytes, act)
         self.order = table.topological_order()
@@ -316,6 +323,85 @@ def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "seque
         compute_s=compute, transfer_s=transfer_mb * M,
         memory_bytes={arr.devices[j]: float(memory[j]) for j in range(D) if used[j]},
         **extra)
+
+
+def data_parallel_obstacle(table: CostTable, replicas: Sequence[str], *,
+                           arrays: Arrays | None = None) -> str | None:
+    """Why the whole step cannot run data parallel over `replicas`, or None if it can.
+
+    Data parallel: every replica holds all parameters and optimizer state,
+    runs every layer on its share of the batch, and the gradients are
+    all-reduced around a ring of the replicas.
+    """
+    arr = arrays or Arrays(table)
+    if len(replicas) < 2 or len(set(replicas)) != len(replicas):
+        return f"data parallel needs two or more distinct devices, got {list(replicas)}"
+    unknown = [d for d in replicas if d not in arr.dindex]
+    if unknown:
+        return f"{unknown} are not devices of the table ({', '.join(arr.devices)})"
+    idx = [arr.dindex[d] for d in replicas]
+    for i, layer in enumerate(table.layers):
+        bad = [arr.devices[j] for j in idx if not arr.ok[i, j]]
+        if bad:
+            return (f"layer {layer.name!r} cannot run on {bad} (no time there, pinned "
+                    "or not allowed)")
+    if np.isnan(arr.param).any():
+        return "the cost table lacks param_bytes (gradient sizes); rebuild it with `hetpar costs`"
+    for k, j in enumerate(idx):
+        nxt = idx[(k + 1) % len(idx)]
+        if arr.bw[j, nxt] <= 0:
+            return f"no link {arr.devices[j]} -> {arr.devices[nxt]} for the gradient all-reduce"
+    need = _replica_memory(arr, idx)
+    for k, j in enumerate(idx):
+        if need[k] > arr.cap[j] * (1 + 1e-9):
+            return (f"{arr.devices[j]} memory: a replica holds all parameters and optimizer "
+                    f"state, {_gb(need[k])}, and the device holds {_gb(arr.cap[j])}")
+    return None
+
+
+def _replica_memory(arr: Arrays, idx: list[int]) -> np.ndarray:
+    """[N] bytes each replica holds: everything but activations whole, activations / N."""
+    mem, act = arr.mem[:, idx], np.minimum(arr.act[:, None], arr.mem[:, idx])
+    return (mem - act + act / len(idx)).sum(axis=0)
+
+
+def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,
+                           arrays: Arrays | None = None) -> Predicted:
+    """Predicts the step run data parallel over `replicas` (see `data_parallel_obstacle`).
+
+    Each replica runs every layer on batch / N: the layer's fixed part whole
+    and the rest / N. Then a ring all-reduce of the gradients, 2 (N - 1)
+    steps each sending gradient bytes / N over the ring's slowest link, not
+    overlapped with compute (XLA may overlap some: a conservative estimate).
+
+    Raises:
+      PlanError: `data_parallel_obstacle` names a reason.
+    """
+    arr = arrays or Arrays(table)
+    reason = data_parallel_obstacle(table, replicas, arrays=arr)
+    if reason:
+        raise PlanError(reason)
+    idx = [arr.dindex[d] for d in replicas]
+    n = len(idx)
+    fixed, t = arr.fixed[:, idx], arr.t[:, idx]
+    busy = (fixed + (t - fixed) / n).sum(axis=0)
+    ring = [(j, idx[(k + 1) % n]) for k, j in enumerate(idx)]
+    bw = min(arr.bw[a, b] for a, b in ring)
+    lat = max(arr.lat[a, b] for a, b in ring)
+    grads = float(arr.param.sum())
+    allreduce = 2 * (n - 1) * (lat + grads / n / bw)
+    step = float(busy.max()) + allreduce
+    used = np.zeros(len(arr.devices), bool)
+    used[idx] = True
+    busy_all = np.zeros(len(arr.devices))
+    busy_all[idx] = busy
+    memory = _replica_memory(arr, idx)
+    return Predicted(
+        step_time_s=step, cost_usd_per_step=step * arr.hourly_price(used) / 3600.0,
+        energy_j_per_step=arr.joules(used, busy_all, step),
+        busy_s={arr.devices[j]: float(busy[k]) for k, j in enumerate(idx)},
+        compute_s=float(busy.sum()), transfer_s=allreduce,
+        memory_bytes={arr.devices[j]: float(memory[k]) for k, j in enumerate(idx)})
 
 
 def _gb(n: float) -> str:

@@ -84,6 +84,9 @@ class Layer:
         step. None (or a device missing) means 0: time scales with the batch.
         On two H200s the transformer's step fits 15.5 ms + 0.60 ms per sample
         (experiments/results/two_gpus_affine_h200x2.md).
+      param_bytes: bytes of the layer's parameters, the size of its gradient
+        (what a data-parallel step all-reduces). None: unknown, and no
+        data-parallel plan is considered.
     """
 
     name: str
@@ -93,6 +96,7 @@ class Layer:
     pinned: str | None = None
     activation_bytes: float | None = None
     fixed_s: Mapping[str, float] | None = None
+    param_bytes: float | None = None
 
     def devices(self) -> tuple[str, ...]:
         """Devices this layer may run on: timed there, allowed, and the pin if any."""
@@ -218,6 +222,8 @@ class CostTable:
                 out["activation_bytes"] = layer.activation_bytes
             if layer.fixed_s:
                 out["fixed_s"] = dict(layer.fixed_s)
+            if layer.param_bytes is not None:
+                out["param_bytes"] = layer.param_bytes
             return out
 
         out = {
@@ -290,7 +296,9 @@ class CostTable:
                 pinned=_field(layer, "pinned", where, str, None),
                 activation_bytes=None if act is None else _field(layer, "activation_bytes",
                                                                  where, float),
-                fixed_s=_number_map(layer, "fixed_s", where) if "fixed_s" in layer else None))
+                fixed_s=_number_map(layer, "fixed_s", where) if "fixed_s" in layer else None,
+                param_bytes=None if layer.get("param_bytes") is None else _field(
+                    layer, "param_bytes", where, float)))
         edges = tuple(
             Edge(src=_field(e, "src", f"edges[{i}]", str),
                  dst=_field(e, "dst", f"edges[{i}]", str),
@@ -456,6 +464,8 @@ def _validate(table: CostTable) -> None:
                                        "time there; add its time on that device")
         if layer.activation_bytes is not None:
             _check_number(layer.activation_bytes, f"{where}.activation_bytes")
+        if layer.param_bytes is not None:
+            _check_number(layer.param_bytes, f"{where}.param_bytes")
         for dev, f in (layer.fixed_s or {}).items():
             if dev not in layer.time_s:
                 raise GraphFormatError(f"{where}.fixed_s names {dev!r}, which time_s does not; "

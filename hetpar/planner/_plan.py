@@ -20,7 +20,16 @@ from absl import logging
 from hetpar._errors import InfeasibleError, PlanError
 from hetpar.planner import _baselines, _feasibility, _ilp
 from hetpar.planner._baselines import BaselineResult
-from hetpar.planner._evaluate import MODES, OBJECTIVES, Arrays, Predicted, _gb, evaluate
+from hetpar.planner._evaluate import (
+    MODES,
+    OBJECTIVES,
+    Arrays,
+    Predicted,
+    _gb,
+    data_parallel_obstacle,
+    evaluate,
+    evaluate_data_parallel,
+)
 from hetpar.planner._graph import CostTable
 
 FORMAT = "hetpar.plan"
@@ -42,6 +51,10 @@ class Plan:
       baselines: {name: BaselineResult}, evaluated on the same table.
       contiguous: whether pipelined stages were constrained to be contiguous.
       constraints: {"max_cost": ..., "max_step_time": ...} (None when unset).
+      replicas: when set, the whole step runs data parallel over these devices
+        (batch split evenly, state replicated, gradients all-reduced) and
+        `assignment` puts every layer on the first; `predicted` is then
+        `evaluate_data_parallel`'s. Empty: the layers run where `assignment` says.
     """
 
     fingerprint: str
@@ -54,6 +67,7 @@ class Plan:
     baselines: Mapping[str, BaselineResult] = dataclasses.field(default_factory=dict)
     contiguous: bool = False
     constraints: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
+    replicas: tuple[str, ...] = ()
 
     # -- file form -------------------------------------------------------------
 
@@ -66,6 +80,7 @@ class Plan:
             "assignment": dict(self.assignment), "predicted": self.predicted.to_json(),
             "solver": dict(self.solver),
             "baselines": {k: v.to_json() for k, v in self.baselines.items()},
+            **({"replicas": list(self.replicas)} if self.replicas else {}),
         }
 
     @classmethod
@@ -109,13 +124,17 @@ class Plan:
         baselines = data.get("baselines", {})
         if not isinstance(baselines, Mapping):
             raise PlanError("baselines must be an object")
+        replicas = data.get("replicas", [])
+        if not isinstance(replicas, list) or not all(isinstance(d, str) for d in replicas) or (
+                len(replicas) == 1):
+            raise PlanError(f"replicas must list two or more device names, got {replicas!r}")
         return cls(
             fingerprint=str(data["fingerprint"]), mode=data["mode"],
             objective=data["objective"], microbatches=mb, assignment=dict(assignment),
             predicted=predicted, solver=dict(data["solver"]),
             baselines={k: BaselineResult.from_json(k, v) for k, v in baselines.items()},
             contiguous=bool(data.get("contiguous", False)),
-            constraints=dict(data.get("constraints", {})))
+            constraints=dict(data.get("constraints", {})), replicas=tuple(replicas))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes plan.json."""
@@ -152,7 +171,8 @@ class Plan:
             different graph (fingerprint mismatch).
         """
         devices = set(table.device_names)
-        missing = sorted({d for d in self.assignment.values() if d not in devices})
+        missing = sorted({d for d in (*self.assignment.values(), *self.replicas)
+                          if d not in devices})
         if missing:
             raise PlanError(f"the plan places layers on {missing}, which are not among the "
                             f"devices present ({', '.join(table.device_names)}); re-plan for "
@@ -177,6 +197,9 @@ class Plan:
         no link).
         """
         self.check(table)
+        if self.replicas:
+            return (f"data parallel over {', '.join(self.replicas)}: every layer runs on each "
+                    f"replica, on 1/{len(self.replicas)} of the batch\n" + self.summary())
         arr = Arrays(table)
         a = np.array([arr.dindex[self.assignment[n]] for n in arr.layers])
         M = self.microbatches if self.mode == "pipelined" else 1
@@ -239,7 +262,10 @@ class Plan:
         lines = [f"hetpar plan ({self.mode}, objective {self.objective}"
                  + (f", {self.microbatches} microbatches" if self.mode == "pipelined" else "")
                  + f", graph {self.fingerprint})", ""]
-        if table is not None:
+        if self.replicas:
+            lines.append(f"data parallel over {', '.join(self.replicas)}: the whole step on "
+                         f"each, batch split {len(self.replicas)} ways, gradients all-reduced")
+        elif table is not None:
             arr = Arrays(table)
             M = self.microbatches if self.mode == "pipelined" else 1
             f, b = arr.edge_parts(M)
@@ -307,7 +333,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
          microbatches: int = 1, contiguous: bool = False, max_cost: float | None = None,
          max_step_time: float | None = None, solver: str = "auto",
          time_limit: float | None = None, gap: float | None = None,
-         pins: Mapping[str, str] | None = None, baselines: bool = True) -> Plan:
+         pins: Mapping[str, str] | None = None, baselines: bool = True,
+         data_parallel: bool = True) -> Plan:
     """Places every layer of `table` on a device by solving the placement ILP.
 
     Args:
@@ -331,6 +358,12 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
       pins: extra {layer: device} pins on top of the table's.
       baselines: also evaluate the baselines (single devices, greedy, memory
         fill, HEFT, exhaustive when small).
+      data_parallel: also consider running the whole step data parallel over
+        the accelerators of one kind (two or more; not CPUs) and return that
+        plan (`Plan.replicas`) when it is predicted better. A two-stage
+        pipeline cannot beat it on equal GPUs at realistic batches: its
+        bubble and every microbatch's kernel launches cost more than the
+        all-reduce (experiments/results/two_gpus_*_h200x2.md).
 
     Returns:
       The Plan.
@@ -376,7 +409,19 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     logging.info("ILP %s: %s in %.2f s (build %.2f s, %d vars, %d constraints)", solver,
                  sol.status, sol.solve_time_s, sol.build_time_s, sol.variables, sol.constraints)
     if sol.assignment is None:
-        raise _infeasible(arr, sol, objective, max_cost, max_step_time, kwargs)
+        err = _infeasible(arr, sol, objective, max_cost, max_step_time, kwargs)
+        # No placement of layers meets the budgets; replicas still might.
+        shell = Plan(fingerprint=table.fingerprint(), mode=mode, objective=objective,
+                     microbatches=microbatches if mode == "pipelined" else 1, assignment={},
+                     predicted=None, solver={"name": solver, "status": sol.status,
+                                             "layer_plan": str(err)},
+                     contiguous=contiguous,
+                     constraints={"max_cost": max_cost, "max_step_time": max_step_time})
+        dp = _consider_data_parallel(shell, table, arr, max_cost, max_step_time) if (
+            data_parallel) else shell
+        if not dp.replicas:
+            raise err
+        return dp
     predicted = evaluate(table, sol.assignment, mode, microbatches, arrays=arr)
     value = predicted.objective(objective)
     if sol.objective is not None and abs(sol.objective - value) > 1e-6 * max(abs(value), 1e-12):
@@ -390,11 +435,54 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         base = _baselines.all_baselines(table, objective, mode, microbatches, max_cost=max_cost,
                                         max_step_time=max_step_time, contiguous=contiguous,
                                         arrays=arr)
-    return Plan(fingerprint=table.fingerprint(), mode=mode, objective=objective,
-                microbatches=microbatches if mode == "pipelined" else 1,
-                assignment=sol.assignment, predicted=predicted, solver=solver_info,
-                baselines=base, contiguous=contiguous,
-                constraints={"max_cost": max_cost, "max_step_time": max_step_time})
+    result = Plan(fingerprint=table.fingerprint(), mode=mode, objective=objective,
+                  microbatches=microbatches if mode == "pipelined" else 1,
+                  assignment=sol.assignment, predicted=predicted, solver=solver_info,
+                  baselines=base, contiguous=contiguous,
+                  constraints={"max_cost": max_cost, "max_step_time": max_step_time})
+    if data_parallel:
+        result = _consider_data_parallel(result, table, arr, max_cost, max_step_time)
+    return result
+
+
+def replica_groups(table: CostTable) -> list[tuple[str, ...]]:
+    """The devices a data-parallel plan may replicate over: each kind of accelerator
+    with two or more devices (CPUs excluded: virtual CPU devices share one host's cores)."""
+    by_kind: dict[str, list[str]] = {}
+    for d in table.devices:
+        if d.kind != "cpu":
+            by_kind.setdefault(d.kind, []).append(d.name)
+    return [tuple(names) for names in by_kind.values() if len(names) >= 2]
+
+
+def _consider_data_parallel(result: Plan, table: CostTable, arr: Arrays,
+                            max_cost: float | None, max_step_time: float | None) -> Plan:
+    """`result`, or the data-parallel plan when one is feasible and predicted better."""
+    best, base = result, dict(result.baselines)
+    for group in replica_groups(table):
+        name = "data parallel " + "+".join(group)
+        reason = data_parallel_obstacle(table, group, arrays=arr)
+        if reason is None:
+            p = evaluate_data_parallel(table, group, arrays=arr)
+            if max_cost is not None and p.cost_usd_per_step > max_cost * (1 + 1e-9):
+                reason = f"costs ${p.cost_usd_per_step:.3g} per step, over max_cost"
+            elif max_step_time is not None and p.step_time_s > max_step_time * (1 + 1e-9):
+                reason = f"takes {_s(p.step_time_s)} per step, over max_step_time"
+        if reason is not None:
+            base[name] = BaselineResult(name, reason=reason)
+            continue
+        base[name] = BaselineResult(name, predicted=p)
+        if best.predicted is None or p.objective(result.objective) < (
+                best.predicted.objective(result.objective) * (1 - 1e-9)):
+            layer_plan = ({"layer_plan_predicted": result.predicted.to_json()}
+                          if result.predicted is not None else {})
+            best = dataclasses.replace(
+                result, replicas=group, predicted=p,
+                assignment=dict.fromkeys(table.layer_names, group[0]),
+                solver={**result.solver, "chosen": name, **layer_plan})
+    if not result.baselines:  # baselines were not asked for: keep only the choice's record
+        base = {}
+    return dataclasses.replace(best, baselines=base)
 
 
 def _infeasible(arr: Arrays, sol, objective, max_cost, max_step_time, kwargs) -> PlanError:

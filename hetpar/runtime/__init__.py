@@ -1,6 +1,7 @@
-"""Running split steps: the transfer engine and the per-device executor."""
+"""Running plans: the transfer engine, the per-device executor, data-parallel replicas."""
 
 from hetpar.runtime._executor import Executor, StageError, StageEvent
+from hetpar.runtime._replicated import Replicated
 from hetpar.runtime._transfer import TransferEngine
 
-__all__ = ["Executor", "StageError", "StageEvent", "TransferEngine"]
+__all__ = ["Executor", "Replicated", "StageError", "StageEvent", "TransferEngine"]
