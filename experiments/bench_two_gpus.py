@@ -42,6 +42,8 @@ flags.DEFINE_integer("batch", None, "with --model: its batch size")
 flags.DEFINE_list("microbatches", ["1", "4"], "with --model: microbatch counts")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "with --model: schedules")
 flags.DEFINE_bool("planner", True, "also run the planner's plan (else only half/half)")
+flags.DEFINE_bool("memory_only", False, "with --memory_fraction: only the one-GPU step, its "
+                  "launch floor and the memory-bound case")
 flags.DEFINE_float("memory_fraction", 0.0, "also run a memory-bound case: a per-GPU budget of "
                    "this fraction of what the step needs (0: skip)")
 
@@ -132,6 +134,13 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
         print(json.dumps(row, default=str), flush=True)
 
     add({**base, "config": "one GPU (jax.jit)", "step_s": one, "speedup": 1.0})
+    if FLAGS.memory_only:
+        m = max(microbatches)
+        wm = zoo.get(name, small=quick, batch=batch // m)
+        floor = {m: _time(jax.jit(wm.train_step), jax.device_put(wm.example_args(), devs[0]),
+                          steps)}
+        table, _ = calibrated_table(w, args, names, one, floor)
+        return memory_case(w, args, table, one, names, devs, steps, rows, base, add)
     try:
         dp = data_parallel(w, args, devs, steps)
         dp_row = {**base, "config": "data parallel (jax.jit, sharded)", "step_s": dp,
@@ -224,14 +233,16 @@ def memory_case(w, args, table, one, names, devs, steps, rows, base, add):
     try:
         p = plan(tight, mode="pipelined", microbatches=m, baselines=False)
         one_gpu = violations(tight, dict.fromkeys(table.layer_names, names[0]))
-        step = hetpar.auto(w.train_step, plan=dict(p.assignment), microbatches=m,
-                           schedule=sched, profile=_PROFILES or "auto")
+        dp_reason = data_parallel_obstacle(tight, names)
+        # A plan that replicates runs as a Plan (a dict cannot say "replicas").
+        step = hetpar.auto(w.train_step, plan=p if p.replicas else dict(p.assignment),
+                           microbatches=m, schedule=sched, profile=_PROFILES or "auto")
         compiled, row = _run(step, args, steps, **cfg)
-        per_gpu = {d: sum(la.memory_bytes[d] for la in table.layers if p.assignment[la.name] == d)
-                   for d in names}
+        per_gpu = dict(p.predicted.memory_bytes)
         row.update(speedup=one / row["step_s"], predicted_speedup=one / p.predicted.step_time_s,
                    one_gpu="cannot run: " + "; ".join(one_gpu),
-                   data_parallel="cannot run: " + str(data_parallel_obstacle(tight, names)),
+                   data_parallel="fits" if dp_reason is None else "cannot run: " + dp_reason,
+                   chosen=p.solver.get("chosen", "layer placement"),
                    gpu_gb={d: v / 1e9 for d, v in per_gpu.items()},
                    rel_error_vs_jit=_close_to_jit(w, step, args, devs[0]))
         add(row)
