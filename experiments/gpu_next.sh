@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks for issues 6 and 7. One-GPU machine (H200 host, to compare with run 3):
 #   bash experiments/gpu_next.sh launch   # fixed cost per step under XLA flags; overhead probe
+#   bash experiments/gpu_next.sh one      # overhead probe after the host-batch fix; VGG16 row
 #   bash experiments/gpu_next.sh rows     # VGG16 baseline row; spec-latency baselines
 # Needs the pulp wheel in .whl/ (carried). Results go to $OUT.
 set -uo pipefail
@@ -17,6 +18,12 @@ launch)
   done
   # jit-first one-device path against jax.jit, interleaved (goal <= 1.03).
   timeout 150 python3 probe_overhead.py 2>&1 | grep -v "^I1\|^W1" | tee "$OUT/probe_overhead.txt"
+  ;;
+one)
+  # The host-batch fix against jax.jit, interleaved (goal <= 1.03), then the VGG16 row.
+  timeout 140 python3 probe_overhead.py 2>&1 | grep -v "^I1\|^W1" | tee "$OUT/probe_overhead.txt"
+  timeout 330 python3 bench_baselines.py --out "$OUT/baselines_vgg16" --models vgg16 \
+    --memory_model "" --profiles results/profile_gpu_h200.json 2>&1 | tail -3
   ;;
 rows)
   # The missing VGG16 row, and lm_embed/cnn_preprocess under the new spec-sheet link
