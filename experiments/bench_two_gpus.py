@@ -42,6 +42,7 @@ flags.DEFINE_integer("batch", None, "with --model: its batch size")
 flags.DEFINE_list("microbatches", ["1", "4"], "with --model: microbatch counts")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "with --model: schedules")
 flags.DEFINE_bool("planner", True, "also run the planner's plan (else only half/half)")
+flags.DEFINE_bool("half", True, "run the contiguous half/half pipelines")
 flags.DEFINE_bool("memory_only", False, "with --memory_fraction: only the one-GPU step, its "
                   "launch floor and the memory-bound case")
 flags.DEFINE_float("memory_fraction", 0.0, "also run a memory-bound case: a per-GPU budget of "
@@ -185,7 +186,34 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
             add(row)
         except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
             add({**base, "config": "hetpar planner", "error": f"{type(e).__name__}: {e}"[:300]})
-    for m in microbatches:
+    # The planner's pipeline (layer placements only): balanced stages, where
+    # half/half by layer count leaves the vocabulary-sized head on one GPU.
+    for m in microbatches if FLAGS.planner else ():
+        if m == 1 or time.perf_counter() - _T0 > FLAGS.budget_s:
+            continue
+        sched = schedules[-1]
+        try:
+            p = plan(table, mode="pipelined", microbatches=m, data_parallel=False,
+                     baselines=False)
+            step = hetpar.auto(w.train_step, plan=dict(p.assignment), microbatches=m,
+                               schedule=sched, profile=_PROFILES or "auto")
+            compiled, row = _run(step, args, steps, **base, config="hetpar planner pipeline",
+                                 microbatches=m, schedule=sched)
+            row.update(speedup=one / row["step_s"],
+                       predicted_speedup=one / p.predicted.step_time_s,
+                       rel_error_vs_jit=_close_to_jit(w, step, args, devs[0]))
+            add(row)
+            key = f"{name} M={m} {sched} planner"
+            if compiled._executor is not None:
+                ex = compiled._executor
+                ex.record_events = True
+                step(*args)
+                ex.record_events = False
+                timelines[key] = [vars(ev) for ev in ex.last_events]
+        except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+            add({**base, "config": "hetpar planner pipeline", "microbatches": m,
+                 "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    for m in microbatches if FLAGS.half else ():
         for sched in schedules:
             if time.perf_counter() - _T0 > FLAGS.budget_s:
                 return
