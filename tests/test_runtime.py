@@ -12,6 +12,7 @@ Tolerance: the relative L2 error over all floating-point state, <= 1e-5
 """
 
 import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
