@@ -111,6 +111,17 @@ def _run(step, args, steps, **row):
     return compiled, {**row, "step_s": t, "devices_used": list(used)}
 
 
+def _record_timeline(timelines, key, compiled, step, args):
+    """One more step with the executor's events on, kept under `key` (split plans only)."""
+    if compiled._executor is None or key in timelines:
+        return
+    ex = compiled._executor
+    ex.record_events = True
+    step(*args)
+    ex.record_events = False
+    timelines[key] = [vars(ev) for ev in ex.last_events]
+
+
 def _close_to_jit(w, step, args, gpu):
     """Relative error of one hetpar step's outputs against one GPU's jax.jit."""
     ref = jax.jit(w.train_step)(*jax.device_put(args, gpu))
@@ -203,13 +214,7 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                        predicted_speedup=one / p.predicted.step_time_s,
                        rel_error_vs_jit=_close_to_jit(w, step, args, devs[0]))
             add(row)
-            key = f"{name} M={m} {sched} planner"
-            if compiled._executor is not None:
-                ex = compiled._executor
-                ex.record_events = True
-                step(*args)
-                ex.record_events = False
-                timelines[key] = [vars(ev) for ev in ex.last_events]
+            _record_timeline(timelines, f"{name} M={m} {sched} planner", compiled, step, args)
         except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
             add({**base, "config": "hetpar planner pipeline", "microbatches": m,
                  "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -224,13 +229,8 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                                      microbatches=m, schedule=sched)
                 row.update(speedup=one / row["step_s"], predicted_speedup=predicted(half, m))
                 add(row)
-                key = f"{name} M={m} {sched} half/half"
-                if compiled._executor is not None and key not in timelines:
-                    ex = compiled._executor
-                    ex.record_events = True
-                    step(*args)
-                    ex.record_events = False
-                    timelines[key] = [vars(ev) for ev in ex.last_events]
+                _record_timeline(timelines, f"{name} M={m} {sched} half/half", compiled, step,
+                                 args)
             except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
                 add({**base, "config": "hetpar half/half", "microbatches": m, "schedule": sched,
                      "error": f"{type(e).__name__}: {str(e)[:300]}"})
