@@ -196,7 +196,7 @@ class CompiledStep:
         m = int(options.microbatches)
         self.plan = solve(self.table, objective=options.objective,
                           mode="pipelined" if m > 1 else "sequential", microbatches=m,
-                          data_parallel=options.data_parallel)
+                          data_parallel=options.data_parallel, schedule=options.schedule)
         return dict(self.plan.assignment)
 
     # -- running ----------------------------------------------------------

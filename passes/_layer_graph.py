@@ -115,10 +115,18 @@ class LayerGraph:
     def _build(self) -> nx.DiGraph:
         jaxpr = self.program.jaxpr.jaxpr
         eqns = jaxpr.eqns
-        order: dict[str, int] = {}
-        for name in self.eqn_layers:
-            if name != SHARED and name not in order:
-                order[name] = len(order)
+        # Program order, taken at each layer's first forward equation: with
+        # microbatches the labels are sliced up front by equations of the loss
+        # layer, which must not make it "earlier" than the layers before it.
+        first: dict[str, int] = {}
+        first_fwd: dict[str, int] = {}
+        for i, (name, e) in enumerate(zip(self.eqn_layers, eqns)):
+            if name != SHARED:
+                first.setdefault(name, i)
+                if name not in first_fwd and is_forward(str(e.source_info.name_stack)):
+                    first_fwd[name] = i
+        ranked = sorted(first, key=lambda n: (first_fwd.get(n, first[n]), first[n]))
+        order = {name: k for k, name in enumerate(ranked)}
         members: dict[str, list[int]] = {name: [] for name in order}
         for i, name in enumerate(self.eqn_layers):
             if name != SHARED:

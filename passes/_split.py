@@ -14,13 +14,13 @@ Each device runs its stages in a fixed order, its schedule: GPipe (all
 forwards, then all backwards) or 1F1B (warm-up forwards, then one backward
 and one forward in turn, bounding activations in flight). Any per-device
 order that follows one global topological order of the stages cannot
-deadlock; a 1F1B order that would is replaced by GPipe's.
+deadlock; a 1F1B order that would is replaced by GPipe's. The orders live in
+`passes/_schedule.py`, shared with the planner's schedule simulator.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from collections.abc import Mapping
 
 from jax.extend import core as jcore
@@ -28,9 +28,8 @@ from jax.extend import core as jcore
 from hetpar._errors import PlanError
 from hetpar.passes._layer_graph import LayerGraph
 from hetpar.passes._layers import SHARED, is_backward, microbatch_of
-
-_PHASE_RANK = {"pre": 0, "forward": 1, "main": 1, "backward": 2, "post": 3}
-SCHEDULES = ("gpipe", "1f1b")
+from hetpar.passes._schedule import SCHEDULES, device_aware_order, device_orders, stage_deps
+from hetpar.passes._schedule import runs as cut_runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,13 +139,12 @@ def split(graph: LayerGraph, assignment: Mapping[str, str], *,
             phase.append("pre" if i < first_mb else "post")
     keys = [(device[i], mbs[i], phase[i]) for i in range(len(eqns))]
 
-    order = _device_aware_order(eqns, keys)
-    runs: list[list[int]] = []
-    for i in order:
-        if runs and keys[runs[-1][-1]] == keys[i]:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
+    deps = _eqn_deps(eqns)
+    try:
+        order = device_aware_order(deps, keys)
+    except ValueError:  # cannot happen for a valid jaxpr
+        raise PlanError("internal error: the step's equations form a cycle") from None
+    runs = cut_runs(order, keys)
 
     stage_of = {}
     for s, run in enumerate(runs):
@@ -183,9 +181,9 @@ def split(graph: LayerGraph, assignment: Mapping[str, str], *,
         stages.append(Stage(s, dev, tuple(ids), mb, ph, layers, tuple(inputs),
                             tuple(outputs), closed))
 
-    device_order = _gpipe_order(stages)
-    if schedule == "1f1b" and first_mb is not None:
-        device_order = _one_f_one_b(stages, device_order) or device_order
+    device_order, schedule = device_orders(
+        [(st.device, st.microbatch, st.phase) for st in stages],
+        stage_deps([stage_of[i] for i in range(len(eqns))], deps, len(stages)), schedule)
     # Shared inputs (the optimizer's step count) live where they are first read,
     # like the shared equations: otherwise every step would pull the new count
     # back from the accelerator to the home device and wait for it.
@@ -224,106 +222,12 @@ def _eqn_devices(graph: LayerGraph, assignment: Mapping[str, str], home: str) ->
     return device  # type: ignore[return-value]
 
 
-def _device_aware_order(eqns, keys) -> list[int]:
-    """A topological order that stays on the current stage key while it can.
-
-    When the current key has nothing ready, the next key is the one with the
-    best (phase, microbatch) priority, ties broken by program order: GPipe's
-    order of work, and the fewest switches the dependencies allow.
-    """
+def _eqn_deps(eqns) -> list[set[int]]:
+    """For each equation, the equations whose outputs it reads."""
     producer: dict[jcore.Var, int] = {}
     for i, e in enumerate(eqns):
         for o in e.outvars:
             if not isinstance(o, jcore.DropVar):
                 producer[o] = i
-    waiting = [0] * len(eqns)
-    users: list[list[int]] = [[] for _ in eqns]
-    for i, e in enumerate(eqns):
-        deps = {producer[a] for a in e.invars if isinstance(a, jcore.Var) and a in producer}
-        waiting[i] = len(deps)
-        for d in deps:
-            users[d].append(i)
-    ready: dict[tuple, list[int]] = {}
-    for i in range(len(eqns)):
-        if waiting[i] == 0:
-            heapq.heappush(ready.setdefault(keys[i], []), i)
-
-    def priority(key, head):
-        _, mb, ph = key
-        return (_PHASE_RANK[ph], -1 if mb is None else mb, head)
-
-    order, current = [], None
-    while ready:
-        if current not in ready:
-            current = min(ready, key=lambda k: priority(k, ready[k][0]))
-        i = heapq.heappop(ready[current])
-        if not ready[current]:
-            del ready[current]
-        order.append(i)
-        for j in users[i]:
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                heapq.heappush(ready.setdefault(keys[j], []), j)
-    if len(order) != len(eqns):  # cannot happen for a valid jaxpr
-        raise PlanError("internal error: the step's equations form a cycle")
-    return order
-
-
-def _gpipe_order(stages) -> dict[str, tuple[int, ...]]:
-    out: dict[str, list[int]] = {}
-    for st in stages:  # the global order already runs forwards before backwards
-        out.setdefault(st.device, []).append(st.index)
-    return {d: tuple(v) for d, v in out.items()}
-
-
-def _deps(stages) -> list[set[int]]:
-    where = {v: st.index for st in stages for v in st.outputs}
-    return [{where[v] for v in st.inputs if v in where} for st in stages]
-
-
-def _one_f_one_b(stages, gpipe) -> dict[str, tuple[int, ...]] | None:
-    """1F1B per device: (pipeline depth - position) warm-up forwards, then B/F in turn."""
-    fwd_devices = []
-    for st in stages:
-        if st.phase == "forward" and st.device not in fwd_devices:
-            fwd_devices.append(st.device)
-    depth = len(fwd_devices)
-    out = {}
-    for dev, ids in gpipe.items():
-        units: dict[tuple[str, int], list[int]] = {}
-        head, tail = [], []
-        for i in ids:
-            st = stages[i]
-            if st.microbatch is None:
-                (head if st.phase == "pre" else tail).append(i)
-            else:
-                units.setdefault((st.phase, st.microbatch), []).append(i)
-        fwd = sorted(k[1] for k in units if k[0] == "forward")
-        bwd = sorted(k[1] for k in units if k[0] == "backward")
-        warm = depth - fwd_devices.index(dev) if dev in fwd_devices else 0
-        seq = [("forward", m) for m in fwd[:warm]]
-        rest_f = fwd[warm:]
-        for n, m in enumerate(bwd):
-            seq.append(("backward", m))
-            if n < len(rest_f):
-                seq.append(("forward", rest_f[n]))
-        seq += [("forward", m) for m in rest_f[len(bwd):]]
-        order = head + [i for key in seq for i in units[key]] + tail
-        out[dev] = tuple(order)
-    return out if _runs(stages, out) else None
-
-
-def _runs(stages, device_order) -> bool:
-    """True if running each device's stages in order completes (no deadlock)."""
-    deps = _deps(stages)
-    pos = dict.fromkeys(device_order, 0)
-    done: set[int] = set()
-    progress = True
-    while progress:
-        progress = False
-        for dev, ids in device_order.items():
-            while pos[dev] < len(ids) and deps[ids[pos[dev]]] <= done:
-                done.add(ids[pos[dev]])
-                pos[dev] += 1
-                progress = True
-    return len(done) == len(stages)
+    return [{producer[a] for a in e.invars if isinstance(a, jcore.Var) and a in producer}
+            for e in eqns]

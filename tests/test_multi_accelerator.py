@@ -55,7 +55,41 @@ def test_pipeline_over_two_gpus_equals_jit(schedule):
     used = set(compiled.assignment.values())
     assert used >= set(GPUS), compiled.plan.summary(compiled.table)  # both "GPUs" busy
     assert compiled.plan.mode == "pipelined"
+    assert compiled.plan.predicted.schedule == schedule  # the prediction replays it
     check_steps(w.train_step, step, args, microbatches=4)
+
+
+@pytest.mark.parametrize("name", ["transformer", "resnet18", "mlp"])
+def test_replay_runs_each_device_in_the_runtimes_order(name):
+    """The planner's replay and the split pass give every device the same order of work.
+
+    Both a contiguous plan (1F1B holds) and one that visits a device twice
+    (1F1B would deadlock and falls back to GPipe, in both).
+    """
+    from hetpar._auto import _marked
+    from hetpar.passes._split import split
+    from hetpar.planner import simulate
+
+    w = zoo.get(name, small=True, batch=4)
+    args = w.example_args()
+    for m, schedule in itertools.product((1, 4), ("gpipe", "1f1b")):
+        graph = hetpar.trace(_marked(w.train_step, m, None), *args)
+        table = cost_table(graph, list(GPUS), profiles=two_gpu_profiles())
+        n = len(graph.layers)
+        plans = {
+            "contiguous": {la: GPUS[i >= n // 2] for i, la in enumerate(graph.layers)},
+            "revisits": {la: GPUS[n // 3 <= i < 2 * n // 3]
+                         for i, la in enumerate(graph.layers)},
+        }
+        for kind, assignment in plans.items():
+            stages = split(graph, assignment, schedule=schedule)
+            replay = simulate(table, assignment, m, schedule)
+            assert replay.schedule == stages.schedule, (kind, m)
+            for dev in GPUS:
+                ran = [(s.microbatch, s.phase) for s in stages.stages_on(dev)
+                       if s.phase in ("forward", "backward", "main")]
+                replayed = [(s.microbatch, s.phase) for s in replay.stages if s.device == dev]
+                assert ran == replayed, (kind, m, schedule, dev)
 
 
 def test_data_parallel_over_two_gpus_equals_jit():

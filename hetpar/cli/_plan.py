@@ -27,7 +27,11 @@ def register(subparsers) -> None:
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches M (pipelined mode; default 4 there, 1 otherwise)")
     p.add_argument("--contiguous", action="store_true",
-                   help="pipelined: each device holds one contiguous run of layers")
+                   help="pipelined: each device holds one contiguous run of layers (default: "
+                        "the better of with and without, by the replayed schedule)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe",
+                   help="pipelined: the schedule the plan will run under (replayed to predict "
+                        "the step time)")
     p.add_argument("--max-cost", type=float, default=None, help="dollars per step at most")
     p.add_argument("--max-step-time", type=float, default=None, help="seconds per step at most")
     p.add_argument("--solver", choices=("auto", "cbc", "highs"), default="auto",
@@ -68,7 +72,7 @@ def _run(args: argparse.Namespace) -> int:
     result = plan(table, objective=args.objective, mode=args.mode, microbatches=microbatches,
                   contiguous=args.contiguous, max_cost=args.max_cost,
                   max_step_time=args.max_step_time, solver=args.solver,
-                  time_limit=args.time_limit, gap=args.gap)
+                  time_limit=args.time_limit, gap=args.gap, schedule=args.schedule)
     print(result.summary(table))
     if args.explain:
         print()

@@ -2,7 +2,8 @@
 
 The public surface is this flat list; the work lives in private modules:
 `_graph` (CostTable), `_evaluate` (the cost model), `_ilp` (the pulp model),
-`_baselines`, `_feasibility` (infeasibility diagnosis), `_plan` (Plan, plan).
+`_baselines`, `_feasibility` (infeasibility diagnosis), `_simulate` (replays a
+pipelined schedule), `_plan` (Plan, plan).
 """
 
 from hetpar.planner._baselines import (
@@ -25,6 +26,7 @@ from hetpar.planner._graph import CostTable, Device, Edge, Layer, Link
 from hetpar.planner._ilp import highs_available
 from hetpar.planner._plan import Plan, plan, replica_groups
 from hetpar.planner._random import random_cost_table
+from hetpar.planner._simulate import Replay, StageRun, evaluate_replayed, simulate
 
 __all__ = [
     "BaselineResult",
@@ -35,10 +37,13 @@ __all__ = [
     "Link",
     "Plan",
     "Predicted",
+    "Replay",
+    "StageRun",
     "all_baselines",
     "data_parallel_obstacle",
     "evaluate",
     "evaluate_data_parallel",
+    "evaluate_replayed",
     "exhaustive",
     "greedy_fastest",
     "heft",
@@ -47,6 +52,7 @@ __all__ = [
     "plan",
     "random_cost_table",
     "replica_groups",
+    "simulate",
     "single_device",
     "violations",
 ]

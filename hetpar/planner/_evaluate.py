@@ -65,6 +65,10 @@ class Predicted:
       bottleneck: pipelined only: which resource ("device gpu:0", "link a->b").
       activation_bytes_in_flight: pipelined only: {"gpipe": {dev: bytes},
         "1f1b": {dev: bytes}}.
+      schedule: set when step_time_s comes from replaying the schedule
+        ("gpipe" or "1f1b", `hetpar.planner.simulate`) rather than the
+        closed form; cost and energy then use the replayed step time.
+      closed_form_s: with `schedule`: the closed form's step time (the ILP's).
     """
 
     step_time_s: float
@@ -77,6 +81,8 @@ class Predicted:
     bottleneck_s: float | None = None
     bottleneck: str | None = None
     activation_bytes_in_flight: Mapping[str, Mapping[str, float]] | None = None
+    schedule: str | None = None
+    closed_form_s: float | None = None
 
     def objective(self, objective: str) -> float:
         """The value of `objective` ("time", "cost" or "energy")."""

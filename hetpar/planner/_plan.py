@@ -18,6 +18,7 @@ import numpy as np
 from absl import logging
 
 from hetpar._errors import InfeasibleError, PlanError
+from hetpar.passes._schedule import SCHEDULES
 from hetpar.planner import _baselines, _feasibility, _ilp
 from hetpar.planner._baselines import BaselineResult
 from hetpar.planner._evaluate import (
@@ -29,8 +30,10 @@ from hetpar.planner._evaluate import (
     data_parallel_obstacle,
     evaluate,
     evaluate_data_parallel,
+    violations,
 )
 from hetpar.planner._graph import CostTable
+from hetpar.planner._simulate import evaluate_replayed
 
 FORMAT = "hetpar.plan"
 VERSION = 1
@@ -284,6 +287,14 @@ class Plan:
                 lines.append(f"{n}: {d}")
         p = self.predicted
         lines += ["", "predicted per step: " + _costs(p)]
+        if p.schedule is not None:
+            lines.append(f"step time replays the {p.schedule} schedule (the ILP's closed form: "
+                         f"{_s(p.closed_form_s)})")
+        tried = self.solver.get("replayed")
+        if tried:
+            lines.append("stages tried: " + ", ".join(
+                f"{k} {_s(v) if isinstance(v, float) and self.objective == 'time' else v}"
+                for k, v in tried.items()))
         if p.bottleneck_s is not None:
             lines.append(f"bottleneck: {p.bottleneck} {_s(p.bottleneck_s)} per microbatch")
         lines.append("busy: " + ", ".join(f"{d} {_s(s)}" for d, s in p.busy_s.items()))
@@ -334,7 +345,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
          max_step_time: float | None = None, solver: str = "auto",
          time_limit: float | None = None, gap: float | None = None,
          pins: Mapping[str, str] | None = None, baselines: bool = True,
-         data_parallel: bool = True) -> Plan:
+         data_parallel: bool = True, schedule: str = "gpipe") -> Plan:
     """Places every layer of `table` on a device by solving the placement ILP.
 
     Args:
@@ -342,10 +353,14 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
       objective: "time" (seconds per step), "cost" (dollars per step) or
         "energy" (joules per step).
       mode: "sequential" (one microbatch; minimise Σ time + Σ transfers) or
-        "pipelined" (M microbatches; minimise T1 + (M - 1) x bottleneck, see
-        `hetpar.planner.evaluate`).
+        "pipelined" (M microbatches; the ILP minimises T1 + (M - 1) x
+        bottleneck, see `hetpar.planner.evaluate`; the plan's predicted step
+        time replays `schedule`, see `hetpar.planner.simulate`).
       microbatches: M, pipelined mode.
       contiguous: pipelined: each device holds one contiguous run of layers.
+        When False, the planner solves both with and without that constraint
+        and keeps the plan whose replayed step is better: a device visited
+        twice can wait on the other inside every microbatch.
       max_cost: dollars per step the plan may not exceed.
       max_step_time: seconds per step the plan may not exceed.
       solver: "cbc" (bundled with pulp), "highs" (needs highspy), or "auto":
@@ -358,6 +373,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
       pins: extra {layer: device} pins on top of the table's.
       baselines: also evaluate the baselines (single devices, greedy, memory
         fill, HEFT, exhaustive when small).
+      schedule: pipelined: the per-device order the plan will run under,
+        "gpipe" or "1f1b" (as `hetpar.auto(schedule=...)`).
       data_parallel: also consider running the whole step data parallel over
         the accelerators of one kind (two or more; not CPUs) and return that
         plan (`Plan.replicas`) when it is predicted better. A two-stage
@@ -384,6 +401,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
     if mode == "sequential" and microbatches != 1:
         raise PlanError("microbatches > 1 needs mode='pipelined'")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     for name, v in (("max_cost", max_cost), ("max_step_time", max_step_time),
                     ("time_limit", time_limit), ("gap", gap)):
         if v is not None and not (v >= 0 and math.isfinite(v)):
@@ -422,27 +441,67 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         if not dp.replicas:
             raise err
         return dp
-    predicted = evaluate(table, sol.assignment, mode, microbatches, arrays=arr)
-    value = predicted.objective(objective)
+    closed = evaluate(table, sol.assignment, mode, microbatches, arrays=arr)
+    value = closed.objective(objective)
     if sol.objective is not None and abs(sol.objective - value) > 1e-6 * max(abs(value), 1e-12):
         logging.warning("ILP objective %.9g differs from the evaluated %.9g", sol.objective, value)
     solver_info = {"name": solver, "status": sol.status, "gap": sol.gap,
                    "solve_time_s": sol.solve_time_s, "build_time_s": sol.build_time_s,
                    "objective": sol.objective, "variables": sol.variables,
                    "constraints": sol.constraints}
+    assignment, predicted = sol.assignment, closed
+    if mode == "pipelined":
+        predicted = evaluate_replayed(table, assignment, microbatches, schedule, arrays=arr)
+        if not contiguous and violations(table, assignment, contiguous=True, arrays=arr):
+            assignment, predicted, contiguous, solver_info = _try_contiguous(
+                arr, objective, max_cost, max_step_time, kwargs, schedule, assignment,
+                predicted, solver_info)
     base = {}
     if baselines:
         base = _baselines.all_baselines(table, objective, mode, microbatches, max_cost=max_cost,
                                         max_step_time=max_step_time, contiguous=contiguous,
                                         arrays=arr)
+        if mode == "pipelined":
+            base = {k: r if r.predicted is None else dataclasses.replace(
+                r, predicted=evaluate_replayed(table, r.assignment, microbatches, schedule,
+                                               arrays=arr))
+                    for k, r in base.items()}
     result = Plan(fingerprint=table.fingerprint(), mode=mode, objective=objective,
                   microbatches=microbatches if mode == "pipelined" else 1,
-                  assignment=sol.assignment, predicted=predicted, solver=solver_info,
+                  assignment=assignment, predicted=predicted, solver=solver_info,
                   baselines=base, contiguous=contiguous,
                   constraints={"max_cost": max_cost, "max_step_time": max_step_time})
     if data_parallel:
         result = _consider_data_parallel(result, table, arr, max_cost, max_step_time)
     return result
+
+
+def _try_contiguous(arr: Arrays, objective, max_cost, max_step_time, kwargs, schedule,
+                    assignment, predicted, solver_info):
+    """The ILP again with contiguous stages; its plan when its replayed step is better.
+
+    Returns (assignment, predicted, contiguous, solver_info); solver_info
+    records both replayed objectives under "replayed", and when the
+    contiguous plan wins, its ILP objective under "objective" (the first
+    solve's under "free_objective").
+    """
+    sol = _ilp.solve(arr, objective=objective, max_cost=max_cost, max_step_time=max_step_time,
+                     **{**kwargs, "contiguous": True})
+    info = dict(solver_info)
+    info["replayed"] = {"free": predicted.objective(objective)}
+    if sol.assignment is None:
+        info["replayed"]["contiguous"] = f"no plan ({sol.status})"
+        return assignment, predicted, False, info
+    other = evaluate_replayed(arr.table, sol.assignment, kwargs["microbatches"], schedule,
+                              arrays=arr)
+    info["replayed"]["contiguous"] = other.objective(objective)
+    budgets_ok = ((max_cost is None or other.cost_usd_per_step <= max_cost * (1 + 1e-9)) and
+                  (max_step_time is None or other.step_time_s <= max_step_time * (1 + 1e-9)))
+    if budgets_ok and other.objective(objective) < predicted.objective(objective):
+        info.update(free_objective=info["objective"], objective=sol.objective,
+                    contiguous_solve_time_s=sol.solve_time_s, chosen_stages="contiguous")
+        return sol.assignment, other, True, info
+    return assignment, predicted, False, info
 
 
 def replica_groups(table: CostTable) -> list[tuple[str, ...]]:

@@ -1,0 +1,240 @@
+"""Replays a pipelined step's schedule on the cost table: the step time the runtime will see.
+
+The ILP prices a pipelined plan with a closed form, T1 + (M - 1) x bottleneck
+(`evaluate`), which holds for a chain of contiguous stages. It does not see
+the order each device runs its work in. A plan that visits a device twice
+(gpu:0 -> gpu:1 -> gpu:0) makes gpu:0 wait for gpu:1 inside every
+microbatch under GPipe's per-device order, and on two H200s such a plan ran
+at 0.78-0.90x one GPU where the closed form promised 1.19-1.30x
+(experiments/results/two_gpus_transformer_b256_planned_h200x2.md).
+
+So the planner also replays the schedule: the same work items, stage cuts and
+per-device orders as the split pass and the runtime (`passes/_schedule.py`),
+at layer granularity, with each layer's time from the table:
+
+- every layer has a forward and a backward item per microbatch; the forward
+  takes FORWARD_SHARE of the layer's per-microbatch time (fixed part whole,
+  the rest / M), the backward the rest (it also carries the update);
+- consecutive items with one (device, microbatch, phase) key form a stage,
+  as in the split pass; a stage starts when its device has finished the
+  previous stage of its order and its inputs have arrived;
+- inputs from another device travel over the directed link (latency +
+  bytes / bandwidth, one transfer per producer stage, links first-come
+  first-served) once their producer stage ends.
+
+The replay's makespan is the predicted step time of pipelined plans.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Mapping
+
+import numpy as np
+
+from hetpar._errors import PlanError
+from hetpar.passes._schedule import device_aware_order, device_orders, runs, stage_deps
+from hetpar.planner._evaluate import Arrays, Predicted, _assignment_indices, evaluate
+from hetpar.planner._graph import CostTable
+
+# A backward pass costs about twice its forward (two matmuls per forward one).
+FORWARD_SHARE = 1.0 / 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRun:
+    """One stage of the replay: seconds from the step's start."""
+
+    device: str
+    microbatch: int | None
+    phase: str
+    layers: tuple[str, ...]
+    start_s: float
+    end_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """The replayed step.
+
+    Attributes:
+      step_time_s: when the last stage ends.
+      schedule: the schedule the device orders realise ("gpipe" or "1f1b").
+      stages: every stage as it ran, in start order.
+      busy_s: seconds each device computes.
+    """
+
+    step_time_s: float
+    schedule: str
+    stages: tuple[StageRun, ...]
+    busy_s: Mapping[str, float]
+
+    def timeline(self) -> list[dict]:
+        """The stages as dicts, the form of the runtime's recorded events."""
+        return [dataclasses.asdict(s) for s in self.stages]
+
+
+def simulate(table: CostTable, assignment: Mapping[str, str], microbatches: int = 1,
+             schedule: str = "gpipe", *, arrays: Arrays | None = None) -> Replay:
+    """Replays the step under `assignment` with M microbatches and `schedule`.
+
+    Args:
+      table: the cost table.
+      assignment: {layer: device} for every layer.
+      microbatches: M; 1 replays the unpipelined split step.
+      schedule: "gpipe" or "1f1b".
+      arrays: a precomputed `Arrays(table)`.
+
+    Raises:
+      PlanError: a bad assignment or schedule, or an edge between devices
+        without a link.
+    """
+    arr = arrays or Arrays(table)
+    a = _assignment_indices(arr, assignment)
+    M = int(microbatches)
+    if M < 1:
+        raise PlanError(f"microbatches must be >= 1, got {microbatches}")
+    L = len(a)
+    per_mb = arr.t_at(M)[np.arange(L), a] / M
+    if not np.all(np.isfinite(per_mb)):
+        bad = [arr.layers[i] for i in range(L) if not np.isfinite(per_mb[i])]
+        raise PlanError(f"layers {bad[:5]} have no time on their assigned devices")
+    pos = np.empty(L, dtype=int)
+    pos[arr.order] = np.arange(L)
+
+    # Work items in program order: per microbatch, forwards in topological
+    # order, then backwards in reverse (the order `hetpar.value_and_grad` traces).
+    def fwd(i, m):
+        return m * 2 * L + pos[i]
+
+    def bwd(i, m):
+        return m * 2 * L + 2 * L - 1 - pos[i]
+
+    n = 2 * L * M
+    keys: list = [None] * n
+    dur = np.zeros(n)
+    layer_of = np.zeros(n, dtype=int)
+    deps: list[set[int]] = [set() for _ in range(n)]
+    xbytes: dict[tuple[int, int], float] = {}  # (consumer, producer) item -> bytes
+    for m in range(M):
+        mb, (pf, pb) = (None, ("main", "main")) if M == 1 else (m, ("forward", "backward"))
+        for i in range(L):
+            dev = arr.devices[a[i]]
+            keys[fwd(i, m)], keys[bwd(i, m)] = (dev, mb, pf), (dev, mb, pb)
+            dur[fwd(i, m)] = FORWARD_SHARE * per_mb[i]
+            dur[bwd(i, m)] = (1 - FORWARD_SHARE) * per_mb[i]
+            layer_of[fwd(i, m)] = layer_of[bwd(i, m)] = i
+            deps[bwd(i, m)].add(fwd(i, m))
+        for k in range(len(arr.eu)):
+            u, v = int(arr.eu[k]), int(arr.ev[k])
+            deps[fwd(v, m)].add(fwd(u, m))
+            _add(xbytes, (fwd(v, m), fwd(u, m)), arr.fwd[k] / M)
+            if arr.bwd[k] > 0:
+                deps[bwd(u, m)].add(bwd(v, m))
+                _add(xbytes, (bwd(u, m), bwd(v, m)), arr.bwd[k] / M)
+
+    order = device_aware_order(deps, keys)
+    cut = runs(order, keys)
+    stage_of = np.empty(n, dtype=int)
+    for s, items in enumerate(cut):
+        stage_of[items] = s
+    S = len(cut)
+    sdeps = stage_deps(stage_of, deps, S)
+    skeys = [keys[items[0]] for items in cut]
+    per_device, realised = device_orders(skeys, sdeps, schedule)
+    sbytes: dict[tuple[int, int], float] = {}
+    for (c, p), b in xbytes.items():
+        sc, sp = stage_of[c], stage_of[p]
+        if sc != sp and skeys[sc][0] != skeys[sp][0]:
+            _add(sbytes, (sc, sp), b)
+    sdur = np.array([dur[items].sum() for items in cut])
+
+    # Event-driven replay: each device's next stage is queued with the time
+    # it can start once its producers have run; the earliest queued stage
+    # runs next. Transfers are priced (and their links taken) when queued.
+    end = np.full(S, np.nan)
+    start = np.full(S, np.nan)
+    dev_free = dict.fromkeys(per_device, 0.0)
+    head = dict.fromkeys(per_device, 0)
+    link_free: dict[tuple[str, str], float] = {}
+    arrived: dict[tuple[int, int], float] = {}
+    heap: list[tuple[float, int, str]] = []
+    queued: set[str] = set()
+    placed = 0
+    while True:
+        for dev in per_device:
+            if dev in queued or head[dev] >= len(per_device[dev]):
+                continue
+            s = per_device[dev][head[dev]]
+            t = _arrivals(s, sdeps, skeys, sbytes, end, arr, link_free, arrived)
+            if t is not None:
+                heapq.heappush(heap, (max(t, dev_free[dev]), s, dev))
+                queued.add(dev)
+        if not heap:
+            break
+        t, s, dev = heapq.heappop(heap)
+        queued.discard(dev)
+        start[s], end[s] = t, t + sdur[s]
+        dev_free[dev] = end[s]
+        head[dev] += 1
+        placed += 1
+    if placed != S:  # cannot happen: the orders were checked to complete
+        raise PlanError("internal error: the replayed schedule deadlocked")
+    runs_out = sorted(
+        (StageRun(skeys[s][0], skeys[s][1], skeys[s][2],
+                  tuple(dict.fromkeys(arr.layers[layer_of[i]] for i in cut[s])),
+                  float(start[s]), float(end[s])) for s in range(S)),
+        key=lambda r: (r.start_s, r.device))
+    busy = {d: float(sum(sdur[s] for s in ids)) for d, ids in per_device.items()}
+    return Replay(float(np.nanmax(end)) if S else 0.0, realised, tuple(runs_out), busy)
+
+
+def _add(d: dict, key, value: float) -> None:
+    d[key] = d.get(key, 0.0) + value
+
+
+def _arrivals(s, sdeps, skeys, sbytes, end, arr: Arrays, link_free, arrived) -> float | None:
+    """When all of stage s's inputs are on its device, or None if a producer has not run.
+
+    Prices each cross-device input once, on first ask: the transfer starts
+    when its producer ends and its link is free.
+    """
+    dst = skeys[s][0]
+    t = 0.0
+    for p in sdeps[s]:
+        if np.isnan(end[p]):
+            return None
+        if (s, p) not in arrived:
+            b = sbytes.get((s, p))
+            if b is None:
+                arrived[s, p] = end[p]
+            else:
+                src = skeys[p][0]
+                i, j = arr.dindex[src], arr.dindex[dst]
+                if arr.bw[i, j] <= 0:
+                    raise PlanError(f"no link {src} -> {dst} for a transfer the plan needs")
+                go = max(end[p], link_free.get((src, dst), 0.0))
+                arrived[s, p] = link_free[src, dst] = go + arr.lat[i, j] + b / arr.bw[i, j]
+        t = max(t, arrived[s, p])
+    return t
+
+
+def evaluate_replayed(table: CostTable, assignment: Mapping[str, str], microbatches: int,
+                      schedule: str, *, arrays: Arrays | None = None) -> Predicted:
+    """`evaluate` in pipelined mode, with the step time (and so cost, energy) replayed.
+
+    The closed form stays in `closed_form_s`; bottleneck, memory and busy
+    times are the closed form's.
+    """
+    arr = arrays or Arrays(table)
+    p = evaluate(table, assignment, "pipelined", microbatches, arrays=arr)
+    if not np.isfinite(p.step_time_s):
+        return p
+    step = simulate(table, assignment, microbatches, schedule, arrays=arr).step_time_s
+    used = np.array([d in p.busy_s for d in arr.devices])
+    busy = np.array([p.busy_s.get(d, 0.0) for d in arr.devices])
+    return dataclasses.replace(
+        p, step_time_s=step, cost_usd_per_step=step * arr.hourly_price(used) / 3600.0,
+        energy_j_per_step=arr.joules(used, busy, step), schedule=schedule,
+        closed_form_s=p.step_time_s)
