@@ -9,8 +9,16 @@ one run on one host:
 - data parallel: the same `jax.jit` step with the batch sharded over both GPUs
   and the state replicated (what a JAX user tries first);
 - hetpar: the step split over gpu:0 and gpu:1, microbatches M under GPipe and
-  1F1B, with (a) the planner's plan (spec-sheet costs, pipelined objective)
-  and (b) a contiguous half/half plan; with the planner's predicted speedup.
+  1F1B, with (a) the planner's pipelined plan for each M and schedule, and
+  (b) a contiguous half/half plan by layer count (--half); M = 1 runs the
+  first plan's stages without microbatches (model parallelism alone).
+
+Predictions come from the planner's table calibrated to this run: spec-sheet
+layer shares scaled to the measured one-GPU step, and a fixed part per
+microbatch from one GPU running the whole step at batch / M (one table per
+M). A pipeline's predicted step replays its schedule (`simulate`); the ILP's
+closed form is noted beside it. Timelines of the runs and of their replays
+are written for plotting (plot_timeline.py).
 
 Throughput is samples per second from the median step time. A time budget
 stops the sweep early (what ran is still written). Usage:
@@ -133,7 +141,7 @@ def _close_to_jit(w, step, args, gpu):
 
 
 def run_model(name, batch, microbatches, schedules, steps, quick, rows, timelines):
-    from hetpar.planner import evaluate, evaluate_data_parallel, plan
+    from hetpar.planner import evaluate_data_parallel, plan, simulate
 
     names, devs = _devices(quick)
     w = zoo.get(name, small=quick, batch=batch)
@@ -152,7 +160,7 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
         floor = {m: _time(jax.jit(wm.train_step), jax.device_put(wm.example_args(), devs[0]),
                           steps)}
         table, _ = calibrated_table(w, args, names, one, floor)
-        return memory_case(w, args, table, one, names, devs, steps, rows, base, add)
+        return memory_case(w, args, table, one, names, devs, steps, rows, base, add, timelines)
     try:
         dp = data_parallel(w, args, devs, steps)
         dp_row = {**base, "config": "data parallel (jax.jit, sharded)", "step_s": dp,
@@ -171,17 +179,24 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                              steps)
             add({**base, "config": f"one GPU, whole step at batch {batch // m}, x{m}",
                  "microbatches": m, "step_s": m * floor[m], "speedup": one / (m * floor[m])})
-    table, fixed = calibrated_table(w, args, names, one, floor)
-    print(f"calibrated: one GPU {one * 1e3:.1f} ms, fixed part {fixed * 1e3:.2f} ms", flush=True)
+    # One table per M, calibrated at that M's microbatch size (the fixed part
+    # of a step differs with it); the planner's choice and data parallelism
+    # (batch / 2 per GPU) use M = 2's when measured.
+    tables = {}
+    for m in sorted(floor):
+        tables[m], fixed = calibrated_table(w, args, names, one, {m: floor[m]})
+        print(f"calibrated at M={m}: one GPU {one * 1e3:.1f} ms, fixed part "
+              f"{fixed * 1e3:.2f} ms", flush=True)
+    table = tables.get(2) or (tables[max(tables)] if tables else
+                              calibrated_table(w, args, names, one, {})[0])
     if "error" not in dp_row:
         dp_row["predicted_speedup"] = one / evaluate_data_parallel(table, names).step_time_s
     add(dp_row)
     layers = table.layer_names
     half = {n: names[0] if i < len(layers) // 2 else names[1] for i, n in enumerate(layers)}
 
-    def predicted(assignment, m):
-        mode = "pipelined" if m > 1 else "sequential"
-        return one / evaluate(table, assignment, mode, m).step_time_s
+    def predicted(assignment, m, sched):
+        return one / simulate(tables.get(m, table), assignment, m, sched).step_time_s
 
     # The planner's choice on the calibrated table (it may replicate the step).
     if FLAGS.planner:
@@ -197,26 +212,33 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
             add(row)
         except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
             add({**base, "config": "hetpar planner", "error": f"{type(e).__name__}: {e}"[:300]})
-    # The planner's pipeline (layer placements only): balanced stages, where
-    # half/half by layer count leaves the vocabulary-sized head on one GPU.
-    for m in microbatches if FLAGS.planner else ():
-        if m == 1 or time.perf_counter() - _T0 > FLAGS.budget_s:
-            continue
-        sched = schedules[-1]
+    # The planner's pipelines (layer placements only), per M and schedule, on a
+    # table calibrated at that M's microbatch size; the prediction replays the
+    # schedule (`hetpar.planner.simulate`). M = 1 runs the M = 2 plan's stages
+    # without microbatches (model parallelism without pipelining).
+    pipelined = sorted(m for m in microbatches if m > 1)
+    first_plan = None
+    for m in pipelined if FLAGS.planner else ():
+        table_m = tables.get(m, table)
+        for sched in schedules:
+            if time.perf_counter() - _T0 > FLAGS.budget_s:
+                break
+            try:
+                p = plan(table_m, mode="pipelined", microbatches=m, schedule=sched,
+                         data_parallel=False, baselines=False)
+                first_plan = first_plan or p
+                run_pipeline(w, args, p.assignment, m, sched, one, steps, base, add, timelines,
+                             devs, table_m, p)
+            except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
+                add({**base, "config": "hetpar planner pipeline", "microbatches": m,
+                     "schedule": sched, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    if 1 in microbatches and first_plan is not None and (
+            time.perf_counter() - _T0 < FLAGS.budget_s):
         try:
-            p = plan(table, mode="pipelined", microbatches=m, data_parallel=False,
-                     baselines=False)
-            step = hetpar.auto(w.train_step, plan=dict(p.assignment), microbatches=m,
-                               schedule=sched, profile=_PROFILES or "auto")
-            compiled, row = _run(step, args, steps, **base, config="hetpar planner pipeline",
-                                 microbatches=m, schedule=sched)
-            row.update(speedup=one / row["step_s"],
-                       predicted_speedup=one / p.predicted.step_time_s,
-                       rel_error_vs_jit=_close_to_jit(w, step, args, devs[0]))
-            add(row)
-            _record_timeline(timelines, f"{name} M={m} {sched} planner", compiled, step, args)
-        except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-            add({**base, "config": "hetpar planner pipeline", "microbatches": m,
+            run_pipeline(w, args, first_plan.assignment, 1, "gpipe", one, steps, base, add,
+                         timelines, devs, table, None)
+        except Exception as e:  # noqa: BLE001
+            add({**base, "config": "hetpar planner pipeline", "microbatches": 1,
                  "error": f"{type(e).__name__}: {str(e)[:300]}"})
     for m in microbatches if FLAGS.half else ():
         for sched in schedules:
@@ -227,7 +249,7 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                                    schedule=sched, profile=_PROFILES or "auto")
                 compiled, row = _run(step, args, steps, **base, config="hetpar half/half",
                                      microbatches=m, schedule=sched)
-                row.update(speedup=one / row["step_s"], predicted_speedup=predicted(half, m))
+                row.update(speedup=one / row["step_s"], predicted_speedup=predicted(half, m, sched))
                 add(row)
                 _record_timeline(timelines, f"{name} M={m} {sched} half/half", compiled, step,
                                  args)
@@ -235,10 +257,34 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                 add({**base, "config": "hetpar half/half", "microbatches": m, "schedule": sched,
                      "error": f"{type(e).__name__}: {str(e)[:300]}"})
     if FLAGS.memory_fraction and time.perf_counter() - _T0 < FLAGS.budget_s:
-        memory_case(w, args, table, one, names, devs, steps, rows, base, add)
+        memory_case(w, args, table, one, names, devs, steps, rows, base, add, timelines)
 
 
-def memory_case(w, args, table, one, names, devs, steps, rows, base, add):
+def run_pipeline(w, args, assignment, m, sched, one, steps, base, add, timelines, devs, table,
+                 p):
+    """Runs one planned pipeline; records its row, its timeline and the replayed one."""
+    from hetpar.planner import simulate
+
+    step = hetpar.auto(w.train_step, plan=dict(assignment), microbatches=m, schedule=sched,
+                       profile=_PROFILES or "auto")
+    compiled, row = _run(step, args, steps, **base, config="hetpar planner pipeline",
+                         microbatches=m, schedule=sched)
+    replay = simulate(table, assignment, m, sched)
+    stages = sorted({d for d in assignment.values()})
+    row.update(speedup=one / row["step_s"], predicted_speedup=one / replay.step_time_s,
+               predicted_s=replay.step_time_s,
+               stage_layers={d: sum(v == d for v in assignment.values()) for d in stages},
+               rel_error_vs_jit=_close_to_jit(w, step, args, devs[0]))
+    if p is not None:
+        row.update(closed_form_speedup=one / p.predicted.closed_form_s,
+                   stages_chosen=p.solver.get("chosen_stages", "as solved"))
+    add(row)
+    key = f"{w.name} M={m} {sched} planner"
+    _record_timeline(timelines, key, compiled, step, args)
+    timelines[key + " (replayed)"] = replay.timeline()
+
+
+def memory_case(w, args, table, one, names, devs, steps, rows, base, add, timelines):
     """A model too large for one GPU: a per-GPU memory budget every plan obeys.
 
     The budget is a fraction of what the step needs on one device (parameters,
@@ -259,7 +305,7 @@ def memory_case(w, args, table, one, names, devs, steps, rows, base, add):
     cfg = {**base, "config": f"memory budget {budget / 1e9:.2f} GB per GPU "
            f"(needs {need / 1e9:.2f} GB): hetpar planner", "microbatches": m, "schedule": sched}
     try:
-        p = plan(tight, mode="pipelined", microbatches=m, baselines=False)
+        p = plan(tight, mode="pipelined", microbatches=m, schedule=sched, baselines=False)
         one_gpu = violations(tight, dict.fromkeys(table.layer_names, names[0]))
         dp_reason = data_parallel_obstacle(tight, names)
         # A plan that replicates runs as a Plan (a dict cannot say "replicas").
@@ -273,7 +319,16 @@ def memory_case(w, args, table, one, names, devs, steps, rows, base, add):
                    chosen=p.solver.get("chosen", "layer placement"),
                    gpu_gb={d: v / 1e9 for d, v in per_gpu.items()},
                    rel_error_vs_jit=_close_to_jit(w, step, args, devs[0]))
+        if p.predicted.closed_form_s:
+            row.update(closed_form_speedup=one / p.predicted.closed_form_s,
+                       stages_chosen=p.solver.get("chosen_stages", "as solved"))
         add(row)
+        if not p.replicas:
+            from hetpar.planner import simulate
+
+            key = f"{w.name} M={m} {sched} memory budget"
+            _record_timeline(timelines, key, compiled, step, args)
+            timelines[key + " (replayed)"] = simulate(tight, p.assignment, m, sched).timeline()
     except Exception as e:  # noqa: BLE001
         add({**cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"})
 
@@ -296,6 +351,11 @@ def to_markdown(res) -> str:
             notes.append(f"chose {r['chosen']}")
         if "rel_error_vs_jit" in r:
             notes.append(f"rel. error vs jax.jit {r['rel_error_vs_jit']:.1e}")
+        if "closed_form_speedup" in r:
+            notes.append(f"closed form {r['closed_form_speedup']:.2f}x; stages "
+                         f"{r.get('stages_chosen', '')}")
+        if "stage_layers" in r:
+            notes.append("layers " + ", ".join(f"{d} {n}" for d, n in r["stage_layers"].items()))
         if "gpu_gb" in r:
             notes.append("held " + ", ".join(f"{d} {v:.2f} GB" for d, v in r["gpu_gb"].items()))
         for k in ("one_gpu", "data_parallel"):
