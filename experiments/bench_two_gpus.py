@@ -85,14 +85,15 @@ def data_parallel(w, args, devs, steps):
     return _time(jax.jit(w.train_step), (*state, batch), steps)
 
 
-def calibrated_table(w, args, names, one_s, floor):
+def calibrated_table(w, args, names, one_s, floor, grad_s=None):
     """The planner's table of the step on the two GPUs, calibrated to measured steps.
 
     Layer shares come from the spec sheets; they are scaled so the whole step
     on one GPU takes what `jax.jit` measured (`scale_to_step`), and each layer
     gets the same fraction of fixed time (what every microbatch pays whole)
-    as the whole step: fixed = (M x t(b/M) - t(b)) / (M - 1) from the
-    launch-floor row (experiments/probe_launch.py). Links from --profiles.
+    as the gradient: fixed = (M x g(b/M) - g(b)) / (M - 1), from one GPU
+    computing the gradient alone (no update: a pipeline updates once a step,
+    not once per microbatch) at batch b / M and at b. Links from --profiles.
     """
     import dataclasses
 
@@ -104,11 +105,39 @@ def calibrated_table(w, args, names, one_s, floor):
     fixed = 0.0
     if floor:
         m, t_m = max(floor.items())
-        fixed = min(max((m * t_m - one_s) / (m - 1), 0.0), one_s)
+        full = one_s if grad_s is None else grad_s
+        fixed = min(max((m * t_m - full) / (m - 1), 0.0), one_s)
     share = fixed / one_s
     layers = tuple(dataclasses.replace(la, fixed_s={d: share * t for d, t in la.time_s.items()})
                    for la in table.layers)
     return dataclasses.replace(table, layers=layers), fixed
+
+
+def _grad_time(w, dev, steps):
+    """Median seconds of one GPU computing the gradient alone (forward and backward)."""
+    variables, _, batch = jax.device_put(w.example_args(), dev)
+    fn = jax.jit(jax.grad(w.loss))
+    for _ in range(2):
+        jax.block_until_ready(fn(variables, batch))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(variables, batch))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _floors(name, batch, microbatches, quick, dev, steps, base, add):
+    """Gradient-only times: {M: g(batch / M)} and g(batch), each added as a row."""
+    grad = _grad_time(zoo.get(name, small=quick, batch=batch), dev, steps)
+    add({**base, "config": "one GPU, gradient only", "step_s": grad, "speedup": None})
+    floor = {}
+    for m in microbatches:
+        if m > 1 and batch % m == 0 and time.perf_counter() - _T0 < FLAGS.budget_s:
+            floor[m] = _grad_time(zoo.get(name, small=quick, batch=batch // m), dev, steps)
+            add({**base, "config": f"one GPU, gradient only at batch {batch // m}, x{m}",
+                 "microbatches": m, "step_s": m * floor[m], "speedup": None})
+    return floor, grad
 
 
 def _run(step, args, steps, **row):
@@ -155,11 +184,8 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
 
     add({**base, "config": "one GPU (jax.jit)", "step_s": one, "speedup": 1.0})
     if FLAGS.memory_only:
-        m = max(microbatches)
-        wm = zoo.get(name, small=quick, batch=batch // m)
-        floor = {m: _time(jax.jit(wm.train_step), jax.device_put(wm.example_args(), devs[0]),
-                          steps)}
-        table, _ = calibrated_table(w, args, names, one, floor)
+        floor, grad = _floors(name, batch, [max(microbatches)], quick, devs[0], steps, base, add)
+        table, _ = calibrated_table(w, args, names, one, floor, grad)
         return memory_case(w, args, table, one, names, devs, steps, rows, base, add, timelines)
     try:
         dp = data_parallel(w, args, devs, steps)
@@ -167,24 +193,15 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                   "speedup": one / dp}
     except Exception as e:  # noqa: BLE001 - e.g. a batch that does not split
         dp_row = {**base, "config": "data parallel", "error": str(e)}
-    # How much of a microbatched pipeline's time is launching kernels: one GPU
-    # running the whole step M times at batch/M (an update each time, so a
-    # slight over-estimate). If M x that exceeds the full-batch step, small
-    # microbatches are launch-bound and no pipeline over two GPUs can win.
-    floor = {}
-    for m in microbatches:
-        if m > 1 and batch % m == 0 and time.perf_counter() - _T0 < FLAGS.budget_s:
-            wm = zoo.get(name, small=quick, batch=batch // m)
-            floor[m] = _time(jax.jit(wm.train_step), jax.device_put(wm.example_args(), devs[0]),
-                             steps)
-            add({**base, "config": f"one GPU, whole step at batch {batch // m}, x{m}",
-                 "microbatches": m, "step_s": m * floor[m], "speedup": one / (m * floor[m])})
+    # What every microbatch pays whole (kernel launches): one GPU computing the
+    # gradient at batch / M, M times, against once at the full batch.
+    floor, grad = _floors(name, batch, microbatches, quick, devs[0], steps, base, add)
     # One table per M, calibrated at that M's microbatch size (the fixed part
     # of a step differs with it); the planner's choice and data parallelism
     # (batch / 2 per GPU) use M = 2's when measured.
     tables = {}
     for m in sorted(floor):
-        tables[m], fixed = calibrated_table(w, args, names, one, {m: floor[m]})
+        tables[m], fixed = calibrated_table(w, args, names, one, {m: floor[m]}, grad)
         print(f"calibrated at M={m}: one GPU {one * 1e3:.1f} ms, fixed part "
               f"{fixed * 1e3:.2f} ms", flush=True)
     table = tables.get(2) or (tables[max(tables)] if tables else
@@ -217,29 +234,21 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
     # schedule (`hetpar.planner.simulate`). M = 1 runs the M = 2 plan's stages
     # without microbatches (model parallelism without pipelining).
     pipelined = sorted(m for m in microbatches if m > 1)
-    first_plan = None
-    for m in pipelined if FLAGS.planner else ():
+    for m in sorted(microbatches) if FLAGS.planner and pipelined else ():
         table_m = tables.get(m, table)
-        for sched in schedules:
+        for sched in schedules if m > 1 else ["gpipe"]:
             if time.perf_counter() - _T0 > FLAGS.budget_s:
                 break
             try:
-                p = plan(table_m, mode="pipelined", microbatches=m, schedule=sched,
-                         data_parallel=False, baselines=False)
-                first_plan = first_plan or p
+                # M = 1: the stages of the smallest M's plan, no microbatches.
+                p = plan(tables.get(pipelined[0], table) if m == 1 else table_m,
+                         mode="pipelined", microbatches=max(m, pipelined[0]),
+                         schedule=sched, data_parallel=False, baselines=False)
                 run_pipeline(w, args, p.assignment, m, sched, one, steps, base, add, timelines,
-                             devs, table_m, p)
+                             devs, table_m, p if m > 1 else None)
             except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
                 add({**base, "config": "hetpar planner pipeline", "microbatches": m,
                      "schedule": sched, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-    if 1 in microbatches and first_plan is not None and (
-            time.perf_counter() - _T0 < FLAGS.budget_s):
-        try:
-            run_pipeline(w, args, first_plan.assignment, 1, "gpipe", one, steps, base, add,
-                         timelines, devs, table, None)
-        except Exception as e:  # noqa: BLE001
-            add({**base, "config": "hetpar planner pipeline", "microbatches": 1,
-                 "error": f"{type(e).__name__}: {str(e)[:300]}"})
     for m in microbatches if FLAGS.half else ():
         for sched in schedules:
             if time.perf_counter() - _T0 > FLAGS.budget_s:
@@ -346,6 +355,7 @@ def to_markdown(res) -> str:
                          f"{r['error'][:120]} | | | | |")
             continue
         pred = r.get("predicted_speedup")
+        speedup = "" if r.get("speedup") is None else f"{r['speedup']:.2f}x"
         notes = []
         if "chosen" in r:
             notes.append(f"chose {r['chosen']}")
@@ -363,7 +373,8 @@ def to_markdown(res) -> str:
                 notes.append(f"{k.replace('_', ' ')}: {r[k][:160]}")
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['config']} | {r.get('microbatches', '')} | "
-            f"{r.get('schedule', '')} | {r['step_s'] * 1e3:.2f} ms | {r['speedup']:.2f}x | "
+            f"{r.get('schedule', '')} | {r['step_s'] * 1e3:.2f} ms | "
+            f"{speedup} | "
             f"{'' if pred is None else f'{pred:.2f}x'} | {', '.join(r.get('devices_used', []))} | "
             f"{'; '.join(notes)} |")
     return "\n".join(lines) + "\n"

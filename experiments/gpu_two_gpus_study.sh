@@ -4,5 +4,5 @@
 # against one GPU's jax.jit and data parallelism.
 set -uo pipefail
 source experiments/_gpu_setup.sh
-bash experiments/gpu_two_gpus_sweep.sh vgg16 128 1,2,4,8,16 300 two_gpus_vgg16_b128
-bash experiments/gpu_two_gpus_sweep.sh alexnet 512 1,2,4,8,16 150 two_gpus_alexnet_b512
+bash experiments/gpu_two_gpus_sweep.sh vgg16 128 1,2,4,8,16 260 two_gpus_vgg16_b128
+bash experiments/gpu_two_gpus_sweep.sh alexnet 512 1,2,4,8,16 130 two_gpus_alexnet_b512
