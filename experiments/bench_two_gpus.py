@@ -51,6 +51,8 @@ flags.DEFINE_list("microbatches", ["1", "4"], "with --model: microbatch counts")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "with --model: schedules")
 flags.DEFINE_bool("planner", True, "also run the planner's plan (else only half/half)")
 flags.DEFINE_bool("half", True, "run the contiguous half/half pipelines")
+flags.DEFINE_bool("measure_layers", False, "layer shares measured on the first GPU (each layer "
+                  "alone, `cost_table(measure=True)`) instead of spec-sheet predictions")
 flags.DEFINE_bool("memory_only", False, "with --memory_fraction: only the one-GPU step, its "
                   "launch floor and the memory-bound case")
 flags.DEFINE_float("memory_fraction", 0.0, "also run a memory-bound case: a per-GPU budget of "
@@ -100,8 +102,13 @@ def calibrated_table(w, args, names, one_s, floor, grad_s=None):
     from hetpar.cost_models import cost_table, scale_to_step
 
     graph = hetpar.trace(w.train_step, *args)
-    table = scale_to_step(cost_table(graph, names, profiles=_PROFILES),
-                          dict.fromkeys(names, one_s))
+    table = cost_table(graph, names, profiles=_PROFILES)
+    if FLAGS.measure_layers:
+        measured = _measured_layers(w, graph, names[0])
+        table = dataclasses.replace(table, layers=tuple(
+            dataclasses.replace(la, time_s=dict.fromkeys(la.time_s, measured[la.name]))
+            for la in table.layers))
+    table = scale_to_step(table, dict.fromkeys(names, one_s))
     fixed = 0.0
     if floor:
         m, t_m = max(floor.items())
@@ -111,6 +118,23 @@ def calibrated_table(w, args, names, one_s, floor, grad_s=None):
     layers = tuple(dataclasses.replace(la, fixed_s={d: share * t for d, t in la.time_s.items()})
                    for la in table.layers)
     return dataclasses.replace(table, layers=layers), fixed
+
+
+_MEASURED: dict = {}
+
+
+def _measured_layers(w, graph, device):
+    """{layer: seconds} of each layer alone on `device` (once per model and batch)."""
+    from hetpar.cost_models import cost_table
+
+    key = (w.name, w.config["batch_size"])
+    if key not in _MEASURED:
+        t0 = time.perf_counter()
+        table = cost_table(graph, [device], profiles=_PROFILES, measure=True, k=5)
+        _MEASURED[key] = {la.name: la.time_s[device] for la in table.layers}
+        print(f"measured {len(table.layers)} layers on {device} in "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+    return _MEASURED[key]
 
 
 def _grad_time(w, dev, steps):
