@@ -50,6 +50,7 @@ flags.DEFINE_integer("batch", None, "with --model: its batch size")
 flags.DEFINE_list("microbatches", ["1", "4"], "with --model: microbatch counts")
 flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "with --model: schedules")
 flags.DEFINE_bool("planner", True, "also run the planner's plan (else only half/half)")
+flags.DEFINE_bool("choice", True, "also run the planner's free choice (it may replicate)")
 flags.DEFINE_bool("half", True, "run the contiguous half/half pipelines")
 flags.DEFINE_bool("measure_layers", False, "layer shares measured on the first GPU (each layer "
                   "alone, `cost_table(measure=True)`) instead of spec-sheet predictions")
@@ -240,7 +241,7 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
         return one / simulate(tables.get(m, table), assignment, m, sched).step_time_s
 
     # The planner's choice on the calibrated table (it may replicate the step).
-    if FLAGS.planner:
+    if FLAGS.planner and FLAGS.choice:
         try:
             p = plan(table, baselines=False)
             step = hetpar.auto(w.train_step, plan=p, profile=_PROFILES or "auto")
