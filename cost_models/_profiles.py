@@ -560,10 +560,12 @@ def load_profiles(path: str | os.PathLike | None = None, *, specs: bool = True) 
     loaded = ProfileSet.from_json(data)
     if loaded.meta.get("mode") == "quick":
         # Seen on two H200s: a quick profile predicted a 2 ms transformer block
-        # at 0.8 s. Its links are fine; its devices' fits are not.
+        # at 0.8 s, and its peer link (fitted up to 16 MB) at 46 GB/s where
+        # 256-512 MB copies ran at 340-370 GB/s (experiments/probe_peer.py).
         logging.warning(
             "profile file %s was measured with `hetpar profile --quick`: its compute "
             "efficiencies are fitted on small, launch-bound sizes and can be off by 100x or "
-            "more; its transfer links are usable. Measure without --quick before planning.",
+            "more, and its links on transfers up to 16 MB (large transfers can run several "
+            "times faster). Measure without --quick before planning.",
             path)
     return dataclasses.replace(loaded, devices={**base, **loaded.devices})
