@@ -67,6 +67,16 @@ def test_cli_plan_from_a_model_name(tmp_path):
     assert set(plan.assignment.values()) <= {"cpu:0", "h100:0"}
 
 
+def test_cli_plan_pipelined_replays_its_schedule(tmp_path):
+    path = tmp_path / "plan.json"
+    out = hetpar_cli("plan", "transformer", "--small", "--devices", "h100,h100", "--mode",
+                     "pipelined", "--microbatches", "4", "--schedule", "1f1b", "--out",
+                     str(path)).stdout
+    assert "replays the 1f1b schedule" in out
+    plan = hetpar.Plan.load(path)
+    assert plan.mode == "pipelined" and plan.predicted.schedule == "1f1b"
+
+
 def test_cli_hlo_of_one_layer():
     out = hetpar_cli("hlo", "mlp", "--small", "--layer", "fc1").stdout
     assert "HloModule" in out
