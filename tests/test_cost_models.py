@@ -353,4 +353,4 @@ def test_loading_a_quick_profile_warns(tmp_path, caplog):
     save_profiles(path, ps)
     with caplog.at_level(pylogging.WARNING):
         load_profiles(path)
-    assert "--quick" in caplog.text and "links are usable" in caplog.text
+    assert "--quick" in caplog.text and "links on transfers up to 16 MB" in caplog.text
