@@ -34,10 +34,10 @@ R = os.path.join(os.path.dirname(__file__), "results")
 OLD_LINK, PEER_LINK = "profile_2gpu_h200x2.json", "profile_2gpu_h200x2_peer.json"
 # (run, model, batch, the run's floor kind, where gradient-only floors were measured)
 RUNS = [
-    ("two_gpus_transformer_b256_replay", "transformer", 256, "whole step",
-     "two_gpus_transformer_b256_measured"),
-    ("two_gpus_vgg16_b128", "vgg16", 128, "gradient", "two_gpus_vgg16_b128"),
-    ("two_gpus_alexnet_b512", "alexnet", 512, "gradient", "two_gpus_alexnet_b512"),
+    ("two_gpus_transformer_b256_replay_h200x2", "transformer", 256, "whole step",
+     "two_gpus_transformer_b256_measured_h200x2"),
+    ("two_gpus_vgg16_b128_h200x2", "vgg16", 128, "gradient", "two_gpus_vgg16_b128_h200x2"),
+    ("two_gpus_alexnet_b512_h200x2", "alexnet", 512, "gradient", "two_gpus_alexnet_b512_h200x2"),
 ]
 
 
@@ -95,7 +95,9 @@ def repredict():
 def to_markdown(rows) -> str:
     lines = [
         "# Predicted against measured speedups of two-GPU pipelines (NVIDIA H200 x2)", "",
-        "Measured: the runs' own speedups over one GPU's jax.jit (files named below). "
+        "Measured: the runs' own speedups over one GPU's jax.jit ("
+        + ", ".join(f"`{r[0]}.md`" for r in RUNS) + "; gradient-only floors of the "
+        "transformer from `two_gpus_transformer_b256_measured_h200x2.md`, same host). "
         "Run's prediction: the replayed schedule on the run's calibration (spec-sheet layer "
         "shares scaled to the measured step; the peer link of the quick profile, 46-61 GB/s; "
         "the transformer's fixed part from whole steps). Re-predicted: the same plan replayed "
