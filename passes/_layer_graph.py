@@ -163,21 +163,17 @@ class LayerGraph:
                     continue
                 if a in input_owner:
                     src = input_owner[a]
-                    if src == dst or dst == SHARED or (a, dst) in counted:
-                        continue
-                    counted.add((a, dst))
-                    key = (src, dst) if order[src] < order[dst] else (dst, src)
-                    flow.setdefault(key, [0.0, 0.0])[0 if key[0] == src else 1] += nbytes(a.aval)
+                elif a in producer:
+                    i = producer[a]
+                    src = self.eqn_layers[i]
+                    # Activations saved for the backward pass: forward results read by
+                    # backward code.
+                    if is_forward(stacks[i]) and is_backward(stacks[j]) and \
+                            a not in saved_seen and src != SHARED:
+                        saved_seen.add(a)
+                        saved[src] += nbytes(a.aval)
+                else:
                     continue
-                if a not in producer:
-                    continue
-                i = producer[a]
-                src = self.eqn_layers[i]
-                # Activations saved for the backward pass: forward results read by backward code.
-                if is_forward(stacks[i]) and is_backward(stacks[j]) and a not in saved_seen \
-                        and src != SHARED:
-                    saved_seen.add(a)
-                    saved[src] += nbytes(a.aval)
                 if src == dst or SHARED in (src, dst) or (a, dst) in counted:
                     continue
                 counted.add((a, dst))

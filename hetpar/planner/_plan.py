@@ -271,6 +271,7 @@ class Plan:
         elif table is not None:
             arr = Arrays(table)
             M = self.microbatches if self.mode == "pipelined" else 1
+            t = arr.t_at(M)
             f, b = arr.edge_parts(M)
             a = {n: arr.dindex[d] for n, d in self.assignment.items()}
             xfer = dict.fromkeys(arr.layers, 0.0)
@@ -281,7 +282,7 @@ class Plan:
             for n in arr.layers:
                 d = a[n]
                 lines.append(f"{n:<{w}}  {arr.devices[d]:<10} "
-                             f"{_s(arr.t_at(M)[arr.lindex[n], d] / M):>10} {_s(xfer[n]):>13}")
+                             f"{_s(t[arr.lindex[n], d] / M):>10} {_s(xfer[n]):>13}")
         else:
             for n, d in self.assignment.items():
                 lines.append(f"{n}: {d}")
@@ -495,9 +496,8 @@ def _try_contiguous(arr: Arrays, objective, max_cost, max_step_time, kwargs, sch
     other = evaluate_replayed(arr.table, sol.assignment, kwargs["microbatches"], schedule,
                               arrays=arr)
     info["replayed"]["contiguous"] = other.objective(objective)
-    budgets_ok = ((max_cost is None or other.cost_usd_per_step <= max_cost * (1 + 1e-9)) and
-                  (max_step_time is None or other.step_time_s <= max_step_time * (1 + 1e-9)))
-    if budgets_ok and other.objective(objective) < predicted.objective(objective):
+    if _over_budget(other, max_cost, max_step_time) is None and (
+            other.objective(objective) < predicted.objective(objective)):
         info.update(free_objective=info["objective"], objective=sol.objective,
                     contiguous_solve_time_s=sol.solve_time_s, chosen_stages="contiguous")
         return sol.assignment, other, True, info
@@ -523,10 +523,7 @@ def _consider_data_parallel(result: Plan, table: CostTable, arr: Arrays,
         reason = data_parallel_obstacle(table, group, arrays=arr)
         if reason is None:
             p = evaluate_data_parallel(table, group, arrays=arr)
-            if max_cost is not None and p.cost_usd_per_step > max_cost * (1 + 1e-9):
-                reason = f"costs ${p.cost_usd_per_step:.3g} per step, over max_cost"
-            elif max_step_time is not None and p.step_time_s > max_step_time * (1 + 1e-9):
-                reason = f"takes {_s(p.step_time_s)} per step, over max_step_time"
+            reason = _over_budget(p, max_cost, max_step_time)
         if reason is not None:
             base[name] = BaselineResult(name, reason=reason)
             continue
@@ -542,6 +539,15 @@ def _consider_data_parallel(result: Plan, table: CostTable, arr: Arrays,
     if not result.baselines:  # baselines were not asked for: keep only the choice's record
         base = {}
     return dataclasses.replace(best, baselines=base)
+
+
+def _over_budget(p: Predicted, max_cost: float | None, max_step_time: float | None) -> str | None:
+    """Which budget `p` breaks, in words, or None."""
+    if max_cost is not None and p.cost_usd_per_step > max_cost * (1 + 1e-9):
+        return f"costs ${p.cost_usd_per_step:.3g} per step, over max_cost"
+    if max_step_time is not None and p.step_time_s > max_step_time * (1 + 1e-9):
+        return f"takes {_s(p.step_time_s)} per step, over max_step_time"
+    return None
 
 
 def _infeasible(arr: Arrays, sol, objective, max_cost, max_step_time, kwargs) -> PlanError:

@@ -34,7 +34,13 @@ from collections.abc import Mapping
 import numpy as np
 
 from hetpar._errors import PlanError
-from hetpar.passes._schedule import device_aware_order, device_orders, runs, stage_deps
+from hetpar.passes._schedule import (
+    SCHEDULES,
+    device_aware_order,
+    device_orders,
+    runs,
+    stage_deps,
+)
 from hetpar.planner._evaluate import Arrays, Predicted, _assignment_indices, evaluate
 from hetpar.planner._graph import CostTable
 
@@ -95,6 +101,8 @@ def simulate(table: CostTable, assignment: Mapping[str, str], microbatches: int 
     M = int(microbatches)
     if M < 1:
         raise PlanError(f"microbatches must be >= 1, got {microbatches}")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     L = len(a)
     per_mb = arr.t_at(M)[np.arange(L), a] / M
     if not np.all(np.isfinite(per_mb)):
