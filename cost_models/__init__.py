@@ -3,14 +3,17 @@
 Imported as `hetpar.cost_models` (the folder is mapped into the package).
 """
 
+from hetpar.cost_models._devices import (
+    device_name,
+    has_pinned_host,
+    present_devices,
+    resolve_device,
+)
 from hetpar.cost_models._measure import (
     Timing,
     cache_dir,
-    device_name,
     measure,
     measure_cached,
-    present_devices,
-    resolve_device,
     sweep_batch,
 )
 from hetpar.cost_models._microbench import (
@@ -100,6 +103,7 @@ __all__ = [
     "plan_prices",
     "predict",
     "present_devices",
+    "has_pinned_host",
     "profile_device",
     "profile_devices",
     "profile_link",

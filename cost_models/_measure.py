@@ -22,7 +22,8 @@ from typing import Any
 
 from absl import logging
 
-from hetpar._errors import ProfileError
+from hetpar.core import ProfileError
+from hetpar.cost_models._devices import resolve_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,42 +63,6 @@ class Timing:
         return cls(
             float(data["median_s"]), float(data["iqr_s"]), tuple(data["samples"]), cached
         )
-
-
-def device_name(device) -> str:
-    """`platform:id` of a JAX device, e.g. `cpu:0`, `gpu:0`."""
-    return f"{device.platform}:{device.id}"
-
-
-def present_devices() -> list:
-    """Every device JAX sees here: the default backend's and the CPU's, no duplicates."""
-    import jax
-
-    devs = list(jax.devices())
-    try:
-        devs += [d for d in jax.devices("cpu") if d not in devs]
-    except RuntimeError:
-        pass  # a build without a CPU backend
-    return devs
-
-
-def resolve_device(device):
-    """The JAX device for a name (`cpu:0`, `gpu:0`), or the device itself.
-
-    Raises:
-      ProfileError: no such device is present.
-    """
-    if not isinstance(device, str):
-        return device
-    devs = present_devices()
-    for d in devs:
-        if device_name(d) == device:
-            return d
-    names = ", ".join(device_name(d) for d in devs)
-    raise ProfileError(
-        f"device {device!r} is not present (present: {names}); to plan for a device "
-        "that is not here, use its spec-sheet kind (e.g. 'h100') instead of measuring it"
-    )
 
 
 def measure(

@@ -40,7 +40,13 @@ import numpy as np
 from absl import logging
 from scipy.optimize import nnls
 
-from hetpar.cost_models._measure import device_name, measure, present_devices, resolve_device
+from hetpar.cost_models._devices import (
+    device_name,
+    has_pinned_host,
+    present_devices,
+    resolve_device,
+)
+from hetpar.cost_models._measure import measure
 from hetpar.cost_models._profiles import DeviceProfile, LinkProfile, ProfileSet
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 from hetpar.cost_models._specs import spec, spec_kinds
@@ -342,7 +348,6 @@ def transfer_paths(src, dst) -> list[str]:
     pair = {src.platform, dst.platform}
     if pair == {"gpu", "cpu"}:
         gpu = src if src.platform == "gpu" else dst
-        from hetpar.runtime._transfer import has_pinned_host  # the runtime's own test
 
         if has_pinned_host(gpu):
             paths += ["pinned_host", "pinned_host_staged"]
@@ -441,7 +446,7 @@ def profile_devices(
       ProfileError: a named device is not present.
     """
     cfg = config or (QUICK if quick else FULL)
-    devs = [resolve_device(d) for d in devices] if devices else present_devices()
+    devs = [resolve_device(d) for d in devices] if devices else list(present_devices().values())
     say = progress or (lambda m: None)
 
     def log(msg: str) -> None:

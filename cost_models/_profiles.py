@@ -26,7 +26,7 @@ from typing import Any
 
 from absl import logging
 
-from hetpar._errors import ProfileError
+from hetpar.core import ProfileError
 
 FORMAT = "hetpar.profiles"
 VERSION = 1

@@ -40,7 +40,7 @@ import numpy as np
 from absl import logging
 from scipy.optimize import nnls
 
-from hetpar._errors import ProfileError
+from hetpar.core import ProfileError
 from hetpar.cost_models._profiles import OP_CLASSES, DeviceProfile
 
 # Efficiencies below this are treated as a fitting accident, not a device.

@@ -38,7 +38,7 @@ import importlib.resources
 import json
 from collections.abc import Iterable
 
-from hetpar._errors import ProfileError
+from hetpar.core import ProfileError
 from hetpar.cost_models._profiles import DeviceProfile, ProfileSet
 
 

@@ -52,13 +52,9 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from hetpar._errors import ProfileError
-from hetpar.cost_models._measure import (
-    Timing,
-    device_name,
-    measure_cached,
-    present_devices,
-)
+from hetpar.core import ProfileError
+from hetpar.cost_models._devices import device_name, present_devices
+from hetpar.cost_models._measure import Timing, measure_cached
 from hetpar.cost_models._profiles import OP_CLASSES, DeviceProfile, LinkProfile, ProfileSet
 from hetpar.cost_models._roofline import LayerWork, predict
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
@@ -211,10 +207,6 @@ class _Dev:
         return self.profile.kind
 
 
-def _present_by_name() -> dict[str, Any]:
-    return {device_name(d): d for d in present_devices()}
-
-
 def _profile_for_present(name: str, dev, profiles: ProfileSet) -> DeviceProfile:
     """A present device's profile: measured by name, else a measured one of its kind, else spec."""
     from hetpar.cost_models._microbench import spec_kind_of
@@ -245,7 +237,7 @@ def resolve_devices(
     """
     if not devices:
         raise ProfileError("no devices given; list some, e.g. --devices cpu:0,gpu:0,h100")
-    present = _present_by_name()
+    present = present_devices()
     out: list[_Dev] = []
     taken: set[str] = set(present)
     spec_entries: list[tuple[str, int | None]] = []
@@ -519,7 +511,7 @@ def cost_table(
       microbatches: M, the ratio of the two batches.
 
     Returns:
-      A validated `hetpar.planner._graph.CostTable`. Its `meta` holds the
+      A validated `hetpar.core.CostTable`. Its `meta` holds the
       predicted (`predicted_s`) and, with `measure`, measured
       (`measured_s`, `measured_iqr_s`) seconds per layer and device, and the
       source of every device's figures.
@@ -528,7 +520,7 @@ def cost_table(
       ProfileError: unknown device kind, or `measure` for a device that is
         not present.
     """
-    from hetpar.planner._graph import CostTable, Device, Edge, Layer, Link
+    from hetpar.core import CostTable, Device, Edge, Layer, Link
 
     profiles = profiles if profiles is not None else ProfileSet(
         {k_: spec(k_) for k_ in spec_kinds()})
@@ -789,7 +781,7 @@ def layer_records(
       (`xla`, None for layers with loops), its unfused equation count, and
       the measured median and IQR in seconds. `accuracy` reads these.
     """
-    from hetpar.cost_models._measure import resolve_device
+    from hetpar.cost_models._devices import resolve_device
     from hetpar.cost_models._microbench import spec_kind_of
 
     dev = resolve_device(device)

@@ -71,7 +71,7 @@ def _accelerator() -> str:
 
 
 def _device(name: str) -> jax.Device:
-    return hetpar._auto.present_devices()[name]
+    return hetpar.cost_models.present_devices()[name]
 
 
 def _on_host(tree):
@@ -356,7 +356,7 @@ def main(argv):
     small = FLAGS.quick
     steps, cpu_steps = (3, 2) if FLAGS.quick else (FLAGS.steps, FLAGS.cpu_steps)
     names = FLAGS.models or zoo.names()
-    devs = hetpar._auto.present_devices()
+    devs = hetpar.cost_models.present_devices()
     res = {"host": " + ".join(sorted({f"{d.device_kind}" for d in devs.values()})),
            "jax": jax.__version__, "date": time.strftime("%Y-%m-%d"), "devices": sorted(devs),
            "steps": steps, "cpu_steps": cpu_steps, "profiles": FLAGS.profiles or "spec sheets",

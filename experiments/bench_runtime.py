@@ -45,7 +45,7 @@ def _accelerator() -> str:
 def overhead(name: str, steps: int, small: bool) -> dict:
     """hetpar one-device plan vs jax.jit, interleaved in blocks to share drift."""
     dev_name = _accelerator()
-    dev = hetpar._auto.present_devices()[dev_name]
+    dev = hetpar.cost_models.present_devices()[dev_name]
     w = zoo.get(name, small=small)
     variables, opt_state, batch = jax.device_put(w.example_args(), dev)
     auto = hetpar.auto(w.train_step, devices=[dev_name])
@@ -188,7 +188,7 @@ def main(argv):
     del argv
     small = FLAGS.quick
     steps = 5 if FLAGS.quick else FLAGS.steps
-    devs = hetpar._auto.present_devices()
+    devs = hetpar.cost_models.present_devices()
     res = {
         "host": ", ".join(sorted({d.device_kind for d in devs.values()})),
         "jax": jax.__version__,

@@ -114,11 +114,10 @@ def _base_profiles(records):
 
 
 def _measure_all(models, deadline):
-    from hetpar.cost_models import layer_records, present_devices
-    from hetpar.cost_models._measure import device_name
+    from hetpar.cost_models import device_name, layer_records, present_devices
 
     records, skipped = [], []
-    devices = present_devices()
+    devices = list(present_devices().values())
     for i, model in enumerate(models):
         if time.time() > deadline:
             skipped += models[i:]

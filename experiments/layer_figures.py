@@ -38,8 +38,14 @@ def _pick_layer(graph, needles) -> str:
 
 
 def _measure(devices):
-    from hetpar.cost_models import measure, measure_layer, spec, spec_kind_of, trace_model
-    from hetpar.cost_models._measure import device_name
+    from hetpar.cost_models import (
+        device_name,
+        measure,
+        measure_layer,
+        spec,
+        spec_kind_of,
+        trace_model,
+    )
     from hetpar.cost_models._table import random_inputs
 
     data = {"per_layer": {}, "sweeps": {}, "devices": {}}
@@ -170,7 +176,7 @@ def main(argv):
 
         from hetpar.cost_models import present_devices, spec_kind_of
 
-        devices = present_devices()
+        devices = list(present_devices().values())
         accel = [d for d in devices if d.platform != "cpu"]
         data = _measure(devices)
         data["host"] = (accel[0].device_kind if accel else "CPU") + f" + {os.cpu_count()}-core CPU"

@@ -1,10 +1,17 @@
 """hetpar: heterogeneous layer scheduling for JAX training steps.
 
-The public API is this flat list; the work lives in private modules.
+The public API is this flat list; the work lives in private modules. Names
+load on first use (PEP 562), so `import hetpar` costs nothing until a name is
+used, and the JAX-free parts (`hetpar.core`, `hetpar.planner`) never load JAX.
 """
 
-from hetpar._auto import AutoStep, auto
-from hetpar._errors import (
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from hetpar.core import (
+    CostTable,
     GraphFormatError,
     HetparError,
     InfeasibleError,
@@ -13,13 +20,52 @@ from hetpar._errors import (
     TraceError,
     UnknownModelError,
 )
-from hetpar._grad import grad, value_and_grad
-from hetpar._report import CostReport, report
-from hetpar.passes import LayerGraph, layer, trace
-from hetpar.planner import CostTable, Plan, plan
-from hetpar.runtime import StageError
 
 __version__ = "0.1.0"
+
+# name -> module that defines it; loaded on first attribute access.
+_LAZY = {
+    "AutoStep": "hetpar._auto",
+    "auto": "hetpar._auto",
+    "grad": "hetpar._grad",
+    "value_and_grad": "hetpar._grad",
+    "CostReport": "hetpar._report",
+    "report": "hetpar._report",
+    "LayerGraph": "hetpar.passes",
+    "layer": "hetpar.passes",
+    "trace": "hetpar.passes",
+    "Plan": "hetpar.planner",
+    "plan": "hetpar.planner",
+    "StageError": "hetpar.runtime",
+}
+
+if TYPE_CHECKING:  # for type checkers and IDEs; never executed
+    from hetpar._auto import AutoStep, auto
+    from hetpar._grad import grad, value_and_grad
+    from hetpar._report import CostReport, report
+    from hetpar.passes import LayerGraph, layer, trace
+    from hetpar.planner import Plan, plan
+    from hetpar.runtime import StageError
+
+
+# Sub-packages reachable as attributes (`hetpar.zoo.get(...)` after `import hetpar`).
+_SUBPACKAGES = ("core", "cost_models", "passes", "planner", "runtime", "zoo")
+
+
+def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"hetpar.{name}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hetpar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBPACKAGES))
+
 
 __all__ = [
     "AutoStep",

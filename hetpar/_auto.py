@@ -20,8 +20,9 @@ from typing import Any
 import jax
 from absl import logging
 
-from hetpar._errors import HetparError, PlanError
 from hetpar._grad import microbatching
+from hetpar.core import HetparError, PlanError
+from hetpar.cost_models import present_devices
 from hetpar.passes import LayerGraph, trace
 from hetpar.passes._layers import microbatch_of
 from hetpar.passes._split import StageGraph, split
@@ -42,20 +43,6 @@ class Options:
     depth: int | None = None
     on_missing_device: str = "error"
     data_parallel: bool = True
-
-
-def _device_name(d: jax.Device) -> str:
-    return f"{d.platform}:{d.id}"
-
-
-def present_devices() -> dict[str, jax.Device]:
-    """Every device JAX sees, accelerators first, by `platform:id` name."""
-    devs = list(jax.devices())
-    try:
-        devs += [d for d in jax.devices("cpu") if d not in devs]
-    except RuntimeError:
-        pass
-    return {_device_name(d): d for d in devs}
 
 
 def _marked(fn: Callable, microbatches: int, batch_argnums: Sequence[int] | None) -> Callable:

@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from hetpar._errors import HetparError
+from hetpar.core import HetparError
 from hetpar.passes._layers import MICROBATCH_SCOPE
 
 

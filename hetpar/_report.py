@@ -102,7 +102,7 @@ def report_graph(graph: LayerGraph, *, backend: str = "cpu", xla: bool = True,
                  mode: str = "train") -> CostReport:
     """The cost report of an already traced step."""
     if by not in ("layer", "op"):
-        from hetpar._errors import HetparError
+        from hetpar.core import HetparError
 
         raise HetparError(f"by must be 'layer' or 'op', got {by!r}")
     xla_layers = layer_costs(graph, backend) if xla and by == "layer" else {}
@@ -177,6 +177,6 @@ def dumps(rep: CostReport, fmt: str) -> str:
         return json.dumps(rep.to_json(), indent=2)
     if fmt == "csv":
         return rep.to_csv()
-    from hetpar._errors import HetparError
+    from hetpar.core import HetparError
 
     raise HetparError(f"unknown format {fmt!r}; use table, json or csv")

@@ -60,11 +60,11 @@ def trace_program(fn: Callable, *args) -> Program:
       TraceError: when `fn` cannot be traced with these arguments; the message
         carries JAX's own explanation (shape mismatch, non-array argument...).
     """
-    from hetpar._errors import TraceError
+    from hetpar.core import TraceError
 
     flat_args, in_tree = jax.tree_util.tree_flatten(args)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-    from hetpar._errors import HetparError
+    from hetpar.core import HetparError
 
     try:
         closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)

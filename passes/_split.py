@@ -25,11 +25,10 @@ from collections.abc import Mapping
 
 from jax.extend import core as jcore
 
-from hetpar._errors import PlanError
+from hetpar.core import SCHEDULES, PlanError, device_aware_order, device_orders, stage_deps
+from hetpar.core import runs as cut_runs
 from hetpar.passes._layer_graph import LayerGraph
 from hetpar.passes._layers import SHARED, is_backward, microbatch_of
-from hetpar.passes._schedule import SCHEDULES, device_aware_order, device_orders, stage_deps
-from hetpar.passes._schedule import runs as cut_runs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ def _device(backend: str) -> jax.Device:
     try:
         return jax.devices(backend)[0]
     except RuntimeError as e:
-        from hetpar._errors import HetparError
+        from hetpar.core import HetparError
 
         raise HetparError(
             f"backend {backend!r} is not present on this machine ({e}); "

@@ -225,9 +225,9 @@ def test_sweep_batch():
 
 
 def _absent_device() -> str:
-    from hetpar.cost_models import device_name, present_devices
+    from hetpar.cost_models import present_devices
 
-    present = {device_name(d) for d in present_devices()}
+    present = set(present_devices())
     return next(n for n in ("gpu:0", "tpu:0", "gpu:99") if n not in present)
 
 

@@ -5,9 +5,8 @@ import functools
 import pytest
 
 from hetpar import cost_models
-from hetpar._errors import ProfileError
+from hetpar.core import CostTable, ProfileError
 from hetpar.cost_models import _measure
-from hetpar.planner._graph import CostTable
 
 
 @functools.cache

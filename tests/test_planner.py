@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from hetpar._errors import GraphFormatError, InfeasibleError, PlanError
+from hetpar.core import GraphFormatError, InfeasibleError, PlanError
 from hetpar.planner import (
     CostTable,
     Device,

@@ -15,7 +15,7 @@ import sys
 from absl import app, flags, logging
 from absl.flags import argparse_flags
 
-from hetpar._errors import HetparError
+from hetpar.core import HetparError
 
 # Order is the order `hetpar --help` lists them.
 _COMMANDS = ("models", "trace", "report", "hlo", "profile", "costs", "plan", "run")

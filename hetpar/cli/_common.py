@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 
-from hetpar._errors import HetparError
+from hetpar.core import HetparError
 
 
 def add_model_args(parser, *, batch: bool = True) -> None:

@@ -15,7 +15,7 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
-    from hetpar._errors import HetparError
+    from hetpar.core import HetparError
     from hetpar.passes import trace
     from hetpar.passes._xla import hlo_text
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hetpar._errors import HetparError
+from hetpar.core import HetparError
 
 
 def register(subparsers) -> None:

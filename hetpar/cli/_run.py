@@ -51,8 +51,8 @@ def _run(args) -> int:
     import jax
 
     import hetpar
-    from hetpar._errors import HetparError
     from hetpar._report import human
+    from hetpar.core import HetparError
     from hetpar.cost_models import cost_table
 
     if args.steps < 1:
@@ -115,7 +115,7 @@ def _run(args) -> int:
 
 
 def _device(name: str):
-    from hetpar._auto import present_devices
+    from hetpar.cost_models import present_devices
 
     return present_devices()[name]
 
@@ -130,7 +130,7 @@ def _best_single_device(compiled) -> str:
                 if isinstance(b, dict) and b.get("step_time_s") is not None]
         if best:
             dev = min(best)[1]
-            from hetpar._auto import present_devices
+            from hetpar.cost_models import present_devices
 
             if dev in present_devices():
                 return dev

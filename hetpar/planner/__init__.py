@@ -6,6 +6,7 @@ The public surface is this flat list; the work lives in private modules:
 pipelined schedule), `_plan` (Plan, plan).
 """
 
+from hetpar.core import CostTable, Device, Edge, Layer, Link
 from hetpar.planner._baselines import (
     BaselineResult,
     all_baselines,
@@ -22,7 +23,6 @@ from hetpar.planner._evaluate import (
     evaluate_data_parallel,
     violations,
 )
-from hetpar.planner._graph import CostTable, Device, Edge, Layer, Link
 from hetpar.planner._ilp import highs_available
 from hetpar.planner._plan import Plan, plan, replica_groups
 from hetpar.planner._random import random_cost_table

@@ -28,9 +28,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from hetpar._errors import PlanError
+from hetpar.core import CostTable, PlanError
 from hetpar.planner._evaluate import Arrays, Predicted, evaluate, violations
-from hetpar.planner._graph import CostTable
 
 # The oracle's limit: about 12 layers x 3 devices.
 MAX_EXHAUSTIVE_ASSIGNMENTS = 3**12

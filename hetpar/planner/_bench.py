@@ -11,9 +11,9 @@ import time
 
 from absl import logging
 
+from hetpar.core import CostTable
 from hetpar.planner import _baselines, _ilp
 from hetpar.planner._evaluate import Arrays
-from hetpar.planner._graph import CostTable
 from hetpar.planner._plan import plan
 from hetpar.planner._random import random_cost_table
 

@@ -42,8 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from hetpar._errors import PlanError
-from hetpar.planner._graph import CostTable
+from hetpar.core import CostTable, PlanError
 
 MODES = ("sequential", "pipelined")
 OBJECTIVES = ("time", "cost", "energy")

@@ -32,7 +32,7 @@ import warnings
 import numpy as np
 import pulp
 
-from hetpar._errors import PlanError
+from hetpar.core import PlanError
 from hetpar.planner._evaluate import Arrays
 
 SOLVERS = ("cbc", "highs")

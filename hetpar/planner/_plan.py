@@ -17,8 +17,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from hetpar._errors import InfeasibleError, PlanError
-from hetpar.passes._schedule import SCHEDULES
+from hetpar.core import SCHEDULES, CostTable, InfeasibleError, PlanError
 from hetpar.planner import _baselines, _feasibility, _ilp
 from hetpar.planner._baselines import BaselineResult
 from hetpar.planner._evaluate import (
@@ -32,7 +31,6 @@ from hetpar.planner._evaluate import (
     evaluate_data_parallel,
     violations,
 )
-from hetpar.planner._graph import CostTable
 from hetpar.planner._simulate import evaluate_replayed
 
 FORMAT = "hetpar.plan"

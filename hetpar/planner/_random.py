@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hetpar.planner._graph import CostTable, Device, Edge, Layer, Link
+from hetpar.core import CostTable, Device, Edge, Layer, Link
 
 _KINDS = (  # kind, speed-up over cpu, price $/h, busy W, idle W
     ("cpu", 1.0, 0.4, 150.0, 50.0),

@@ -33,16 +33,16 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from hetpar._errors import PlanError
-from hetpar.passes._schedule import (
+from hetpar.core import (
     SCHEDULES,
+    CostTable,
+    PlanError,
     device_aware_order,
     device_orders,
     runs,
     stage_deps,
 )
 from hetpar.planner._evaluate import Arrays, Predicted, _assignment_indices, evaluate
-from hetpar.planner._graph import CostTable
 
 # A backward pass costs about twice its forward (two matmuls per forward one).
 FORWARD_SHARE = 1.0 / 3.0

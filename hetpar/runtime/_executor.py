@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import SingleDeviceSharding
 
-from hetpar._errors import HetparError
+from hetpar.core import HetparError
 from hetpar.passes._split import Stage, StageGraph
 from hetpar.runtime._transfer import TransferEngine
 

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from hetpar._errors import HetparError
+from hetpar.core import HetparError
 
 
 class Replicated:

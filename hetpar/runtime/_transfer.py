@@ -24,13 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-
-def has_pinned_host(dev) -> bool:
-    """True if `dev` (a GPU) offers `pinned_host` memory: the fast GPU <-> CPU path."""
-    try:
-        return any(m.kind == "pinned_host" for m in dev.addressable_memories())
-    except Exception:  # noqa: BLE001 - backends without memory kinds
-        return False
+from hetpar.cost_models import has_pinned_host
 
 
 def _is_extended(dtype) -> bool:

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import optax
 
-from hetpar._errors import HetparError, UnknownModelError
+from hetpar.core import HetparError, UnknownModelError
 from hetpar.zoo import _augment, _data, _resnet, _text, _transformer, _vision
 from hetpar.zoo._workload import (
     Objective,

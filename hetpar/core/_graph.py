@@ -16,9 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import networkx as nx
-
-from hetpar._errors import GraphFormatError
+from hetpar.core._errors import GraphFormatError
 
 FORMAT = "hetpar.graph"
 VERSION = 1
@@ -170,6 +168,8 @@ class CostTable:
 
     def topological_order(self) -> list[int]:
         """Layer indices in a topological order, as close to the listed order as possible."""
+        import networkx as nx  # 0.2 s to import: only when a table is validated or ordered
+
         g = nx.DiGraph()
         g.add_nodes_from(range(len(self.layers)))
         index = {layer.name: i for i, layer in enumerate(self.layers)}
@@ -494,6 +494,8 @@ def _validate(table: CostTable) -> None:
         seen_edges[e.src, e.dst] = i
         _check_number(e.bytes, f"edges[{i}].bytes")
         _check_number(e.bytes_backward, f"edges[{i}].bytes_backward")
+
+    import networkx as nx
 
     g = nx.DiGraph()
     g.add_nodes_from(layers)

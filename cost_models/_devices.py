@@ -1,0 +1,51 @@
+"""The devices present, and hetpar's names for them (`cpu:0`, `gpu:0`).
+
+One definition of a device's name, used by the cost models, the runtime and
+`hetpar.auto`: the plan files and graph.json name devices this way.
+"""
+
+from __future__ import annotations
+
+from hetpar.core import ProfileError
+
+
+def device_name(device) -> str:
+    """`platform:id` of a JAX device, e.g. `cpu:0`, `gpu:0`."""
+    return f"{device.platform}:{device.id}"
+
+
+def present_devices() -> dict:
+    """Every device JAX sees here by name: the default backend's first, then the CPU's."""
+    import jax
+
+    devs = list(jax.devices())
+    try:
+        devs += [d for d in jax.devices("cpu") if d not in devs]
+    except RuntimeError:
+        pass  # a build without a CPU backend
+    return {device_name(d): d for d in devs}
+
+
+def resolve_device(device):
+    """The JAX device for a name (`cpu:0`, `gpu:0`), or the device itself.
+
+    Raises:
+      ProfileError: no such device is present.
+    """
+    if not isinstance(device, str):
+        return device
+    devs = present_devices()
+    if device in devs:
+        return devs[device]
+    raise ProfileError(
+        f"device {device!r} is not present (present: {', '.join(devs)}); to plan for a device "
+        "that is not here, use its spec-sheet kind (e.g. 'h100') instead of measuring it"
+    )
+
+
+def has_pinned_host(device) -> bool:
+    """True if `device` (a GPU) offers `pinned_host` memory: the fast GPU <-> CPU path."""
+    try:
+        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+    except Exception:  # noqa: BLE001 - backends without memory kinds
+        return False

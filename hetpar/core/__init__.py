@@ -1,0 +1,54 @@
+"""The JAX-free core every other part of hetpar builds on.
+
+It holds the planner's input (the cost table, graph.json), the pipeline
+schedule shared by the split pass and the planner's replay, the errors hetpar
+raises at its boundaries, and the small helpers for files and units. It
+imports numpy and networkx at most, never JAX, so offline planning starts in
+milliseconds (the import-linter contract in pyproject.toml keeps it so).
+"""
+
+from hetpar.core._errors import (
+    GraphFormatError,
+    HetparError,
+    InfeasibleError,
+    PlanError,
+    ProfileError,
+    TraceError,
+    UnknownModelError,
+)
+from hetpar.core._graph import FORMAT as GRAPH_FORMAT
+from hetpar.core._graph import VERSION as GRAPH_VERSION
+from hetpar.core._graph import CostTable, Device, Edge, Layer, Link
+from hetpar.core._schedule import (
+    PHASE_RANK,
+    SCHEDULES,
+    completes,
+    device_aware_order,
+    device_orders,
+    runs,
+    stage_deps,
+)
+
+__all__ = [
+    "GRAPH_FORMAT",
+    "GRAPH_VERSION",
+    "PHASE_RANK",
+    "SCHEDULES",
+    "CostTable",
+    "Device",
+    "Edge",
+    "GraphFormatError",
+    "HetparError",
+    "InfeasibleError",
+    "Layer",
+    "Link",
+    "PlanError",
+    "ProfileError",
+    "TraceError",
+    "UnknownModelError",
+    "completes",
+    "device_aware_order",
+    "device_orders",
+    "runs",
+    "stage_deps",
+]
