@@ -28,6 +28,7 @@ from hetpar.core._schedule import (
     runs,
     stage_deps,
 )
+from hetpar.core._units import human, nbytes, seconds, signed_seconds
 
 __all__ = [
     "GRAPH_FORMAT",
@@ -49,6 +50,10 @@ __all__ = [
     "completes",
     "device_aware_order",
     "device_orders",
+    "human",
+    "nbytes",
+    "seconds",
+    "signed_seconds",
     "runs",
     "stage_deps",
 ]
