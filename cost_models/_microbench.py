@@ -13,7 +13,7 @@ path the runtime could use, fitted to `latency + bytes / bandwidth`:
 - `pinned_host` (GPU <-> CPU): through the GPU's pinned host memory.
   GPU -> CPU: device_put to `memory_kind="pinned_host"`, `np.asarray`,
   device_put to the CPU device. CPU -> GPU: `np.asarray`, device_put to
-  pinned_host, then to the GPU's `device` memory. DEVICE.md measured the
+  pinned_host, then to the GPU's `device` memory. docs/measurements.md measured the
   GPU -> CPU direction about 56x faster than plain device_put at 256 MB.
 - `pinned_host_staged` (GPU <-> CPU): only the copy between pinned host
   memory and the GPU; a lower bound for when the producer writes (or the

@@ -18,7 +18,6 @@ bad field and how to fix it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Iterable, Mapping
@@ -26,7 +25,7 @@ from typing import Any
 
 from absl import logging
 
-from hetpar.core import ProfileError
+from hetpar.core import ProfileError, load_json, save_json
 
 FORMAT = "hetpar.profiles"
 VERSION = 1
@@ -40,7 +39,7 @@ OP_CLASSES = ("matmul", "elementwise", "reduction", "other")
 #: peaks of the spec sheets. `f32_matmul` is the peak of f32 dots at JAX's
 #: DEFAULT precision, which is not f32 arithmetic on accelerators: TF32 tensor
 #: cores on NVIDIA Ampere and later, one bf16 MXU pass on TPU
-#: (https://docs.jax.dev/en/latest/201/precision.html). DEVICE.md measured a
+#: (https://docs.jax.dev/en/latest/201/precision.html). docs/measurements.md measured a
 #: 4096^3 f32 matmul at 411 TFLOP/s on an H200, six times the 67 TFLOP/s f32
 #: figure, so the predictor must not cap f32 dots at the f32 vector peak.
 DTYPES = ("f32", "bf16", "f32_matmul")
@@ -522,9 +521,7 @@ def nearest_sibling(
 
 def save_profiles(path: str | os.PathLike, profiles: ProfileSet) -> None:
     """Writes `profiles` to `path` in the file form."""
-    with open(path, "w") as f:
-        json.dump(profiles.to_json(), f, indent=1)
-        f.write("\n")
+    save_json(path, profiles.to_json())
 
 
 def load_profiles(path: str | os.PathLike | None = None, *, specs: bool = True) -> ProfileSet:
@@ -547,17 +544,8 @@ def load_profiles(path: str | os.PathLike | None = None, *, specs: bool = True) 
     base = {k: spec(k) for k in spec_kinds()} if specs else {}
     if path is None:
         return ProfileSet(base)
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ProfileError(
-            f"profile file {str(path)!r} does not exist; write one with "
-            f"`hetpar profile --out {path}`"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"profile file {str(path)!r} is not valid JSON: {e}") from None
-    loaded = ProfileSet.from_json(data)
+    loaded = load_json(path, ProfileSet.from_json, ProfileError, what="profile file",
+                       how=f"hetpar profile --out {path}")
     if loaded.meta.get("mode") == "quick":
         # Seen on two H200s: a quick profile predicted a 2 ms transformer block
         # at 0.8 s, and its peer link (fitted up to 16 MB) at 46 GB/s where

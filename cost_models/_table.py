@@ -130,7 +130,7 @@ def layer_xla_cost(graph, layer: str, backend: str):
     Returns None when XLA's figures cannot stand for the layer: it holds a
     loop (XLA counts the body once) or the compile or analysis failed.
     """
-    from hetpar.passes._xla import compiled_cost
+    from hetpar.passes import compiled_cost
 
     closed, inputs, _ = graph.layer_jaxpr(layer)
     if _has_loop(closed.jaxpr):

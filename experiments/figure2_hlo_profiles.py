@@ -20,8 +20,7 @@ import jax.numpy as jnp
 from absl import app, flags
 
 from hetpar import zoo
-from hetpar.passes import trace
-from hetpar.passes._xla import step_cost
+from hetpar.passes import step_cost, trace
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("backend", "cpu", "XLA backend whose compiler gives the XLA columns")

@@ -23,9 +23,7 @@ from absl import logging
 from hetpar._grad import microbatching
 from hetpar.core import HetparError, PlanError
 from hetpar.cost_models import present_devices
-from hetpar.passes import LayerGraph, trace
-from hetpar.passes._layers import microbatch_of
-from hetpar.passes._split import StageGraph, split
+from hetpar.passes import LayerGraph, StageGraph, microbatch_of, split, trace
 from hetpar.runtime import Executor, Replicated
 
 

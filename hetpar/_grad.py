@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from hetpar.core import HetparError
-from hetpar.passes._layers import MICROBATCH_SCOPE
+from hetpar.passes import MICROBATCH_SCOPE
 
 
 @dataclasses.dataclass

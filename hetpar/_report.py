@@ -13,8 +13,7 @@ import io
 import json
 from collections.abc import Callable, Sequence
 
-from hetpar.passes import LayerGraph, trace
-from hetpar.passes._xla import XlaCost, layer_costs, step_cost
+from hetpar.passes import LayerGraph, XlaCost, layer_costs, step_cost, trace
 
 _UNITS = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 

@@ -1,26 +1,61 @@
-"""Compiler passes over jaxprs: tracing into layers, cost counting, splitting.
+"""Compiler passes over jaxprs: tracing into layers, cost counting, XLA's view, splitting.
 
-Imported as `hetpar.passes`.
+Imported as `hetpar.passes`. Modules: `_program` (the traced step),
+`_layers` (which layer each equation belongs to), `_layer_graph` (the
+LayerGraph), `_costs` (FLOPs and bytes counted on the jaxpr), `_xla` (XLA's
+cost analysis and HLO), `_split` (per-device stages of a plan).
 """
 
-from hetpar.passes._costs import OP_CLASSES, Work, conv_flops, dot_general_flops, eqn_work, op_class
-from hetpar.passes._layer_graph import LayerGraph, LayerInfo, trace
-from hetpar.passes._layers import SHARED, layer, module_path
+from hetpar.passes._costs import (
+    OP_CLASSES,
+    Work,
+    conv_flops,
+    dot_general_flops,
+    eqn_work,
+    jaxpr_work,
+    op_class,
+)
+from hetpar.passes._layer_graph import PARAM, LayerGraph, LayerInfo, trace
+from hetpar.passes._layers import (
+    MICROBATCH_SCOPE,
+    SHARED,
+    is_backward,
+    is_forward,
+    layer,
+    microbatch_of,
+    module_path,
+)
 from hetpar.passes._program import Program, subjaxpr, trace_program
+from hetpar.passes._split import Stage, StageGraph, split
+from hetpar.passes._xla import XlaCost, compiled_cost, hlo_text, layer_costs, step_cost
 
 __all__ = [
+    "MICROBATCH_SCOPE",
     "OP_CLASSES",
+    "PARAM",
     "SHARED",
     "LayerGraph",
     "LayerInfo",
     "Program",
+    "Stage",
+    "StageGraph",
     "Work",
+    "XlaCost",
+    "compiled_cost",
     "conv_flops",
     "dot_general_flops",
     "eqn_work",
+    "hlo_text",
+    "is_backward",
+    "is_forward",
+    "jaxpr_work",
     "layer",
+    "layer_costs",
+    "microbatch_of",
     "module_path",
     "op_class",
+    "split",
+    "step_cost",
     "subjaxpr",
     "trace",
     "trace_program",

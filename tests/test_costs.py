@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetpar.passes import eqn_work, op_class
-from hetpar.passes._costs import jaxpr_work
+from hetpar.passes import eqn_work, jaxpr_work, op_class
 
 
 def work_of(fn, *args):

@@ -67,7 +67,7 @@ def test_replay_runs_each_device_in_the_runtimes_order(name):
     (1F1B would deadlock and falls back to GPipe, in both).
     """
     from hetpar._auto import _marked
-    from hetpar.passes._split import split
+    from hetpar.passes import split
     from hetpar.planner import simulate
 
     w = zoo.get(name, small=True, batch=4)

@@ -10,9 +10,7 @@ from jax.extend import core as jcore
 
 import hetpar
 from hetpar import zoo
-from hetpar.passes import SHARED, module_path, trace
-from hetpar.passes._layer_graph import PARAM
-from hetpar.passes._layers import is_backward, is_forward
+from hetpar.passes import PARAM, SHARED, is_backward, is_forward, module_path, trace
 
 
 class Block(nn.Module):

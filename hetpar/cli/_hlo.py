@@ -16,8 +16,7 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from hetpar.core import HetparError
-    from hetpar.passes import trace
-    from hetpar.passes._xla import hlo_text
+    from hetpar.passes import hlo_text, trace
 
     w = workload(args)
     fn, ex = step_and_args(w, args.mode)

@@ -16,6 +16,7 @@ from hetpar.core._errors import (
     TraceError,
     UnknownModelError,
 )
+from hetpar.core._files import load_json, save_json
 from hetpar.core._graph import FORMAT as GRAPH_FORMAT
 from hetpar.core._graph import VERSION as GRAPH_VERSION
 from hetpar.core._graph import CostTable, Device, Edge, Layer, Link
@@ -51,6 +52,8 @@ __all__ = [
     "device_aware_order",
     "device_orders",
     "human",
+    "load_json",
+    "save_json",
     "nbytes",
     "seconds",
     "signed_seconds",

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hetpar.core._errors import GraphFormatError
+from hetpar.core._files import load_json, save_json
 
 FORMAT = "hetpar.graph"
 VERSION = 1
@@ -259,7 +260,7 @@ class CostTable:
                                    f"version {VERSION}); re-export the graph with this hetpar")
         for key in ("devices", "links", "layers", "edges"):
             if key not in data:
-                raise GraphFormatError(f"missing field {key!r} (a list); see DESIGN.md 'Files'")
+                raise GraphFormatError(f"missing field {key!r} (a list); see docs/formats.md")
             if not isinstance(data[key], list):
                 raise GraphFormatError(f"field {key!r} must be a list, got "
                                        f"{type(data[key]).__name__}")
@@ -314,23 +315,12 @@ class CostTable:
     @classmethod
     def load(cls, path: str | os.PathLike) -> CostTable:
         """Reads and validates a graph.json file."""
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise GraphFormatError(f"no graph file at {os.fspath(path)!r}") from None
-        except json.JSONDecodeError as e:
-            raise GraphFormatError(f"{os.fspath(path)!r} is not valid JSON: {e}") from None
-        try:
-            return cls.from_json(data)
-        except GraphFormatError as e:
-            raise GraphFormatError(f"{os.fspath(path)}: {e}") from None
+        return load_json(path, cls.from_json, GraphFormatError, what="graph file",
+                         how="hetpar costs MODEL --devices LIST --out graph.json")
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes graph.json."""
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
+        save_json(path, self.to_json())
 
 
 # -- validation ------------------------------------------------------------------

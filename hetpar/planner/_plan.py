@@ -8,7 +8,6 @@ against a table and explained.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -17,7 +16,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from hetpar.core import SCHEDULES, CostTable, InfeasibleError, PlanError
+from hetpar.core import SCHEDULES, CostTable, InfeasibleError, PlanError, load_json, save_json
 from hetpar.planner import _baselines, _feasibility, _ilp
 from hetpar.planner._baselines import BaselineResult
 from hetpar.planner._evaluate import (
@@ -139,9 +138,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes plan.json."""
-        with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
-            f.write("\n")
+        save_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:
@@ -150,17 +147,8 @@ class Plan:
         Raises:
           PlanError: the file is missing, not JSON, or malformed.
         """
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise PlanError(f"no plan file at {os.fspath(path)!r}") from None
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{os.fspath(path)!r} is not valid JSON: {e}") from None
-        try:
-            return cls.from_json(data)
-        except PlanError as e:
-            raise PlanError(f"{os.fspath(path)}: {e}") from None
+        return load_json(path, cls.from_json, PlanError, what="plan file",
+                         how="hetpar plan ... --out plan.json")
 
     # -- use -----------------------------------------------------------------
 

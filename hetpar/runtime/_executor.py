@@ -1,7 +1,7 @@
 """Runs a StageGraph: one compiled executable per stage, one worker per device.
 
 JAX dispatch from one Python thread did not overlap CPU and GPU work on the
-GPU machine; one thread per device did (DEVICE.md). So every device gets a
+GPU machine; one thread per device did (docs/measurements.md). So every device gets a
 worker thread that runs its stages in the schedule's order. A stage waits for
 the stages that produce its inputs, pulls those inputs onto its device
 through the transfer engine (so a transfer starts as soon as its producer is
@@ -30,7 +30,7 @@ from jax.extend import core as jcore
 from jax.sharding import SingleDeviceSharding
 
 from hetpar.core import HetparError
-from hetpar.passes._split import Stage, StageGraph
+from hetpar.passes import Stage, StageGraph
 from hetpar.runtime._transfer import TransferEngine
 
 

@@ -1,6 +1,6 @@
 """The transfer engine: moves arrays between devices by the fastest path.
 
-Measured on the GPU machine (DEVICE.md, experiments/results/profile_gpu_*):
+Measured on the GPU machine (docs/measurements.md, experiments/results/profile_gpu_*):
 GPU -> CPU through the GPU's pinned host memory ran 46 GB/s at 256 MB where
 `jax.device_put(x, cpu)` ran 0.7 GB/s. Paths, by name (the same names
 `hetpar profile` measures):
