@@ -1,6 +1,24 @@
 """Device and link cost models: spec sheets, measured profiles, per-layer timing, prediction.
 
 Imported as `hetpar.cost_models` (the folder is mapped into the package).
+Importing it loads neither JAX nor SciPy; they load when something is
+measured, traced or fitted. One idea per module, lower ones first:
+
+- `_devices`: the JAX devices present, their names (`cpu:0`) and spec kinds.
+- `_profile`: one device's and one link's figures (`DeviceProfile`,
+  `LinkProfile`), the op classes and dtypes they are keyed by.
+- `_specs`: the built-in spec sheets, and what a plan pays for each device.
+- `_profiles`: sets of profiles (`ProfileSet`), the profile file, and the
+  calibration a spec kind borrows from its measured sibling.
+- `_roofline`: a layer's work (`LayerWork`), its predicted time, and the
+  calibration of a profile's efficiencies on measurements.
+- `_measure`: timing a function on a device, cached on disk.
+- `_microbench`: the benchmarks `hetpar profile` runs.
+- `_layer_work`: the roofline's view of a traced layer.
+- `_layer_timing`: timing a traced layer alone, on random inputs.
+- `_resolve`: a device list's graph.json devices and the links between them.
+- `_table`: the planner's CostTable of a traced step (graph.json).
+- `_report`: a table's figures per sample (seconds, dollars, joules).
 """
 
 from hetpar.cost_models._devices import (
@@ -8,6 +26,15 @@ from hetpar.cost_models._devices import (
     has_pinned_host,
     present_devices,
     resolve_device,
+    spec_kind_of,
+)
+from hetpar.cost_models._layer_timing import measure_layer, random_inputs
+from hetpar.cost_models._layer_work import (
+    graph_layer_work,
+    layer_fused_bytes,
+    layer_io,
+    layer_work,
+    layer_xla_cost,
 )
 from hetpar.cost_models._measure import (
     Timing,
@@ -24,91 +51,78 @@ from hetpar.cost_models._microbench import (
     profile_device,
     profile_devices,
     profile_link,
-    spec_kind_of,
     summary_table,
     transfer_paths,
 )
-from hetpar.cost_models._profiles import (
+from hetpar.cost_models._profile import (
     DTYPES,
     FORMAT,
     OP_CLASSES,
+    ROOFLINE_CLASS,
     VERSION,
     DeviceProfile,
     LinkProfile,
-    ProfileSet,
     device_class,
+)
+from hetpar.cost_models._profiles import (
+    ProfileSet,
     load_profiles,
     nearest_sibling,
     save_profiles,
+    transfer_calibration,
 )
-from hetpar.cost_models._roofline import LayerWork, calibrate, predict, transfer_calibration
+from hetpar.cost_models._report import per_sample
+from hetpar.cost_models._resolve import ResolvedDevice, resolve_devices, resolve_links
+from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
-from hetpar.cost_models._table import (
-    BYTES_MODELS,
-    LAUNCH_MODELS,
-    accuracy,
-    cost_table,
-    cost_table_for_model,
-    fit_layers,
-    layer_fused_bytes,
-    layer_records,
-    layer_work,
-    measure_layer,
-    per_sample,
-    random_inputs,
-    record_work,
-    resolve_devices,
-    scale_to_step,
-    trace_model,
-)
+from hetpar.cost_models._table import FUSED_BYTES_CLASSES, cost_table, scale_to_step
 
 __all__ = [
-    "record_work",
-    "layer_records",
-    "fit_layers",
-    "accuracy",
-    "LAUNCH_MODELS",
-    "BYTES_MODELS",
-    "layer_fused_bytes",
-    "trace_model",
-    "resolve_devices",
-    "scale_to_step",
-    "random_inputs",
-    "per_sample",
-    "measure_layer",
-    "layer_work",
-    "cost_table_for_model",
-    "cost_table",
     "DTYPES",
     "FORMAT",
     "FULL",
+    "FUSED_BYTES_CLASSES",
     "OP_CLASSES",
     "QUICK",
+    "ROOFLINE_CLASS",
     "VERSION",
     "BenchConfig",
     "DeviceProfile",
     "LayerWork",
     "LinkProfile",
     "ProfileSet",
+    "ResolvedDevice",
     "Timing",
     "cache_dir",
     "calibrate",
+    "cost_table",
     "device_class",
     "device_name",
     "fit_link",
+    "graph_layer_work",
+    "has_pinned_host",
+    "layer_fused_bytes",
+    "layer_io",
+    "layer_work",
+    "layer_xla_cost",
     "load_profiles",
     "measure",
     "measure_cached",
+    "measure_layer",
     "nearest_sibling",
+    "per_sample",
     "plan_prices",
     "predict",
     "present_devices",
-    "has_pinned_host",
     "profile_device",
     "profile_devices",
     "profile_link",
+    "random_inputs",
     "resolve_device",
+    "resolve_devices",
+    "resolve_links",
     "save_profiles",
+    "scale_to_step",
     "spec",
     "spec_kind_of",
     "spec_kinds",

@@ -1,7 +1,8 @@
 """The devices present, and hetpar's names for them (`cpu:0`, `gpu:0`).
 
 One definition of a device's name, used by the cost models, the runtime and
-`hetpar.auto`: the plan files and graph.json name devices this way.
+`hetpar.auto`: the plan files and graph.json name devices this way; and of a
+device's spec-sheet kind (`h100`, `cpu`), which picks its built-in profile.
 """
 
 from __future__ import annotations
@@ -24,6 +25,19 @@ def present_devices() -> dict:
     except RuntimeError:
         pass  # a build without a CPU backend
     return {device_name(d): d for d in devs}
+
+
+def spec_kind_of(device) -> str:
+    """The spec-sheet kind of a JAX device (`h100`, `cpu`, ...), else its platform."""
+    if device.platform == "cpu":
+        return "cpu"
+    dk = device.device_kind.lower()
+    table = [("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("t4", "t4"),
+             ("v4", "tpu-v4"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e")]
+    for needle, kind in table:
+        if needle in dk:
+            return kind
+    return device.platform
 
 
 def resolve_device(device):

@@ -38,16 +38,18 @@ from typing import Any
 
 import numpy as np
 from absl import logging
-from scipy.optimize import nnls
 
+from hetpar.core import nbytes, seconds
 from hetpar.cost_models._devices import (
     device_name,
     has_pinned_host,
     present_devices,
     resolve_device,
+    spec_kind_of,
 )
 from hetpar.cost_models._measure import measure
-from hetpar.cost_models._profiles import DeviceProfile, LinkProfile, ProfileSet
+from hetpar.cost_models._profile import DeviceProfile, LinkProfile
+from hetpar.cost_models._profiles import ProfileSet
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 from hetpar.cost_models._specs import spec, spec_kinds
 
@@ -99,19 +101,6 @@ QUICK = BenchConfig(
 _JNP_DTYPES = {"f32": "float32", "bf16": "bfloat16"}
 
 
-def spec_kind_of(device) -> str:
-    """The spec-sheet kind of a JAX device (`h100`, `cpu`, ...), else its platform."""
-    if device.platform == "cpu":
-        return "cpu"
-    dk = device.device_kind.lower()
-    table = [("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("t4", "t4"),
-             ("v4", "tpu-v4"), ("v5 lite", "tpu-v5e"), ("v5e", "tpu-v5e")]
-    for needle, kind in table:
-        if needle in dk:
-            return kind
-    return device.platform
-
-
 def _host_id() -> str:
     return f"{socket.gethostname()} ({platform.processor() or platform.machine()}, " \
            f"{os.cpu_count()} cores)"
@@ -142,7 +131,7 @@ def _matmul_samples(dev, cfg: BenchConfig, say: Callable[[str], None]):
                              launches=1, dtype=dt)
             samples.append((work, t))
             results[f"{dt}/{n}"] = flops / t
-            say(f"  matmul {dt} {n}^3: {t * 1e3:.3f} ms, {flops / t / 1e12:.3f} TFLOP/s")
+            say(f"  matmul {dt} {n}^3: {seconds(t)}, {flops / t / 1e12:.3f} TFLOP/s")
             prev = (n, t)
             del a, b
     return samples, results
@@ -152,17 +141,17 @@ def _stream_samples(dev, cfg: BenchConfig, say: Callable[[str], None]):
     import jax.numpy as jnp
 
     samples, results = [], {}
-    for nbytes in cfg.stream_bytes:
-        n = nbytes // 4
+    for size in cfg.stream_bytes:
+        n = size // 4
         x = jnp.ones((n,), jnp.float32, device=dev)
         t = measure(lambda v: v * 2.0 + 1.0, (x,), dev, k=cfg.k, warmup=2).median_s
-        samples.append((LayerWork({"elementwise": 2.0 * n}, {"elementwise": 2.0 * nbytes}), t))
-        results[f"elementwise/{nbytes}"] = 2.0 * nbytes / t
-        say(f"  elementwise x*2+1 over {nbytes / _MB:.3g} MB: {2 * nbytes / t / 1e9:.2f} GB/s")
+        samples.append((LayerWork({"elementwise": 2.0 * n}, {"elementwise": 2.0 * size}), t))
+        results[f"elementwise/{size}"] = 2.0 * size / t
+        say(f"  elementwise x*2+1 over {nbytes(size)}: {2 * size / t / 1e9:.2f} GB/s")
         t = measure(jnp.sum, (x,), dev, k=cfg.k, warmup=2).median_s
-        samples.append((LayerWork({"reduction": float(n)}, {"reduction": float(nbytes)}), t))
-        results[f"reduction/{nbytes}"] = nbytes / t
-        say(f"  reduction sum over {nbytes / _MB:.3g} MB: {nbytes / t / 1e9:.2f} GB/s")
+        samples.append((LayerWork({"reduction": float(n)}, {"reduction": float(size)}), t))
+        results[f"reduction/{size}"] = size / t
+        say(f"  reduction sum over {nbytes(size)}: {size / t / 1e9:.2f} GB/s")
         del x
     return samples, results
 
@@ -230,33 +219,10 @@ def profile_device(
     mm_samples, mm = _matmul_samples(dev, cfg, say)
     st_samples, st = _stream_samples(dev, cfg, say)
     roundtrip, pipelined = _launch_overhead(dev, cfg)
-    say(f"  dispatch: {roundtrip * 1e6:.1f} us round trip, {pipelined * 1e6:.1f} us pipelined")
+    say(f"  dispatch: {seconds(roundtrip)} round trip, {seconds(pipelined)} pipelined")
 
-    if kind in spec_kinds():
-        base = spec(kind)
-        sources = dict(base.sources)
-        peaks = dict(base.peak_flops_per_s)
-        bw = base.memory_bandwidth_bytes_per_s
-        if kind == "cpu":
-            # The cpu sheet is a 16-core part; peak FLOP/s scales with cores.
-            scale = (os.cpu_count() or 16) / 16.0
-            for dt in peaks:
-                peaks[dt] *= scale
-                sources[f"peak_flops_per_s.{dt}"] += f"; scaled to {os.cpu_count()} cores"
-    else:
-        base = spec("h100" if dev.platform == "gpu" else "cpu")
-        sources = {k: f"no spec sheet for {dev.device_kind!r}: set by hand" for k in base.sources}
-        peaks, bw = {}, 0.0
-        base = base.replace(price_per_hour=0.0, watts_busy=0.0, watts_idle=0.0, host_link=None)
-    # A measurement above the paper peak means the paper is wrong for this
-    # part (or the dtype runs on other units): raise the peak, never exceed it.
-    for dt in cfg.dtypes:
-        best = max((v for k, v in mm.items() if k.startswith(dt + "/")), default=0.0)
-        key = "f32_matmul" if dt == "f32" and "f32_matmul" in peaks else dt
-        if best > peaks.get(key, 0.0):
-            peaks[key] = best
-            sources[f"peak_flops_per_s.{key}"] = f"best matmul, {where}"
-    peaks.setdefault("f32", peaks.get("f32_matmul", 1.0))
+    base, peaks, bw, sources = _paper_figures(dev, kind)
+    _raise_to_measured(peaks, sources, mm, cfg.dtypes, where)
     best_bw = max(st.values())
     if best_bw > bw:
         bw = best_bw
@@ -284,13 +250,59 @@ def profile_device(
             "dispatch_pipelined_s": pipelined,
         },
     )
-    prof = calibrate(prof, mm_samples + st_samples)
+    return _calibrated(prof, mm_samples + st_samples, say)
+
+
+def _paper_figures(dev, kind: str) -> tuple[DeviceProfile, dict, float, dict]:
+    """(base profile, peaks, bandwidth, sources) before measurement: the spec sheet's.
+
+    A CPU's peaks scale with the cores present (its sheet is a 16-core part).
+    A device without a spec sheet starts from nothing: no peaks, no
+    bandwidth, free, and no power figures.
+    """
+    if kind in spec_kinds():
+        base = spec(kind)
+        sources = dict(base.sources)
+        peaks = dict(base.peak_flops_per_s)
+        bw = base.memory_bandwidth_bytes_per_s
+        if kind == "cpu":
+            # The cpu sheet is a 16-core part; peak FLOP/s scales with cores.
+            scale = (os.cpu_count() or 16) / 16.0
+            for dt in peaks:
+                peaks[dt] *= scale
+                sources[f"peak_flops_per_s.{dt}"] += f"; scaled to {os.cpu_count()} cores"
+        return base, peaks, bw, sources
+    base = spec("h100" if dev.platform == "gpu" else "cpu")
+    sources = {k: f"no spec sheet for {dev.device_kind!r}: set by hand" for k in base.sources}
+    base = base.replace(price_per_hour=0.0, watts_busy=0.0, watts_idle=0.0, host_link=None)
+    return base, {}, 0.0, sources
+
+
+def _raise_to_measured(peaks: dict, sources: dict, mm: dict, dtypes: Sequence[str],
+                       where: str) -> None:
+    """Raises each dtype's peak (in place) to the best measured matmul where it beats it.
+
+    A measurement above the paper peak means the paper is wrong for this
+    part (or the dtype runs on other units): raise the peak, never exceed it.
+    """
+    for dt in dtypes:
+        best = max((v for k, v in mm.items() if k.startswith(dt + "/")), default=0.0)
+        key = "f32_matmul" if dt == "f32" and "f32_matmul" in peaks else dt
+        if best > peaks.get(key, 0.0):
+            peaks[key] = best
+            sources[f"peak_flops_per_s.{key}"] = f"best matmul, {where}"
+    peaks.setdefault("f32", peaks.get("f32_matmul", 1.0))
+
+
+def _calibrated(prof: DeviceProfile, samples, say: Callable[[str], None]) -> DeviceProfile:
+    """`prof` calibrated on the benchmark samples, `other` filled in from its neighbours."""
+    prof = calibrate(prof, samples)
     # No benchmark isolates `other` (gathers, sorts): assume it moves bytes
     # like a reduction and computes like an elementwise op.
     effs = {c: dict(e) for c, e in prof.efficiencies.items()}
     effs["other"] = {"flops": effs["elementwise"]["flops"], "bytes": effs["reduction"]["bytes"]}
     srcs = dict(prof.sources)
-    errs = [abs(predict(prof, w) - t) / t for w, t in mm_samples + st_samples]
+    errs = [abs(predict(prof, w) - t) / t for w, t in samples]
     say(f"  calibrated on {len(errs)} samples: median |error| {100 * np.median(errs):.0f}%")
     srcs["efficiencies"] += "; 'other' copied from elementwise (flops) and reduction (bytes)"
     return prof.replace(efficiencies=effs, sources=srcs)
@@ -311,6 +323,8 @@ def fit_link(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
     Returns:
       `(latency_s, bandwidth_bytes_per_s)`, latency >= 0.
     """
+    from scipy.optimize import nnls  # scipy loads only when a fit runs
+
     x = np.array([s[0] for s in samples], float)
     t = np.array([s[1] for s in samples], float)
     w = 1.0 / t  # relative: 4 KB and 256 MB both count
@@ -327,14 +341,14 @@ class _Fresh:
         self._fns: dict[Any, Callable] = {}
         self._seed = 0.0
 
-    def __call__(self, dev, nbytes: int):
+    def __call__(self, dev, size: int):
         import jax
         import jax.numpy as jnp
         from jax.sharding import SingleDeviceSharding
 
-        key = (device_name(dev), nbytes)
+        key = (device_name(dev), size)
         if key not in self._fns:
-            n = nbytes // 4
+            n = size // 4
             self._fns[key] = jax.jit(
                 lambda s: jnp.full((n,), s, jnp.float32), out_shardings=SingleDeviceSharding(dev)
             )
@@ -354,13 +368,13 @@ def transfer_paths(src, dst) -> list[str]:
     return paths
 
 
-def _time_transfer(src, dst, path: str, nbytes: int, fresh: _Fresh) -> float:
-    """Seconds for one transfer of a fresh `nbytes` buffer along `path`."""
+def _time_transfer(src, dst, path: str, size: int, fresh: _Fresh) -> float:
+    """Seconds for one transfer of a fresh buffer of `size` bytes along `path`."""
     import jax
     from jax.sharding import SingleDeviceSharding
 
     if path == "device_put":
-        x = fresh(src, nbytes)
+        x = fresh(src, size)
         t0 = time.perf_counter()
         _block(jax.device_put(x, dst))
         return time.perf_counter() - t0
@@ -369,20 +383,20 @@ def _time_transfer(src, dst, path: str, nbytes: int, fresh: _Fresh) -> float:
     pinned = SingleDeviceSharding(gpu, memory_kind="pinned_host")
     on_device = SingleDeviceSharding(gpu, memory_kind="device")
     if gpu_to_cpu:
-        x = fresh(src, nbytes)
+        x = fresh(src, size)
         t0 = time.perf_counter()
         y = _block(jax.device_put(x, pinned))
         if path == "pinned_host":
             _block(jax.device_put(np.asarray(y), dst))
         return time.perf_counter() - t0
     if path == "pinned_host":
-        x = fresh(src, nbytes)
+        x = fresh(src, size)
         t0 = time.perf_counter()
         p = jax.device_put(np.asarray(x), pinned)
         _block(jax.device_put(p, on_device))
         return time.perf_counter() - t0
     # Staged host -> GPU: the buffer already sits in pinned memory.
-    p = _block(jax.device_put(np.asarray(fresh(src, nbytes)), pinned))
+    p = _block(jax.device_put(np.asarray(fresh(src, size)), pinned))
     t0 = time.perf_counter()
     _block(jax.device_put(p, on_device))
     return time.perf_counter() - t0
@@ -397,16 +411,16 @@ def profile_link(
     fresh = fresh or _Fresh()
     say = progress or (lambda m: None)
     samples = []
-    for nbytes in cfg.transfer_bytes:
-        k = cfg.k if nbytes <= 16 * _MB else max(3, cfg.k - 2)
-        _time_transfer(src, dst, path, nbytes, fresh)  # warm-up: compiles, allocates
-        t = statistics.median(_time_transfer(src, dst, path, nbytes, fresh) for _ in range(k))
-        samples.append((float(nbytes), t))
+    for size in cfg.transfer_bytes:
+        k = cfg.k if size <= 16 * _MB else max(3, cfg.k - 2)
+        _time_transfer(src, dst, path, size, fresh)  # warm-up: compiles, allocates
+        t = statistics.median(_time_transfer(src, dst, path, size, fresh) for _ in range(k))
+        samples.append((float(size), t))
     lat, bw = fit_link(samples)
     big_b, big_t = samples[-1]
     say(
-        f"  {device_name(src)} -> {device_name(dst)} [{path}]: latency {lat * 1e6:.1f} us, "
-        f"fit {bw / 1e9:.2f} GB/s; {big_b / _MB:.3g} MB at {big_b / big_t / 1e9:.2f} GB/s"
+        f"  {device_name(src)} -> {device_name(dst)} [{path}]: latency {seconds(lat)}, "
+        f"fit {bw / 1e9:.2f} GB/s; {nbytes(big_b)} at {big_b / big_t / 1e9:.2f} GB/s"
     )
     today = datetime.date.today().isoformat()
     return LinkProfile(
@@ -509,18 +523,9 @@ def summary_table(profiles: ProfileSet) -> str:
         rows.append(f"{'link':<24} {'path':<20} {'latency us':>11} {'fit GB/s':>9}  "
                     "measured GB/s by size")
         for lk in profiles.links:
-            by_size = " ".join(
-                f"{_size(b)}:{b / t / 1e9:.2f}" for b, t in lk.samples
-            )
+            by_size = ", ".join(f"{nbytes(b)}: {b / t / 1e9:.2f}" for b, t in lk.samples)
             rows.append(
                 f"{lk.src + ' -> ' + lk.dst:<24} {lk.path:<20} {lk.latency_s * 1e6:>11.1f} "
                 f"{lk.bandwidth_bytes_per_s / 1e9:>9.2f}  {by_size}"
             )
     return "\n".join(rows)
-
-
-def _size(b: float) -> str:
-    if b >= _MB:
-        return f"{b / _MB:.0f}M"
-    return f"{b / 1024:.0f}K"
-

@@ -1,18 +1,10 @@
-"""Device and link profiles: the figures every cost in hetpar is computed from.
+"""Sets of device profiles and links: the profile file, spec kinds, sibling calibration.
 
-A `DeviceProfile` describes one device (a present one such as `gpu:0`, or a
-spec-sheet kind such as `h100`); a `LinkProfile` describes one transfer path
-between two devices. Both are frozen dataclasses with a JSON form, and every
-figure carries a source (spec sheet + public URL, or measured + date + host).
-
-The file form (what `hetpar profile --out` writes) is::
-
-    {"format": "hetpar.profiles", "version": 1,
-     "devices": [DeviceProfile.to_json(), ...],
-     "links":   [LinkProfile.to_json(), ...]}
-
-Validation happens once, in `from_json`, and raises `ProfileError` naming the
-bad field and how to fix it.
+A `ProfileSet` is what `hetpar profile --out` writes and `load_profiles`
+reads, merged over the built-in spec sheets: device profiles by name
+(`DeviceProfile`, `_profile`) and the measured or declared links between
+them. A spec-sheet kind that was not measured borrows the calibration of
+its nearest measured sibling (`nearest_sibling`, `transfer_calibration`).
 """
 
 from __future__ import annotations
@@ -26,373 +18,15 @@ from typing import Any
 from absl import logging
 
 from hetpar.core import ProfileError, load_json, save_json
-
-FORMAT = "hetpar.profiles"
-VERSION = 1
-
-#: Op classes of the roofline predictor. `matmul` is dot_general and
-#: convolutions; `elementwise` includes transcendentals; `reduction` is
-#: reduce_* and friends; `other` is everything else (gathers, scatters, sorts).
-OP_CLASSES = ("matmul", "elementwise", "reduction", "other")
-
-#: Dtype keys of `peak_flops_per_s`. `f32` and `bf16` are the vector/tensor
-#: peaks of the spec sheets. `f32_matmul` is the peak of f32 dots at JAX's
-#: DEFAULT precision, which is not f32 arithmetic on accelerators: TF32 tensor
-#: cores on NVIDIA Ampere and later, one bf16 MXU pass on TPU
-#: (https://docs.jax.dev/en/latest/201/precision.html). docs/measurements.md measured a
-#: 4096^3 f32 matmul at 411 TFLOP/s on an H200, six times the 67 TFLOP/s f32
-#: figure, so the predictor must not cap f32 dots at the f32 vector peak.
-DTYPES = ("f32", "bf16", "f32_matmul")
-
-_DEVICE_CLASSES = ("cpu", "gpu", "tpu")
-
-_GPU_KINDS = ("t4", "a100", "h100", "h200", "gpu")
-
-
-def device_class(kind: str) -> str:
-    """Returns the class (`cpu`, `gpu` or `tpu`) of a device kind.
-
-    Siblings share a class: a device that is not present borrows the
-    calibration of a measured device of the same class.
-    """
-    k = kind.lower()
-    if k.startswith("tpu"):
-        return "tpu"
-    if k.startswith("cpu"):
-        return "cpu"
-    if k in _GPU_KINDS or k.startswith(("gpu", "nvidia", "cuda", "rocm")):
-        return "gpu"
-    raise ProfileError(
-        f"cannot tell the class of device kind {kind!r}: name it cpu..., tpu-... "
-        f"or one of the GPU kinds {', '.join(_GPU_KINDS)}"
-    )
-
-
-def _num(where: str, field: str, value: Any, *, positive: bool = True, allow_zero=False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ProfileError(f"{where}: field {field!r} must be a number, got {value!r}")
-    v = float(value)
-    if not math.isfinite(v) or v < 0 or (positive and v == 0 and not allow_zero):
-        need = "a finite number >= 0" if allow_zero else "a finite number > 0"
-        raise ProfileError(f"{where}: field {field!r} must be {need}, got {value!r}")
-    return v
-
-
-def _require(where: str, data: Mapping[str, Any], field: str, hint: str) -> Any:
-    if field not in data:
-        raise ProfileError(f"{where}: missing field {field!r} ({hint}); add it to the file")
-    return data[field]
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkProfile:
-    """One transfer path from `src` to `dst`: `time(bytes) = latency + bytes / bandwidth`.
-
-    Attributes:
-      src: source device name (`cpu:0`) or, for a spec sheet's host link, its kind.
-      dst: destination device name.
-      path: how the bytes move: `device_put` (plain `jax.device_put`),
-        `pinned_host` (through the GPU's pinned host memory),
-        `pinned_host_staged` (only the pinned-host -> device copy: a lower
-        bound when the producer already wrote into pinned memory), or a bus
-        name for spec-sheet links (`pcie4x16`).
-      latency_s: fixed cost of one transfer in seconds.
-      bandwidth_bytes_per_s: sustained bandwidth.
-      source: where the figures come from (spec + URL, or measured + date + host).
-      samples: measured `(bytes, seconds)` pairs the fit came from (may be empty).
-    """
-
-    src: str
-    dst: str
-    path: str
-    latency_s: float
-    bandwidth_bytes_per_s: float
-    source: str
-    samples: tuple[tuple[float, float], ...] = ()
-
-    def time(self, nbytes: float) -> float:
-        """Seconds to move `nbytes` over this path."""
-        return self.latency_s + float(nbytes) / self.bandwidth_bytes_per_s
-
-    def to_json(self) -> dict[str, Any]:
-        """Returns the JSON form (a plain dict)."""
-        out = {
-            "src": self.src,
-            "dst": self.dst,
-            "path": self.path,
-            "latency_s": self.latency_s,
-            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
-            "source": self.source,
-        }
-        if self.samples:
-            out["samples"] = [list(s) for s in self.samples]
-        return out
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any], where: str = "link") -> LinkProfile:
-        """Validates and builds a LinkProfile from its JSON form.
-
-        Raises:
-          ProfileError: a field is missing or out of range.
-        """
-        if not isinstance(data, Mapping):
-            raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
-        src = _require(where, data, "src", "source device name, e.g. 'cpu:0'")
-        dst = _require(where, data, "dst", "destination device name, e.g. 'gpu:0'")
-        where = f"link {src}->{dst}"
-        path = _require(where, data, "path", "transfer path name, e.g. 'device_put'")
-        lat = _num(
-            where,
-            "latency_s",
-            _require(where, data, "latency_s", "seconds per transfer, e.g. 2e-5"),
-            allow_zero=True,
-        )
-        bw = _num(
-            where,
-            "bandwidth_bytes_per_s",
-            _require(where, data, "bandwidth_bytes_per_s", "bytes per second, e.g. 8e9"),
-        )
-        source = _require(where, data, "source", "where the figures come from")
-        samples = tuple((float(b), float(t)) for b, t in data.get("samples", ()))
-        return cls(str(src), str(dst), str(path), lat, bw, str(source), samples)
-
-
-# Field name -> (hint for the error message) of the required numeric figures.
-_DEVICE_FIGURES = {
-    "memory_bandwidth_bytes_per_s": "device memory bandwidth in bytes/s, e.g. 3.35e12",
-    "memory_bytes": "device memory capacity in bytes, e.g. 8.0e10",
-    "launch_overhead_s": "seconds of fixed cost per kernel launch, e.g. 5e-6",
-    "price_per_hour": "on-demand US dollars per device-hour, e.g. 6.88",
-    "watts_busy": "watts while computing, e.g. 700",
-    "watts_idle": "watts while idle, e.g. 70",
-}
-
-# A free device (a host CPU) or an unmetered one is fine; a device without
-# memory or bandwidth is not.
-_MAY_BE_ZERO = ("launch_overhead_s", "price_per_hour", "watts_busy", "watts_idle")
-
-
-@dataclasses.dataclass(frozen=True)
-class DeviceProfile:
-    """What one device can do, and what it costs to run.
-
-    Attributes:
-      name: device name: a present device (`cpu:0`, `gpu:0`, JAX's
-        platform:id) or a spec-sheet kind (`h100`).
-      kind: spec-sheet kind (`cpu`, `t4`, `a100`, `h100`, `h200`, `tpu-v4`,
-        `tpu-v5e`), or the platform (`gpu`) for a device with no spec sheet.
-      peak_flops_per_s: physical peak FLOP/s by dtype (see `DTYPES`).
-      memory_bandwidth_bytes_per_s: peak device-memory bandwidth.
-      memory_bytes: device memory capacity.
-      launch_overhead_s: fixed cost per kernel launch (dispatch included).
-        A layer's stage is one executable: one launch per call.
-      buffer_overhead_s: fixed cost per input or output array of a call
-        (argument handling, one buffer per parameter and optimizer-state
-        leaf); 0 unless calibrated on measured layers.
-      fused_bytes_efficiency: fraction of peak bandwidth reached on a
-        layer's after-fusion traffic (XLA's `bytes accessed` of the compiled
-        layer, `LayerWork.fused_bytes`), in (0, 1]; None until calibrated,
-        when the elementwise class's bytes efficiency (a streaming
-        benchmark: real traffic too) stands in. See `fused_efficiency`.
-      price_per_hour: on-demand dollars per device-hour when rented alone.
-      host_price_per_hour: marginal dollars per hour when this device is the
-        host CPU of an accelerator instance whose price already covers it
-        (0 by default: see `hetpar.cost_models._specs` on the pricing model).
-      watts_busy: power while computing.
-      watts_idle: power while idle.
-      host_link: the bus to the host CPU (None for the CPU itself).
-      efficiencies: `{op_class: {"flops": e, "bytes": e}}`, each in (0, 1]:
-        the fraction of peak FLOP/s and of peak bandwidth reached.
-      sources: `{figure: source}` for every figure above; nested figures use
-        dotted keys (`peak_flops_per_s.bf16`).
-      origin: `spec` (a spec sheet), `measured` (by `hetpar profile`), or
-        `transferred` (a spec sheet with a sibling's measured calibration).
-      benchmarks: raw microbenchmark results, free-form (may be empty).
-    """
-
-    name: str
-    kind: str
-    peak_flops_per_s: Mapping[str, float]
-    memory_bandwidth_bytes_per_s: float
-    memory_bytes: float
-    launch_overhead_s: float
-    price_per_hour: float
-    watts_busy: float
-    watts_idle: float
-    efficiencies: Mapping[str, Mapping[str, float]]
-    sources: Mapping[str, str]
-    host_link: LinkProfile | None = None
-    host_price_per_hour: float = 0.0
-    origin: str = "spec"
-    benchmarks: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    buffer_overhead_s: float = 0.0
-    fused_bytes_efficiency: float | None = None
-
-    def fused_efficiency(self) -> float:
-        """Efficiency on after-fusion bytes: calibrated, else the elementwise bytes one."""
-        if self.fused_bytes_efficiency is not None:
-            return self.fused_bytes_efficiency
-        return self.efficiencies["elementwise"]["bytes"]
-
-    @property
-    def device_class(self) -> str:
-        """`cpu`, `gpu` or `tpu`."""
-        return device_class(self.kind)
-
-    def peak(self, dtype: str, op_class: str = "elementwise") -> float:
-        """Peak FLOP/s for `dtype` work of `op_class`.
-
-        f32 matmul-class work uses `f32_matmul` when the profile has it (JAX's
-        default precision); an unknown dtype falls back to `f32`.
-        """
-        peaks = self.peak_flops_per_s
-        if dtype == "f32" and op_class == "matmul" and "f32_matmul" in peaks:
-            return peaks["f32_matmul"]
-        return peaks.get(dtype, peaks["f32"])
-
-    def replace(self, **changes: Any) -> DeviceProfile:
-        """Returns a copy with `changes` applied (dataclasses.replace)."""
-        return dataclasses.replace(self, **changes)
-
-    def to_json(self) -> dict[str, Any]:
-        """Returns the JSON form (a plain dict)."""
-        out: dict[str, Any] = {
-            "name": self.name,
-            "kind": self.kind,
-            "origin": self.origin,
-            "peak_flops_per_s": dict(self.peak_flops_per_s),
-        }
-        for f in _DEVICE_FIGURES:
-            out[f] = getattr(self, f)
-        out["host_price_per_hour"] = self.host_price_per_hour
-        if self.buffer_overhead_s:
-            out["buffer_overhead_s"] = self.buffer_overhead_s
-        if self.fused_bytes_efficiency is not None:
-            out["fused_bytes_efficiency"] = self.fused_bytes_efficiency
-        out["host_link"] = self.host_link.to_json() if self.host_link else None
-        out["efficiencies"] = {c: dict(e) for c, e in self.efficiencies.items()}
-        out["sources"] = dict(self.sources)
-        if self.benchmarks:
-            out["benchmarks"] = _jsonable(self.benchmarks)
-        return out
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> DeviceProfile:
-        """Validates and builds a DeviceProfile from its JSON form.
-
-        Raises:
-          ProfileError: a field is missing, mistyped or out of range, or a
-            figure has no source.
-        """
-        if not isinstance(data, Mapping):
-            raise ProfileError(f"device profile: expected an object, got {type(data).__name__}")
-        name = _require("device profile", data, "name", "device name, e.g. 'gpu:0' or 'h100'")
-        where = f"device profile {name!r}"
-        kind = _require(where, data, "kind", "spec-sheet kind, e.g. 'h100' or 'cpu'")
-        device_class(str(kind))  # validates the kind
-        peaks = _require(where, data, "peak_flops_per_s", "FLOP/s by dtype, e.g. {'f32': 6.7e13}")
-        if not isinstance(peaks, Mapping) or "f32" not in peaks:
-            raise ProfileError(
-                f"{where}: field 'peak_flops_per_s' must be an object with at least an "
-                f"'f32' entry (FLOP/s by dtype: {', '.join(DTYPES)}), got {peaks!r}"
-            )
-        peaks = {
-            str(k): _num(where, f"peak_flops_per_s.{k}", v) for k, v in peaks.items()
-        }
-        figures = {
-            f: _num(where, f, _require(where, data, f, hint), allow_zero=f in _MAY_BE_ZERO)
-            for f, hint in _DEVICE_FIGURES.items()
-        }
-        host_price = _num(
-            where, "host_price_per_hour", data.get("host_price_per_hour", 0.0), allow_zero=True
-        )
-        buffer_overhead = _num(
-            where, "buffer_overhead_s", data.get("buffer_overhead_s", 0.0), allow_zero=True
-        )
-        fused_eff = data.get("fused_bytes_efficiency")
-        if fused_eff is not None:
-            fused_eff = _num(where, "fused_bytes_efficiency", fused_eff)
-            if fused_eff > 1.0:
-                raise ProfileError(
-                    f"{where}: field 'fused_bytes_efficiency' = {fused_eff} exceeds 1: no "
-                    "device moves its after-fusion bytes faster than its peak bandwidth")
-        link = data.get("host_link")
-        host_link = LinkProfile.from_json(link, f"{where} host_link") if link else None
-        effs = _require(where, data, "efficiencies", "{op_class: {'flops': e, 'bytes': e}}")
-        efficiencies = _validate_efficiencies(where, effs)
-        sources = _require(where, data, "sources", "{figure: where it came from}")
-        if not isinstance(sources, Mapping):
-            raise ProfileError(f"{where}: field 'sources' must be an object")
-        needed = [f"peak_flops_per_s.{k}" for k in peaks] + list(_DEVICE_FIGURES)
-        needed.append("efficiencies")
-        for key in needed:
-            if not sources.get(key):
-                raise ProfileError(
-                    f"{where}: figure {key!r} has no source; add sources[{key!r}] "
-                    "(spec sheet + public URL, or 'measured <date> on <host>')"
-                )
-        origin = str(data.get("origin", "spec"))
-        if origin not in ("spec", "measured", "transferred"):
-            raise ProfileError(
-                f"{where}: field 'origin' must be 'spec', 'measured' or 'transferred', "
-                f"got {origin!r}"
-            )
-        return cls(
-            name=str(name),
-            kind=str(kind),
-            peak_flops_per_s=peaks,
-            host_link=host_link,
-            host_price_per_hour=host_price,
-            efficiencies=efficiencies,
-            sources={str(k): str(v) for k, v in sources.items()},
-            origin=origin,
-            benchmarks=dict(data.get("benchmarks", {})),
-            buffer_overhead_s=buffer_overhead,
-            fused_bytes_efficiency=fused_eff,
-            **figures,
-        )
-
-
-def _validate_efficiencies(where: str, effs: Any) -> dict[str, dict[str, float]]:
-    if not isinstance(effs, Mapping):
-        raise ProfileError(f"{where}: field 'efficiencies' must be an object")
-    out = {}
-    for c in OP_CLASSES:
-        if c not in effs:
-            raise ProfileError(
-                f"{where}: field 'efficiencies.{c}' is missing; give "
-                "{'flops': e, 'bytes': e} with e in (0, 1]"
-            )
-        e = effs[c]
-        if not isinstance(e, Mapping):
-            raise ProfileError(f"{where}: field 'efficiencies.{c}' must be an object")
-        out[c] = {}
-        for part in ("flops", "bytes"):
-            v = _num(where, f"efficiencies.{c}.{part}", _require(
-                where, e, part, f"efficiencies.{c}.{part}: fraction of peak in (0, 1]"))
-            if v > 1.0:
-                raise ProfileError(
-                    f"{where}: field 'efficiencies.{c}.{part}' = {v} exceeds 1: no device "
-                    "runs faster than its peak; raise the peak figure instead"
-                )
-            out[c][part] = v
-    unknown = set(effs) - set(OP_CLASSES)
-    if unknown:
-        raise ProfileError(
-            f"{where}: unknown op class(es) {sorted(unknown)} in 'efficiencies'; "
-            f"known: {', '.join(OP_CLASSES)}"
-        )
-    return out
-
-
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if hasattr(x, "item"):  # numpy scalars
-        return x.item()
-    return x
+from hetpar.cost_models._profile import (
+    FORMAT,
+    VERSION,
+    DeviceProfile,
+    LinkProfile,
+    file_devices,
+    jsonable,
+)
+from hetpar.cost_models._specs import spec, spec_kinds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -420,12 +54,8 @@ class ProfileSet:
             if prof.origin == "spec":
                 sib = nearest_sibling(prof, self.devices.values())
                 if sib is not None:
-                    from hetpar.cost_models._roofline import transfer_calibration
-
                     return transfer_calibration(sib, prof)
             return prof
-        from hetpar.cost_models._specs import spec
-
         return self.replace_devices({name: spec(name)}).device(name)
 
     def replace_devices(self, devices: Mapping[str, DeviceProfile]) -> ProfileSet:
@@ -454,7 +84,7 @@ class ProfileSet:
         """Returns the file form."""
         out: dict[str, Any] = {"format": FORMAT, "version": VERSION}
         if self.meta:
-            out["meta"] = _jsonable(self.meta)
+            out["meta"] = jsonable(self.meta)
         out["devices"] = [d.to_json() for d in self.devices.values()]
         out["links"] = [lk.to_json() for lk in self.links]
         return out
@@ -466,23 +96,7 @@ class ProfileSet:
         Raises:
           ProfileError: wrong format or version, or a bad device or link.
         """
-        if not isinstance(data, Mapping):
-            raise ProfileError("profile file: expected a JSON object at the top level")
-        fmt = data.get("format")
-        if fmt != FORMAT:
-            raise ProfileError(
-                f"profile file: field 'format' is {fmt!r}, expected {FORMAT!r}; "
-                "is this a profile file written by `hetpar profile`?"
-            )
-        version = data.get("version")
-        if version != VERSION:
-            raise ProfileError(
-                f"profile file: unknown version {version!r} (this hetpar reads version "
-                f"{VERSION}); regenerate it with `hetpar profile` or upgrade hetpar"
-            )
-        devs = _require("profile file", data, "devices", "a list of device profiles")
-        if not isinstance(devs, list):
-            raise ProfileError("profile file: field 'devices' must be a list")
+        devs = file_devices(data)
         devices: dict[str, DeviceProfile] = {}
         for d in devs:
             p = DeviceProfile.from_json(d)
@@ -539,8 +153,6 @@ def load_profiles(path: str | os.PathLike | None = None, *, specs: bool = True) 
     Raises:
       ProfileError: the file is missing, not JSON, or malformed.
     """
-    from hetpar.cost_models._specs import spec, spec_kinds
-
     base = {k: spec(k) for k in spec_kinds()} if specs else {}
     if path is None:
         return ProfileSet(base)
@@ -557,3 +169,44 @@ def load_profiles(path: str | os.PathLike | None = None, *, specs: bool = True) 
             "times faster). Measure without --quick before planning.",
             path)
     return dataclasses.replace(loaded, devices={**base, **loaded.devices})
+
+
+def transfer_calibration(measured: DeviceProfile, spec_profile: DeviceProfile) -> DeviceProfile:
+    """A spec-sheet profile with the calibration of a measured sibling.
+
+    A device that is not present keeps its own peaks, bandwidth, memory,
+    price and power from its spec sheet, and borrows what only measurement
+    tells: the efficiencies per op class and the launch overhead (which
+    depends on the runtime and host as much as on the chip). Siblings must
+    share a class (cpu, gpu, tpu): see `nearest_sibling`.
+
+    Raises:
+      ProfileError: the two profiles are of different classes.
+    """
+    if measured.device_class != spec_profile.device_class:
+        raise ProfileError(
+            f"cannot transfer the calibration of {measured.name!r} "
+            f"({measured.device_class}) to {spec_profile.name!r} "
+            f"({spec_profile.device_class}): siblings must be of the same class"
+        )
+    sources = dict(spec_profile.sources)
+    sources["efficiencies"] = f"transferred from {measured.name!r}: " + measured.sources.get(
+        "efficiencies", "measured"
+    )
+    sources["launch_overhead_s"] = f"transferred from {measured.name!r}: " + measured.sources.get(
+        "launch_overhead_s", "measured"
+    )
+    if measured.buffer_overhead_s:
+        sources["buffer_overhead_s"] = f"transferred from {measured.name!r}: " + \
+            measured.sources.get("buffer_overhead_s", "measured")
+    if measured.fused_bytes_efficiency is not None:
+        sources["fused_bytes_efficiency"] = f"transferred from {measured.name!r}: " + \
+            measured.sources.get("fused_bytes_efficiency", "measured")
+    return spec_profile.replace(
+        efficiencies={c: dict(e) for c, e in measured.efficiencies.items()},
+        fused_bytes_efficiency=measured.fused_bytes_efficiency,
+        launch_overhead_s=measured.launch_overhead_s,
+        buffer_overhead_s=measured.buffer_overhead_s,
+        sources=sources,
+        origin="transferred",
+    )

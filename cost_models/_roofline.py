@@ -38,10 +38,9 @@ from typing import Any
 
 import numpy as np
 from absl import logging
-from scipy.optimize import nnls
 
 from hetpar.core import ProfileError
-from hetpar.cost_models._profiles import OP_CLASSES, DeviceProfile
+from hetpar.cost_models._profile import OP_CLASSES, DeviceProfile
 
 # Efficiencies below this are treated as a fitting accident, not a device.
 _MIN_EFF = 1e-6
@@ -211,98 +210,166 @@ def calibrate(
     Raises:
       ProfileError: no samples, or a non-positive time.
     """
-    if not samples:
-        raise ProfileError("calibrate: no samples; measure some layers first")
-    times = np.array([float(t) for _, t in samples])
-    if np.any(~np.isfinite(times)) or np.any(times <= 0):
-        raise ProfileError("calibrate: every measured time must be a positive number")
-    comp, mem, fmem = (np.array(a) for a in zip(*(_terms(profile, w) for w, _ in samples),
-                                               strict=True))
-    launches = np.array([float(w.launches) for w, _ in samples])
-    buffers = np.array([float(w.buffers) for w, _ in samples])
-    floor = np.array([physical_floor(profile, w) for w, _ in samples])
-    fit_buffers = fit_overhead and bool(np.any(buffers > 0))
-    w = 1.0 / times  # relative error: times span orders of magnitude
+    data = _Samples.of(profile, samples, fit_overhead)
     n_cls = len(OP_CLASSES)
     u0 = np.array([1.0 / profile.efficiencies[c]["flops"] for c in OP_CLASSES])
     v0 = np.array([1.0 / profile.efficiencies[c]["bytes"] for c in OP_CLASSES])
-    f0 = 1.0 / profile.fused_efficiency()
-    o0, b0 = profile.launch_overhead_s, profile.buffer_overhead_s
-
-    def model(u, v, f, o, b):
-        side = np.maximum(np.maximum(comp * u, mem * v), fmem * f)
-        t = side.sum(axis=1) + launches * o + buffers * b
-        return np.maximum(t, floor)
-
-    def loss(u, v, f, o, b):
-        return float(np.sum(((model(u, v, f, o, b) - times) * w) ** 2))
-
-    best = (loss(u0, v0, f0, o0, b0), u0, v0, f0, o0, b0)
+    first: _Params = (u0, v0, 1.0 / profile.fused_efficiency(), profile.launch_overhead_s,
+                      profile.buffer_overhead_s)
+    best = (data.loss(first), first)
     for start in (u0, np.ones(n_cls), np.full(n_cls, 10.0), np.full(n_cls, 100.0)):
-        u, v, f, o, b = start.copy(), start.copy(), float(start[0]), o0, b0
-        for _ in range(iterations):
-            comp_side = comp * u >= np.maximum(mem * v, fmem * f)
-            fused_side = ~comp_side & (fmem * f >= mem * v) & (fmem > 0)
-            mem_side = ~comp_side & ~fused_side
-            cols, fixed_rhs, slots = [], np.zeros_like(times), []
-            for kind, mat, params in (("u", comp * comp_side, u), ("v", mem * mem_side, v)):
-                for c in range(n_cls):
-                    col = mat[:, c]
-                    if np.any(col * w > 1e-12):
-                        # u = 1 + u' with u' >= 0 keeps the efficiency <= 1.
-                        fixed_rhs += col
-                        cols.append(col)
-                        slots.append((kind, c))
-                    else:
-                        fixed_rhs += col * params[c]
-            fcol = (fmem * fused_side).sum(axis=1)  # one efficiency for all fused bytes
-            if np.any(fcol * w > 1e-12):
-                fixed_rhs += fcol
-                cols.append(fcol)
-                slots.append(("f", 0))
-            if fit_overhead:
-                cols.append(launches)
-                slots.append(("o", 0))
-            else:
-                fixed_rhs += launches * o
-            if fit_buffers:
-                cols.append(buffers)
-                slots.append(("b", 0))
-            else:
-                fixed_rhs += buffers * b
-            if not cols:
-                break
-            design = np.stack(cols, axis=1) * w[:, None]
-            rhs = (times - fixed_rhs) * w
-            x, _ = nnls(design, rhs, maxiter=50 * design.shape[1])
-            new_u, new_v, new_f, new_o, new_b = u.copy(), v.copy(), f, o, b
-            for (kind, c), val in zip(slots, x, strict=True):
-                if kind == "u":
-                    new_u[c] = 1.0 + val
-                elif kind == "v":
-                    new_v[c] = 1.0 + val
-                elif kind == "f":
-                    new_f = 1.0 + val
-                elif kind == "o":
-                    new_o = val
-                else:
-                    new_b = val
-            done = (
-                np.allclose(new_u, u, rtol=1e-10)
-                and np.allclose(new_v, v, rtol=1e-10)
-                and np.isclose(new_f, f, rtol=1e-10)
-                and np.isclose(new_o, o, rtol=1e-10)
-                and np.isclose(new_b, b, rtol=1e-10)
-            )
-            u, v, f, o, b = new_u, new_v, new_f, new_o, new_b
-            if done:
-                break
-        cand = (loss(u, v, f, o, b), u, v, f, o, b)
-        if cand[0] < best[0]:
-            best = cand
-    _, u, v, f, o, b = best
+        params = _active_set_fit(data, start, first[3], first[4], iterations)
+        loss = data.loss(params)
+        if loss < best[0]:
+            best = (loss, params)
+    params = best[1]
     if log_refine:
-        u, v, f, o, b = _log_refine(model, times, u, v, f, o, b, fit_overhead, fit_buffers)
+        params = _log_refine(data, params)
+    return _fitted_profile(profile, data, params, log_refine)
+
+
+#: Inverse efficiencies per class of flops (u) and of bytes (v), the inverse
+#: fused-bytes efficiency (f), the launch (o) and buffer (b) overheads.
+_Params = tuple[np.ndarray, np.ndarray, float, float, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Samples:
+    """Measured samples as arrays: per-class times at efficiency 1 (`_terms`) and counts."""
+
+    times: np.ndarray
+    comp: np.ndarray  # (samples, classes) seconds of compute at peak
+    mem: np.ndarray  # unfused memory at peak bandwidth
+    fmem: np.ndarray  # fused memory at peak bandwidth
+    launches: np.ndarray
+    buffers: np.ndarray
+    floor: np.ndarray  # physical_floor of each sample
+    fit_overhead: bool
+    fit_buffers: bool
+
+    @classmethod
+    def of(cls, profile: DeviceProfile, samples: Sequence[tuple[LayerWork, float]],
+           fit_overhead: bool) -> _Samples:
+        if not samples:
+            raise ProfileError("calibrate: no samples; measure some layers first")
+        times = np.array([float(t) for _, t in samples])
+        if np.any(~np.isfinite(times)) or np.any(times <= 0):
+            raise ProfileError("calibrate: every measured time must be a positive number")
+        comp, mem, fmem = (np.array(a) for a in zip(*(_terms(profile, w) for w, _ in samples),
+                                                   strict=True))
+        buffers = np.array([float(w.buffers) for w, _ in samples])
+        return cls(
+            times=times, comp=comp, mem=mem, fmem=fmem,
+            launches=np.array([float(w.launches) for w, _ in samples]),
+            buffers=buffers,
+            floor=np.array([physical_floor(profile, w) for w, _ in samples]),
+            fit_overhead=fit_overhead,
+            fit_buffers=fit_overhead and bool(np.any(buffers > 0)),
+        )
+
+    @property
+    def weights(self) -> np.ndarray:
+        """1 / time: the fit is on relative error, as times span orders of magnitude."""
+        return 1.0 / self.times
+
+    def model(self, params: _Params) -> np.ndarray:
+        """Predicted seconds of every sample (`predict` with these parameters)."""
+        u, v, f, o, b = params
+        side = np.maximum(np.maximum(self.comp * u, self.mem * v), self.fmem * f)
+        t = side.sum(axis=1) + self.launches * o + self.buffers * b
+        return np.maximum(t, self.floor)
+
+    def loss(self, params: _Params) -> float:
+        """Sum of squared relative errors."""
+        return float(np.sum(((self.model(params) - self.times) * self.weights) ** 2))
+
+
+def _active_set_fit(data: _Samples, start: np.ndarray, o0: float, b0: float,
+                    iterations: int) -> _Params:
+    """From one starting point, alternates fixing the active sides and NNLS until it settles."""
+    params: _Params = (start.copy(), start.copy(), float(start[0]), o0, b0)
+    for _ in range(iterations):
+        new = _nnls_round(data, params)
+        if new is None:
+            break
+        u, v, f, o, b = params
+        nu, nv, nf, no, nb = new
+        done = (
+            np.allclose(nu, u, rtol=1e-10)
+            and np.allclose(nv, v, rtol=1e-10)
+            and np.isclose(nf, f, rtol=1e-10)
+            and np.isclose(no, o, rtol=1e-10)
+            and np.isclose(nb, b, rtol=1e-10)
+        )
+        params = new
+        if done:
+            break
+    return params
+
+
+def _nnls_round(data: _Samples, params: _Params) -> _Params | None:
+    """One active-set round: which side of each max() is active, then NNLS on the free terms.
+
+    Returns None when no term is free (nothing to fit).
+    """
+    from scipy.optimize import nnls  # scipy loads only when a fit runs
+
+    u, v, f, o, b = params
+    comp, mem, fmem, w = data.comp, data.mem, data.fmem, data.weights
+    n_cls = comp.shape[1]
+    comp_side = comp * u >= np.maximum(mem * v, fmem * f)
+    fused_side = ~comp_side & (fmem * f >= mem * v) & (fmem > 0)
+    mem_side = ~comp_side & ~fused_side
+    cols, fixed_rhs, slots = [], np.zeros_like(data.times), []
+    for kind, mat, current in (("u", comp * comp_side, u), ("v", mem * mem_side, v)):
+        for c in range(n_cls):
+            col = mat[:, c]
+            if np.any(col * w > 1e-12):
+                # u = 1 + u' with u' >= 0 keeps the efficiency <= 1.
+                fixed_rhs += col
+                cols.append(col)
+                slots.append((kind, c))
+            else:
+                fixed_rhs += col * current[c]
+    fcol = (fmem * fused_side).sum(axis=1)  # one efficiency for all fused bytes
+    if np.any(fcol * w > 1e-12):
+        fixed_rhs += fcol
+        cols.append(fcol)
+        slots.append(("f", 0))
+    if data.fit_overhead:
+        cols.append(data.launches)
+        slots.append(("o", 0))
+    else:
+        fixed_rhs += data.launches * o
+    if data.fit_buffers:
+        cols.append(data.buffers)
+        slots.append(("b", 0))
+    else:
+        fixed_rhs += data.buffers * b
+    if not cols:
+        return None
+    design = np.stack(cols, axis=1) * w[:, None]
+    rhs = (data.times - fixed_rhs) * w
+    x, _ = nnls(design, rhs, maxiter=50 * design.shape[1])
+    new_u, new_v, new_f, new_o, new_b = u.copy(), v.copy(), f, o, b
+    for (kind, c), val in zip(slots, x, strict=True):
+        if kind == "u":
+            new_u[c] = 1.0 + val
+        elif kind == "v":
+            new_v[c] = 1.0 + val
+        elif kind == "f":
+            new_f = 1.0 + val
+        elif kind == "o":
+            new_o = val
+        else:
+            new_b = val
+    return new_u, new_v, new_f, new_o, new_b
+
+
+def _fitted_profile(profile: DeviceProfile, data: _Samples, params: _Params,
+                    log_refined: bool) -> DeviceProfile:
+    """`profile` with the fitted figures, and sources that say how they were fitted."""
+    u, v, f, o, b = params
     effs = {
         c: {
             "flops": float(np.clip(1.0 / u[i], _MIN_EFF, 1.0)),
@@ -310,52 +377,54 @@ def calibrate(
         }
         for i, c in enumerate(OP_CLASSES)
     }
-    rel = np.abs(model(u, v, f, o, b) - times) / times
+    rel = np.abs(data.model(params) - data.times) / data.times
     logging.debug(
         "calibrated %s on %d samples: median |error| %.1f%%, max %.1f%%",
-        profile.name, len(samples), 100 * np.median(rel), 100 * np.max(rel),
+        profile.name, len(data.times), 100 * np.median(rel), 100 * np.max(rel),
     )
     today = datetime.date.today().isoformat()
     sources = dict(profile.sources)
-    how = "non-negative least squares" + (", refined in log space," if log_refine else "")
+    how = "non-negative least squares" + (", refined in log space," if log_refined else "")
     sources["efficiencies"] = (
-        f"calibrated {today} by {how} on {len(samples)} measured "
+        f"calibrated {today} by {how} on {len(data.times)} measured "
         f"samples (median |error| {100 * np.median(rel):.1f}%)"
     )
     changes: dict[str, Any] = {"efficiencies": effs, "sources": sources}
+    comp, mem, fmem = data.comp, data.mem, data.fmem
     n_fused = int(np.sum(fmem.sum(axis=1) > 0))
     fused_active = (fmem * f >= np.maximum(comp * u, mem * v)) & (fmem > 0)
     if n_fused and np.any(fused_active):  # else the data say nothing about it
         changes["fused_bytes_efficiency"] = float(np.clip(1.0 / f, _MIN_EFF, 1.0))
         sources["fused_bytes_efficiency"] = (
             f"calibrated {today} with the efficiencies ({n_fused} samples with fused bytes)")
-    if fit_overhead:
+    if data.fit_overhead:
         changes["launch_overhead_s"] = float(o)
         sources["launch_overhead_s"] = f"fitted {today} with the efficiencies"
-    if fit_buffers:
+    if data.fit_buffers:
         changes["buffer_overhead_s"] = float(b)
         sources["buffer_overhead_s"] = f"fitted {today} with the efficiencies"
     return profile.replace(**changes)
 
 
-def _log_refine(model, times, u, v, f, o, b, fit_overhead: bool, fit_buffers: bool):
-    """Robust least squares on log(model / times) from (u, v, f, o, b); keeps the bounds."""
+def _log_refine(data: _Samples, params: _Params) -> _Params:
+    """Robust least squares on log(model / times) from `params`; keeps the bounds."""
     from scipy.optimize import least_squares
 
+    u, v, f, o, b = params
     n = len(u)
     x0 = np.concatenate([u, v, [f, o, b]])
-    free = np.array([True] * (2 * n + 1) + [fit_overhead, fit_buffers])
+    free = np.array([True] * (2 * n + 1) + [data.fit_overhead, data.fit_buffers])
     lo = np.concatenate([np.ones(2 * n + 1), [0.0, 0.0]])
     # Overheads in microseconds keep the variables on comparable scales.
     scale = np.concatenate([np.ones(2 * n + 1), [1e-6, 1e-6]])
 
-    def unpack(z):
+    def unpack(z) -> _Params:
         x = x0.copy()
         x[free] = z * scale[free]
         return x[:n], x[n:2 * n], x[2 * n], x[2 * n + 1], x[2 * n + 2]
 
     def resid(z):
-        return np.log(model(*unpack(z))) - np.log(times)
+        return np.log(data.model(unpack(z))) - np.log(data.times)
 
     z0 = np.maximum(x0[free] / scale[free], lo[free] / scale[free])
     try:
@@ -363,49 +432,8 @@ def _log_refine(model, times, u, v, f, o, b, fit_overhead: bool, fit_buffers: bo
                             loss="soft_l1", f_scale=0.1, max_nfev=2000)
     except (ValueError, np.linalg.LinAlgError) as e:  # degenerate data: keep the LS fit
         logging.debug("log refinement failed: %s", e)
-        return u, v, f, o, b
+        return params
     z = res.x * scale[free]
     # least_squares keeps strictly inside its bounds: snap what sits on one.
     z = np.where(z <= lo[free] * (1 + 1e-6) + 1e-15, lo[free], z) / scale[free]
     return unpack(z)
-
-
-def transfer_calibration(measured: DeviceProfile, spec_profile: DeviceProfile) -> DeviceProfile:
-    """A spec-sheet profile with the calibration of a measured sibling.
-
-    A device that is not present keeps its own peaks, bandwidth, memory,
-    price and power from its spec sheet, and borrows what only measurement
-    tells: the efficiencies per op class and the launch overhead (which
-    depends on the runtime and host as much as on the chip). Siblings must
-    share a class (cpu, gpu, tpu): see `nearest_sibling`.
-
-    Raises:
-      ProfileError: the two profiles are of different classes.
-    """
-    if measured.device_class != spec_profile.device_class:
-        raise ProfileError(
-            f"cannot transfer the calibration of {measured.name!r} "
-            f"({measured.device_class}) to {spec_profile.name!r} "
-            f"({spec_profile.device_class}): siblings must be of the same class"
-        )
-    sources = dict(spec_profile.sources)
-    sources["efficiencies"] = f"transferred from {measured.name!r}: " + measured.sources.get(
-        "efficiencies", "measured"
-    )
-    sources["launch_overhead_s"] = f"transferred from {measured.name!r}: " + measured.sources.get(
-        "launch_overhead_s", "measured"
-    )
-    if measured.buffer_overhead_s:
-        sources["buffer_overhead_s"] = f"transferred from {measured.name!r}: " + \
-            measured.sources.get("buffer_overhead_s", "measured")
-    if measured.fused_bytes_efficiency is not None:
-        sources["fused_bytes_efficiency"] = f"transferred from {measured.name!r}: " + \
-            measured.sources.get("fused_bytes_efficiency", "measured")
-    return spec_profile.replace(
-        efficiencies={c: dict(e) for c, e in measured.efficiencies.items()},
-        fused_bytes_efficiency=measured.fused_bytes_efficiency,
-        launch_overhead_s=measured.launch_overhead_s,
-        buffer_overhead_s=measured.buffer_overhead_s,
-        sources=sources,
-        origin="transferred",
-    )

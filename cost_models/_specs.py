@@ -39,7 +39,7 @@ import json
 from collections.abc import Iterable
 
 from hetpar.core import ProfileError
-from hetpar.cost_models._profiles import DeviceProfile, ProfileSet
+from hetpar.cost_models._profile import DeviceProfile, file_devices
 
 
 @functools.cache
@@ -73,9 +73,8 @@ def spec(kind: str) -> DeviceProfile:
             f"unknown device kind {kind!r}; known kinds: {', '.join(spec_kinds())} "
             "(or name a present device such as 'cpu:0' / 'gpu:0')"
         )
-    profiles = ProfileSet.from_json(json.loads(files[kind]))
-    (profile,) = profiles.devices.values()
-    return profile
+    (entry,) = file_devices(json.loads(files[kind]), f"spec sheet {kind!r}")
+    return DeviceProfile.from_json(entry)
 
 
 def plan_prices(

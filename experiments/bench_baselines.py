@@ -44,8 +44,7 @@ from absl import app, flags
 import hetpar
 from hetpar import InfeasibleError, zoo
 from hetpar.cost_models import cost_table, load_profiles, scale_to_step
-from hetpar.planner import evaluate, greedy_fastest, memory_fill, plan, violations
-from hetpar.planner._evaluate import Arrays
+from hetpar.planner import Arrays, evaluate, greedy_fastest, memory_fill, plan, violations
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "experiments/results/baselines", "output path prefix (.md, .json)")

@@ -131,7 +131,7 @@ def transfers(sizes=(1 << 20, 16 << 20, 256 << 20)) -> list[dict]:
                     times.append(time.perf_counter() - t0)
                     assert float(np.asarray(y)[-1]) == k
                 rows.append({"src": src.platform, "dst": dst.platform, "bytes": n, "path": path,
-                             "engine_path": engine.path(src, dst, n),
+                             "engine_path": engine.path(src, dst),
                              "gb_per_s": n / statistics.median(times) / 1e9})
     return rows
 

@@ -25,12 +25,37 @@ for comparison, with hetpar's unfused byte count.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+import numpy as np
 from absl import app, flags, logging
+
+from hetpar import zoo
+from hetpar.core import ProfileError, seconds
+from hetpar.cost_models import (
+    FUSED_BYTES_CLASSES,
+    DeviceProfile,
+    LayerWork,
+    calibrate,
+    device_class,
+    device_name,
+    graph_layer_work,
+    layer_xla_cost,
+    measure_layer,
+    predict,
+    present_devices,
+    resolve_device,
+    spec,
+    spec_kind_of,
+    spec_kinds,
+)
+from hetpar.zoo import trace_model
 
 _OUT = flags.DEFINE_string("out_dir", "experiments/results", "where to write the report")
 _TAG = flags.DEFINE_string("tag", None, "file tag (default: the accelerator's kind, else 'cpu')")
@@ -46,10 +71,155 @@ _REFRESH_FUSED = flags.DEFINE_bool("refresh_fused", True,
                                    "present here")
 
 
+# -- the study: per-layer records, calibration, held-out error -------------------
+
+#: How a layer's launches count in the calibrated model: one dispatch per
+#: layer (its stage is one executable), or one per unfused equation.
+LAUNCH_MODELS = ("executable", "equations")
+
+#: Which byte count the bytes term uses: XLA's after-fusion bytes where the
+#: record has them (`fused`), or hetpar's unfused count always (`unfused`).
+BYTES_MODELS = ("fused", "unfused")
+
+
+def layer_records(
+    model: str,
+    device,
+    *,
+    small: bool = False,
+    batch: int | None = None,
+    k: int = 10,
+    progress: Callable[[str], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Measures every layer of a zoo model on one present device.
+
+    Returns:
+      One record per layer: model, layer, device, device kind, batch, the
+      layer's work (`LayerWork.to_json`, with the after-fusion bytes on
+      this device in `fused_bytes` when XLA gives them), XLA's cost analysis
+      (`xla`, None for layers with loops), its unfused equation count, and
+      the measured median and IQR in seconds. `accuracy` reads these.
+    """
+    dev = resolve_device(device)
+    w, graph = trace_model(model, small=small, batch=batch)
+    out = []
+    for name in graph.layers:
+        info = graph[name]
+        t = measure_layer(graph, name, dev, k=k)
+        xla = layer_xla_cost(graph, name, dev.platform)
+        work = graph_layer_work(graph, name)
+        if xla is not None and xla.bytes_accessed is not None:
+            work = dataclasses.replace(work, fused_bytes=xla.bytes_accessed)
+        out.append({
+            "model": model, "layer": name, "device": device_name(dev),
+            "device_kind": dev.device_kind, "kind": spec_kind_of(dev),
+            "batch": w.config.get("batch_size"), "small": small,
+            "work": work.to_json(),
+            "xla": None if xla is None else dataclasses.asdict(xla),
+            "equations": int(info.work.launches),
+            "measured_s": t.median_s, "iqr_s": t.iqr_s,
+        })
+        if progress:
+            progress(f"{model}/{name} on {device_name(dev)}: {seconds(t.median_s)}")
+    return out
+
+
+
+def _class_of(kind: str) -> str:
+    try:
+        return device_class(kind)
+    except ProfileError:
+        return "gpu" if kind in ("gpu", "cuda", "rocm") else kind
+
+
+def record_work(record: Mapping[str, Any], launch_model: str = "executable",
+                bytes_model: str = "fused") -> LayerWork:
+    """The LayerWork of a record, launches and bytes counted as the models say."""
+    data = dict(record["work"])
+    data["launches"] = 1 if launch_model == "executable" else max(1, record["equations"])
+    if bytes_model == "unfused" or _class_of(record.get("kind", "cpu")) not in FUSED_BYTES_CLASSES:
+        data["fused_bytes"] = None
+    return LayerWork.from_json(data)
+
+
+def fit_layers(profile: DeviceProfile, records: Sequence[Mapping[str, Any]], *,
+               launch_model: str = "executable", bytes_model: str = "fused") -> DeviceProfile:
+    """Calibrates `profile` on measured layers: per-class efficiencies and the launch cost."""
+    samples = [(record_work(r, launch_model, bytes_model), r["measured_s"]) for r in records]
+    return calibrate(profile, samples, fit_overhead=True)
+
+
+def _errors(profile: DeviceProfile, records, launch_model: str,
+            bytes_model: str = "fused") -> np.ndarray:
+    pred = np.array([predict(profile, record_work(r, launch_model, bytes_model))
+                     for r in records])
+    meas = np.array([r["measured_s"] for r in records])
+    return np.abs(pred - meas) / meas
+
+
+def _stats(err: np.ndarray) -> dict[str, Any]:
+    if err.size == 0:
+        return {"n": 0, "median_ape": None, "p90_ape": None}
+    return {"n": int(err.size), "median_ape": float(np.median(err)),
+            "p90_ape": float(np.percentile(err, 90))}
+
+
+def accuracy(
+    records: Sequence[Mapping[str, Any]],
+    base: Mapping[str, DeviceProfile],
+    train_models: Sequence[str],
+    *,
+    launch_model: str = "executable",
+    bytes_model: str = "fused",
+    threshold_s: float = 100e-6,
+) -> dict[str, Any]:
+    """Held-out error of the calibrated roofline, per device.
+
+    Args:
+      records: from `layer_records`.
+      base: device name -> profile to calibrate (its peaks stay fixed).
+      train_models: models whose layers calibrate; the rest are held out.
+      launch_model: one of `LAUNCH_MODELS`.
+      bytes_model: one of `BYTES_MODELS`.
+      threshold_s: the "large layer" cut (by measured time).
+
+    Returns:
+      `{device: {"train": ..., "test": ..., "test_large": ..., "uncalibrated_test": ...,
+      "profile": calibrated efficiencies}}`, each a dict of n, median and
+      90th-percentile absolute percentage error (as fractions).
+    """
+    out: dict[str, Any] = {}
+    for dev in sorted({r["device"] for r in records}):
+        rs = [r for r in records if r["device"] == dev]
+        train = [r for r in rs if r["model"] in train_models]
+        test = [r for r in rs if r["model"] not in train_models]
+        if not train or not test:
+            continue
+        prof = fit_layers(base[dev], train, launch_model=launch_model, bytes_model=bytes_model)
+        large = [r for r in test if r["measured_s"] > threshold_s]
+        out[dev] = {
+            "kind": rs[0]["kind"], "device_kind": rs[0]["device_kind"],
+            "train": _stats(_errors(prof, train, launch_model, bytes_model)),
+            "test": _stats(_errors(prof, test, launch_model, bytes_model)),
+            "test_large": _stats(_errors(prof, large, launch_model, bytes_model)),
+            "uncalibrated_test_large": _stats(_errors(base[dev], large, launch_model,
+                                                      bytes_model)),
+            "efficiencies": {c: dict(e) for c, e in prof.efficiencies.items()},
+            "fused_bytes_efficiency": prof.fused_bytes_efficiency,
+            "with_fused_bytes": sum(r["work"].get("fused_bytes") is not None for r in rs),
+            "launch_overhead_s": prof.launch_overhead_s,
+            "buffer_overhead_s": prof.buffer_overhead_s,
+            "train_models": sorted({r["model"] for r in train}),
+            "test_models": sorted({r["model"] for r in test}),
+        }
+    return out
+
+
+# -- the report ------------------------------------------------------------------
+
+
 def _refresh_work(records):
     """Recounts `work` of records without buffer counts; drops layers the zoo lost."""
-    from hetpar.cost_models._table import graph_layer_work, trace_model
-
     stale = {(r["model"], r["small"], r["batch"]) for r in records
              if "buffers" not in r["work"]}
     works, dropped = {}, []
@@ -72,12 +242,7 @@ def _refresh_work(records):
 
 def _refresh_fused(records):
     """Adds `fused_bytes` (and `xla`) to records of present platforms that were never asked."""
-    import dataclasses
-
     import jax
-
-    from hetpar.cost_models import LayerWork
-    from hetpar.cost_models._table import layer_xla_cost, trace_model
 
     present = {d.platform for d in jax.devices()} | {"cpu"}
     stale = {(r["model"], r["small"], r["batch"], r["device"].split(":")[0]) for r in records
@@ -104,8 +269,6 @@ def _refresh_fused(records):
 
 
 def _base_profiles(records):
-    from hetpar.cost_models import spec, spec_kinds
-
     out = {}
     for r in records:
         kind = r["kind"] if r["kind"] in spec_kinds() else ("cpu" if r["kind"] == "cpu" else "h100")
@@ -114,8 +277,6 @@ def _base_profiles(records):
 
 
 def _measure_all(models, deadline):
-    from hetpar.cost_models import device_name, layer_records, present_devices
-
     records, skipped = [], []
     devices = list(present_devices().values())
     for i, model in enumerate(models):
@@ -180,8 +341,8 @@ def _markdown(result) -> str:
                 + ("-" if r.get("fused_bytes_efficiency") is None
                    else f"{r['fused_bytes_efficiency']:.3f}")
                 + f" ({r.get('with_fused_bytes', 0)} records with fused bytes), launch "
-                f"{1e6 * r['launch_overhead_s']:.1f} us, buffer "
-                f"{1e6 * r.get('buffer_overhead_s', 0.0):.2f} us"
+                f"{seconds(r['launch_overhead_s'])}, buffer "
+                f"{seconds(r.get('buffer_overhead_s', 0.0))}"
                 for dev, r in per_dev.items()]
         lines += ["Fitted: " + "; ".join(effs) + ".", ""]
     if result.get("dropped_stale"):
@@ -194,9 +355,6 @@ def _markdown(result) -> str:
 def main(argv):
     del argv
     import jax
-
-    from hetpar import zoo
-    from hetpar.cost_models import BYTES_MODELS, LAUNCH_MODELS, accuracy
 
     if _RECORDS.value:
         parts = [json.loads(pathlib.Path(p).read_text()) for p in _RECORDS.value]

@@ -38,15 +38,16 @@ def _pick_layer(graph, needles) -> str:
 
 
 def _measure(devices):
+    from hetpar.core import seconds
     from hetpar.cost_models import (
         device_name,
         measure,
         measure_layer,
+        random_inputs,
         spec,
         spec_kind_of,
-        trace_model,
     )
-    from hetpar.cost_models._table import random_inputs
+    from hetpar.zoo import trace_model
 
     data = {"per_layer": {}, "sweeps": {}, "devices": {}}
     for d in devices:
@@ -66,8 +67,8 @@ def _measure(devices):
             for d in devices:
                 t = measure_layer(graph, name, d, k=_K.value)
                 rows[name][device_name(d)] = {"median_s": t.median_s, "iqr_s": t.iqr_s}
-                logging.info("%s/%s on %s: %.3f ms", model, name, device_name(d),
-                             t.median_s * 1e3)
+                logging.info("%s/%s on %s: %s", model, name, device_name(d),
+                             seconds(t.median_s))
         data["per_layer"][model] = {"batch": batch, "layers": rows}
     for fig, (model, needles) in _SWEEPS.items():
         points = {device_name(d): [] for d in devices}
@@ -81,8 +82,8 @@ def _measure(devices):
                     {"batch": b, "median_s": t.median_s,
                      "q1_s": sorted(t.samples)[len(t.samples) // 4],
                      "q3_s": sorted(t.samples)[(3 * len(t.samples)) // 4]})
-                logging.info("%s batch %d on %s: %.3f ms", layer, b, device_name(d),
-                             t.median_s * 1e3)
+                logging.info("%s batch %d on %s: %s", layer, b, device_name(d),
+                             seconds(t.median_s))
         data["sweeps"][fig] = {"model": model, "layer": layer, "points": points}
     return data
 

@@ -23,8 +23,9 @@ import numpy as np
 from _timing import write_results
 from absl import app, flags
 
-from hetpar.cost_models import cost_table_for_model, load_profiles
+from hetpar.cost_models import load_profiles
 from hetpar.planner import CostTable, Device, Edge, Layer, Link, evaluate
+from hetpar.zoo import cost_table
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "experiments/results/two_gpus_affine_h200x2", "output prefix")
@@ -61,7 +62,7 @@ def fit(pts):
 
 def half_table(model, batch, fixed, per, links):
     """Two layers (first half -> gpu:0, second half -> gpu:1) of the traced model."""
-    spec = cost_table_for_model(model, ["h200"], batch=batch)
+    spec = cost_table(model, ["h200"], batch=batch)
     names = list(spec.layer_names)
     first = set(names[: len(names) // 2])
     dev = spec.device_names[0]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,16 +21,24 @@ from typing import Any
 import jax
 from absl import logging
 
-from hetpar._grad import microbatching
-from hetpar.core import HetparError, PlanError
-from hetpar.cost_models import present_devices
+from hetpar._grad import microbatched
+from hetpar.core import SCHEDULES, HetparError, PlanError
+from hetpar.cost_models import ProfileSet, present_devices
 from hetpar.passes import LayerGraph, StageGraph, microbatch_of, split, trace
-from hetpar.runtime import Executor, Replicated
+from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
+
+_OBJECTIVES = ("time", "cost", "energy")
+_ON_MISSING_DEVICE = ("error", "replan")
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Options:
-    """What `hetpar.auto` was asked for (see `auto`)."""
+    """What `hetpar.auto` was asked for (see `auto`), checked when built.
+
+    Raises:
+      HetparError: a bad option (PlanError for `plan` and `devices`); the
+        message names the option and what it accepts.
+    """
 
     devices: tuple[str, ...] | None = None
     objective: str = "time"
@@ -42,18 +51,88 @@ class Options:
     on_missing_device: str = "error"
     data_parallel: bool = True
 
+    def __post_init__(self):
+        _check_choice("objective", self.objective, _OBJECTIVES)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("on_missing_device", self.on_missing_device, _ON_MISSING_DEVICE)
+        if not _is_int(self.microbatches) or self.microbatches < 1:
+            raise HetparError(f"microbatches must be a positive int, got {self.microbatches!r}")
+        if self.depth is not None and (not _is_int(self.depth) or self.depth < 1):
+            raise HetparError(f"depth must be a positive int or None, got {self.depth!r}")
+        if self.batch_argnums is not None and not (
+                isinstance(self.batch_argnums, tuple) and all(map(_is_int, self.batch_argnums))):
+            raise HetparError("batch_argnums must be an int, a sequence of ints or None, got "
+                              f"{self.batch_argnums!r}")
+        if not isinstance(self.data_parallel, bool):
+            raise HetparError(f"data_parallel must be a bool, got {self.data_parallel!r}")
+        if not (self.profile in (None, "auto")
+                or isinstance(self.profile, (str, os.PathLike, ProfileSet))):
+            raise HetparError("profile must be 'auto', None, a path to a `hetpar profile` file or "
+                              f"a ProfileSet, got {type(self.profile).__name__}")
+        _check_devices(self.devices)
+        _check_plan(self.plan)
 
-def _marked(fn: Callable, microbatches: int, batch_argnums: Sequence[int] | None) -> Callable:
-    """`fn` with its batch arguments registered for `hetpar.value_and_grad`."""
 
-    @functools.wraps(fn)
-    def step(*args):
-        nums = (len(args) - 1,) if batch_argnums is None else batch_argnums
-        leaves = [leaf for k in nums for leaf in jax.tree_util.tree_leaves(args[k])]
-        with microbatching(microbatches, leaves):
-            return fn(*args)
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
-    return step
+
+def _check_choice(name: str, value, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise HetparError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def _check_devices(devices) -> None:
+    if devices is None:
+        return
+    if not isinstance(devices, tuple) or not all(isinstance(d, str) for d in devices):
+        raise PlanError("devices must be a device name ('cpu:0') or a sequence of them, got "
+                        f"{devices!r}")
+    if len(set(devices)) != len(devices):
+        raise PlanError(f"devices {list(devices)} name a device twice")
+
+
+def _check_present(devices: tuple[str, ...] | None, present: Mapping[str, jax.Device]) -> None:
+    """At the first call, not in `auto(...)`: asking JAX for its devices starts its
+    backends, which must wait until the program has run `jax.distributed.initialize`."""
+    if devices is None:
+        return
+    absent = [d for d in devices if d not in present]
+    if absent:
+        hint = ("; pass several devices as a list, e.g. devices=['cpu:0', 'gpu:0']"
+                if any("," in d for d in absent) else
+                "; to plan for devices that are not here use `hetpar plan` offline")
+        raise PlanError(f"devices {absent} are not present (present: {sorted(present)}){hint}")
+
+
+def _check_plan(plan) -> None:
+    if plan is None or isinstance(plan, (str, os.PathLike)):
+        return
+    if isinstance(plan, Mapping):
+        bad = {k: v for k, v in plan.items() if not (isinstance(k, str) and isinstance(v, str))}
+        if bad:
+            raise PlanError("a plan dict maps layer names to device names (strings, e.g. "
+                            f"{{'Dense_0': 'cpu:0'}}); these entries are not: {bad!r}")
+        return
+    from hetpar.planner import Plan
+
+    if not isinstance(plan, Plan):
+        raise PlanError(f"plan must be a path to plan.json, a hetpar.Plan or a dict "
+                        f"{{layer: device}}, got {type(plan).__name__}")
+
+
+def _check_layers(graph: LayerGraph, assignment: Mapping[str, str]) -> None:
+    """A plan dict must name exactly the step's layers."""
+    layers = set(graph.layers)
+    missing = [n for n in graph.layers if n not in assignment]
+    unknown = [n for n in assignment if n not in layers]
+    if missing or unknown:
+        raise PlanError(
+            "the plan does not fit this step's layers: "
+            + (f"unknown {unknown[:8]}{'...' if len(unknown) > 8 else ''}; " if unknown else "")
+            + (f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}; " if missing else "")
+            + f"the step's layers are {graph.layers[:12]}{'...' if len(graph) > 12 else ''}. "
+            "Was the plan made for another model or depth?")
 
 
 class CompiledStep:
@@ -67,12 +146,15 @@ class CompiledStep:
       stages: the StageGraph (None on the one-device fast path).
     """
 
-    def __init__(self, fn: Callable, args: tuple, options: Options):
+    def __init__(self, fn: Callable, args: tuple, options: Options,
+                 workers: Workers | None = None):
         self.options = options
-        m = int(options.microbatches)
-        if m < 1:
-            raise HetparError(f"microbatches must be >= 1, got {m}")
-        self._step = _marked(fn, m, options.batch_argnums)
+        self.devices = present_devices()
+        _check_present(options.devices, self.devices)
+        m = options.microbatches
+        self._batch_argnums = _batch_positions(options.batch_argnums, len(args))
+        self._step = microbatched(fn, m, self._batch_argnums)
+        # `trace` reads None as "the last argument, unless it is the only one".
         self.graph: LayerGraph = trace(self._step, *args, depth=options.depth,
                                        batch_argnums=options.batch_argnums)
         if m > 1 and not any(microbatch_of(str(e.source_info.name_stack)) is not None
@@ -81,7 +163,6 @@ class CompiledStep:
                 f"microbatches={m} needs the step to take its gradient with "
                 "hetpar.value_and_grad or hetpar.grad (drop-in replacements for JAX's), "
                 "which mark what runs per microbatch.")
-        self.devices = present_devices()
         self.table = None
         self.plan = None
         self.assignment = self._assign(options)
@@ -99,7 +180,7 @@ class CompiledStep:
             # The user's step, not the microbatch-marked one: each replica runs
             # its share of the batch whole.
             self._replicated = Replicated(fn, [self.devices[d] for d in replicas], args,
-                                          options.batch_argnums)
+                                          self._batch_argnums)
             used = list(replicas)
         elif len(used) == 1:
             self._device = self.devices[used[0]]
@@ -111,18 +192,14 @@ class CompiledStep:
         else:
             self.stages = split(self.graph, self.assignment, schedule=options.schedule)
             self._executor = Executor(self.stages, {d: self.devices[d] for d in used},
-                                      _transfer_engine(self.devices, options))
+                                      TransferEngine(), workers)
         logging.info("hetpar: %d layers on %s", len(self.graph), used)
 
     # -- planning ---------------------------------------------------------
 
     def _candidate_devices(self, options: Options) -> list[str]:
-        names = list(options.devices) if options.devices else list(self.devices)
-        absent = [d for d in names if d not in self.devices]
-        if absent:
-            raise PlanError(f"devices {absent} are not present (present: {sorted(self.devices)}); "
-                            "to plan for devices that are not here use `hetpar plan` offline")
-        return names
+        # Options checked that the devices given are present.
+        return list(options.devices) if options.devices else list(self.devices)
 
     def _assign(self, options: Options) -> dict[str, str]:
         plan = options.plan
@@ -132,9 +209,8 @@ class CompiledStep:
 
         if isinstance(plan, (str, os.PathLike)):
             plan = Plan.load(plan)
-        if not isinstance(plan, (Plan, Mapping)):
-            raise PlanError(f"plan must be a path to plan.json, a hetpar.Plan or a dict "
-                            f"{{layer: device}}, got {type(plan).__name__}")
+        if isinstance(plan, Mapping):
+            _check_layers(self.graph, plan)
         assignment = dict(plan.assignment if isinstance(plan, Plan) else plan)
         wanted = sorted(set(assignment.values()) | set(getattr(plan, "replicas", ())))
         absent = [d for d in wanted if d not in self.devices]
@@ -142,8 +218,7 @@ class CompiledStep:
             if options.on_missing_device == "replan":
                 logging.warning("hetpar: plan names devices %s that are not present; replanning "
                                 "on %s", absent, sorted(self.devices))
-                return self._solve(options, self._candidate_devices(
-                    dataclasses.replace(options, devices=None)))
+                return self._solve(options, list(self.devices))
             raise PlanError(f"the plan places layers on {absent}, which are not present here "
                             f"(present: {sorted(self.devices)}). Pass "
                             "on_missing_device='replan' to plan afresh for these devices.")
@@ -178,7 +253,7 @@ class CompiledStep:
         if len(devices) == 1:
             return dict.fromkeys(self.graph.layers, devices[0])
         self.table = self._cost_table(devices, options)
-        m = int(options.microbatches)
+        m = options.microbatches
         self.plan = solve(self.table, objective=options.objective,
                           mode="pipelined" if m > 1 else "sequential", microbatches=m,
                           data_parallel=options.data_parallel, schedule=options.schedule)
@@ -194,10 +269,8 @@ class CompiledStep:
         with `device_put` first (experiments/results/probe_overhead_h200_run2.txt).
         Numpy batches and resident arrays go to jit untouched (its C++ path).
         """
-        nums = self.options.batch_argnums
-        nums = (len(args) - 1,) if nums is None else nums
         moved = None
-        for i in nums:
+        for i in self._batch_argnums:
             if any(isinstance(x, jax.Array) and x.sharding != self._sharding
                    for x in jax.tree_util.tree_leaves(args[i])):
                 moved = moved or list(args)
@@ -213,10 +286,15 @@ class CompiledStep:
         return jax.tree_util.tree_unflatten(self._out_tree, self._executor(flat))
 
 
-def _transfer_engine(devices, options):
-    from hetpar.runtime import TransferEngine
-
-    return TransferEngine(names={d: n for n, d in devices.items()})
+def _batch_positions(batch_argnums: tuple[int, ...] | None, n: int) -> tuple[int, ...]:
+    """The batch arguments' positions among `n` arguments (None: the last), made non-negative."""
+    if batch_argnums is None:
+        return (n - 1,) if n else ()
+    bad = [k for k in batch_argnums if not -n <= k < n]
+    if bad:
+        raise HetparError(f"batch_argnums {list(batch_argnums)} name arguments {bad} the step "
+                          f"was not given: it was called with {n} arguments")
+    return tuple(k % n for k in batch_argnums)
 
 
 def _signature(args) -> tuple:
@@ -241,13 +319,17 @@ class AutoStep:
         self.options = options
         self._compiled: dict[tuple, CompiledStep] = {}
         self._last: CompiledStep | None = None
+        # Every signature's executor runs on these: one thread per device,
+        # however many shapes the step is called with.
+        self._workers = Workers()
 
     def lower(self, *args) -> CompiledStep:
         """Traces, plans and compiles for these arguments without running."""
         key = _signature(args)
         step = self._compiled.get(key)
         if step is None:
-            step = self._compiled[key] = CompiledStep(self._fn, args, self.options)
+            step = self._compiled[key] = CompiledStep(self._fn, args, self.options,
+                                                      self._workers)
         self._last = step
         return step
 
@@ -284,7 +366,7 @@ class AutoStep:
         return step.plan.explain(step.table)
 
 
-def auto(fn: Callable | None = None, *, devices: Sequence[str] | None = None,
+def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = None,
          objective: str = "time", plan: Any = None, microbatches: int = 1,
          batch_argnums: Sequence[int] | int | None = None, schedule: str = "gpipe",
          profile: Any = "auto", depth: int | None = None,
@@ -295,14 +377,17 @@ def auto(fn: Callable | None = None, *, devices: Sequence[str] | None = None,
 
     Args:
       fn: the step, e.g. `train_step(params, opt_state, batch)`.
-      devices: device names (`cpu:0`, `gpu:0`) to use; default all present.
+      devices: device names (`cpu:0`, `gpu:0`) to use, or one name as a
+        string (`devices="gpu:0"`); default all present.
       objective: "time", "cost" or "energy".
       plan: a path to plan.json, a `hetpar.Plan`, or a dict {layer: device}
-        (layer names as `hetpar.trace(fn, *args).layers`); default: solve.
-      microbatches: with M > 1 and a step that takes its gradient with
+        naming every layer (layer names as `hetpar.trace(fn, *args).layers`);
+        default: solve.
+      microbatches: a positive int. With M > 1 and a step that takes its gradient with
         `hetpar.value_and_grad`/`hetpar.grad`, the gradient part runs as M
         microbatches through the device pipeline and the update runs once.
-      batch_argnums: which arguments of `fn` are batch data (default: the last).
+      batch_argnums: which arguments of `fn` are batch data: an int or ints
+        (default: the last).
       schedule: "gpipe" or "1f1b".
       profile: "auto" (the profile file named by $HETPAR_PROFILES, else spec
         sheets), a path to a `hetpar profile` file, or a ProfileSet.
@@ -317,14 +402,27 @@ def auto(fn: Callable | None = None, *, devices: Sequence[str] | None = None,
     Returns:
       An `AutoStep`: call it like `fn`; it has `.plan`, `.report()`,
       `.explain()` and `.lower(*args)`.
+
+    Raises:
+      HetparError: a bad option, here rather than at the first call (PlanError
+        for a malformed `plan` or `devices` not present). A plan dict that
+        does not name exactly the step's layers raises PlanError at the first call.
     """
-    if isinstance(batch_argnums, int):
+    if isinstance(devices, str):
+        devices = (devices,)
+    elif devices is not None and not isinstance(devices, Sequence):
+        raise PlanError(f"devices must be a device name or a sequence of them, got "
+                        f"{type(devices).__name__}")
+    if _is_int(batch_argnums):
         batch_argnums = (batch_argnums,)
-    options = Options(tuple(devices) if devices else None, objective, plan, microbatches,
-                      tuple(batch_argnums) if batch_argnums is not None else None, schedule,
-                      profile, depth, on_missing_device, bool(data_parallel))
-    if on_missing_device not in ("error", "replan"):
-        raise HetparError("on_missing_device must be 'error' or 'replan'")
+    elif batch_argnums is not None and not isinstance(batch_argnums, Sequence):
+        raise HetparError("batch_argnums must be an int, a sequence of ints or None, got "
+                          f"{type(batch_argnums).__name__}")
+    options = Options(devices=tuple(devices) if devices else None, objective=objective,
+                      plan=plan, microbatches=microbatches,
+                      batch_argnums=None if batch_argnums is None else tuple(batch_argnums),
+                      schedule=schedule, profile=profile, depth=depth,
+                      on_missing_device=on_missing_device, data_parallel=bool(data_parallel))
     if fn is None:
         return functools.partial(_wrap, options=options)
     return _wrap(fn, options)

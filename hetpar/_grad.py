@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,30 @@ def microbatching(count: int, batch_leaves: Sequence[Any]):
         yield
     finally:
         _state.mb = prev
+
+
+def microbatched(fn: Callable, microbatches: int,
+                 batch_argnums: Sequence[int] | None = None) -> Callable:
+    """`fn` with its batch arguments registered for `hetpar.value_and_grad`.
+
+    Calling the result traces (or runs) `fn` as `hetpar.auto(...,
+    microbatches=M)` does: marked gradients split those arguments' leaves into
+    `microbatches` parts. With one microbatch it is `fn`'s computation unchanged.
+
+    Args:
+      fn: the step.
+      microbatches: how many microbatches marked gradients take.
+      batch_argnums: which of `fn`'s arguments are batch data (None: the last).
+    """
+
+    @functools.wraps(fn)
+    def step(*args):
+        nums = (len(args) - 1,) if batch_argnums is None else batch_argnums
+        leaves = [leaf for k in nums for leaf in jax.tree_util.tree_leaves(args[k])]
+        with microbatching(microbatches, leaves):
+            return fn(*args)
+
+    return step
 
 
 def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,

@@ -13,19 +13,8 @@ import io
 import json
 from collections.abc import Callable, Sequence
 
+from hetpar.core import HetparError, human
 from hetpar.passes import LayerGraph, XlaCost, layer_costs, step_cost, trace
-
-_UNITS = ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
-
-
-def human(x: float | None, unit: str = "") -> str:
-    """1.23G-style formatting; None prints as '?'."""
-    if x is None:
-        return "?"
-    for scale, prefix in _UNITS:
-        if abs(x) >= scale:
-            return f"{x / scale:.3g}{prefix}{unit}"
-    return f"{x:.3g}{unit}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +90,6 @@ def report_graph(graph: LayerGraph, *, backend: str = "cpu", xla: bool = True,
                  mode: str = "train") -> CostReport:
     """The cost report of an already traced step."""
     if by not in ("layer", "op"):
-        from hetpar.core import HetparError
-
         raise HetparError(f"by must be 'layer' or 'op', got {by!r}")
     xla_layers = layer_costs(graph, backend) if xla and by == "layer" else {}
     xla_step = step_cost(graph, backend) if xla else XlaCost.unknown()
@@ -176,6 +163,4 @@ def dumps(rep: CostReport, fmt: str) -> str:
         return json.dumps(rep.to_json(), indent=2)
     if fmt == "csv":
         return rep.to_csv()
-    from hetpar.core import HetparError
-
     raise HetparError(f"unknown format {fmt!r}; use table, json or csv")

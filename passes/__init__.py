@@ -15,7 +15,14 @@ from hetpar.passes._costs import (
     jaxpr_work,
     op_class,
 )
-from hetpar.passes._layer_graph import PARAM, LayerGraph, LayerInfo, trace
+from hetpar.passes._layer_graph import (
+    LAYERS_FORMAT,
+    LAYERS_VERSION,
+    PARAM,
+    LayerGraph,
+    LayerInfo,
+    trace,
+)
 from hetpar.passes._layers import (
     MICROBATCH_SCOPE,
     SHARED,
@@ -30,6 +37,8 @@ from hetpar.passes._split import Stage, StageGraph, split
 from hetpar.passes._xla import XlaCost, compiled_cost, hlo_text, layer_costs, step_cost
 
 __all__ = [
+    "LAYERS_FORMAT",
+    "LAYERS_VERSION",
     "MICROBATCH_SCOPE",
     "OP_CLASSES",
     "PARAM",

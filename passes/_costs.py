@@ -2,7 +2,7 @@
 
 This is the "before optimisation" column: every equation is counted as if
 XLA ran it alone (it reads its operands and writes its results once). XLA's
-own `cost_analysis` (the "after" column, `passes.xla_costs`) counts a loop
+own `cost_analysis` (the "after" column, `layer_costs` in `_xla`) counts a loop
 body once and reports nothing for cuDNN convolutions and custom calls, so it
 cannot be the only source (DESIGN, "Costs").
 
@@ -29,6 +29,9 @@ from collections.abc import Iterable
 import numpy as np
 from jax.extend import core as jcore
 
+#: The op classes of hetpar's count (`op_class`, `Work.by_class`): the one
+#: definition. The roofline predictor's coarser classes are derived from
+#: these by `hetpar.cost_models.ROOFLINE_CLASS`, which must map every one.
 OP_CLASSES = ("matmul", "elementwise", "reduction", "data_movement", "control_flow")
 
 _TRANSCENDENTAL = frozenset(

@@ -14,8 +14,6 @@ gradient, an activation read by an earlier layer's backward) adds to its
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -23,12 +21,16 @@ import jax
 import networkx as nx
 from jax.extend import core as jcore
 
+from hetpar.core import fingerprint
 from hetpar.passes._costs import Work, eqn_work, eqns_work, nbytes
 from hetpar.passes._layers import SHARED, assign_layers, is_backward, is_forward
 from hetpar.passes._program import Program, subjaxpr, trace_program
 
 #: Roles of a flat input of the step.
 PARAM, OPT_STATE, BATCH = "param", "opt_state", "batch"
+
+#: Format tag and version of `LayerGraph.to_json` (`hetpar trace --out layers.json`).
+LAYERS_FORMAT, LAYERS_VERSION = "hetpar.layers", 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,11 +115,32 @@ class LayerGraph:
                 f"{len(self.program.eqns)} equations)")
 
     def _build(self) -> nx.DiGraph:
-        jaxpr = self.program.jaxpr.jaxpr
-        eqns = jaxpr.eqns
-        # Program order, taken at each layer's first forward equation: with
-        # microbatches the labels are sliced up front by equations of the loss
-        # layer, which must not make it "earlier" than the layers before it.
+        eqns = self.program.jaxpr.jaxpr.eqns
+        order, members = self._program_order()
+        param_b, opt_b = self._state_bytes(order)
+        saved, flow = self._flows(order)
+        g = nx.DiGraph()
+        for name, ids in members.items():
+            g.add_node(name, info=LayerInfo(
+                name=name,
+                eqns=tuple(ids),
+                param_bytes=int(param_b[name]),
+                opt_state_bytes=int(opt_b[name]),
+                activation_bytes=int(saved[name]),
+                work=eqns_work(eqns[i] for i in ids),
+            ))
+        for (u, v), (fwd, bwd) in flow.items():
+            g.add_edge(u, v, bytes=fwd, bytes_backward=bwd)
+        return g
+
+    def _program_order(self) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """({layer: rank in program order}, {layer: its equations}), layers in that order.
+
+        Program order is taken at each layer's first forward equation: with
+        microbatches the labels are sliced up front by equations of the loss
+        layer, which must not make it "earlier" than the layers before it.
+        """
+        eqns = self.program.jaxpr.jaxpr.eqns
         first: dict[str, int] = {}
         first_fwd: dict[str, int] = {}
         for i, (name, e) in enumerate(zip(self.eqn_layers, eqns)):
@@ -131,16 +154,31 @@ class LayerGraph:
         for i, name in enumerate(self.eqn_layers):
             if name != SHARED:
                 members[name].append(i)
+        return order, members
 
+    def _state_bytes(self, order: dict[str, int]) -> tuple[Counter, Counter]:
+        """(parameter bytes, optimizer-state bytes) of each layer, from the step's inputs."""
         param_b: Counter = Counter()
         opt_b: Counter = Counter()
+        jaxpr = self.program.jaxpr.jaxpr
         for v, layer, role in zip(jaxpr.invars, self.input_layers, self.input_roles):
             if layer in order:
                 if role == PARAM:
                     param_b[layer] += nbytes(v.aval)
                 elif role == OPT_STATE:
                     opt_b[layer] += nbytes(v.aval)
+        return param_b, opt_b
 
+    def _flows(self, order: dict[str, int]
+               ) -> tuple[Counter, dict[tuple[str, str], list[float]]]:
+        """(saved activation bytes per layer, {(earlier, later): [forward, backward bytes]}).
+
+        Every tensor a layer reads from another counts once per reader; a
+        forward result read by backward code is an activation its producer
+        saves.
+        """
+        jaxpr = self.program.jaxpr.jaxpr
+        eqns = jaxpr.eqns
         producer: dict[jcore.Var, int] = {}
         for i, e in enumerate(eqns):
             for o in e.outvars:
@@ -182,20 +220,7 @@ class LayerGraph:
                     flow.setdefault((src, dst), [0.0, 0.0])[0] += b
                 else:
                     flow.setdefault((dst, src), [0.0, 0.0])[1] += b
-
-        g = nx.DiGraph()
-        for name, ids in members.items():
-            g.add_node(name, info=LayerInfo(
-                name=name,
-                eqns=tuple(ids),
-                param_bytes=int(param_b[name]),
-                opt_state_bytes=int(opt_b[name]),
-                activation_bytes=int(saved[name]),
-                work=eqns_work(eqns[i] for i in ids),
-            ))
-        for (u, v), (fwd, bwd) in flow.items():
-            g.add_edge(u, v, bytes=fwd, bytes_backward=bwd)
-        return g
+        return saved, flow
 
     # -- pieces ------------------------------------------------------------
 
@@ -222,33 +247,41 @@ class LayerGraph:
         return total
 
     def fingerprint(self) -> str:
-        """A stable hash of the layers, edges and the step's input shapes.
+        """A stable hash of the layers (in program order), edges and the step's input shapes.
 
-        Plans store it: a plan made for another model (or other shapes) is
-        refused instead of failing deep inside JAX.
+        The same mechanism as `CostTable.fingerprint` (`hetpar.core.fingerprint`),
+        over what identifies a traced step rather than a plan's graph: the
+        input shapes and dtypes are in (the same model at another batch size
+        is another step) and there are no devices yet. `hetpar costs` keeps it
+        in graph.json's `meta` (`graph_fingerprint`).
         """
-        data = {
+        return fingerprint({
             "layers": self.layers,
             "edges": sorted((u, v) for u, v in self.graph.edges),
             "inputs": [f"{v.aval.dtype}{list(v.aval.shape)}"
                        for v in self.program.jaxpr.jaxpr.invars],
-        }
-        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+        })
 
     def to_json(self) -> dict:
-        """The graph.json form of DESIGN, with no device columns yet.
+        """The layers file form (`hetpar trace --out layers.json`): layers and edges, no devices.
 
-        Per-device `time_s` and `memory_bytes` are filled by the cost models
-        (`hetpar costs`); the layer fields hetpar adds (FLOPs, bytes, memory
-        parts) let a planner script work from the file alone.
+        Not the planner's input: `hetpar costs MODEL --devices LIST --out
+        graph.json` adds per-device times, memory, devices and links. Each
+        layer carries its FLOPs, bytes and memory parts, so a script can work
+        from the file alone::
+
+            {"format": "hetpar.layers", "version": 1,
+             "layers": [{"name", "flops", "bytes_accessed", "transcendentals",
+                         "param_bytes", "opt_state_bytes", "activation_bytes",
+                         "resident_bytes"}, ...],
+             "edges": [{"src", "dst", "bytes", "bytes_backward"}, ...],
+             "meta": {"fingerprint", "depth"}}
         """
         layers = []
         for name in self.layers:
             info = self[name]
             layers.append({
                 "name": name,
-                "time_s": {},
-                "memory_bytes": {},
                 "flops": info.flops,
                 "bytes_accessed": info.bytes_accessed,
                 "transcendentals": info.transcendentals,
@@ -261,7 +294,7 @@ class LayerGraph:
             {"src": u, "dst": v, "bytes": d["bytes"], "bytes_backward": d["bytes_backward"]}
             for u, v, d in self.graph.edges(data=True)
         ]
-        return {"format": "hetpar.graph", "version": 1, "devices": [], "links": [],
+        return {"format": LAYERS_FORMAT, "version": LAYERS_VERSION,
                 "layers": layers, "edges": edges,
                 "meta": {"fingerprint": self.fingerprint(), "depth": self.depth}}
 

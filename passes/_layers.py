@@ -123,29 +123,47 @@ def assign_layers(
     eqns = jaxpr.eqns
     stacks = [str(e.source_info.name_stack) for e in eqns]
     paths = _strip_root([module_path(s) for s in stacks])
-    layer: list[str | None] = ["/".join(p[:depth]) or None for p in paths]
-
+    layer: list[str | None] = ["/".join(p[:depth]) or None for p in paths]  # rule 1
     if not any(layer):
         layer = _auto_cluster(eqns, stacks, auto_layers, flops)
 
-    order: dict[str, int] = {}
-    for name in layer:
-        if name is not None and name not in order:
-            order[name] = len(order)
-
-    producer: dict[jcore.Var, str] = {}  # var -> layer (or SHARED) that defines it
     first_named_consumer: dict[jcore.Var, str] = {}
     for i, e in enumerate(eqns):
         if layer[i] is not None:
             for a in e.invars:
                 if isinstance(a, jcore.Var):
                     first_named_consumer.setdefault(a, layer[i])
+    consumers: dict[jcore.Var, list[int]] = {}
+    for i, e in enumerate(eqns):
+        for a in e.invars:
+            if isinstance(a, jcore.Var):
+                consumers.setdefault(a, []).append(i)
+    _place_unnamed(eqns, layer, consumers)
+
+    # Rule 2. Inputs nothing named reads (optimizer state): the layer of their first consumer.
+    input_layers: list[str | None] = []
+    for v in jaxpr.invars:
+        owner = first_named_consumer.get(v)
+        if owner is None:
+            owners = [layer[j] for j in consumers.get(v, []) if layer[j] != SHARED]
+            owner = owners[0] if owners else (SHARED if consumers.get(v) else None)
+        input_layers.append(owner)
+    return layer, input_layers  # type: ignore[return-value]
+
+
+def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, list[int]]) -> None:
+    """Rules 3 to 5: gives every unnamed equation a layer (or `SHARED`), in place."""
+    order: dict[str, int] = {}
+    for name in layer:
+        if name is not None and name not in order:
+            order[name] = len(order)
     # Step inputs are not produced by any layer: an unnamed equation that reads
     # only inputs (labels sliced from the batch) waits for its first consumer
     # (rule 5) instead of joining the first layer that happened to read the
     # same input. Before, GPT-2's loss scattered a [batch, seq, vocab]
     # gradient inside `wte`, because `wte` reads the tokens the labels come
     # from: an 817 MB edge that was never the model's.
+    producer: dict[jcore.Var, str] = {}  # var -> layer (or SHARED) that defines it
 
     def define(i: int) -> None:
         for o in eqns[i].outvars:
@@ -157,23 +175,18 @@ def assign_layers(
         if layer[i] is None:
             srcs = [producer.get(a) for a in e.invars if isinstance(a, jcore.Var)]
             layered = [s for s in srcs if s is not None and s != SHARED]
-            if layered:
+            if layered:  # rule 3
                 layer[i] = max(layered, key=order.__getitem__)
             elif all(_is_scalar(o) for o in e.outvars) and all(
                 s is None or s == SHARED for s in srcs
             ) and all(_is_scalar(a) or not isinstance(a, jcore.Var) for a in e.invars):
-                layer[i] = SHARED
+                layer[i] = SHARED  # rule 4
             else:
                 pending.append(i)
                 continue
         define(i)
 
     # Rule 5: first consumer, walking backwards so chains of pending equations resolve.
-    consumers: dict[jcore.Var, list[int]] = {}
-    for i, e in enumerate(eqns):
-        for a in e.invars:
-            if isinstance(a, jcore.Var):
-                consumers.setdefault(a, []).append(i)
     for i in reversed(pending):
         found = None
         for o in eqns[i].outvars:
@@ -186,16 +199,6 @@ def assign_layers(
             order.setdefault(found, len(order))
         layer[i] = found
         define(i)
-
-    # Inputs nothing named reads (optimizer state): the layer of their first consumer.
-    input_layers: list[str | None] = []
-    for v in jaxpr.invars:
-        owner = first_named_consumer.get(v)
-        if owner is None:
-            owners = [layer[j] for j in consumers.get(v, []) if layer[j] != SHARED]
-            owner = owners[0] if owners else (SHARED if consumers.get(v) else None)
-        input_layers.append(owner)
-    return layer, input_layers  # type: ignore[return-value]
 
 
 def _auto_cluster(eqns, stacks, k: int, flops) -> list[str | None]:

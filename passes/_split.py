@@ -85,10 +85,6 @@ class StageGraph:
     home: str
     schedule: str
 
-    @property
-    def devices(self) -> list[str]:
-        return list(self.device_order)
-
     def stages_on(self, device: str) -> list[Stage]:
         return [self.stages[i] for i in self.device_order.get(device, ())]
 
@@ -111,20 +107,46 @@ def split(graph: LayerGraph, assignment: Mapping[str, str], *,
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    _check_covers(graph, assignment)
+    eqns = graph.program.jaxpr.jaxpr.eqns
+    home = assignment[graph.layers[0]]
+    device = _eqn_devices(graph, assignment, home)
+    keys = _stage_keys(eqns, device)
+    deps = _eqn_deps(eqns)
+    try:
+        order = device_aware_order(deps, keys)
+    except ValueError:  # cannot happen for a valid jaxpr
+        raise PlanError("internal error: the step's equations form a cycle") from None
+    runs = cut_runs(order, keys)
+    stage_of = {i: s for s, run in enumerate(runs) for i in run}
+    stages = _stages(graph, runs, keys, stage_of)
+    device_order, schedule = device_orders(
+        [(st.device, st.microbatch, st.phase) for st in stages],
+        stage_deps([stage_of[i] for i in range(len(eqns))], deps, len(stages)), schedule)
+    return StageGraph(graph, dict(assignment), tuple(stages), device_order,
+                      _input_devices(graph, assignment, device, home), home, schedule)
+
+
+def _check_covers(graph: LayerGraph, assignment: Mapping[str, str]) -> None:
+    """The assignment names every layer of the step and no other."""
     missing = [n for n in graph.layers if n not in assignment]
     unknown = [n for n in assignment if n not in set(graph.layers)]
     if missing or unknown:
         raise PlanError(
             "the plan does not fit this step's layers: "
-            + (f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}; " if missing else "")
             + (f"unknown {unknown[:8]}{'...' if len(unknown) > 8 else ''}; " if unknown else "")
+            + (f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}; " if missing else "")
             + f"the step's layers are {graph.layers[:12]}{'...' if len(graph) > 12 else ''}. "
             "Was the plan made for another model or depth?")
-    jaxpr = graph.program.jaxpr.jaxpr
-    eqns = jaxpr.eqns
-    home = assignment[graph.layers[0]]
-    device = _eqn_devices(graph, assignment, home)
 
+
+def _stage_keys(eqns, device: list[str]) -> list[tuple[str, int | None, str]]:
+    """Each equation's stage key: (device, microbatch, phase).
+
+    Without microbatches every phase is "main"; with them, equations of a
+    microbatch are its "forward" or "backward", and the rest come "pre" (before
+    the first microbatch's equations) or "post" (the accumulation and update).
+    """
     stacks = [str(e.source_info.name_stack) for e in eqns]
     mbs = [microbatch_of(s) for s in stacks]
     first_mb = next((i for i, m in enumerate(mbs) if m is not None), None)
@@ -136,26 +158,20 @@ def split(graph: LayerGraph, assignment: Mapping[str, str], *,
             phase.append("main")
         else:
             phase.append("pre" if i < first_mb else "post")
-    keys = [(device[i], mbs[i], phase[i]) for i in range(len(eqns))]
+    return [(device[i], mbs[i], phase[i]) for i in range(len(eqns))]
 
-    deps = _eqn_deps(eqns)
-    try:
-        order = device_aware_order(deps, keys)
-    except ValueError:  # cannot happen for a valid jaxpr
-        raise PlanError("internal error: the step's equations form a cycle") from None
-    runs = cut_runs(order, keys)
 
-    stage_of = {}
-    for s, run in enumerate(runs):
-        for i in run:
-            stage_of[i] = s
+def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int]) -> list[Stage]:
+    """One Stage per run of equations: its inputs, outputs and closed jaxpr."""
+    jaxpr = graph.program.jaxpr.jaxpr
+    eqns = jaxpr.eqns
     readers: dict[jcore.Var, set[int]] = {}
     for i, e in enumerate(eqns):
         for a in e.invars:
             if isinstance(a, jcore.Var):
                 readers.setdefault(a, set()).add(stage_of[i])
     result_vars = {a for a in jaxpr.outvars if isinstance(a, jcore.Var)}
-    consts = dict(zip(graph.program.jaxpr.jaxpr.constvars, graph.program.jaxpr.consts))
+    consts = dict(zip(jaxpr.constvars, graph.program.jaxpr.consts))
 
     stages = []
     for s, run in enumerate(runs):
@@ -179,24 +195,27 @@ def split(graph: LayerGraph, assignment: Mapping[str, str], *,
         layers = tuple(dict.fromkeys(graph.eqn_layers[i] for i in ids))
         stages.append(Stage(s, dev, tuple(ids), mb, ph, layers, tuple(inputs),
                             tuple(outputs), closed))
+    return stages
 
-    device_order, schedule = device_orders(
-        [(st.device, st.microbatch, st.phase) for st in stages],
-        stage_deps([stage_of[i] for i in range(len(eqns))], deps, len(stages)), schedule)
-    # Shared inputs (the optimizer's step count) live where they are first read,
-    # like the shared equations: otherwise every step would pull the new count
-    # back from the accelerator to the home device and wait for it.
+
+def _input_devices(graph: LayerGraph, assignment: Mapping[str, str], device: list[str],
+                   home: str) -> tuple[str, ...]:
+    """The device every flat program input should live on: its layer's.
+
+    Shared inputs (the optimizer's step count) live where they are first read,
+    like the shared equations: otherwise every step would pull the new count
+    back from the accelerator to the home device and wait for it.
+    """
+    jaxpr = graph.program.jaxpr.jaxpr
     first_read: dict[jcore.Var, str] = {}
-    for i, e in enumerate(eqns):
+    for i, e in enumerate(jaxpr.eqns):
         for a in e.invars:
             if isinstance(a, jcore.Var):
                 first_read.setdefault(a, device[i])
-    input_devices = [
+    return tuple(
         first_read.get(v, home) if layer in (None, SHARED) else assignment[layer]
         for v, layer in zip(jaxpr.invars, graph.input_layers)
-    ]
-    return StageGraph(graph, dict(assignment), tuple(stages), device_order,
-                      tuple(input_devices), home, schedule)
+    )
 
 
 def _eqn_devices(graph: LayerGraph, assignment: Mapping[str, str], home: str) -> list[str]:

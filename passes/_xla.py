@@ -15,6 +15,7 @@ import jax
 from absl import logging
 from jax.extend import core as jcore
 
+from hetpar.core import HetparError
 from hetpar.passes._layer_graph import LayerGraph
 
 
@@ -35,8 +36,6 @@ def _device(backend: str) -> jax.Device:
     try:
         return jax.devices(backend)[0]
     except RuntimeError as e:
-        from hetpar.core import HetparError
-
         raise HetparError(
             f"backend {backend!r} is not present on this machine ({e}); "
             f"present: {sorted({d.platform for d in jax.devices()} | {'cpu'})}"

@@ -51,11 +51,16 @@ def test_cli_report_json_and_csv():
     assert csv.splitlines()[0].startswith("name,flops")
 
 
-def test_cli_trace_writes_graph_json(tmp_path):
-    path = tmp_path / "graph.json"
+def test_cli_trace_writes_the_layers_format(tmp_path):
+    # Not graph.json: `hetpar plan --graph` takes what `hetpar costs --out` writes.
+    path = tmp_path / "layers.json"
     hetpar_cli("trace", "conv6", "--small", "--out", str(path))
     data = json.loads(path.read_text())
-    assert data["format"] == "hetpar.graph" and len(data["layers"]) >= 7
+    assert (data["format"], data["version"]) == ("hetpar.layers", 1)
+    assert len(data["layers"]) >= 7 and "devices" not in data
+    assert data["meta"]["model"] == "conv6"
+    assert {"name", "flops", "param_bytes", "activation_bytes"} <= set(data["layers"][0])
+    assert {"src", "dst", "bytes", "bytes_backward"} <= set(data["edges"][0])
 
 
 def test_cli_plan_from_a_model_name(tmp_path):

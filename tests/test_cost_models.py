@@ -302,7 +302,7 @@ def test_io_bytes_bound_the_prediction_and_buffers_round_trip(tmp_path):
 
 
 def test_fused_bytes_are_read_on_cpu_and_undercut_the_unfused_count():
-    from hetpar.cost_models._table import layer_fused_bytes, layer_work
+    from hetpar.cost_models import layer_fused_bytes, layer_work
     from hetpar.passes import trace
 
     def chain(x):
@@ -354,3 +354,14 @@ def test_loading_a_quick_profile_warns(tmp_path, caplog):
     with caplog.at_level(pylogging.WARNING):
         load_profiles(path)
     assert "--quick" in caplog.text and "links on transfers up to 16 MB" in caplog.text
+
+
+def test_roofline_classes_map_every_jaxpr_op_class():
+    from hetpar import passes
+    from hetpar.cost_models import ROOFLINE_CLASS
+
+    # One vocabulary: the jaxpr's op classes; the roofline's are their images.
+    assert set(ROOFLINE_CLASS) == set(passes.OP_CLASSES)
+    assert tuple(dict.fromkeys(ROOFLINE_CLASS.values())) == OP_CLASSES
+    assert {passes.op_class(p) for p in ("dot_general", "exp", "reduce_sum", "gather",
+                                         "scan")} <= set(ROOFLINE_CLASS)

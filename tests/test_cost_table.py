@@ -4,14 +4,14 @@ import functools
 
 import pytest
 
-from hetpar import cost_models
+from hetpar import cost_models, zoo
 from hetpar.core import CostTable, ProfileError
 from hetpar.cost_models import _measure
 
 
 @functools.cache
 def _lm():
-    return cost_models.trace_model("lm_embed", small=True)
+    return zoo.trace_model("lm_embed", small=True)
 
 
 @pytest.fixture(autouse=True)
@@ -103,7 +103,7 @@ def test_cli_measure_absent_device_exits_with_an_error(capsys):
 
 
 def test_layer_work_counts_buffers_and_io_bytes():
-    from hetpar.cost_models._table import graph_layer_work, layer_io
+    from hetpar.cost_models import graph_layer_work, layer_io
 
     _, graph = _lm()
     for name in graph.layers:
@@ -119,7 +119,7 @@ def test_scale_to_step_matches_whole_step_and_keeps_ratios():
     from hetpar.cost_models import scale_to_step
     from hetpar.planner import evaluate
 
-    table = cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True)
+    table = zoo.cost_table("mlp", ["cpu:0"], small=True)
     scaled = scale_to_step(table, {"cpu:0": 0.5})
     one = {layer: "cpu:0" for layer in scaled.layer_names}
     assert evaluate(scaled, one).step_time_s == pytest.approx(0.5)
@@ -134,21 +134,18 @@ def test_scale_to_step_matches_whole_step_and_keeps_ratios():
 
 
 def test_measured_fixed_part_per_microbatch():
-    table = cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, measure=True, k=2,
-                                             microbatches=2)
+    table = zoo.cost_table("mlp", ["cpu:0"], small=True, measure=True, k=2, microbatches=2)
     for layer in table.layers:
         assert set(layer.fixed_s) == {"cpu:0"}
         assert 0.0 <= layer.fixed_s["cpu:0"] <= layer.time_s["cpu:0"]
     assert "batch/2" in table.meta["fixed_s"]
     assert CostTable.from_json(table.to_json()).layers == table.layers
     with pytest.raises(ProfileError, match="add measure"):
-        cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, microbatches=2)
+        zoo.cost_table("mlp", ["cpu:0"], small=True, microbatches=2)
     with pytest.raises(ProfileError, match="positive integer"):
-        cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, measure=True,
-                                         microbatches=0)
+        zoo.cost_table("mlp", ["cpu:0"], small=True, measure=True, microbatches=0)
     with pytest.raises(ProfileError, match="does not divide"):
-        cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True, measure=True,
-                                         microbatches=7)
+        zoo.cost_table("mlp", ["cpu:0"], small=True, measure=True, microbatches=7)
 
 
 def test_scale_to_step_scales_the_fixed_part_too():
@@ -156,7 +153,7 @@ def test_scale_to_step_scales_the_fixed_part_too():
 
     from hetpar.cost_models import scale_to_step
 
-    table = cost_models.cost_table_for_model("mlp", ["cpu:0"], small=True)
+    table = zoo.cost_table("mlp", ["cpu:0"], small=True)
     table = dataclasses.replace(table, layers=tuple(
         dataclasses.replace(layer, fixed_s={"cpu:0": 0.5 * layer.time_s["cpu:0"]})
         for layer in table.layers))

@@ -21,7 +21,8 @@ def test_transfer_engine_moves_values_both_ways():
     back = engine.move(on_gpu, cpu)
     assert next(iter(on_gpu.devices())) == gpu and next(iter(back.devices())) == cpu
     np.testing.assert_array_equal(np.asarray(back), x)
-    assert engine.path(gpu, cpu, 1 << 24) == "pinned_host"
+    assert engine.path(gpu, cpu) == "pinned_host"
+    assert engine.path(cpu, gpu) == "device_put"
 
 
 @pytest.mark.parametrize("name", ["resnet18", "transformer", "cnn_preprocess"])

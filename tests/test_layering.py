@@ -44,7 +44,7 @@ def test_jax_free(module):
 
 
 def test_plan_from_graph_file_never_imports_jax(tmp_path):
-    from hetpar.planner import random_cost_table
+    from tests.random_tables import random_cost_table
 
     graph = tmp_path / "graph.json"
     random_cost_table(0, layers=6, devices=2).save(graph)

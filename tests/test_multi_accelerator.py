@@ -66,14 +66,14 @@ def test_replay_runs_each_device_in_the_runtimes_order(name):
     Both a contiguous plan (1F1B holds) and one that visits a device twice
     (1F1B would deadlock and falls back to GPipe, in both).
     """
-    from hetpar._auto import _marked
+    from hetpar._grad import microbatched
     from hetpar.passes import split
     from hetpar.planner import simulate
 
     w = zoo.get(name, small=True, batch=4)
     args = w.example_args()
     for m, schedule in itertools.product((1, 4), ("gpipe", "1f1b")):
-        graph = hetpar.trace(_marked(w.train_step, m, None), *args)
+        graph = hetpar.trace(microbatched(w.train_step, m, None), *args)
         table = cost_table(graph, list(GPUS), profiles=two_gpu_profiles())
         n = len(graph.layers)
         plans = {

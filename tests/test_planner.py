@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,12 +23,13 @@ from hetpar.planner import (
     evaluate_replayed,
     exhaustive,
     plan,
-    random_cost_table,
     simulate,
     violations,
 )
+from tests.random_tables import random_cost_table
 
 EXACT = 1e-9  # solver gap for oracle comparisons
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = [
     dict(shape=shape, memory=memory, missing_links=missing, restrict=restrict)
@@ -214,7 +216,8 @@ def _bad(edit):
 BAD_GRAPHS = {
     "format": (lambda d: d.update(format="hetpar.plan"), "format"),
     "version": (lambda d: d.update(version=7), "version 7"),
-    "missing layers": (lambda d: d.pop("layers"), "'layers'"),
+    "missing layers": (lambda d: d.pop("layers"),
+                       r"missing field 'layers' \(a list\); see docs/formats.md"),
     "missing device field": (lambda d: d["devices"][0].pop("memory_bytes"),
                              r"devices\[0\] is missing field 'memory_bytes'"),
     "missing edge bytes": (lambda d: d["edges"][0].pop("bytes"), r"edges\[0\].*'bytes'"),
@@ -294,8 +297,42 @@ def test_plan_save_load_check(tmp_path):
         Plan.load(tmp_path / "bad.json")
 
 
-@pytest.mark.skipif(not __import__("hetpar.planner").planner.highs_available(),
-                    reason="highspy not installed")
+def test_layer_listing_is_not_a_graph():
+    listing = {"format": "hetpar.layers", "version": 1, "layers": [], "edges": []}
+    with pytest.raises(GraphFormatError) as e:
+        CostTable.from_json(listing)
+    assert ("that file is a layer listing from `hetpar trace`, not the planner's input; write "
+            "graph.json with `hetpar costs MODEL --devices LIST --out graph.json`") in str(e.value)
+
+
+HIGHS = pytest.mark.skipif(not __import__("hetpar.planner").planner.highs_available(),
+                           reason="highspy not installed")
+SOLVERS = ["cbc", pytest.param("highs", marks=HIGHS)]
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_solvers_print_nothing(solver, capfd):
+    p = plan(random_cost_table(5, layers=9, devices=3, memory="tight"), gap=EXACT, solver=solver,
+             baselines=False)
+    assert (p.solver["name"], p.solver["status"]) == (solver, "optimal")
+    assert capfd.readouterr().out == ""
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+def test_solvers_print_nothing_in_a_fresh_process(solver, capfd):
+    # HiGHS prints its banner once per process, on the first model it creates:
+    # only a fresh interpreter shows whether that one stays quiet too.
+    code = ("from hetpar.planner import plan\n"
+            "from tests.random_tables import random_cost_table\n"
+            f"p = plan(random_cost_table(5, layers=9, devices=3), solver={solver!r}, "
+            "baselines=False)\n"
+            f"assert p.solver['name'] == {solver!r}, p.solver\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=120)
+    assert run.returncode == 0
+    assert capfd.readouterr().out == ""
+
+
+@HIGHS
 def test_highs_agrees_with_cbc():
     table = random_cost_table(2, layers=10, devices=3, memory="tight")
     a = plan(table, gap=EXACT, baselines=False)

@@ -12,6 +12,7 @@ Tolerance: the relative L2 error over all floating-point state, <= 1e-5
 """
 
 import dataclasses
+import threading
 
 import flax.linen as nn
 import jax
@@ -22,7 +23,7 @@ import pytest
 
 import hetpar
 from hetpar import zoo
-from hetpar._auto import _marked
+from hetpar._grad import microbatched
 from hetpar.passes import SHARED
 
 CPU = jax.devices("cpu")
@@ -40,7 +41,7 @@ def rel_error(a, b) -> float:
 
 def check_steps(step_fn, auto_step, args, *, steps=3, microbatches=1, rtol=1e-5):
     """Runs `steps` steps under hetpar; each must equal jax.jit on the same inputs."""
-    ref = jax.jit(_marked(step_fn, microbatches, None))
+    ref = jax.jit(microbatched(step_fn, microbatches, None))
     state = args[:-1]
     batch = args[-1]
     for _ in range(steps):
@@ -353,3 +354,76 @@ def test_a_parameter_read_on_another_device_moves_once_per_step():
     moved.clear()
     check_steps(w.train_step, step, (*state, args[-1]), steps=2, microbatches=4)
     assert len(moved) == 2  # once per step, not once per microbatch stage (8 before)
+
+
+def mlp_forward(w, x):
+    with hetpar.layer("first"):
+        h = jnp.tanh(x @ w[0])
+    with hetpar.layer("second"):
+        return h @ w[1]
+
+
+MLP_W = [jnp.full((3, 4), 0.1), jnp.full((4, 2), 0.2)]
+SPLIT = {"first": "cpu:0", "second": "cpu:1"}
+
+
+def test_retracing_on_new_shapes_keeps_the_thread_count_bounded():
+    # Every signature compiles its own executor; they share one worker thread
+    # per device. Before, each kept two threads of its own: 200 after 100 shapes.
+    step = hetpar.auto(mlp_forward, plan=SPLIT)
+    before = threading.active_count()
+    most = before
+    for n in range(1, 101):
+        x = np.full((n, 3), 1.0 / n, np.float32)
+        out = step(MLP_W, x)
+        most = max(most, threading.active_count())
+        if n % 25 == 0:
+            np.testing.assert_allclose(out, jax.jit(mlp_forward)(MLP_W, x), rtol=1e-6)
+    assert step.lower(MLP_W, x).stages is not None  # really split over cpu:0 and cpu:1
+    assert most <= before + 2, f"{most - before} new threads after 100 shapes"
+
+
+def test_two_threads_calling_two_signatures_at_once():
+    # Both signatures' executors share the workers; a step queues its work on
+    # every worker at once, so concurrent steps cannot wait on each other.
+    step = hetpar.auto(mlp_forward, plan=SPLIT)
+    xs = [np.full((n, 3), 0.5, np.float32) for n in (2, 3)]
+    for x in xs:
+        step.lower(MLP_W, x)
+    errors = []
+
+    def run(x):
+        try:
+            for _ in range(20):
+                np.testing.assert_allclose(step(MLP_W, x), jax.jit(mlp_forward)(MLP_W, x),
+                                           rtol=1e-6)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(x,)) for x in xs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors
+
+
+def test_run_compares_with_jit_on_the_fastest_single_device_baseline():
+    from types import SimpleNamespace
+
+    from hetpar.cli._run import _best_single_device
+    from hetpar.planner import BaselineResult, Predicted
+
+    def only(dev, t):
+        return BaselineResult(f"only {dev}", predicted=Predicted(t, 0.0, 0.0, {dev: t}))
+
+    baselines = {b.name: b for b in (only("cpu:0", 3.0), only("cpu:1", 1.0), only("gpu:5", 0.1),
+                                     BaselineResult("only cpu:2", reason="out of memory"),
+                                     BaselineResult("heft", predicted=Predicted(0.01, 0, 0, {})))}
+    compiled = SimpleNamespace(plan=SimpleNamespace(baselines=baselines),
+                               assignment={"a": "cpu:0", "b": "cpu:3"})
+    # gpu:5 is predicted faster but not present; "heft" is not a single device.
+    assert _best_single_device(compiled) == "cpu:1"
+    compiled.plan = None
+    assert _best_single_device(compiled) == "cpu:0"

@@ -77,6 +77,18 @@ def test_edges_carry_forward_and_backward_bytes():
     assert e["bytes_backward"] == 2 * 5 * 5 * 4 * 4
 
 
+def test_fingerprint_names_layers_edges_and_input_shapes():
+    step, args = _net_step()
+    g = trace(step, *args)
+    assert g.fingerprint().startswith("sha256:")
+    assert trace(step, *args).fingerprint() == g.fingerprint()
+    assert trace(step, *args, depth=2).fingerprint() != g.fingerprint()
+    wider = (args[0], args[1], jnp.ones((3, 5, 5, 1)))  # another batch: another step
+    assert trace(step, *wider).fingerprint() != g.fingerprint()
+    data = g.to_json()
+    assert (data["format"], data["meta"]["fingerprint"]) == ("hetpar.layers", g.fingerprint())
+
+
 def test_named_scopes_in_plain_jax():
     def step(w, x):
         def loss(w):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from hetpar.cli._common import add_model_args, parse_config
+from hetpar.core import nbytes, seconds
 
 
 def register(sub) -> None:
@@ -35,19 +36,16 @@ def register(sub) -> None:
     p.set_defaults(func=_run)
 
 
-def _fmt_time(s: float) -> str:
-    return f"{s * 1e6:.1f}us" if s < 1e-3 else f"{s * 1e3:.2f}ms"
-
-
 def _run(args) -> int:
-    from hetpar.cost_models import cost_table_for_model, per_sample
+    from hetpar import zoo
+    from hetpar.cost_models import per_sample
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    table = cost_table_for_model(
+    table = zoo.cost_table(
         args.model, devices, small=args.small, batch=args.batch,
         config=parse_config(args.config), measure=args.measure, profiles=args.profiles,
         k=args.k, progress=progress if args.measure else None, microbatches=args.microbatches)
@@ -60,8 +58,8 @@ def _run(args) -> int:
           f"$ (price/h) and J (busy watts)")
     for d in table.devices:
         print(f"  {d.name:<12} kind {d.kind:<8} ${d.price_per_hour:.3f}/h  "
-              f"{d.watts_busy:.0f} W busy  {d.memory_bytes / 2**30:.0f} GiB")
-    head = f"{'layer':<28}" + "".join(f"{n:>34}" for n in names)
+              f"{d.watts_busy:.0f} W busy  {nbytes(d.memory_bytes)}")
+    head = f"{'layer':<28}" + "".join(f"{n:>38}" for n in names)
     print(head)
     total = {n: [0.0, 0.0, 0.0] for n in names}
     for layer in table.layers:
@@ -69,16 +67,16 @@ def _run(args) -> int:
         for n in names:
             pred = predicted[layer.name][n]
             meas = measured.get(layer.name, {}).get(n)
-            t = f"{_fmt_time(pred)}" + (f"/{_fmt_time(meas)}m" if meas is not None else "")
+            t = seconds(pred) + (f"/{seconds(meas)}" if meas is not None else "")
             c = costs[layer.name][n]
-            cells.append(f"{t:>16} {c['usd']:>8.1e}$ {c['joules']:>6.1e}J")
+            cells.append(f"{t:>20} {c['usd']:>8.1e}$ {c['joules']:>6.1e}J")
             total[n][0] += layer.time_s[n]
             total[n][1] += c["usd"]
             total[n][2] += c["joules"]
-        print(f"{layer.name[:27]:<28}" + "".join(f"{c:>34}" for c in cells))
+        print(f"{layer.name[:27]:<28}" + "".join(f"{c:>38}" for c in cells))
     print(f"{'total (step)':<28}" + "".join(
-        f"{_fmt_time(t):>16} {u:>8.1e}$ {j:>6.1e}J".rjust(34) for t, u, j in total.values()))
-    print("times: predicted" + ("/measured (m)" if measured else "") +
+        f"{seconds(t):>20} {u:>8.1e}$ {j:>6.1e}J".rjust(38) for t, u, j in total.values()))
+    print("times: predicted" + ("/measured" if measured else "") +
           "; $ and J are per sample, from the time used in graph.json")
     if args.out:
         table.save(args.out)

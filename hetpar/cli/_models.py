@@ -1,5 +1,7 @@
 """`hetpar models`: the zoo's models and their parameter counts."""
 
+from hetpar.core import human
+
 
 def register(sub) -> None:
     p = sub.add_parser("models", help="list the zoo's models with parameter counts")
@@ -8,7 +10,6 @@ def register(sub) -> None:
 
 def _run(args) -> int:
     from hetpar import zoo
-    from hetpar._report import human
 
     print(f"{'model':<20} {'params':>10} {'params (small)':>15}  input")
     for name in zoo.names():

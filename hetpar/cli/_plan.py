@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from hetpar.core import HetparError
+from hetpar.cli._common import parse_config
+from hetpar.core import CostTable, HetparError
 
 
 def register(subparsers) -> None:
@@ -21,7 +22,8 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=int, default=None, help="MODEL's batch size")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="MODEL config override (repeatable)")
-    p.add_argument("--graph", help="graph.json to plan (from `hetpar trace --out`)")
+    p.add_argument("--graph",
+                   help="graph.json to plan (from `hetpar costs MODEL --devices LIST --out`)")
     p.add_argument("--objective", choices=("time", "cost", "energy"), default="time")
     p.add_argument("--mode", choices=("sequential", "pipelined"), default="sequential")
     p.add_argument("--microbatches", type=int, default=None,
@@ -43,20 +45,17 @@ def register(subparsers) -> None:
     p.set_defaults(func=_run)
 
 
-def _table(args: argparse.Namespace):
-    from hetpar.planner import CostTable
-
+def _table(args: argparse.Namespace) -> CostTable:
     if args.model is not None:
         if args.graph is not None:
             raise HetparError("give either MODEL (with --devices) or --graph, not both")
         if not args.devices:
             raise HetparError("planning from a model name needs --devices, e.g. --devices cpu,h100")
-        from hetpar.cli._common import parse_config
-        from hetpar.cost_models import cost_table_for_model
+        from hetpar import zoo  # loads JAX: only when planning from a model name
 
-        return cost_table_for_model(args.model, [d.strip() for d in args.devices.split(",")],
-                                    small=args.small, batch=args.batch,
-                                    config=parse_config(args.config))
+        return zoo.cost_table(args.model, [d.strip() for d in args.devices.split(",")],
+                              small=args.small, batch=args.batch,
+                              config=parse_config(args.config))
     if args.graph is None:
         raise HetparError("pass --graph graph.json (or a MODEL with --devices)")
     return CostTable.load(args.graph)

@@ -51,8 +51,7 @@ def _run(args) -> int:
     import jax
 
     import hetpar
-    from hetpar._report import human
-    from hetpar.core import HetparError
+    from hetpar.core import HetparError, human
     from hetpar.cost_models import cost_table
 
     if args.steps < 1:
@@ -122,17 +121,17 @@ def _device(name: str):
 
 def _best_single_device(compiled) -> str:
     """The single device the planner predicts fastest (else the first accelerator, else cpu:0)."""
+    from hetpar.cost_models import present_devices
+
     plan = compiled.plan
     if plan is not None and plan.baselines:
-        singles = {name.split(" ", 1)[-1].strip("()"): b for name, b in plan.baselines.items()
-                   if name.startswith("single")}
-        best = [(b.get("step_time_s"), d) for d, b in singles.items()
-                if isinstance(b, dict) and b.get("step_time_s") is not None]
+        # The planner's one-device baselines are named "only <device>".
+        best = [(b.predicted.step_time_s, name.removeprefix("only "))
+                for name, b in plan.baselines.items()
+                if name.startswith("only ") and b.feasible]
+        present = present_devices()
+        best = [(t, d) for t, d in best if d in present]
         if best:
-            dev = min(best)[1]
-            from hetpar.cost_models import present_devices
-
-            if dev in present_devices():
-                return dev
+            return min(best)[1]
     used = sorted(set(compiled.assignment.values()), key=lambda d: d.startswith("cpu"))
     return used[0]

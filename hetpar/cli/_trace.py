@@ -1,20 +1,31 @@
-"""`hetpar trace MODEL --out graph.json`: the layer graph of a zoo model's step."""
+"""`hetpar trace MODEL --out layers.json`: the layer graph of a zoo model's step.
 
-import json
+The file is the layers form (`"format": "hetpar.layers"`): layers, their
+work and memory, and the tensors between them, with no devices. The
+planner's input (graph.json) comes from `hetpar costs MODEL --devices LIST
+--out graph.json`, which adds per-device times, the devices and the links.
+"""
 
 from hetpar.cli._common import add_model_args, step_and_args, workload
+from hetpar.core import human, save_json
 
 
 def register(sub) -> None:
-    p = sub.add_parser("trace", help="trace a zoo model's train step into layers; write graph.json")
+    p = sub.add_parser(
+        "trace", help="trace a zoo model's train step into layers; write layers.json",
+        description="Trace a zoo model's train step and group it into layers: equations, "
+                    "FLOPs, parameter and activation bytes per layer. --out writes them "
+                    "(format hetpar.layers); for the planner's graph.json, run `hetpar costs "
+                    "MODEL --devices LIST --out graph.json`.")
     add_model_args(p)
     p.add_argument("--depth", type=int, default=None, help="module-path depth naming layers")
-    p.add_argument("--out", default=None, help="write the graph.json form here")
+    p.add_argument("--out", default=None,
+                   help="write the layers here (layers.json, format hetpar.layers; not the "
+                        "planner's graph.json)")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
-    from hetpar._report import human
     from hetpar.passes import trace
 
     w = workload(args)
@@ -30,7 +41,6 @@ def _run(args) -> int:
     if args.out:
         data = graph.to_json()
         data["meta"].update({"model": args.model, "batch": w.config.get("batch_size")})
-        with open(args.out, "w") as f:
-            json.dump(data, f, indent=1)
+        save_json(args.out, data)
         print(f"wrote {args.out}")
     return 0

@@ -17,6 +17,7 @@ from hetpar.core._errors import (
     UnknownModelError,
 )
 from hetpar.core._files import load_json, save_json
+from hetpar.core._fingerprint import fingerprint
 from hetpar.core._graph import FORMAT as GRAPH_FORMAT
 from hetpar.core._graph import VERSION as GRAPH_VERSION
 from hetpar.core._graph import CostTable, Device, Edge, Layer, Link
@@ -51,6 +52,7 @@ __all__ = [
     "completes",
     "device_aware_order",
     "device_orders",
+    "fingerprint",
     "human",
     "load_json",
     "save_json",

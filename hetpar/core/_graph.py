@@ -9,8 +9,6 @@ everything downstream can trust it.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -18,9 +16,13 @@ from typing import Any
 
 from hetpar.core._errors import GraphFormatError
 from hetpar.core._files import load_json, save_json
+from hetpar.core._fingerprint import fingerprint
 
 FORMAT = "hetpar.graph"
 VERSION = 1
+# What `hetpar trace --out` writes: a listing of the layers, often mistaken for graph.json.
+_LAYERS_FORMAT = "hetpar.layers"
+_HOW_TO_WRITE = "hetpar costs MODEL --devices LIST --out graph.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,13 +202,11 @@ class CostTable:
         stays valid. A different model (layers, edges) or a different device
         set changes the fingerprint.
         """
-        payload = {
+        return fingerprint({
             "layers": sorted(self.layer_names),
             "edges": sorted([e.src, e.dst] for e in self.edges),
             "devices": sorted(self.device_names),
-        }
-        blob = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
-        return "sha256:" + hashlib.sha256(blob).hexdigest()[:16]
+        })
 
     # -- file form -------------------------------------------------------------
 
@@ -251,9 +251,13 @@ class CostTable:
         if not isinstance(data, Mapping):
             raise GraphFormatError(f"graph.json must hold a JSON object, got {type(data).__name__}")
         fmt = data.get("format")
+        if fmt == _LAYERS_FORMAT:
+            raise GraphFormatError(f"format is {fmt!r}: that file is a layer listing from "
+                                   "`hetpar trace`, not the planner's input; write graph.json "
+                                   f"with `{_HOW_TO_WRITE}`")
         if fmt != FORMAT:
             raise GraphFormatError(f"format is {fmt!r}, expected {FORMAT!r}: is this a graph.json "
-                                   "written by `hetpar trace --out`?")
+                                   f"written by `{_HOW_TO_WRITE}`?")
         version = data.get("version")
         if version != VERSION:
             raise GraphFormatError(f"version {version!r} is not supported (this hetpar reads "
@@ -316,7 +320,7 @@ class CostTable:
     def load(cls, path: str | os.PathLike) -> CostTable:
         """Reads and validates a graph.json file."""
         return load_json(path, cls.from_json, GraphFormatError, what="graph file",
-                         how="hetpar costs MODEL --devices LIST --out graph.json")
+                         how=_HOW_TO_WRITE)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes graph.json."""
@@ -372,8 +376,21 @@ def _check_number(value: float, where: str, *, positive: bool = False) -> None:
 
 def _validate(table: CostTable) -> None:
     """Checks a table's internal consistency; raises GraphFormatError naming the field."""
+    names = _validate_devices(table.devices)
+    known = ", ".join(names)
+    _validate_links(table.links, names, known)
+    layers: dict[str, int] = {}
+    for i, layer in enumerate(table.layers):
+        _validate_layer(i, layer, layers, names, known)
+        layers[layer.name] = i
+    _validate_edges(table.edges, layers)
+    _check_acyclic(layers, table.edges)
+
+
+def _validate_devices(devices: Sequence[Device]) -> dict[str, int]:
+    """Checks the devices; returns {name: index}."""
     names: dict[str, int] = {}
-    for i, d in enumerate(table.devices):
+    for i, d in enumerate(devices):
         if not isinstance(d, Device):
             raise GraphFormatError(f"devices[{i}] must be a Device")
         if not isinstance(d.name, str) or not d.name:
@@ -393,12 +410,15 @@ def _validate(table: CostTable) -> None:
                     f"devices[{i}].price_alone_per_hour ({d.price_alone_per_hour}) is below "
                     f"its price_per_hour ({d.price_per_hour}); renting a device alone never "
                     "costs less than beside others: drop the field or raise it")
-    if not table.devices:
+    if not devices:
         raise GraphFormatError("devices is empty; list at least one device")
-    known = ", ".join(names)
+    return names
 
-    seen_links: dict[tuple[str, str], int] = {}
-    for i, k in enumerate(table.links):
+
+def _validate_links(links: Sequence[Link], names: Mapping[str, int], known: str) -> None:
+    """Checks the links: known ends, no self-links or duplicates, positive bandwidth."""
+    seen: dict[tuple[str, str], int] = {}
+    for i, k in enumerate(links):
         for end in ("src", "dst"):
             if getattr(k, end) not in names:
                 raise GraphFormatError(f"links[{i}].{end} names unknown device "
@@ -406,90 +426,103 @@ def _validate(table: CostTable) -> None:
         if k.src == k.dst:
             raise GraphFormatError(f"links[{i}] links {k.src!r} to itself; remove it "
                                    "(transfers on one device are free)")
-        if (k.src, k.dst) in seen_links:
-            raise GraphFormatError(f"links[{i}] duplicates links[{seen_links[k.src, k.dst]}] "
+        if (k.src, k.dst) in seen:
+            raise GraphFormatError(f"links[{i}] duplicates links[{seen[k.src, k.dst]}] "
                                    f"({k.src} -> {k.dst}); keep one")
-        seen_links[k.src, k.dst] = i
+        seen[k.src, k.dst] = i
         _check_number(k.bandwidth_bytes_per_s, f"links[{i}].bandwidth_bytes_per_s",
                       positive=True)
         _check_number(k.latency_s, f"links[{i}].latency_s")
 
-    layers: dict[str, int] = {}
-    for i, layer in enumerate(table.layers):
-        where = f"layers[{i}]"
-        if not isinstance(layer, Layer):
-            raise GraphFormatError(f"{where} must be a Layer")
-        if not isinstance(layer.name, str) or not layer.name:
-            raise GraphFormatError(f"{where}.name must be a non-empty string")
-        if layer.name in layers:
-            raise GraphFormatError(f"{where}.name {layer.name!r} duplicates layers"
-                                   f"[{layers[layer.name]}]; layer names must be unique")
-        layers[layer.name] = i
-        where = f"layers[{i}] ({layer.name})"
-        for dev, t in layer.time_s.items():
-            if dev not in names:
-                raise GraphFormatError(f"{where}.time_s names unknown device {dev!r}; known "
-                                       f"devices: {known}. Add it to devices or drop the time")
-            _check_number(t, f"{where}.time_s[{dev!r}]")
-        for dev, m in layer.memory_bytes.items():
-            if dev not in names:
-                raise GraphFormatError(f"{where}.memory_bytes names unknown device {dev!r}; "
-                                       f"known devices: {known}")
-            _check_number(m, f"{where}.memory_bytes[{dev!r}]")
-        for dev in layer.time_s:
-            if dev not in layer.memory_bytes:
-                raise GraphFormatError(f"{where}.memory_bytes lacks {dev!r}, which time_s "
-                                       "names; give the layer's memory on every device it is "
-                                       "timed on")
-        for dev in layer.allowed or ():
-            if dev not in names:
-                raise GraphFormatError(f"{where}.allowed names unknown device {dev!r}; known "
-                                       f"devices: {known}")
-        if layer.pinned is not None:
-            if layer.pinned not in names:
-                raise GraphFormatError(f"{where}.pinned names unknown device "
-                                       f"{layer.pinned!r}; known devices: {known}")
-            if layer.pinned not in layer.time_s:
-                raise GraphFormatError(f"{where}.pinned is {layer.pinned!r} but time_s has no "
-                                       "time there; add its time on that device")
-        if layer.activation_bytes is not None:
-            _check_number(layer.activation_bytes, f"{where}.activation_bytes")
-        if layer.param_bytes is not None:
-            _check_number(layer.param_bytes, f"{where}.param_bytes")
-        for dev, f in (layer.fixed_s or {}).items():
-            if dev not in layer.time_s:
-                raise GraphFormatError(f"{where}.fixed_s names {dev!r}, which time_s does not; "
-                                       "fixed_s is a part of the layer's time there")
-            _check_number(f, f"{where}.fixed_s[{dev!r}]")
-            if f > layer.time_s[dev]:
-                raise GraphFormatError(f"{where}.fixed_s[{dev!r}] = {f} exceeds its time_s "
-                                       f"({layer.time_s[dev]}); it is the part of the time "
-                                       "that does not shrink with the microbatch")
-        if not layer.devices():
-            raise GraphFormatError(f"{where} can run on no device: time_s names "
-                                   f"{sorted(layer.time_s) or 'none'}, allowed is "
-                                   f"{list(layer.allowed) if layer.allowed is not None else 'any'}"
-                                   "; give it a time on an allowed device")
 
-    seen_edges: dict[tuple[str, str], int] = {}
-    for i, e in enumerate(table.edges):
+def _validate_layer(i: int, layer: Layer, layers: Mapping[str, int], names: Mapping[str, int],
+                    known: str) -> None:
+    """Checks layers[i] against the devices and the layers before it (`layers`)."""
+    where = f"layers[{i}]"
+    if not isinstance(layer, Layer):
+        raise GraphFormatError(f"{where} must be a Layer")
+    if not isinstance(layer.name, str) or not layer.name:
+        raise GraphFormatError(f"{where}.name must be a non-empty string")
+    if layer.name in layers:
+        raise GraphFormatError(f"{where}.name {layer.name!r} duplicates layers"
+                               f"[{layers[layer.name]}]; layer names must be unique")
+    where = f"layers[{i}] ({layer.name})"
+    _validate_layer_costs(layer, where, names, known)
+    for dev in layer.allowed or ():
+        if dev not in names:
+            raise GraphFormatError(f"{where}.allowed names unknown device {dev!r}; known "
+                                   f"devices: {known}")
+    if layer.pinned is not None:
+        if layer.pinned not in names:
+            raise GraphFormatError(f"{where}.pinned names unknown device "
+                                   f"{layer.pinned!r}; known devices: {known}")
+        if layer.pinned not in layer.time_s:
+            raise GraphFormatError(f"{where}.pinned is {layer.pinned!r} but time_s has no "
+                                   "time there; add its time on that device")
+    if layer.activation_bytes is not None:
+        _check_number(layer.activation_bytes, f"{where}.activation_bytes")
+    if layer.param_bytes is not None:
+        _check_number(layer.param_bytes, f"{where}.param_bytes")
+    for dev, f in (layer.fixed_s or {}).items():
+        if dev not in layer.time_s:
+            raise GraphFormatError(f"{where}.fixed_s names {dev!r}, which time_s does not; "
+                                   "fixed_s is a part of the layer's time there")
+        _check_number(f, f"{where}.fixed_s[{dev!r}]")
+        if f > layer.time_s[dev]:
+            raise GraphFormatError(f"{where}.fixed_s[{dev!r}] = {f} exceeds its time_s "
+                                   f"({layer.time_s[dev]}); it is the part of the time "
+                                   "that does not shrink with the microbatch")
+    if not layer.devices():
+        raise GraphFormatError(f"{where} can run on no device: time_s names "
+                               f"{sorted(layer.time_s) or 'none'}, allowed is "
+                               f"{list(layer.allowed) if layer.allowed is not None else 'any'}"
+                               "; give it a time on an allowed device")
+
+
+def _validate_layer_costs(layer: Layer, where: str, names: Mapping[str, int],
+                          known: str) -> None:
+    """Checks a layer's time_s and memory_bytes: known devices, numbers, both given."""
+    for dev, t in layer.time_s.items():
+        if dev not in names:
+            raise GraphFormatError(f"{where}.time_s names unknown device {dev!r}; known "
+                                   f"devices: {known}. Add it to devices or drop the time")
+        _check_number(t, f"{where}.time_s[{dev!r}]")
+    for dev, m in layer.memory_bytes.items():
+        if dev not in names:
+            raise GraphFormatError(f"{where}.memory_bytes names unknown device {dev!r}; "
+                                   f"known devices: {known}")
+        _check_number(m, f"{where}.memory_bytes[{dev!r}]")
+    for dev in layer.time_s:
+        if dev not in layer.memory_bytes:
+            raise GraphFormatError(f"{where}.memory_bytes lacks {dev!r}, which time_s "
+                                   "names; give the layer's memory on every device it is "
+                                   "timed on")
+
+
+def _validate_edges(edges: Sequence[Edge], layers: Mapping[str, int]) -> None:
+    """Checks the edges: known layers at both ends, no duplicates, byte counts."""
+    seen: dict[tuple[str, str], int] = {}
+    for i, e in enumerate(edges):
         for end in ("src", "dst"):
             if getattr(e, end) not in layers:
                 raise GraphFormatError(f"edges[{i}].{end} names unknown layer "
                                        f"{getattr(e, end)!r}; known layers: "
                                        f"{_few(list(layers))}")
-        if (e.src, e.dst) in seen_edges:
-            raise GraphFormatError(f"edges[{i}] duplicates edges[{seen_edges[e.src, e.dst]}] "
+        if (e.src, e.dst) in seen:
+            raise GraphFormatError(f"edges[{i}] duplicates edges[{seen[e.src, e.dst]}] "
                                    f"({e.src} -> {e.dst}); merge their bytes into one edge")
-        seen_edges[e.src, e.dst] = i
+        seen[e.src, e.dst] = i
         _check_number(e.bytes, f"edges[{i}].bytes")
         _check_number(e.bytes_backward, f"edges[{i}].bytes_backward")
 
+
+def _check_acyclic(layers: Mapping[str, int], edges: Sequence[Edge]) -> None:
+    """The edges must form a DAG; names a cycle if they do not."""
     import networkx as nx
 
     g = nx.DiGraph()
     g.add_nodes_from(layers)
-    g.add_edges_from((e.src, e.dst) for e in table.edges)
+    g.add_edges_from((e.src, e.dst) for e in edges)
     if not nx.is_directed_acyclic_graph(g):
         cycle = nx.find_cycle(g)
         path = " -> ".join([u for u, _ in cycle] + [cycle[0][0]])

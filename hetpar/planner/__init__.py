@@ -1,9 +1,10 @@
 """hetpar.planner: place layers on devices with an ILP (graph.json -> plan.json).
 
 The public surface is this flat list; the work lives in private modules:
-`_graph` (CostTable), `_evaluate` (the cost model), `_ilp` (the pulp model),
-`_baselines`, `_feasibility` (infeasibility diagnosis), `_simulate` (replays a
-pipelined schedule), `_plan` (Plan, plan).
+`_evaluate` (the cost model), `_ilp` (the pulp model), `_baselines`,
+`_feasibility` (infeasibility diagnosis), `_simulate` (replays a pipelined
+schedule), `_plan` (Plan, plan). The input, CostTable (graph.json), is
+`hetpar.core`'s, re-exported here.
 """
 
 from hetpar.core import CostTable, Device, Edge, Layer, Link
@@ -17,6 +18,7 @@ from hetpar.planner._baselines import (
     single_device,
 )
 from hetpar.planner._evaluate import (
+    Arrays,
     Predicted,
     data_parallel_obstacle,
     evaluate,
@@ -25,10 +27,10 @@ from hetpar.planner._evaluate import (
 )
 from hetpar.planner._ilp import highs_available
 from hetpar.planner._plan import Plan, plan, replica_groups
-from hetpar.planner._random import random_cost_table
 from hetpar.planner._simulate import Replay, StageRun, evaluate_replayed, simulate
 
 __all__ = [
+    "Arrays",
     "BaselineResult",
     "CostTable",
     "Device",
@@ -50,7 +52,6 @@ __all__ = [
     "highs_available",
     "memory_fill",
     "plan",
-    "random_cost_table",
     "replica_groups",
     "simulate",
     "single_device",

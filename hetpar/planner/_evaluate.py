@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from hetpar.core import CostTable, PlanError
+from hetpar.core import CostTable, PlanError, nbytes
 
 MODES = ("sequential", "pipelined")
 OBJECTIVES = ("time", "cost", "energy")
@@ -172,6 +172,27 @@ class Arrays:
         self.act = np.where(np.isnan(act), out_bytes, act)
         self.order = table.topological_order()
 
+    def indices(self, assignment: Mapping[str, str]) -> np.ndarray:
+        """[L] each layer's device position under `assignment` ({layer: device}).
+
+        Raises:
+          PlanError: the assignment misses a layer, or names an unknown layer or device.
+        """
+        missing = [n for n in self.layers if n not in assignment]
+        if missing:
+            raise PlanError(f"assignment lacks layers {missing[:5]}; every layer needs a device")
+        extra = [n for n in assignment if n not in self.lindex]
+        if extra:
+            raise PlanError(f"assignment names unknown layers {extra[:5]}")
+        out = np.empty(len(self.layers), dtype=int)
+        for i, n in enumerate(self.layers):
+            d = assignment[n]
+            if d not in self.dindex:
+                raise PlanError(f"assignment puts {n!r} on unknown device {d!r}; devices: "
+                                f"{', '.join(self.devices)}")
+            out[i] = self.dindex[d]
+        return out
+
     def hourly_price(self, used: np.ndarray) -> float:
         """Dollars per hour of the devices `used` ([D] bool); one used alone at its solo price."""
         price = self.price_alone if used.sum() == 1 else self.price
@@ -210,28 +231,11 @@ class Arrays:
         return f, b
 
 
-def _assignment_indices(arr: Arrays, assignment: Mapping[str, str]) -> np.ndarray:
-    missing = [n for n in arr.layers if n not in assignment]
-    if missing:
-        raise PlanError(f"assignment lacks layers {missing[:5]}; every layer needs a device")
-    extra = [n for n in assignment if n not in arr.lindex]
-    if extra:
-        raise PlanError(f"assignment names unknown layers {extra[:5]}")
-    out = np.empty(len(arr.layers), dtype=int)
-    for i, n in enumerate(arr.layers):
-        d = assignment[n]
-        if d not in arr.dindex:
-            raise PlanError(f"assignment puts {n!r} on unknown device {d!r}; devices: "
-                            f"{', '.join(arr.devices)}")
-        out[i] = arr.dindex[d]
-    return out
-
-
 def violations(table: CostTable, assignment: Mapping[str, str], *, contiguous: bool = False,
                arrays: Arrays | None = None) -> list[str]:
     """Every constraint an assignment breaks, in words (empty if it is feasible)."""
     arr = arrays or Arrays(table)
-    a = _assignment_indices(arr, assignment)
+    a = arr.indices(assignment)
     out = []
     for i, layer in enumerate(table.layers):
         d = arr.devices[a[i]]
@@ -245,7 +249,7 @@ def violations(table: CostTable, assignment: Mapping[str, str], *, contiguous: b
     used = np.bincount(a, weights=arr.mem[np.arange(len(a)), a], minlength=len(arr.devices))
     for j, d in enumerate(arr.devices):
         if used[j] > arr.cap[j] * (1 + 1e-9):
-            out.append(f"{d} memory exceeded: needs {_gb(used[j])}, holds {_gb(arr.cap[j])}")
+            out.append(f"{d} memory exceeded: needs {nbytes(used[j])}, holds {nbytes(arr.cap[j])}")
     for k, e in enumerate(table.edges):
         if not arr.pair_ok[k, a[arr.eu[k]], a[arr.ev[k]]]:
             out.append(f"edge {e.src} -> {e.dst} crosses {arr.devices[a[arr.eu[k]]]} -> "
@@ -282,7 +286,7 @@ def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "seque
     if M < 1:
         raise PlanError(f"microbatches must be >= 1, got {microbatches}")
     arr = arrays or Arrays(table)
-    a = _assignment_indices(arr, assignment)
+    a = arr.indices(assignment)
     L, D = len(a), len(arr.devices)
     t = arr.t_at(M)[np.arange(L), a]
     busy = np.bincount(a, weights=t, minlength=D)
@@ -360,7 +364,7 @@ def data_parallel_obstacle(table: CostTable, replicas: Sequence[str], *,
     for k, j in enumerate(idx):
         if need[k] > arr.cap[j] * (1 + 1e-9):
             return (f"{arr.devices[j]} memory: a replica holds all parameters and optimizer "
-                    f"state, {_gb(need[k])}, and the device holds {_gb(arr.cap[j])}")
+                    f"state, {nbytes(need[k])}, and the device holds {nbytes(arr.cap[j])}")
     return None
 
 
@@ -407,13 +411,3 @@ def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,
         busy_s={arr.devices[j]: float(busy[k]) for k, j in enumerate(idx)},
         compute_s=float(busy.sum()), transfer_s=allreduce,
         memory_bytes={arr.devices[j]: float(memory[k]) for k, j in enumerate(idx)})
-
-
-def _gb(n: float) -> str:
-    if n >= 1e9:
-        return f"{n / 1e9:.3g} GB"
-    if n >= 1e6:
-        return f"{n / 1e6:.3g} MB"
-    if n >= 1e3:
-        return f"{n / 1e3:.3g} kB"
-    return f"{n:.3g} B"

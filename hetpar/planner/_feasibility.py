@@ -10,7 +10,8 @@ import itertools
 
 import numpy as np
 
-from hetpar.planner._evaluate import Arrays, _gb
+from hetpar.core import nbytes
+from hetpar.planner._evaluate import Arrays
 
 # Above this many devices, only single devices and the whole set are checked
 # (2^D subsets would be too many); the diagnosis is then less specific.
@@ -32,9 +33,9 @@ def memory_shortfall(arr: Arrays) -> str | None:
         devs = np.nonzero(arr.ok[i])[0]
         if np.all(arr.mem[i, devs] > arr.cap[devs]):
             j = devs[np.argmax(arr.cap[devs] - arr.mem[i, devs])]
-            return (f"layer {arr.layers[i]} needs at least {_gb(arr.mem[i, j])} on "
-                    f"{arr.devices[j]} but {arr.devices[j]} holds {_gb(arr.cap[j])} "
-                    f"({_gb(arr.mem[i, j] - arr.cap[j])} missing); raise memory_bytes of "
+            return (f"layer {arr.layers[i]} needs at least {nbytes(arr.mem[i, j])} on "
+                    f"{arr.devices[j]} but {arr.devices[j]} holds {nbytes(arr.cap[j])} "
+                    f"({nbytes(arr.mem[i, j] - arr.cap[j])} missing); raise memory_bytes of "
                     f"{arr.devices[j]}, allow the layer on a larger device, or split it")
     masks = (arr.ok * (1 << np.arange(D))).sum(axis=1)
     if D <= _MAX_SUBSET_DEVICES:
@@ -54,9 +55,10 @@ def memory_shortfall(arr: Arrays) -> str | None:
             tight = arr.devices[s[int(np.argmax(ratio))]]
             names = " + ".join(arr.devices[j] for j in s)
             who = "layers" if len(s) == D else f"layers that may only run on {names}"
-            return (f"{who} need at least {_gb(need)} but {names} hold{'s' if len(s) == 1 else ''}"
-                    f" {_gb(hold)} ({_gb(missing)} missing); raise memory_bytes of {tight} by "
-                    f"{_gb(missing)}, allow those layers on other devices, unpin some, or "
+            holds = "holds" if len(s) == 1 else "hold"
+            return (f"{who} need at least {nbytes(need)} but {names} {holds} {nbytes(hold)} "
+                    f"({nbytes(missing)} missing); raise memory_bytes of {tight} by "
+                    f"{nbytes(missing)}, allow those layers on other devices, unpin some, or "
                     "use a smaller batch")
     return None
 

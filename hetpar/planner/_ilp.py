@@ -20,11 +20,10 @@ objective only pushes w down, so at the optimum w[d] = T u[d].
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import os
 import re
-import sys
 import tempfile
 import time
 import warnings
@@ -77,6 +76,34 @@ def _affine(terms) -> pulp.LpAffineExpression:
     return pulp.LpAffineExpression(terms)
 
 
+@dataclasses.dataclass
+class _Model:
+    """The pulp problem under construction and what its parts share.
+
+    Attributes:
+      arr: the table's arrays.
+      prob: the pulp problem.
+      M: microbatches (1 in sequential mode).
+      pipelined: whether the mode is "pipelined".
+      scale: seconds per model time unit (about one layer's time).
+      t_s: [L, D] each layer's time per step, scaled; 0 where it may not run.
+      f_s, b_s: [E, D, D] each edge's per-microbatch transfer times, scaled.
+      x: {(layer, device): binary placement variable}, allowed pairs only.
+      dev_of: per layer, the devices it may run on.
+    """
+
+    arr: Arrays
+    prob: pulp.LpProblem
+    M: int
+    pipelined: bool
+    scale: float
+    t_s: np.ndarray
+    f_s: np.ndarray
+    b_s: np.ndarray
+    x: dict = dataclasses.field(default_factory=dict)
+    dev_of: list = dataclasses.field(default_factory=list)
+
+
 def solve(arr: Arrays, *, objective: str = "time", mode: str = "sequential",
           microbatches: int = 1, contiguous: bool = False, max_cost: float | None = None,
           max_step_time: float | None = None, solver: str = "cbc",
@@ -103,47 +130,90 @@ def solve(arr: Arrays, *, objective: str = "time", mode: str = "sequential",
         raise PlanError(f"solver must be one of {SOLVERS}, got {solver!r}")
     if solver == "highs" and not highs_available():
         raise PlanError("solver 'highs' needs highspy: pip install highspy (or use --solver cbc)")
+    if objective not in _OBJECTIVES:
+        raise PlanError(f"objective must be one of time, cost, energy; got {objective!r}")
     t0 = time.perf_counter()
-    L, D = arr.ok.shape
-    M = microbatches if mode == "pipelined" else 1
-    pipelined = mode == "pipelined"
+    m = _new_model(arr, mode, microbatches)
+    _add_placement(m)
+    _add_memory(m)
+    time_terms = [(m.x[i, j], float(m.t_s[i, j]) / m.M) for (i, j) in m.x]
+    link_terms, edge_max = _add_transfers(m, time_terms)
+    step_expr, t_max = _step_time(m, time_terms, link_terms, edge_max)
+    if contiguous:
+        _add_contiguity(m)
+    step = m.prob.add_variable("T", lowBound=0)
+    m.prob.addConstraint(step_expr - step == 0, "step")
+    w, price_terms = {}, []
+    if objective in ("cost", "energy") or max_cost is not None:
+        w, used = _add_device_use(m, step, t_max)
+        price_terms = _add_prices(m, step, t_max, w, used)
+    _add_budgets(m, step, price_terms, max_cost, max_step_time)
+    norm = _OBJECTIVES[objective](m, step, w, price_terms)
+    build = time.perf_counter() - t0
 
+    gap = DEFAULT_GAP if gap is None else gap
+    status, final_gap, solve_s = _run_solver(m.prob, solver, time_limit, gap)
+    n_vars, n_cons = m.prob.numVariables(), m.prob.numConstraints()
+    if status == "infeasible":
+        return IlpSolution(None, None, status, None, solve_s, build, solver, n_vars, n_cons)
+    value = pulp.value(m.prob.objective)
+    return IlpSolution(_assignment(m), None if value is None else float(value) * norm, status,
+                       final_gap, solve_s, build, solver, n_vars, n_cons)
+
+
+def _new_model(arr: Arrays, mode: str, microbatches: int) -> _Model:
+    """An empty problem, with the times scaled to about one layer's time."""
+    M = microbatches if mode == "pipelined" else 1
     t_step = arr.t_at(M)  # per step, with each microbatch's fixed part
     finite_t = np.where(arr.ok, t_step, 0.0)
     scale = float(np.mean(np.where(arr.ok, t_step, np.inf).min(axis=1)))
     if not scale > 0:
         scale = float(finite_t.max()) or 1.0
     f_mb, b_mb = arr.edge_parts(M)  # per microbatch
-    f_s, b_s = f_mb / scale, b_mb / scale
-    t_s = finite_t / scale
+    return _Model(arr=arr, prob=pulp.LpProblem("hetpar_placement", pulp.LpMinimize), M=M,
+                  pipelined=mode == "pipelined", scale=scale, t_s=finite_t / scale,
+                  f_s=f_mb / scale, b_s=b_mb / scale)
 
-    prob = pulp.LpProblem("hetpar_placement", pulp.LpMinimize)
-    x = {}
+
+def _add_placement(m: _Model) -> None:
+    """x[l, d] for every allowed pair; each layer on exactly one device."""
+    arr, prob = m.arr, m.prob
     for i, j in zip(*np.nonzero(arr.ok), strict=True):
-        x[i, j] = prob.add_variable(f"x{i}_{j}", cat=pulp.LpBinary)
-    dev_of = [np.nonzero(arr.ok[i])[0].tolist() for i in range(L)]
-    for i in range(L):
-        prob.addConstraint(_affine([(x[i, j], 1.0) for j in dev_of[i]]) == 1, f"one{i}")
+        m.x[i, j] = prob.add_variable(f"x{i}_{j}", cat=pulp.LpBinary)
+    m.dev_of = [np.nonzero(arr.ok[i])[0].tolist() for i in range(arr.ok.shape[0])]
+    for i, devs in enumerate(m.dev_of):
+        prob.addConstraint(_affine([(m.x[i, j], 1.0) for j in devs]) == 1, f"one{i}")
 
-    # Memory: skip devices that could hold every layer at once anyway.
-    for j in range(D):
+
+def _add_memory(m: _Model) -> None:
+    """Each device's capacity; skips devices that could hold every layer at once anyway."""
+    arr = m.arr
+    for j in range(arr.ok.shape[1]):
         rows = np.nonzero(arr.ok[:, j])[0]
         if arr.mem[rows, j].sum() > arr.cap[j]:
-            prob.addConstraint(
-                _affine([(x[i, j], float(arr.mem[i, j])) for i in rows]) <= float(arr.cap[j]),
+            m.prob.addConstraint(
+                _affine([(m.x[i, j], float(arr.mem[i, j])) for i in rows]) <= float(arr.cap[j]),
                 f"mem{j}")
 
-    # Transfers (marginal form) and their time terms.
-    time_terms = [(x[i, j], float(t_s[i, j]) / M) for (i, j) in x]
+
+def _add_transfers(m: _Model, time_terms: list) -> tuple[dict[tuple[int, int], list], float]:
+    """z[e, a, b] in the marginal form; appends each crossing's time to `time_terms`.
+
+    Returns:
+      (link_terms, edge_max): pipelined, each directed link's per-microbatch
+      load terms {(a, b): [(z, time)]}; and Σ over edges of its dearest
+      crossing, for the step time's upper bound.
+    """
+    arr, prob, f_s, b_s = m.arr, m.prob, m.f_s, m.b_s
     link_terms: dict[tuple[int, int], list] = {}
     edge_max = 0.0
     for k in range(len(arr.eu)):
         u, v = int(arr.eu[k]), int(arr.ev[k])
-        rows: dict[int, list] = {a: [] for a in dev_of[u]}
-        cols: dict[int, list] = {b: [] for b in dev_of[v]}
+        rows: dict[int, list] = {a: [] for a in m.dev_of[u]}
+        cols: dict[int, list] = {b: [] for b in m.dev_of[v]}
         worst = 0.0
-        for a in dev_of[u]:
-            for b in dev_of[v]:
+        for a in m.dev_of[u]:
+            for b in m.dev_of[v]:
                 if not arr.pair_ok[k, a, b]:
                     continue
                 z = prob.add_variable(f"z{k}_{a}_{b}", lowBound=0)
@@ -153,24 +223,32 @@ def solve(arr: Arrays, *, objective: str = "time", mode: str = "sequential",
                     c = float(f_s[k, a, b] + b_s[k, a, b])
                     time_terms.append((z, c))
                     worst = max(worst, c)
-                    if pipelined:
+                    if m.pipelined:
                         link_terms.setdefault((a, b), []).append((z, float(f_s[k, a, b])))
                         if b_s[k, a, b] > 0:
                             link_terms.setdefault((b, a), []).append((z, float(b_s[k, a, b])))
         edge_max += worst
         for a, terms in rows.items():
-            prob.addConstraint(_affine(terms + [(x[u, a], -1.0)]) == 0, f"mu{k}_{a}")
+            prob.addConstraint(_affine(terms + [(m.x[u, a], -1.0)]) == 0, f"mu{k}_{a}")
         for b, terms in cols.items():
-            prob.addConstraint(_affine(terms + [(x[v, b], -1.0)]) == 0, f"mv{k}_{b}")
+            prob.addConstraint(_affine(terms + [(m.x[v, b], -1.0)]) == 0, f"mv{k}_{b}")
+    return link_terms, edge_max
 
-    # T: step time in scaled units. Upper bound t_max for the big-M products.
+
+def _step_time(m: _Model, time_terms: list, link_terms: dict[tuple[int, int], list],
+               edge_max: float) -> tuple[pulp.LpAffineExpression, float]:
+    """The step time T in scaled units, and an upper bound t_max on it for big-M products.
+
+    Pipelined, T = T1 + (M - 1) B with B >= every device's and link's load.
+    """
+    arr, prob, M, t_s = m.arr, m.prob, m.M, m.t_s
     t_max_layers = float(np.where(arr.ok, t_s, 0.0).max(axis=1).sum())
-    if pipelined:
+    if m.pipelined:
         bottleneck = prob.add_variable("B", lowBound=0)
-        for j in range(D):
+        for j in range(arr.ok.shape[1]):
             rows = np.nonzero(arr.ok[:, j])[0]
             prob.addConstraint(
-                _affine([(x[i, j], float(t_s[i, j]) / M) for i in rows] + [(bottleneck, -1.0)])
+                _affine([(m.x[i, j], float(t_s[i, j]) / M) for i in rows] + [(bottleneck, -1.0)])
                 <= 0, f"busy{j}")
         for (a, b), terms in link_terms.items():
             prob.addConstraint(_affine(terms + [(bottleneck, -1.0)]) <= 0, f"link{a}_{b}")
@@ -180,143 +258,175 @@ def solve(arr: Arrays, *, objective: str = "time", mode: str = "sequential",
     else:
         step_expr = _affine(time_terms)
         t_max = t_max_layers + edge_max
-    t_max = t_max * 1.01 + 1e-6
+    return step_expr, t_max * 1.01 + 1e-6
 
-    if contiguous:
-        order = arr.order
-        for j in range(D):
-            starts = []
-            prev = None
-            for pos, i in enumerate(order):
-                if (i, j) in x:
-                    s = prob.add_variable(f"s{pos}_{j}", lowBound=0)
-                    terms = [(s, 1.0), (x[i, j], -1.0)]
-                    if prev is not None and (prev, j) in x:
-                        terms.append((x[prev, j], 1.0))
-                    prob.addConstraint(_affine(terms) >= 0, f"st{pos}_{j}")
-                    starts.append((s, 1.0))
-                prev = i
-            if starts:
-                prob.addConstraint(_affine(starts) <= 1, f"onerun{j}")
 
-    needs_used = objective in ("cost", "energy") or max_cost is not None
-    step = prob.add_variable("T", lowBound=0)
-    prob.addConstraint(step_expr - step == 0, "step")
-    w, used_var = {}, {}
-    if needs_used:
-        for j in range(D):
-            rows = np.nonzero(arr.ok[:, j])[0]
-            if not len(rows):
-                continue
-            u = used_var[j] = prob.add_variable(f"u{j}", cat=pulp.LpBinary)
-            for i in rows:
-                prob.addConstraint(_affine([(u, 1.0), (x[i, j], -1.0)]) >= 0, f"used{i}_{j}")
-            w[j] = prob.add_variable(f"w{j}", lowBound=0)
-            prob.addConstraint(_affine([(w[j], 1.0), (step, -1.0), (u, -t_max)]) >= -t_max,
-                               f"prod{j}")
+def _add_contiguity(m: _Model) -> None:
+    """Each device starts at most one run of layers in the topological order.
 
-    # Dollars: Σ price[d] w[d], plus, for a device priced higher when a plan
-    # uses it alone (a host CPU rented as its own machine), the surcharge on
-    # alone[d] >= w[d] - Σ_{k != d} w[k]. That bound is exact only when u and
-    # w are exact both ways, so u[k] <= Σ_l x[l, k] and w[k] <= T, t_max u[k]
-    # are added too (otherwise an idle device could be "used" to dodge it).
+    s[pos, d] >= x[l, d] - x[prev, d] marks where a run on d starts.
+    """
+    prob, x = m.prob, m.x
+    for j in range(m.arr.ok.shape[1]):
+        starts = []
+        prev = None
+        for pos, i in enumerate(m.arr.order):
+            if (i, j) in x:
+                s = prob.add_variable(f"s{pos}_{j}", lowBound=0)
+                terms = [(s, 1.0), (x[i, j], -1.0)]
+                if prev is not None and (prev, j) in x:
+                    terms.append((x[prev, j], 1.0))
+                prob.addConstraint(_affine(terms) >= 0, f"st{pos}_{j}")
+                starts.append((s, 1.0))
+            prev = i
+        if starts:
+            prob.addConstraint(_affine(starts) <= 1, f"onerun{j}")
+
+
+def _add_device_use(m: _Model, step, t_max: float) -> tuple[dict, dict]:
+    """u[d] (device used) and w[d] >= T - t_max (1 - u[d]), the linearised T u[d].
+
+    Returns:
+      (w, u): {device: variable}, for devices some layer may use.
+    """
+    arr, prob = m.arr, m.prob
+    w, used = {}, {}
+    for j in range(arr.ok.shape[1]):
+        rows = np.nonzero(arr.ok[:, j])[0]
+        if not len(rows):
+            continue
+        u = used[j] = prob.add_variable(f"u{j}", cat=pulp.LpBinary)
+        for i in rows:
+            prob.addConstraint(_affine([(u, 1.0), (m.x[i, j], -1.0)]) >= 0, f"used{i}_{j}")
+        w[j] = prob.add_variable(f"w{j}", lowBound=0)
+        prob.addConstraint(_affine([(w[j], 1.0), (step, -1.0), (u, -t_max)]) >= -t_max,
+                           f"prod{j}")
+    return w, used
+
+
+def _add_prices(m: _Model, step, t_max: float, w: dict, used: dict) -> list:
+    """The dollar terms [(variable, $/h)] of a step, in scaled time units.
+
+    Σ price[d] w[d], plus, for a device priced higher when a plan uses it
+    alone (a host CPU rented as its own machine), the surcharge on alone[d]
+    >= w[d] - Σ_{k != d} w[k]. That bound is exact only when u and w are exact
+    both ways, so u[k] <= Σ_l x[l, k] and w[k] <= T, t_max u[k] are added too
+    (otherwise an idle device could be "used" to dodge it).
+    """
+    arr, prob = m.arr, m.prob
     price_terms = [(w[j], float(arr.price[j])) for j in w]
     surcharged = [j for j in w if arr.price_alone[j] > arr.price[j]]
-    if needs_used and surcharged:
-        for j in w:
-            rows = np.nonzero(arr.ok[:, j])[0]
-            u = used_var[j]
-            prob.addConstraint(_affine([(u, 1.0)] + [(x[i, j], -1.0) for i in rows]) <= 0,
-                               f"usedonly{j}")
-            prob.addConstraint(_affine([(w[j], 1.0), (step, -1.0)]) <= 0, f"wle{j}")
-            prob.addConstraint(_affine([(w[j], 1.0), (u, -t_max)]) <= 0, f"wleu{j}")
-        for j in surcharged:
-            alone = prob.add_variable(f"alone{j}", lowBound=0)
-            prob.addConstraint(_affine([(alone, 1.0), (w[j], -1.0)]
-                                       + [(w[k], 1.0) for k in w if k != j]) >= 0, f"alone{j}")
-            price_terms.append((alone, float(arr.price_alone[j] - arr.price[j])))
+    if not surcharged:
+        return price_terms
+    for j in w:
+        rows = np.nonzero(arr.ok[:, j])[0]
+        u = used[j]
+        prob.addConstraint(_affine([(u, 1.0)] + [(m.x[i, j], -1.0) for i in rows]) <= 0,
+                           f"usedonly{j}")
+        prob.addConstraint(_affine([(w[j], 1.0), (step, -1.0)]) <= 0, f"wle{j}")
+        prob.addConstraint(_affine([(w[j], 1.0), (u, -t_max)]) <= 0, f"wleu{j}")
+    for j in surcharged:
+        alone = prob.add_variable(f"alone{j}", lowBound=0)
+        prob.addConstraint(_affine([(alone, 1.0), (w[j], -1.0)]
+                                   + [(w[k], 1.0) for k in w if k != j]) >= 0, f"alone{j}")
+        price_terms.append((alone, float(arr.price_alone[j] - arr.price[j])))
+    return price_terms
 
+
+def _add_budgets(m: _Model, step, price_terms: list, max_cost: float | None,
+                 max_step_time: float | None) -> None:
+    """max_step_time (seconds per step) and max_cost (dollars per step)."""
     if max_step_time is not None:
-        prob.addConstraint(_affine([(step, 1.0)]) <= max_step_time / scale, "max_step_time")
+        m.prob.addConstraint(_affine([(step, 1.0)]) <= max_step_time / m.scale, "max_step_time")
     if max_cost is not None:
-        prob.addConstraint(
-            _affine([(v, p / 3600.0 * scale) for v, p in price_terms]) <= max_cost, "max_cost")
-
-    if objective == "time":
-        norm = scale
-        prob.setObjective(_affine([(step, 1.0)]))
-    elif objective == "cost":
-        pmax = float(max(arr.price.max(), arr.price_alone.max())) or 1.0
-        norm = scale * pmax / 3600.0
-        prob.setObjective(_affine([(v, p / pmax) for v, p in price_terms]))
-    elif objective == "energy":
-        wmax = float(max(arr.watts_busy.max(), arr.watts_idle.max())) or 1.0
-        norm = scale * wmax
-        terms = [(x[i, j], float(t_s[i, j]) * float(arr.watts_busy[j] - arr.watts_idle[j]) / wmax)
-                 for (i, j) in x]
-        terms += [(w[j], float(arr.watts_idle[j]) / wmax) for j in w]
-        prob.setObjective(_affine(terms))
-    else:
-        raise PlanError(f"objective must be one of time, cost, energy; got {objective!r}")
-    build = time.perf_counter() - t0
-
-    gap = DEFAULT_GAP if gap is None else gap
-    status, final_gap, solve_s = _run_solver(prob, solver, time_limit, gap)
-    n_vars, n_cons = prob.numVariables(), prob.numConstraints()
-    if status == "infeasible":
-        return IlpSolution(None, None, status, None, solve_s, build, solver, n_vars, n_cons)
-    assignment = {}
-    for i in range(L):
-        j = max(dev_of[i], key=lambda j: x[i, j].varValue or 0.0)
-        assignment[arr.layers[i]] = arr.devices[j]
-    value = pulp.value(prob.objective)
-    return IlpSolution(assignment, None if value is None else float(value) * norm, status,
-                       final_gap, solve_s, build, solver, n_vars, n_cons)
+        m.prob.addConstraint(
+            _affine([(v, p / 3600.0 * m.scale) for v, p in price_terms]) <= max_cost, "max_cost")
 
 
-@contextlib.contextmanager
-def _quiet_stdout():
-    """Silences file descriptor 1 (native code's prints) for the duration."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
+def _time_objective(m: _Model, step, w: dict, price_terms: list) -> float:
+    """Minimise T; returns the factor from the objective's units to seconds."""
+    m.prob.setObjective(_affine([(step, 1.0)]))
+    return m.scale
+
+
+def _cost_objective(m: _Model, step, w: dict, price_terms: list) -> float:
+    """Minimise dollars / the largest price; returns the factor to dollars."""
+    pmax = float(max(m.arr.price.max(), m.arr.price_alone.max())) or 1.0
+    m.prob.setObjective(_affine([(v, p / pmax) for v, p in price_terms]))
+    return m.scale * pmax / 3600.0
+
+
+def _energy_objective(m: _Model, step, w: dict, price_terms: list) -> float:
+    """Minimise joules / the largest wattage; returns the factor to joules.
+
+    Busy watts above idle while each layer computes, idle watts for the
+    whole step (w[d] = T u[d]) on every device used.
+    """
+    arr = m.arr
+    wmax = float(max(arr.watts_busy.max(), arr.watts_idle.max())) or 1.0
+    terms = [(m.x[i, j], float(m.t_s[i, j]) * float(arr.watts_busy[j] - arr.watts_idle[j]) / wmax)
+             for (i, j) in m.x]
+    terms += [(w[j], float(arr.watts_idle[j]) / wmax) for j in w]
+    m.prob.setObjective(_affine(terms))
+    return m.scale * wmax
+
+
+_OBJECTIVES = {"time": _time_objective, "cost": _cost_objective, "energy": _energy_objective}
+
+
+def _assignment(m: _Model) -> dict[str, str]:
+    """{layer: device} from the solved x (the device with the largest x per layer)."""
+    arr, x = m.arr, m.x
+    out = {}
+    for i, devs in enumerate(m.dev_of):
+        j = max(devs, key=lambda j, i=i: x[i, j].varValue or 0.0)
+        out[arr.layers[i]] = arr.devices[j]
+    return out
+
+
+@functools.cache
+def _quiet_highspy() -> type:
+    """highspy.Highs with output_flag off before its constructor's first logging call.
+
+    highspy.Highs() installs its callback from the constructor, and that call
+    prints HiGHS's banner once per process unless output_flag is already off;
+    pulp can only set options once the object exists. Here the option is set
+    on the instance itself just before, so nothing else (no other thread's
+    output, no file descriptor) is touched.
+    """
+    import highspy
+
+    class QuietHighs(highspy.Highs):
+        def enableCallbacks(self):
+            self.setOptionValue("output_flag", False)
+            super().enableCallbacks()
+
+    return QuietHighs
+
+
+class _QuietHiGHS(pulp.HiGHS):
+    """pulp's HiGHS (highspy) interface, silent: no banner, no log.
+
+    Only the options this module passes are forwarded: msg (must be False),
+    timeLimit and gapRel.
+    """
+
+    def createAndConfigureSolver(self, lp):
+        model = lp.solverModel = _quiet_highspy()()
+        model.setOptionValue("output_flag", False)
+        if self.gapRel is not None:
+            model.setOptionValue("mip_rel_gap", self.gapRel)
+        if self.timeLimit is not None:
+            model.setOptionValue("time_limit", float(self.timeLimit))
 
 
 def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float | None,
                 gap: float) -> tuple[str, float | None, float]:
     t0 = time.perf_counter()
-    final_gap = None
     if solver == "cbc":
-        fd, log_path = tempfile.mkstemp(prefix="hetpar_cbc_", suffix=".log")
-        os.close(fd)
-        try:
-            with warnings.catch_warnings():
-                # pulp 3.3 deprecates PULP_CBC_CMD for 4.0, but it is the CBC
-                # pulp bundles; COIN_CMD would need a separate CBC install.
-                warnings.simplefilter("ignore", DeprecationWarning)
-                cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap,
-                                        logPath=log_path)
-            prob.solve(cbc)
-            with open(log_path) as f:
-                log = f.read()
-        finally:
-            os.unlink(log_path)
-        # CBC prints "Gap:" with two decimals only; recompute it from the bound.
-        obj = re.search(r"^Objective value:\s*([-+0-9.eE]+)", log, re.M)
-        low = re.search(r"^Lower bound:\s*([-+0-9.eE]+)", log, re.M)
-        if obj and low:
-            o, lb = float(obj.group(1)), float(low.group(1))
-            final_gap = max(0.0, o - lb) / max(abs(o), 1e-12)
+        final_gap = _run_cbc(prob, time_limit, gap)
     else:
-        with _quiet_stdout():  # highspy prints a banner from C++ whatever msg says
-            prob.solve(pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap))
+        prob.solve(_QuietHiGHS(msg=False, timeLimit=time_limit, gapRel=gap))
         try:
             final_gap = float(prob.solverModel.getInfo().mip_gap)
         except Exception:  # older highspy: no info; the status still says enough
@@ -335,3 +445,28 @@ def _run_solver(prob: pulp.LpProblem, solver: str, time_limit: float | None,
         # Stopped (time limit) before any integer solution.
         status = "infeasible" if prob.status != pulp.LpStatusNotSolved else "no_solution"
     return status, final_gap, solve_s
+
+
+def _run_cbc(prob: pulp.LpProblem, time_limit: float | None, gap: float) -> float | None:
+    """Solves with the CBC pulp bundles (its log to a file, not stdout); returns the final gap."""
+    fd, log_path = tempfile.mkstemp(prefix="hetpar_cbc_", suffix=".log")
+    os.close(fd)
+    try:
+        with warnings.catch_warnings():
+            # pulp 3.3 deprecates PULP_CBC_CMD for 4.0, but it is the CBC
+            # pulp bundles; COIN_CMD would need a separate CBC install.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            cbc = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=gap,
+                                    logPath=log_path)
+        prob.solve(cbc)
+        with open(log_path) as f:
+            log = f.read()
+    finally:
+        os.unlink(log_path)
+    # CBC prints "Gap:" with two decimals only; recompute it from the bound.
+    obj = re.search(r"^Objective value:\s*([-+0-9.eE]+)", log, re.M)
+    low = re.search(r"^Lower bound:\s*([-+0-9.eE]+)", log, re.M)
+    if obj and low:
+        o, lb = float(obj.group(1)), float(low.group(1))
+        return max(0.0, o - lb) / max(abs(o), 1e-12)
+    return None

@@ -16,7 +16,17 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from hetpar.core import SCHEDULES, CostTable, InfeasibleError, PlanError, load_json, save_json
+from hetpar.core import (
+    SCHEDULES,
+    CostTable,
+    InfeasibleError,
+    PlanError,
+    load_json,
+    nbytes,
+    save_json,
+    seconds,
+    signed_seconds,
+)
 from hetpar.planner import _baselines, _feasibility, _ilp
 from hetpar.planner._baselines import BaselineResult
 from hetpar.planner._evaluate import (
@@ -24,7 +34,6 @@ from hetpar.planner._evaluate import (
     OBJECTIVES,
     Arrays,
     Predicted,
-    _gb,
     data_parallel_obstacle,
     evaluate,
     evaluate_data_parallel,
@@ -213,10 +222,10 @@ class Plan:
                 return tot
 
             t_here, x_here = t[i, here] / M, transfers(here)
-            times = ", ".join(f"{d} {_s(t[i, j] / M)}" if np.isfinite(t[i, j])
+            times = ", ".join(f"{d} {seconds(t[i, j] / M)}" if np.isfinite(t[i, j])
                               else f"{d} -" for j, d in enumerate(arr.devices))
             lines.append(f"{layer.name} -> {arr.devices[here]}  (time: {times}; transfers here "
-                         f"{_s(x_here)})")
+                         f"{seconds(x_here)})")
             for j, d in enumerate(arr.devices):
                 if j == here:
                     continue
@@ -234,11 +243,11 @@ class Plan:
                     lines.append(f"    {d}: no link to a neighbour's device")
                     continue
                 dt, dx = t[i, j] / M - t_here, x_there - x_here
-                why = (f"compute {_signed(dt)}, transfers {_signed(dx)} "
-                       f"(net {_signed(dt + dx)})")
+                why = (f"compute {signed_seconds(dt)}, transfers {signed_seconds(dx)} "
+                       f"(net {signed_seconds(dt + dx)})")
                 over = memory[j] + arr.mem[i, j] - arr.cap[j]
                 if over > 0:
-                    why += f"; memory full: would exceed {d} by {_gb(over)}"
+                    why += f"; memory full: would exceed {d} by {nbytes(over)}"
                 lines.append(f"    {d}: {why}")
         return "\n".join(lines)
 
@@ -268,7 +277,7 @@ class Plan:
             for n in arr.layers:
                 d = a[n]
                 lines.append(f"{n:<{w}}  {arr.devices[d]:<10} "
-                             f"{_s(t[arr.lindex[n], d] / M):>10} {_s(xfer[n]):>13}")
+                             f"{seconds(t[arr.lindex[n], d] / M):>10} {seconds(xfer[n]):>13}")
         else:
             for n, d in self.assignment.items():
                 lines.append(f"{n}: {d}")
@@ -276,15 +285,15 @@ class Plan:
         lines += ["", "predicted per step: " + _costs(p)]
         if p.schedule is not None:
             lines.append(f"step time replays the {p.schedule} schedule (the ILP's closed form: "
-                         f"{_s(p.closed_form_s)})")
+                         f"{seconds(p.closed_form_s)})")
         tried = self.solver.get("replayed")
         if tried:
             lines.append("stages tried: " + ", ".join(
-                f"{k} {_s(v) if isinstance(v, float) and self.objective == 'time' else v}"
+                f"{k} {seconds(v) if isinstance(v, float) and self.objective == 'time' else v}"
                 for k, v in tried.items()))
         if p.bottleneck_s is not None:
-            lines.append(f"bottleneck: {p.bottleneck} {_s(p.bottleneck_s)} per microbatch")
-        lines.append("busy: " + ", ".join(f"{d} {_s(s)}" for d, s in p.busy_s.items()))
+            lines.append(f"bottleneck: {p.bottleneck} {seconds(p.bottleneck_s)} per microbatch")
+        lines.append("busy: " + ", ".join(f"{d} {seconds(s)}" for d, s in p.busy_s.items()))
         s = self.solver
         gap = s.get("gap")
         lines.append(f"solver: {s.get('name')} {s.get('status')}"
@@ -306,24 +315,8 @@ class Plan:
         return self.summary()
 
 
-def _s(x: float) -> str:
-    if not np.isfinite(x):
-        return "inf"
-    if x == 0:
-        return "0"
-    if abs(x) >= 1:
-        return f"{x:.3g} s"
-    if abs(x) >= 1e-3:
-        return f"{x * 1e3:.3g} ms"
-    return f"{x * 1e6:.3g} us"
-
-
-def _signed(x: float) -> str:
-    return ("+" if x >= 0 else "-") + _s(abs(x))
-
-
 def _costs(p: Predicted) -> str:
-    return (f"{_s(p.step_time_s)}, ${p.cost_usd_per_step:.3g}, "
+    return (f"{seconds(p.step_time_s)}, ${p.cost_usd_per_step:.3g}, "
             f"{p.energy_j_per_step:.3g} J")
 
 
@@ -378,93 +371,147 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         edge without a link, or the budget that cannot be met.
       PlanError: bad arguments.
     """
-    if objective not in OBJECTIVES:
-        raise PlanError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if solver == "auto":
-        solver = "highs" if _ilp.highs_available() else "cbc"
-    if mode not in MODES:
-        raise PlanError(f"mode must be one of {MODES}, got {mode!r}")
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
-    if mode == "sequential" and microbatches != 1:
-        raise PlanError("microbatches > 1 needs mode='pipelined'")
-    if schedule not in SCHEDULES:
-        raise PlanError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    for name, v in (("max_cost", max_cost), ("max_step_time", max_step_time),
-                    ("time_limit", time_limit), ("gap", gap)):
-        if v is not None and not (v >= 0 and math.isfinite(v)):
-            raise PlanError(f"{name} must be a non-negative number, got {v!r}")
+    req = _Request(objective=objective, mode=mode, microbatches=microbatches,
+                   contiguous=contiguous, max_cost=max_cost, max_step_time=max_step_time,
+                   solver=solver, time_limit=time_limit, gap=gap, schedule=schedule)
+    req = req.checked()
     if pins:
         table = table.with_pins(pins)
     arr = Arrays(table)
-    if objective == "cost" or max_cost is not None:
-        if not (arr.price.any() or arr.price_alone.any()):
-            raise PlanError("the cost objective and max_cost need price_per_hour on the "
-                            "devices; every device's price is 0")
-    if objective == "energy" and not (arr.watts_busy.any() or arr.watts_idle.any()):
-        raise PlanError("the energy objective needs watts_busy/watts_idle on the devices; "
-                        "every device's watts are 0")
-
+    _check_prices(arr, req)
     reason = _feasibility.memory_shortfall(arr) or _feasibility.link_obstacle(arr)
     if reason:
         raise InfeasibleError(reason)
-    kwargs = dict(mode=mode, microbatches=microbatches, contiguous=contiguous,
-                  solver=solver, time_limit=time_limit, gap=gap)
-    sol = _ilp.solve(arr, objective=objective, max_cost=max_cost,
-                     max_step_time=max_step_time, **kwargs)
-    logging.info("ILP %s: %s in %.2f s (build %.2f s, %d vars, %d constraints)", solver,
+    sol = req.solve(arr)
+    logging.info("ILP %s: %s in %.2f s (build %.2f s, %d vars, %d constraints)", req.solver,
                  sol.status, sol.solve_time_s, sol.build_time_s, sol.variables, sol.constraints)
     if sol.assignment is None:
-        err = _infeasible(arr, sol, objective, max_cost, max_step_time, kwargs)
+        err = _infeasible(arr, sol, req)
         # No placement of layers meets the budgets; replicas still might.
-        shell = Plan(fingerprint=table.fingerprint(), mode=mode, objective=objective,
-                     microbatches=microbatches if mode == "pipelined" else 1, assignment={},
-                     predicted=None, solver={"name": solver, "status": sol.status,
-                                             "layer_plan": str(err)},
-                     contiguous=contiguous,
-                     constraints={"max_cost": max_cost, "max_step_time": max_step_time})
-        dp = _consider_data_parallel(shell, table, arr, max_cost, max_step_time) if (
-            data_parallel) else shell
+        shell = req.plan(table, assignment={}, predicted=None,
+                         solver={"name": req.solver, "status": sol.status,
+                                 "layer_plan": str(err)})
+        dp = _consider_data_parallel(shell, table, arr, req) if data_parallel else shell
         if not dp.replicas:
             raise err
         return dp
-    closed = evaluate(table, sol.assignment, mode, microbatches, arrays=arr)
-    value = closed.objective(objective)
-    if sol.objective is not None and abs(sol.objective - value) > 1e-6 * max(abs(value), 1e-12):
-        logging.warning("ILP objective %.9g differs from the evaluated %.9g", sol.objective, value)
-    solver_info = {"name": solver, "status": sol.status, "gap": sol.gap,
-                   "solve_time_s": sol.solve_time_s, "build_time_s": sol.build_time_s,
-                   "objective": sol.objective, "variables": sol.variables,
-                   "constraints": sol.constraints}
-    assignment, predicted = sol.assignment, closed
-    if mode == "pipelined":
-        predicted = evaluate_replayed(table, assignment, microbatches, schedule, arrays=arr)
-        if not contiguous and violations(table, assignment, contiguous=True, arrays=arr):
-            assignment, predicted, contiguous, solver_info = _try_contiguous(
-                arr, objective, max_cost, max_step_time, kwargs, schedule, assignment,
-                predicted, solver_info)
-    base = {}
+    result = _layer_plan(table, arr, sol, req)
     if baselines:
-        base = _baselines.all_baselines(table, objective, mode, microbatches, max_cost=max_cost,
-                                        max_step_time=max_step_time, contiguous=contiguous,
-                                        arrays=arr)
-        if mode == "pipelined":
-            base = {k: r if r.predicted is None else dataclasses.replace(
-                r, predicted=evaluate_replayed(table, r.assignment, microbatches, schedule,
-                                               arrays=arr))
-                    for k, r in base.items()}
-    result = Plan(fingerprint=table.fingerprint(), mode=mode, objective=objective,
-                  microbatches=microbatches if mode == "pipelined" else 1,
-                  assignment=assignment, predicted=predicted, solver=solver_info,
-                  baselines=base, contiguous=contiguous,
-                  constraints={"max_cost": max_cost, "max_step_time": max_step_time})
+        result = dataclasses.replace(result, baselines=_evaluated_baselines(
+            table, arr, req, contiguous=result.contiguous))
     if data_parallel:
-        result = _consider_data_parallel(result, table, arr, max_cost, max_step_time)
+        result = _consider_data_parallel(result, table, arr, req)
     return result
 
 
-def _try_contiguous(arr: Arrays, objective, max_cost, max_step_time, kwargs, schedule,
-                    assignment, predicted, solver_info):
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    """The options of one `plan` call (see there)."""
+
+    objective: str
+    mode: str
+    microbatches: int
+    contiguous: bool
+    max_cost: float | None
+    max_step_time: float | None
+    solver: str
+    time_limit: float | None
+    gap: float | None
+    schedule: str
+
+    def checked(self) -> _Request:
+        """These options, checked, with solver "auto" resolved.
+
+        Raises:
+          PlanError: naming the bad option.
+        """
+        if self.objective not in OBJECTIVES:
+            raise PlanError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        req = self
+        if self.solver == "auto":
+            req = dataclasses.replace(
+                self, solver="highs" if _ilp.highs_available() else "cbc")
+        if self.mode not in MODES:
+            raise PlanError(f"mode must be one of {MODES}, got {self.mode!r}")
+        mb = self.microbatches
+        if not isinstance(mb, int) or mb < 1:
+            raise PlanError(f"microbatches must be a positive integer, got {mb!r}")
+        if self.mode == "sequential" and mb != 1:
+            raise PlanError("microbatches > 1 needs mode='pipelined'")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        for name in ("max_cost", "max_step_time", "time_limit", "gap"):
+            v = getattr(self, name)
+            if v is not None and not (v >= 0 and math.isfinite(v)):
+                raise PlanError(f"{name} must be a non-negative number, got {v!r}")
+        return req
+
+    def solve(self, arr: Arrays, **changes) -> _ilp.IlpSolution:
+        """The ILP under these options, with `changes` to them (e.g. contiguous=True)."""
+        options = dict(objective=self.objective, mode=self.mode,
+                       microbatches=self.microbatches, contiguous=self.contiguous,
+                       max_cost=self.max_cost, max_step_time=self.max_step_time,
+                       solver=self.solver, time_limit=self.time_limit, gap=self.gap)
+        return _ilp.solve(arr, **{**options, **changes})
+
+    def plan(self, table: CostTable, **fields) -> Plan:
+        """A Plan of `table` under these options; `fields` give the rest."""
+        return Plan(**{
+            "fingerprint": table.fingerprint(), "mode": self.mode, "objective": self.objective,
+            "microbatches": self.microbatches if self.mode == "pipelined" else 1,
+            "contiguous": self.contiguous,
+            "constraints": {"max_cost": self.max_cost, "max_step_time": self.max_step_time},
+            **fields})
+
+
+def _check_prices(arr: Arrays, req: _Request) -> None:
+    """The cost objective and budget need prices, the energy objective watts."""
+    if req.objective == "cost" or req.max_cost is not None:
+        if not (arr.price.any() or arr.price_alone.any()):
+            raise PlanError("the cost objective and max_cost need price_per_hour on the "
+                            "devices; every device's price is 0")
+    if req.objective == "energy" and not (arr.watts_busy.any() or arr.watts_idle.any()):
+        raise PlanError("the energy objective needs watts_busy/watts_idle on the devices; "
+                        "every device's watts are 0")
+
+
+def _layer_plan(table: CostTable, arr: Arrays, sol: _ilp.IlpSolution, req: _Request) -> Plan:
+    """The Plan of the ILP's assignment (pipelined: replayed, and stages tried contiguous)."""
+    objective = req.objective
+    closed = evaluate(table, sol.assignment, req.mode, req.microbatches, arrays=arr)
+    value = closed.objective(objective)
+    if sol.objective is not None and abs(sol.objective - value) > 1e-6 * max(abs(value), 1e-12):
+        logging.warning("ILP objective %.9g differs from the evaluated %.9g", sol.objective, value)
+    solver_info = {"name": req.solver, "status": sol.status, "gap": sol.gap,
+                   "solve_time_s": sol.solve_time_s, "build_time_s": sol.build_time_s,
+                   "objective": sol.objective, "variables": sol.variables,
+                   "constraints": sol.constraints}
+    assignment, predicted, contiguous = sol.assignment, closed, req.contiguous
+    if req.mode == "pipelined":
+        predicted = evaluate_replayed(table, assignment, req.microbatches, req.schedule,
+                                      arrays=arr)
+        if not contiguous and violations(table, assignment, contiguous=True, arrays=arr):
+            assignment, predicted, contiguous, solver_info = _try_contiguous(
+                arr, req, assignment, predicted, solver_info)
+    return req.plan(table, assignment=assignment, predicted=predicted, solver=solver_info,
+                    contiguous=contiguous)
+
+
+def _evaluated_baselines(table: CostTable, arr: Arrays, req: _Request, *,
+                         contiguous: bool) -> dict[str, BaselineResult]:
+    """The baselines on the plan's terms (pipelined: their steps replayed too)."""
+    base = _baselines.all_baselines(table, req.objective, req.mode, req.microbatches,
+                                    max_cost=req.max_cost, max_step_time=req.max_step_time,
+                                    contiguous=contiguous, arrays=arr)
+    if req.mode == "pipelined":
+        base = {k: r if r.predicted is None else dataclasses.replace(
+            r, predicted=evaluate_replayed(table, r.assignment, req.microbatches, req.schedule,
+                                           arrays=arr))
+                for k, r in base.items()}
+    return base
+
+
+def _try_contiguous(arr: Arrays, req: _Request, assignment, predicted, solver_info):
     """The ILP again with contiguous stages; its plan when its replayed step is better.
 
     Returns (assignment, predicted, contiguous, solver_info); solver_info
@@ -472,17 +519,17 @@ def _try_contiguous(arr: Arrays, objective, max_cost, max_step_time, kwargs, sch
     contiguous plan wins, its ILP objective under "objective" (the first
     solve's under "free_objective").
     """
-    sol = _ilp.solve(arr, objective=objective, max_cost=max_cost, max_step_time=max_step_time,
-                     **{**kwargs, "contiguous": True})
+    objective = req.objective
+    sol = req.solve(arr, contiguous=True)
     info = dict(solver_info)
     info["replayed"] = {"free": predicted.objective(objective)}
     if sol.assignment is None:
         info["replayed"]["contiguous"] = f"no plan ({sol.status})"
         return assignment, predicted, False, info
-    other = evaluate_replayed(arr.table, sol.assignment, kwargs["microbatches"], schedule,
+    other = evaluate_replayed(arr.table, sol.assignment, req.microbatches, req.schedule,
                               arrays=arr)
     info["replayed"]["contiguous"] = other.objective(objective)
-    if _over_budget(other, max_cost, max_step_time) is None and (
+    if _over_budget(other, req.max_cost, req.max_step_time) is None and (
             other.objective(objective) < predicted.objective(objective)):
         info.update(free_objective=info["objective"], objective=sol.objective,
                     contiguous_solve_time_s=sol.solve_time_s, chosen_stages="contiguous")
@@ -501,7 +548,7 @@ def replica_groups(table: CostTable) -> list[tuple[str, ...]]:
 
 
 def _consider_data_parallel(result: Plan, table: CostTable, arr: Arrays,
-                            max_cost: float | None, max_step_time: float | None) -> Plan:
+                            req: _Request) -> Plan:
     """`result`, or the data-parallel plan when one is feasible and predicted better."""
     best, base = result, dict(result.baselines)
     for group in replica_groups(table):
@@ -509,7 +556,7 @@ def _consider_data_parallel(result: Plan, table: CostTable, arr: Arrays,
         reason = data_parallel_obstacle(table, group, arrays=arr)
         if reason is None:
             p = evaluate_data_parallel(table, group, arrays=arr)
-            reason = _over_budget(p, max_cost, max_step_time)
+            reason = _over_budget(p, req.max_cost, req.max_step_time)
         if reason is not None:
             base[name] = BaselineResult(name, reason=reason)
             continue
@@ -532,30 +579,31 @@ def _over_budget(p: Predicted, max_cost: float | None, max_step_time: float | No
     if max_cost is not None and p.cost_usd_per_step > max_cost * (1 + 1e-9):
         return f"costs ${p.cost_usd_per_step:.3g} per step, over max_cost"
     if max_step_time is not None and p.step_time_s > max_step_time * (1 + 1e-9):
-        return f"takes {_s(p.step_time_s)} per step, over max_step_time"
+        return f"takes {seconds(p.step_time_s)} per step, over max_step_time"
     return None
 
 
-def _infeasible(arr: Arrays, sol, objective, max_cost, max_step_time, kwargs) -> PlanError:
+def _infeasible(arr: Arrays, sol: _ilp.IlpSolution, req: _Request) -> PlanError:
+    """Why the ILP found no plan, in words: the time limit, a budget, or the constraints."""
+    max_cost, max_step_time = req.max_cost, req.max_step_time
     if sol.status == "no_solution":
         return PlanError(f"the solver found no plan within the time limit "
-                         f"({kwargs['time_limit']} s); raise time_limit")
+                         f"({req.time_limit} s); raise time_limit")
     if max_cost is not None or max_step_time is not None:
-        free = _ilp.solve(arr, objective="cost" if max_cost is not None else "time",
-                          **{**kwargs, "time_limit": kwargs["time_limit"] or 60})
+        free = req.solve(arr, objective="cost" if max_cost is not None else "time",
+                         max_cost=None, max_step_time=None, time_limit=req.time_limit or 60)
         if free.assignment is not None:
-            p = evaluate(arr.table, free.assignment, kwargs["mode"], kwargs["microbatches"],
-                         arrays=arr)
+            p = evaluate(arr.table, free.assignment, req.mode, req.microbatches, arrays=arr)
             if max_cost is not None and max_step_time is None:
                 return InfeasibleError(f"no plan costs at most ${max_cost:.3g} per step; the "
                                        f"cheapest costs ${p.cost_usd_per_step:.3g}; raise "
                                        "max_cost")
             if max_step_time is not None and max_cost is None:
-                return InfeasibleError(f"no plan takes at most {_s(max_step_time)} per step; "
-                                       f"the fastest takes {_s(p.step_time_s)}; raise "
+                return InfeasibleError(f"no plan takes at most {seconds(max_step_time)} per "
+                                       f"step; the fastest takes {seconds(p.step_time_s)}; raise "
                                        "max_step_time")
             return InfeasibleError("no plan meets both max_cost and max_step_time; relax one")
-    contiguous = " and contiguous stages" if kwargs["contiguous"] else ""
+    contiguous = " and contiguous stages" if req.contiguous else ""
     return InfeasibleError("no assignment satisfies memory, links and pins"
                            f"{contiguous} together (each alone can be met); raise "
                            "memory_bytes of the accelerators, add links, or relax pins/allowed")

@@ -9,7 +9,7 @@ at 0.78-0.90x one GPU where the closed form promised 1.19-1.30x
 (experiments/results/two_gpus_transformer_b256_planned_h200x2.md).
 
 So the planner also replays the schedule: the same work items, stage cuts and
-per-device orders as the split pass and the runtime (`passes/_schedule.py`),
+per-device orders as the split pass and the runtime (`hetpar/core/_schedule.py`),
 at layer granularity, with each layer's time from the table:
 
 - every layer has a forward and a backward item per microbatch; the forward
@@ -42,7 +42,7 @@ from hetpar.core import (
     runs,
     stage_deps,
 )
-from hetpar.planner._evaluate import Arrays, Predicted, _assignment_indices, evaluate
+from hetpar.planner._evaluate import Arrays, Predicted, evaluate
 
 # A backward pass costs about twice its forward (two matmuls per forward one).
 FORWARD_SHARE = 1.0 / 3.0
@@ -97,7 +97,7 @@ def simulate(table: CostTable, assignment: Mapping[str, str], microbatches: int 
         without a link.
     """
     arr = arrays or Arrays(table)
-    a = _assignment_indices(arr, assignment)
+    a = arr.indices(assignment)
     M = int(microbatches)
     if M < 1:
         raise PlanError(f"microbatches must be >= 1, got {microbatches}")
@@ -108,11 +108,71 @@ def simulate(table: CostTable, assignment: Mapping[str, str], microbatches: int 
     if not np.all(np.isfinite(per_mb)):
         bad = [arr.layers[i] for i in range(L) if not np.isfinite(per_mb[i])]
         raise PlanError(f"layers {bad[:5]} have no time on their assigned devices")
+    items = _work_items(arr, a, per_mb, M)
+    st = _stages(items, schedule)
+    start, end = _replay(st, arr)
+    S = len(st.cut)
+    runs_out = sorted(
+        (StageRun(st.keys[s][0], st.keys[s][1], st.keys[s][2],
+                  tuple(dict.fromkeys(arr.layers[items.layer_of[i]] for i in st.cut[s])),
+                  float(start[s]), float(end[s])) for s in range(S)),
+        key=lambda r: (r.start_s, r.device))
+    busy = {d: float(sum(st.dur[s] for s in ids)) for d, ids in st.per_device.items()}
+    return Replay(float(np.nanmax(end)) if S else 0.0, st.schedule, tuple(runs_out), busy)
+
+
+@dataclasses.dataclass
+class _Items:
+    """The step's work items, numbered in program order.
+
+    Attributes:
+      keys: per item, its stage key (device, microbatch or None, phase).
+      dur: [n] seconds per item.
+      layer_of: [n] the layer each item belongs to.
+      deps: per item, the items it reads from.
+      xbytes: {(consumer, producer): bytes} of the tensors between items.
+    """
+
+    keys: list
+    dur: np.ndarray
+    layer_of: np.ndarray
+    deps: list[set[int]]
+    xbytes: dict[tuple[int, int], float]
+
+
+@dataclasses.dataclass
+class _Stages:
+    """The items cut into stages, and each device's order of them.
+
+    Attributes:
+      cut: per stage, its items.
+      keys: per stage, its key (device, microbatch or None, phase).
+      deps: per stage, the stages it reads from.
+      xbytes: {(consumer, producer): bytes} between stages on different devices.
+      dur: [S] seconds per stage.
+      per_device: {device: its stages in the order it runs them}.
+      schedule: the schedule those orders realise.
+    """
+
+    cut: list[list[int]]
+    keys: list
+    deps: list
+    xbytes: dict[tuple[int, int], float]
+    dur: np.ndarray
+    per_device: Mapping[str, list[int]]
+    schedule: str
+
+
+def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int) -> _Items:
+    """A forward and a backward item per layer and microbatch, with their dependencies.
+
+    Program order: per microbatch, forwards in topological order, then
+    backwards in reverse (the order `hetpar.value_and_grad` traces).
+    """
+    L = len(a)
     pos = np.empty(L, dtype=int)
     pos[arr.order] = np.arange(L)
 
-    # Work items in program order: per microbatch, forwards in topological
-    # order, then backwards in reverse (the order `hetpar.value_and_grad` traces).
     def fwd(i, m):
         return m * 2 * L + pos[i]
 
@@ -141,41 +201,51 @@ def simulate(table: CostTable, assignment: Mapping[str, str], microbatches: int 
             if arr.bwd[k] > 0:
                 deps[bwd(u, m)].add(bwd(v, m))
                 _add(xbytes, (bwd(u, m), bwd(v, m)), arr.bwd[k] / M)
+    return _Items(keys, dur, layer_of, deps, xbytes)
 
-    order = device_aware_order(deps, keys)
-    cut = runs(order, keys)
-    stage_of = np.empty(n, dtype=int)
-    for s, items in enumerate(cut):
-        stage_of[items] = s
-    S = len(cut)
-    sdeps = stage_deps(stage_of, deps, S)
-    skeys = [keys[items[0]] for items in cut]
+
+def _stages(items: _Items, schedule: str) -> _Stages:
+    """Cuts the items into stages as the split pass does, and orders each device's stages."""
+    order = device_aware_order(items.deps, items.keys)
+    cut = runs(order, items.keys)
+    stage_of = np.empty(len(items.keys), dtype=int)
+    for s, members in enumerate(cut):
+        stage_of[members] = s
+    sdeps = stage_deps(stage_of, items.deps, len(cut))
+    skeys = [items.keys[members[0]] for members in cut]
     per_device, realised = device_orders(skeys, sdeps, schedule)
     sbytes: dict[tuple[int, int], float] = {}
-    for (c, p), b in xbytes.items():
+    for (c, p), b in items.xbytes.items():
         sc, sp = stage_of[c], stage_of[p]
         if sc != sp and skeys[sc][0] != skeys[sp][0]:
             _add(sbytes, (sc, sp), b)
-    sdur = np.array([dur[items].sum() for items in cut])
+    sdur = np.array([items.dur[members].sum() for members in cut])
+    return _Stages(cut, skeys, sdeps, sbytes, sdur, per_device, realised)
 
-    # Event-driven replay: each device's next stage is queued with the time
-    # it can start once its producers have run; the earliest queued stage
-    # runs next. Transfers are priced (and their links taken) when queued.
+
+def _replay(st: _Stages, arr: Arrays) -> tuple[np.ndarray, np.ndarray]:
+    """Runs the stages in each device's order; returns their (start, end) seconds.
+
+    Event-driven: each device's next stage is queued with the time it can
+    start once its producers have run; the earliest queued stage runs next.
+    Transfers are priced (and their links taken) when queued.
+    """
+    S = len(st.cut)
     end = np.full(S, np.nan)
     start = np.full(S, np.nan)
-    dev_free = dict.fromkeys(per_device, 0.0)
-    head = dict.fromkeys(per_device, 0)
+    dev_free = dict.fromkeys(st.per_device, 0.0)
+    head = dict.fromkeys(st.per_device, 0)
     link_free: dict[tuple[str, str], float] = {}
     arrived: dict[tuple[int, int], float] = {}
     heap: list[tuple[float, int, str]] = []
     queued: set[str] = set()
     placed = 0
     while True:
-        for dev in per_device:
-            if dev in queued or head[dev] >= len(per_device[dev]):
+        for dev, stages in st.per_device.items():
+            if dev in queued or head[dev] >= len(stages):
                 continue
-            s = per_device[dev][head[dev]]
-            t = _arrivals(s, sdeps, skeys, sbytes, end, arr, link_free, arrived)
+            s = stages[head[dev]]
+            t = _arrivals(s, st, end, arr, link_free, arrived)
             if t is not None:
                 heapq.heappush(heap, (max(t, dev_free[dev]), s, dev))
                 queued.add(dev)
@@ -183,42 +253,37 @@ def simulate(table: CostTable, assignment: Mapping[str, str], microbatches: int 
             break
         t, s, dev = heapq.heappop(heap)
         queued.discard(dev)
-        start[s], end[s] = t, t + sdur[s]
+        start[s], end[s] = t, t + st.dur[s]
         dev_free[dev] = end[s]
         head[dev] += 1
         placed += 1
     if placed != S:  # cannot happen: the orders were checked to complete
         raise PlanError("internal error: the replayed schedule deadlocked")
-    runs_out = sorted(
-        (StageRun(skeys[s][0], skeys[s][1], skeys[s][2],
-                  tuple(dict.fromkeys(arr.layers[layer_of[i]] for i in cut[s])),
-                  float(start[s]), float(end[s])) for s in range(S)),
-        key=lambda r: (r.start_s, r.device))
-    busy = {d: float(sum(sdur[s] for s in ids)) for d, ids in per_device.items()}
-    return Replay(float(np.nanmax(end)) if S else 0.0, realised, tuple(runs_out), busy)
+    return start, end
 
 
 def _add(d: dict, key, value: float) -> None:
     d[key] = d.get(key, 0.0) + value
 
 
-def _arrivals(s, sdeps, skeys, sbytes, end, arr: Arrays, link_free, arrived) -> float | None:
+def _arrivals(s: int, st: _Stages, end: np.ndarray, arr: Arrays, link_free: dict,
+              arrived: dict) -> float | None:
     """When all of stage s's inputs are on its device, or None if a producer has not run.
 
     Prices each cross-device input once, on first ask: the transfer starts
     when its producer ends and its link is free.
     """
-    dst = skeys[s][0]
+    dst = st.keys[s][0]
     t = 0.0
-    for p in sdeps[s]:
+    for p in st.deps[s]:
         if np.isnan(end[p]):
             return None
         if (s, p) not in arrived:
-            b = sbytes.get((s, p))
+            b = st.xbytes.get((s, p))
             if b is None:
                 arrived[s, p] = end[p]
             else:
-                src = skeys[p][0]
+                src = st.keys[p][0]
                 i, j = arr.dindex[src], arr.dindex[dst]
                 if arr.bw[i, j] <= 0:
                     raise PlanError(f"no link {src} -> {dst} for a transfer the plan needs")

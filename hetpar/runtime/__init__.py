@@ -1,7 +1,7 @@
 """Running plans: the transfer engine, the per-device executor, data-parallel replicas."""
 
-from hetpar.runtime._executor import Executor, StageError, StageEvent
+from hetpar.runtime._executor import Executor, StageError, StageEvent, Workers
 from hetpar.runtime._replicated import Replicated
 from hetpar.runtime._transfer import TransferEngine
 
-__all__ = ["Executor", "Replicated", "StageError", "StageEvent", "TransferEngine"]
+__all__ = ["Executor", "Replicated", "StageError", "StageEvent", "TransferEngine", "Workers"]

@@ -2,10 +2,12 @@
 
 Each model comes as a `Workload` (Flax model, Optax optimizer, example batch,
 pure `train_step`), at its published size or, with `small=True`, at a size
-fit for tests.
+fit for tests. `trace_model` and `cost_table` take a model by name to its
+traced step (LayerGraph) and to the planner's CostTable (graph.json).
 """
 
+from hetpar.zoo._costs import cost_table, trace_model
 from hetpar.zoo._registry import describe, get, names
 from hetpar.zoo._workload import Workload
 
-__all__ = ["Workload", "describe", "get", "names"]
+__all__ = ["Workload", "cost_table", "describe", "get", "names", "trace_model"]

@@ -1,0 +1,117 @@
+"""Timing one layer alone on a present device, on random inputs of the right kind.
+
+`measure_layer` runs the layer's stage (forward, backward and update: its
+slice of the step's jaxpr) as its own executable, on arguments from
+`random_inputs`, and caches the timing on disk under a hash of the layer's
+jaxpr (`layer_key`). Integer inputs that index something (embedding rows,
+label classes) are drawn below the bound their uses set, so gathers and
+dynamic slices stay in range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from hetpar.cost_models._measure import Timing, measure_cached
+
+
+def _index_bounds(jaxpr) -> dict:
+    """Upper bounds (exclusive) for integer variables used as indices, by variable.
+
+    Gathers, scatters and dynamic slices bound their index operands; the
+    bound is carried back through the integer arithmetic that built them
+    (converts, broadcasts, concatenates, wrap-around selects), conservatively.
+    """
+    from jax.extend import core as jcore
+
+    bounds: dict = {}
+
+    def bound(v, b):
+        if isinstance(v, jcore.Var) and np.issubdtype(np.dtype(v.aval.dtype), np.integer):
+            bounds[v] = min(bounds.get(v, b), max(1, int(b)))
+
+    for e in reversed(jaxpr.eqns):
+        p = e.primitive.name
+        if p == "gather":
+            op, idx = e.invars[0], e.invars[1]
+            dims = e.params["dimension_numbers"].start_index_map
+            if dims:
+                bound(idx, min(op.aval.shape[d] for d in dims))
+        elif p.startswith("scatter"):
+            op, idx = e.invars[0], e.invars[1]
+            dims = e.params["dimension_numbers"].scatter_dims_to_operand_dims
+            if dims:
+                bound(idx, min(op.aval.shape[d] for d in dims))
+        elif p in ("dynamic_slice", "dynamic_update_slice"):
+            op = e.invars[0]
+            sizes = (e.params["slice_sizes"] if p == "dynamic_slice"
+                     else e.invars[1].aval.shape)
+            first = 1 if p == "dynamic_slice" else 2
+            for d, a in enumerate(e.invars[first:]):
+                bound(a, op.aval.shape[d] - sizes[d] + 1)
+        outs = [o for o in e.outvars if o in bounds]
+        if outs:
+            b = min(bounds[o] for o in outs)
+            for a in e.invars:
+                bound(a, b)
+    return bounds
+
+
+def random_inputs(graph, layer: str, seed: int = 0) -> tuple[Callable, list]:
+    """The layer's callable and random arguments of the right shapes and dtypes.
+
+    Floats are standard normal, booleans fair coins, integers uniform below
+    the bound their uses as indices set (embedding rows, label classes; 128
+    when unused as an index), typed PRNG keys come from `jax.random.key`.
+
+    Returns:
+      (fn, args) for `measure`.
+    """
+    import jax
+
+    closed, _, _ = graph.layer_jaxpr(layer)
+    fn, shapes = graph.layer_callable(layer)
+    bounds = _index_bounds(closed.jaxpr)
+    rng = np.random.default_rng(seed)
+    args = []
+    for v, s in zip(closed.jaxpr.invars, shapes, strict=True):
+        shape, dt = tuple(s.shape), s.dtype
+        if jax.dtypes.issubdtype(dt, jax.dtypes.prng_key):
+            n = max(1, math.prod(shape))
+            keys = jax.random.split(jax.random.key(seed), n)
+            args.append(keys.reshape(shape))
+        elif np.dtype(dt) == np.bool_:
+            args.append(rng.random(shape) < 0.5)
+        elif np.issubdtype(np.dtype(dt), np.integer):
+            hi = min(bounds.get(v, 128), int(np.iinfo(np.dtype(dt)).max) + 1)
+            args.append(rng.integers(0, max(1, hi), size=shape).astype(dt))
+        else:
+            args.append(rng.standard_normal(shape).astype(dt))
+    return fn, args
+
+
+def layer_key(graph, layer: str) -> str:
+    """The layer's fingerprint for the measurement cache: a hash of its jaxpr."""
+    closed, _, _ = graph.layer_jaxpr(layer)
+    return "layer/" + hashlib.sha256(str(closed).encode()).hexdigest()[:24]
+
+
+def measure_layer(graph, layer: str, device, *, k: int = 10, warmup: int = 2) -> Timing:
+    """Times one layer's stage alone on a present device (cached on disk).
+
+    Args:
+      graph: the LayerGraph.
+      layer: the layer's name.
+      device: a JAX device or its name (`gpu:0`).
+      k: timed runs (median and IQR are reported).
+      warmup: untimed runs first (the first compiles).
+
+    Returns:
+      The Timing; `cached` when it came from the disk cache.
+    """
+    fn, args = random_inputs(graph, layer)
+    return measure_cached(layer_key(graph, layer), fn, args, device, k=k, warmup=warmup)

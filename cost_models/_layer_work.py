@@ -1,0 +1,144 @@
+"""The roofline's view of one traced layer: its work by op class, dtype and call buffers.
+
+A layer of a `LayerGraph` (`hetpar.passes.trace`) carries hetpar's count of
+its work per jaxpr op class (`LayerInfo.work`). `layer_work` turns that into
+a `LayerWork` over the roofline's op classes (`ROOFLINE_CLASS` maps one to
+the other); `graph_layer_work` adds what only the layer's jaxpr tells: the
+dtype its matmuls read, the arrays its call takes and returns
+(`layer_io`), and, compiled for a backend, XLA's after-fusion bytes
+(`layer_fused_bytes`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from absl import logging
+
+from hetpar.core import ProfileError
+from hetpar.cost_models._profile import OP_CLASSES, ROOFLINE_CLASS
+from hetpar.cost_models._roofline import LayerWork
+
+
+def layer_dtype(graph, layer: str) -> str:
+    """`bf16` when the layer's matmuls read 16-bit floats, else `f32`."""
+    closed, _, _ = graph.layer_jaxpr(layer)
+    for e in closed.jaxpr.eqns:
+        if e.primitive.name in ("dot_general", "conv_general_dilated"):
+            if any(str(getattr(a.aval, "dtype", "")) in ("bfloat16", "float16")
+                   for a in e.invars):
+                return "bf16"
+    return "f32"
+
+
+def layer_io(graph, layer: str) -> tuple[int, float]:
+    """(arrays, bytes) of the layer callable's inputs and outputs, from its jaxpr.
+
+    Each array is a buffer the runtime hands over per call (one per
+    parameter and optimizer-state leaf, activation and gradient); together
+    they are read or written at least once.
+    """
+    from jax.extend import core as jcore
+
+    closed, _, _ = graph.layer_jaxpr(layer)
+    n, nbytes = 0, 0.0
+    for v in list(closed.jaxpr.invars) + list(closed.jaxpr.outvars):
+        aval = getattr(v, "aval", None)
+        if isinstance(v, jcore.Literal) or aval is None or not hasattr(aval, "shape"):
+            continue  # literals are not buffers
+        n += 1
+        try:
+            nbytes += float(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+        except TypeError:  # extended dtypes (PRNG keys): a key is a few words
+            nbytes += float(math.prod(aval.shape)) * 8.0
+    return n, nbytes
+
+
+# XLA's cost analysis counts a loop body once: after-fusion bytes of a layer
+# holding one would understate its traffic by the trip count.
+_LOOPS = frozenset({"scan", "while"})
+
+
+def _has_loop(jaxpr) -> bool:
+    from jax.extend import core as jcore
+
+    for e in jaxpr.eqns:
+        if e.primitive.name in _LOOPS:
+            return True
+        for v in e.params.values():
+            for sub in (v if isinstance(v, (list, tuple)) else [v]):
+                inner = sub.jaxpr if isinstance(sub, jcore.ClosedJaxpr) else sub
+                if isinstance(inner, jcore.Jaxpr) and _has_loop(inner):
+                    return True
+    return False
+
+
+def layer_xla_cost(graph, layer: str, backend: str):
+    """XLA's after-fusion cost of the layer compiled alone for `backend` (an `XlaCost`).
+
+    Returns None when XLA's figures cannot stand for the layer: it holds a
+    loop (XLA counts the body once) or the compile or analysis failed.
+    """
+    from hetpar.passes import compiled_cost  # hetpar.passes loads JAX: only when compiling
+
+    closed, inputs, _ = graph.layer_jaxpr(layer)
+    if _has_loop(closed.jaxpr):
+        return None
+    try:
+        return compiled_cost(closed, [v.aval for v in inputs], backend)
+    except Exception as e:  # noqa: BLE001 - the unfused count still stands
+        logging.warning("XLA cost of %s on %s failed: %s", layer, backend, e)
+        return None
+
+
+def layer_fused_bytes(graph, layer: str, backend: str) -> float | None:
+    """Bytes the layer moves after XLA's fusion on `backend`, or None when unknown."""
+    cost = layer_xla_cost(graph, layer, backend)
+    return None if cost is None else cost.bytes_accessed
+
+
+def layer_work(info, *, dtype: str = "f32", launches: int = 1, buffers: int = 0,
+               io_bytes: float = 0.0, fused_bytes: float | None = None) -> LayerWork:
+    """The roofline's view of a LayerInfo's counted work.
+
+    Args:
+      info: a `LayerInfo` (its `work.by_class` is `{jaxpr op class: [flops, trans,
+        bytes]}`).
+      dtype: whose peak applies (`f32`, `bf16`).
+      launches: dispatches; a layer's stage is one executable, so 1.
+      buffers, io_bytes: the call's input and output arrays and their bytes
+        (`layer_io`); 0 when unknown.
+      fused_bytes: after-fusion bytes on the device (`layer_fused_bytes`),
+        None when unknown.
+
+    Returns:
+      A LayerWork over the roofline's op classes.
+    """
+    flops = dict.fromkeys(OP_CLASSES, 0.0)
+    nbytes = dict.fromkeys(OP_CLASSES, 0.0)
+    trans = 0.0
+    for cls, (f, t, b) in info.work.by_class.items():
+        c = ROOFLINE_CLASS.get(cls)
+        if c is None:
+            raise ProfileError(
+                f"layer work: jaxpr op class {cls!r} has no roofline class; map it in "
+                "ROOFLINE_CLASS (hetpar.cost_models, `_profile.py`)")
+        flops[c] += float(f)
+        nbytes[c] += float(b)
+        trans += float(t)
+    return LayerWork(flops, nbytes, launches=launches, transcendentals=trans, dtype=dtype,
+                     buffers=int(buffers), io_bytes=float(io_bytes),
+                     fused_bytes=None if fused_bytes is None else float(fused_bytes))
+
+
+def graph_layer_work(graph, layer: str, backend: str | None = None) -> LayerWork:
+    """`layer_work` of one layer of a LayerGraph, with its dtype, buffers and io bytes.
+
+    With `backend` (a present platform: `cpu`, `gpu`), the layer is compiled
+    for it and XLA's after-fusion bytes fill `fused_bytes`.
+    """
+    n, io = layer_io(graph, layer)
+    fused = None if backend is None else layer_fused_bytes(graph, layer, backend)
+    return layer_work(graph[layer], dtype=layer_dtype(graph, layer), buffers=n, io_bytes=io,
+                      fused_bytes=fused)

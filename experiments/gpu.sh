@@ -1,0 +1,325 @@
+#!/usr/bin/env bash
+# One driver for every experiment that needs the GPU machine.
+#
+#   OUT=/some/dir bash experiments/gpu.sh JOB [ARGS...]
+#   bash experiments/gpu.sh help            # the job list
+#
+# Run it from anywhere; it works in the repository root. The GPU machine has
+# no package index, so setup installs pulp and highspy from a wheel folder
+# (first found: $HETPAR_WHEELS, shared/wheels, ../shared/wheels, .whl), then
+# hetpar itself in editable mode without dependencies (jax, flax, optax,
+# networkx, numpy, absl-py are in the machine's image). Setup runs once per
+# machine; SKIP_SETUP=1 skips it. Results go to $OUT (default: a fresh folder
+# under /tmp, printed), named after the card ($CARD: h200, h100, h200x2, ...,
+# read from nvidia-smi). experiments/README.md lists what each job measures
+# and the result it last committed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() {
+  cat <<'EOF'
+usage: OUT=DIR bash experiments/gpu.sh JOB [ARGS...]
+
+one GPU (the card and its host CPU):
+  profile [FLAGS]     hetpar profile (FLAGS e.g. --quick) + predictor check + cost-model tests
+  costs               cost-model accuracy report and the per-layer figures
+                      (env: MODELS, TAG, BUDGET=150, ACC_TIMEOUT=300, SKIP_FIGURES=1)
+  runtime             GPU tests, runtime benchmark (overhead, overlap, transfers), Figure 2 on GPU
+  baselines           hand-off probe, then hetpar against its baselines
+                      (env: MODELS, TAG, MEMORY=transformer, PROFILES, BUDGET=560)
+  launch              fixed cost per step under XLA command-buffer flags; overhead probe
+  overhead            overhead probe (hetpar vs jax.jit, interleaved); VGG16 baselines row
+  rows                VGG16 baselines row; lm_embed, cnn_preprocess with spec-sheet links
+  dispatch            does a jitted GPU call block its caller? (probe_dispatch.py)
+  hetpar ARGS...      any hetpar command, e.g. `hetpar run resnet18 --steps 8`
+                      (output in run_resnet18_<card>.txt)
+
+two GPUs (env PROFILES: the profile file, default results/profile_2gpu_h200x2.json):
+  two-gpus            hand-off probe; the built-in two-GPU sweep
+  two-gpus-b256       transformer batch 256: one GPU, data parallel, half/half, memory case
+  two-gpus-planned    transformer batch 256: the planner's pipelines M = 4, 8 (1F1B)
+  two-gpus-launch     are microbatched pipelines launch-bound? (floor rows)
+  two-gpus-memory     transformer too large for one GPU (0.6x its memory)
+  two-gpus-replay     transformer b256 M = 1..8, and the memory case, replayed predictions
+  two-gpus-study      VGG16 (b128) and AlexNet (b512), M = 1..16, GPipe and 1F1B
+  two-gpus-measured   VGG16 and transformer with layer shares measured on the GPU
+  two-gpus-final      transformer b256, final calibration (env PROFILES_PEER: the peer-link profile)
+  peer                GPU -> GPU copy speed at pipeline sizes (probe_peer.py)
+  sweep MODEL BATCH MICROBATCHES BUDGET_S NAME [FLAGS]
+                      one model's sweep of the planner's pipelines (bench_two_gpus.py)
+EOF
+}
+
+card() {  # h200, h100, h200x2, ...; cpu when there is no GPU
+  local names n kind
+  names=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null || true)
+  n=$(printf '%s\n' "$names" | grep -c .)
+  [ "$n" -eq 0 ] && { echo cpu; return; }
+  kind=$(printf '%s\n' "$names" | head -1 | grep -oiE 'h100|h200|a100|l4|t4' | head -1 \
+    | tr '[:upper:]' '[:lower:]')
+  kind=${kind:-gpu}
+  [ "$n" -gt 1 ] && kind="${kind}x${n}"
+  echo "$kind"
+}
+
+setup() {
+  local marker=/tmp/hetpar_gpu_setup.done W
+  if [ -n "${SKIP_SETUP:-}" ] || [ -e "$marker" ]; then return; fi
+  W=${HETPAR_WHEELS:-$(ls -d shared/wheels ../shared/wheels .whl 2>/dev/null | head -1 || true)}
+  if [ -n "$W" ]; then
+    python3 -m pip install -q --no-index --find-links "$W" pulp highspy \
+      || echo "warning: pulp/highspy not installed from $W (the planner needs pulp)"
+  else
+    echo "warning: no wheel folder (HETPAR_WHEELS, shared/wheels, ../shared/wheels, .whl):" \
+         "pulp not installed; profile and costs still run"
+  fi
+  python3 -m pip install -q --no-build-isolation --no-deps -e . || {
+    echo "error: pip install -e . failed"; exit 1; }
+  touch "$marker"
+}
+
+describe() {  # the machine, into the log: every figure names its card
+  nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current \
+    --format=csv || true
+  lscpu | grep -E "Model name|^CPU\(s\)" || true
+  python3 -c "import jax; print('jax', jax.__version__, jax.devices(), jax.devices('cpu'))"
+}
+
+quiet() { grep -v "^I1\|^W1"; }  # absl INFO/WARNING lines
+
+# One model's sweep of the planner's pipelines over M and schedules, beside one
+# GPU's jax.jit and data parallelism, with replayed predictions.
+sweep() {  # MODEL BATCH MICROBATCHES BUDGET_S NAME [FLAGS...]
+  local model=$1 batch=$2 mbs=$3 budget=$4 name=$5
+  shift 5
+  (cd experiments && timeout $((budget + 90)) python3 bench_two_gpus.py --out "$OUT/${name}_$CARD" \
+    --budget_s "$budget" --steps 10 --model "$model" --batch "$batch" --microbatches "$mbs" \
+    --schedules gpipe,1f1b --nohalf --profiles "$PROFILES" "$@" 2>&1 \
+    | quiet | grep "^| [a-z]\|^calibrated\|Error\|error" | cut -c1-300)
+}
+
+job=${1:-help}
+[ $# -gt 0 ] && shift
+case "$job" in
+help|-h|--help) usage; exit 0 ;;
+profile|costs|runtime|baselines|launch|overhead|rows|dispatch|hetpar) TWO_GPUS= ;;
+two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
+two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep) TWO_GPUS=1 ;;
+*) echo "unknown job: $job"; usage; exit 2 ;;
+esac
+if [ "$job" = sweep ] && [ $# -lt 5 ]; then
+  echo "usage: gpu.sh sweep MODEL BATCH MICROBATCHES BUDGET_S NAME [FLAGS]"; exit 2
+fi
+
+if [ -z "${OUT:-}" ]; then
+  OUT=$(mktemp -d /tmp/hetpar_gpu.XXXXXX)
+  echo "results go to $OUT (set OUT to choose)"
+fi
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # absolute: several jobs run from experiments/
+export OUT PYTHONUNBUFFERED=1
+
+setup
+CARD=${CARD:-$(card)}
+# Profile files are named relative to experiments/ (the jobs run there).
+if [ -n "$TWO_GPUS" ]; then
+  PROFILES=${PROFILES:-results/profile_2gpu_h200x2.json}
+else
+  PROFILES=${PROFILES-}
+fi
+echo "== $job on $CARD ($(date -u +%Y-%m-%dT%H:%MZ)), results in $OUT"
+describe
+start=$(date +%s)
+
+case "$job" in
+profile)
+  # Profile the devices present (full sizes unless FLAGS say --quick), then what
+  # the predictor says with those profiles; profile_gpu_<card>.{json,log}.
+  {
+    echo "== card"
+    describe
+    echo "== hetpar profile"
+    t0=$(date +%s)
+    python3 -m hetpar profile --out "$OUT/profile_gpu_$CARD.json" "$@"
+    echo "profile took $(( $(date +%s) - t0 )) s"
+    echo "== what the predictor says with these profiles (f32, 4096^3 matmul and 256 MB elementwise)"
+    python3 - "$OUT/profile_gpu_$CARD.json" <<'PY'
+import sys
+from hetpar.cost_models import LayerWork, load_profiles, predict
+ps = load_profiles(sys.argv[1])
+mm = LayerWork({"matmul": 2 * 4096**3}, {"matmul": 3 * 4096**2 * 4})
+ew = LayerWork({"elementwise": 2 * 2**26}, {"elementwise": 2 * 2**28})
+for name in [n for n, p in ps.devices.items() if p.origin == "measured"] + ["h100", "h200", "a100", "cpu"]:
+    p = ps.device(name)
+    print(f"{name:8s} {p.origin:11s} matmul {predict(p, mm) * 1e3:8.3f} ms   elementwise {predict(p, ew) * 1e3:8.3f} ms")
+for lk in ps.links:
+    print(f"{lk.src} -> {lk.dst} {lk.path:20s} 256 MB in {lk.time(2**28) * 1e3:8.2f} ms")
+PY
+    if python3 -c "import pytest" 2>/dev/null; then
+      echo "== cost-model tests"
+      python3 -m pytest -q -p no:cacheprovider tests/test_cost_models.py || true
+    fi
+  } 2>&1 | tee "$OUT/profile_gpu_$CARD.log"
+  ;;
+costs)
+  # Cost-model accuracy (accuracy_<card>.md/.json, with XLA's after-fusion bytes
+  # per layer), then the per-layer figures (figures_<card>.json, 5 PNGs when
+  # matplotlib is installed; else plot later with `layer_figures.py --data`).
+  python3 -c "import matplotlib" 2>/dev/null || echo "no matplotlib here: figures_*.json only"
+  export HETPAR_CACHE_DIR=/tmp/hetpar_cache  # the figures reuse the accuracy run's GPU layers
+  # Cheap models first, so the time budget drops the biggest ones if anything.
+  MODELS="${MODELS:-mlp,lm_embed,conv6,rnn,cnn_preprocess,mobilenet_v1,resnet18,transformer,alexnet,cyclegan_generator,resnet50,vgg16}"
+  TAG="${TAG:-}"
+  timeout "${ACC_TIMEOUT:-300}" python3 experiments/cost_accuracy.py --out_dir "$OUT" \
+    --models "$MODELS" --budget_s "${BUDGET:-150}" --k 10 ${TAG:+--tag "$TAG"} 2>&1 \
+    | grep -vE "^I.* (on (cpu|gpu):0): " || echo "accuracy run failed or timed out"
+  echo "accuracy took $(( $(date +%s) - start )) s"
+  if [ -z "${SKIP_FIGURES:-}" ]; then
+    t0=$(date +%s)
+    timeout 200 python3 experiments/layer_figures.py --out_dir "$OUT" --k 5 2>&1 | tail -20 \
+      || echo "figures run failed or timed out"
+    echo "figures took $(( $(date +%s) - t0 )) s"
+  fi
+  ;;
+runtime)
+  python3 -m pytest -q -x tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests_$CARD.log" | tail -5
+  python3 experiments/bench_runtime.py --out "$OUT/runtime_$CARD" 2>&1 | grep -v "^I1" | tail -40
+  python3 experiments/figure2_hlo_profiles.py --backend gpu --out "$OUT/figure2_gpu_$CARD" 2>&1 \
+    | grep "^|"
+  ;;
+baselines)
+  # hetpar against its baselines for the zoo models in $MODELS (default: all but
+  # resnet50 and vgg16, which a second call runs: MODELS=resnet50,vgg16 TAG=_big MEMORY="").
+  cd experiments
+  if [ -z "${TAG:-}" ]; then
+    timeout 90 python3 probe_handoff.py 2>&1 | quiet | tee "$OUT/probe_handoff_$CARD.txt"
+  fi
+  MODELS=${MODELS:-lm_embed,mlp,rnn,cnn_preprocess,conv6,mobilenet_v1,resnet18,alexnet,cyclegan_generator,transformer}
+  name="baselines_$CARD${TAG:-}"
+  timeout $(( ${BUDGET:-560} - ($(date +%s) - start) )) python3 bench_baselines.py \
+    --out "$OUT/$name" --models "$MODELS" --memory_model "${MEMORY-transformer}" \
+    ${PROFILES:+--profiles $PROFILES} 2>&1 | quiet > "$OUT/$name.log"
+  grep -A12 "^## Goals" "$OUT/$name.md"
+  ;;
+launch)
+  # How much of the transformer's step is fixed (kernel launches), with XLA's
+  # CUDA-graph command buffers as they come, off, and on for every kind.
+  cd experiments
+  for flags in "" "--xla_gpu_enable_command_buffer=" \
+      "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"; do
+    XLA_FLAGS="$flags" timeout 130 python3 probe_launch.py --batches 16,64,256 \
+      --out "$OUT/probe_launch_$CARD.jsonl" 2>&1 | grep "^batch\|^fit\|Error"
+  done
+  # The one-device path against jax.jit, interleaved (goal <= 1.03).
+  timeout 150 python3 probe_overhead.py 2>&1 | quiet | tee "$OUT/probe_overhead_$CARD.txt"
+  ;;
+overhead)
+  # The one-device path against jax.jit, interleaved (goal <= 1.03), then the VGG16 row.
+  cd experiments
+  timeout 140 python3 probe_overhead.py 2>&1 | quiet | tee "$OUT/probe_overhead_$CARD.txt"
+  timeout 330 python3 bench_baselines.py --out "$OUT/baselines_${CARD}_vgg16" --models vgg16 \
+    --memory_model "" --profiles "${PROFILES:-results/profile_gpu_h200.json}" 2>&1 | tail -3
+  ;;
+rows)
+  # The VGG16 row, and lm_embed/cnn_preprocess under the spec sheets' link latency
+  # (no --profiles: what hetpar.auto sees by default).
+  cd experiments
+  timeout 330 python3 bench_baselines.py --out "$OUT/baselines_${CARD}_vgg16" --models vgg16 \
+    --memory_model "" --profiles "${PROFILES:-results/profile_gpu_h200.json}" 2>&1 | tail -3
+  timeout 150 python3 bench_baselines.py --out "$OUT/baselines_${CARD}_spec_latency" \
+    --models lm_embed,cnn_preprocess --memory_model "" 2>&1 | tail -3
+  ;;
+dispatch)
+  timeout 120 python3 experiments/probe_dispatch.py 2>&1 | quiet | tee "$OUT/probe_dispatch_$CARD.txt"
+  ;;
+hetpar)
+  # Named after the sub-command and its first argument: `hetpar run resnet18`
+  # writes run_resnet18_<card>.txt.
+  name=$(printf '%s\n' "${@:1:2}" | grep -v '^-' | paste -sd_ - | tr -c 'A-Za-z0-9_.\n-' '_')
+  python3 -m hetpar "$@" 2>&1 | tee "$OUT/${name:-hetpar}_$CARD.txt"
+  ;;
+two-gpus)
+  # Per-array against batched transfers, then two GPUs against one.
+  (cd experiments
+   timeout 120 python3 probe_handoff.py 2>&1 | quiet | tee "$OUT/probe_handoff_$CARD.txt"
+   timeout 400 python3 bench_two_gpus.py --out "$OUT/two_gpus_$CARD" --budget_s 330 \
+     --profiles "$PROFILES" 2>&1 | quiet | tail -30)
+  ;;
+two-gpus-b256)
+  # The transformer at batch 256: one GPU, data parallel, the planner's choice
+  # on a table calibrated to the measured one-GPU step, half/half pipelines
+  # (M = 4, 8; GPipe and 1F1B), and a per-GPU budget of 0.7x what the step needs.
+  (cd experiments
+   timeout 560 python3 bench_two_gpus.py --out "$OUT/two_gpus_transformer_b256_$CARD" \
+     --budget_s 440 --steps 10 --model transformer --batch 256 --microbatches 4,8 \
+     --schedules gpipe,1f1b --memory_fraction 0.7 --profiles "$PROFILES" 2>&1 \
+     | quiet | grep "^| [a-z]\|^calibrated\|Error\|error" | cut -c1-400)
+  ;;
+two-gpus-planned)
+  # The planner's pipelines (M = 4, 8, 1F1B) beside one GPU, data parallel and
+  # the planner's own choice.
+  (cd experiments
+   timeout 330 python3 bench_two_gpus.py --out "$OUT/two_gpus_transformer_b256_planned_$CARD" \
+     --budget_s 270 --steps 10 --model transformer --batch 256 --microbatches 4,8 \
+     --schedules 1f1b --nohalf --profiles "$PROFILES" 2>&1 \
+     | quiet | grep "^| [a-z]\|^calibrated\|Error" | cut -c1-400)
+  ;;
+two-gpus-launch)
+  # Is the microbatched pipeline launch-bound? Each run adds "one GPU, whole
+  # step at batch/M, xM" beside hetpar's M-microbatch pipeline.
+  run() {  # name budget args...
+    local name=$1 budget=$2; shift 2
+    (cd experiments && timeout $((budget + 45)) python3 bench_two_gpus.py \
+      --out "$OUT/${name}_$CARD" --budget_s "$budget" --steps 10 --noplanner "$@" 2>&1 \
+      | grep "^| [a-z]")
+  }
+  run two_gpus_transformer_b32_m16 45 --model transformer --batch 32 --microbatches 16 \
+    --schedules gpipe
+  run two_gpus_alexnet_b128 45 --model alexnet --batch 128 --microbatches 1,4 --schedules gpipe
+  run two_gpus_transformer_b128 60 --model transformer --batch 128 --microbatches 1,4 \
+    --schedules gpipe,1f1b
+  ;;
+two-gpus-memory)
+  # A per-GPU budget of 0.6x what the step needs at batch 16: neither one GPU
+  # nor a data-parallel replica fits; the planner pipelines it (M = 4, 1F1B).
+  (cd experiments
+   timeout 300 python3 bench_two_gpus.py --out "$OUT/two_gpus_transformer_memory_$CARD" \
+     --budget_s 250 --steps 10 --model transformer --batch 16 --microbatches 4 \
+     --schedules 1f1b --memory_only --memory_fraction 0.6 --profiles "$PROFILES" 2>&1 \
+     | quiet | grep "^| [a-z]\|Error\|error" | cut -c1-600)
+  ;;
+two-gpus-replay)
+  sweep transformer 256 1,2,4,8 330 two_gpus_transformer_b256_replay
+  sweep transformer 16 4 120 two_gpus_transformer_memory_replay --memory_only \
+    --memory_fraction 0.6
+  ;;
+two-gpus-study)
+  sweep vgg16 128 1,2,4,8,16 260 two_gpus_vgg16_b128
+  sweep alexnet 512 1,2,4,8,16 130 two_gpus_alexnet_b512
+  ;;
+two-gpus-measured)
+  # Layer shares timed on gpu:0 (`cost_table(measure=True)`) instead of the
+  # spec sheets' roofline; the fixed part from gradient-only steps.
+  sweep vgg16 128 1,2,4,8,16 220 two_gpus_vgg16_b128_measured --measure_layers
+  sweep transformer 256 2,4,8 170 two_gpus_transformer_b256_measured --measure_layers \
+    --schedules 1f1b
+  ;;
+two-gpus-final)
+  # Fixed part from gradient-only steps, the peer link measured at pipeline
+  # sizes (probe_peer.py -> profile_2gpu_h200x2_peer.json); M = 2, 4, 8 (1F1B).
+  PROFILES=${PROFILES_PEER:-results/profile_2gpu_h200x2_peer.json}
+  (cd experiments
+   timeout 230 python3 bench_two_gpus.py --out "$OUT/two_gpus_transformer_b256_final_$CARD" \
+     --budget_s 150 --steps 10 --model transformer --batch 256 --microbatches 2,4,8 \
+     --schedules 1f1b --nohalf --nochoice --profiles "$PROFILES" 2>&1 \
+     | quiet | grep "^| [a-z]\|^calibrated\|Error\|error" | cut -c1-300)
+  ;;
+peer)
+  timeout 200 python3 experiments/probe_peer.py 2>&1 | quiet | tee "$OUT/probe_peer_$CARD.txt"
+  ;;
+sweep)
+  sweep "$@"
+  ;;
+esac
+echo "== $job took $(( $(date +%s) - start )) s; in $OUT:"
+ls -la "$OUT"

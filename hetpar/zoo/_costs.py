@@ -1,0 +1,101 @@
+"""A zoo model's traced step and its cost table, by model name (`hetpar plan MODEL`).
+
+The zoo's way into the passes and the cost models: `trace_model` builds a
+model's `Workload` and traces its train step into a `LayerGraph`;
+`cost_table` goes on to the planner's CostTable (graph.json) on a device list.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+from absl import logging
+
+from hetpar import cost_models
+from hetpar.core import CostTable, ProfileError
+from hetpar.cost_models import ProfileSet, load_profiles
+from hetpar.passes import LayerGraph, trace
+from hetpar.zoo._registry import get
+from hetpar.zoo._workload import Workload
+
+
+def _step_args(workload: Workload) -> tuple:
+    """A workload's step arguments, abstract when the zoo allows it (nothing allocated)."""
+    try:
+        return tuple(jax.eval_shape(workload.example_args))
+    except Exception:  # noqa: BLE001 - some zoo builds only run concretely
+        logging.debug("eval_shape of example_args failed; building them concretely")
+        return tuple(workload.example_args())
+
+
+def trace_model(model: str, *, small: bool = False, batch: int | None = None,
+                config: Mapping[str, Any] | None = None,
+                depth: int | None = None) -> tuple[Workload, LayerGraph]:
+    """(workload, LayerGraph) of a zoo model's train step.
+
+    Args:
+      model: a zoo name (`hetpar models`).
+      small: the model's small test config.
+      batch: batch size (default: the model's).
+      config: model config overrides.
+      depth: module-path depth that names layers (see `hetpar.trace`).
+    """
+    w = get(model, small=small, batch=batch, **dict(config or {}))
+    return w, trace(w.train_step, *_step_args(w), depth=depth)
+
+
+def cost_table(
+    model: str,
+    devices: Sequence[str],
+    *,
+    small: bool = False,
+    batch: int | None = None,
+    config: Mapping[str, Any] | None = None,
+    measure: bool = False,
+    profiles: ProfileSet | str | None = None,
+    k: int = 10,
+    progress: Callable[[str], None] | None = None,
+    microbatches: int = 1,
+) -> CostTable:
+    """The CostTable of a zoo model's train step on `devices` (`hetpar plan MODEL`).
+
+    Args:
+      model: a zoo name (`hetpar models`).
+      devices: as for `hetpar.cost_models.cost_table`.
+      small: the model's small test config.
+      batch: batch size (default: the model's).
+      config: model config overrides.
+      measure: measure present devices instead of predicting.
+      profiles: a ProfileSet, or the path of a profile file.
+      k: timed runs per measurement.
+      progress: as for `hetpar.cost_models.cost_table`.
+      microbatches: with `measure` and M > 1, also measure every layer at
+        batch / M and fit its `fixed_s` (see `hetpar.cost_models.cost_table`),
+        so pipelined plans pay what small microbatches really cost.
+
+    Returns:
+      The CostTable; `meta` also names the model and batch size.
+
+    Raises:
+      ProfileError: M > 1 without `measure`, or a batch M does not divide.
+    """
+    if isinstance(profiles, str):
+        profiles = load_profiles(profiles)
+    w, graph = trace_model(model, small=small, batch=batch, config=config)
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ProfileError(f"microbatches must be a positive integer, got {microbatches!r}")
+    small_graph = None
+    if microbatches > 1:
+        full = int(w.config["batch_size"])
+        if not measure:
+            raise ProfileError("microbatches > 1 fits fixed_s from measurements: add measure")
+        if full % microbatches:
+            raise ProfileError(f"microbatches={microbatches} does not divide the batch ({full})")
+        _, small_graph = trace_model(model, small=small, batch=full // microbatches,
+                                     config=config)
+    return cost_models.cost_table(
+        graph, devices, profiles=profiles, measure=measure, k=k, progress=progress,
+        microbatch_graph=small_graph, microbatches=microbatches,
+        meta={"model": model, "batch": w.config.get("batch_size"), "small": small})

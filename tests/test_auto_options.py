@@ -1,0 +1,129 @@
+"""`hetpar.auto`'s options: checked when `auto(...)` is called, not after tracing.
+
+Every bad option raises at once with a message naming the option and what it
+accepts; the step function is never called.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hetpar
+
+CPU = jax.devices("cpu")
+
+
+def step(w, x):
+    with hetpar.layer("first"):
+        h = jnp.tanh(x @ w[0])
+    with hetpar.layer("second"):
+        h = h @ w[1]
+    return jnp.mean(h**2)
+
+
+def never_called(*args):
+    raise AssertionError("the step must not be traced for a bad option")
+
+
+W = [jnp.ones((3, 4)) * 0.1, jnp.ones((4, 2)) * 0.1]
+X = np.ones((5, 3), np.float32)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(objective="speed"), hetpar.HetparError,
+     r"objective must be one of \('time', 'cost', 'energy'\), got 'speed'"),
+    (dict(microbatches=0), hetpar.HetparError, "microbatches must be a positive int, got 0"),
+    (dict(microbatches=2.0), hetpar.HetparError, "microbatches must be a positive int, got 2.0"),
+    (dict(microbatches=True), hetpar.HetparError, "microbatches must be a positive int"),
+    (dict(schedule="zigzag"), hetpar.HetparError,
+     r"schedule must be one of \('gpipe', '1f1b'\), got 'zigzag'"),
+    (dict(batch_argnums="1"), hetpar.HetparError, "batch_argnums must be an int, a sequence"),
+    (dict(batch_argnums=[0, 1.5]), hetpar.HetparError,
+     r"batch_argnums must be an int, a sequence of ints or None, got \(0, 1.5\)"),
+    (dict(on_missing_device="ignore"), hetpar.HetparError,
+     r"on_missing_device must be one of \('error', 'replan'\), got 'ignore'"),
+    (dict(depth=0), hetpar.HetparError, "depth must be a positive int or None, got 0"),
+    (dict(profile=3), hetpar.HetparError, "profile must be 'auto', None, a path .* got int"),
+    (dict(plan=42), hetpar.PlanError,
+     r"plan must be a path to plan.json, a hetpar.Plan or a dict \{layer: device\}, got int"),
+    (dict(plan={"first": 1}), hetpar.PlanError,
+     r"a plan dict maps layer names to device names .* not: \{'first': 1\}"),
+    (dict(devices=[0, 1]), hetpar.PlanError,
+     r"devices must be a device name \('cpu:0'\) or a sequence of them, got \(0, 1\)"),
+    (dict(devices={"cpu:0"}), hetpar.PlanError,
+     "devices must be a device name or a sequence of them, got set"),
+    (dict(devices=["cpu:0", "cpu:0"]), hetpar.PlanError,
+     r"devices \['cpu:0', 'cpu:0'\] name a device twice"),
+])
+def test_bad_option_raises_when_auto_is_called(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        hetpar.auto(never_called, **kwargs)
+    with pytest.raises(error, match=message):  # the decorator form too
+        hetpar.auto(**kwargs)
+
+
+@pytest.mark.parametrize("devices, message", [
+    (["cpu:0", "tpu:9"],
+     r"devices \['tpu:9'\] are not present \(present: \['cpu:0', 'cpu:1', 'cpu:2', 'cpu:3'\]\)"),
+    # A comma-separated string is one (unknown) name: the message says to pass a list.
+    ("cpu:0,cpu:1", r"devices \['cpu:0,cpu:1'\] are not present .*pass several devices as a list"),
+])
+def test_absent_devices_fail_at_the_first_call(devices, message):
+    # Not at auto(...): asking JAX for devices starts its backends, and a program
+    # decorating at import time may not have run jax.distributed.initialize yet.
+    auto = hetpar.auto(never_called, devices=devices)
+    with pytest.raises(hetpar.PlanError, match=message):
+        auto(W, X)
+
+
+def test_options_are_keyword_only_and_checked():
+    Options = type(hetpar.auto(step).options)
+    with pytest.raises(TypeError):
+        Options(("cpu:0",))  # positional arguments fail
+    with pytest.raises(hetpar.HetparError, match="data_parallel must be a bool, got 1"):
+        Options(data_parallel=1)
+    opts = Options(devices=("cpu:1",), microbatches=np.int64(2))
+    assert dataclasses.replace(opts, devices=None).devices is None
+
+
+def test_a_device_name_string_is_one_device():
+    auto = hetpar.auto(step, devices="cpu:1")
+    assert auto.options.devices == ("cpu:1",)
+    out = auto(W, X)
+    assert out.devices() == {CPU[1]}
+    np.testing.assert_allclose(float(out), float(jax.jit(step)(W, X)), rtol=1e-6)
+
+
+def test_one_device_plan_naming_an_unknown_layer_is_a_clear_error():
+    # Before, this ran everything on cpu:1 and ignored the misspelt layer.
+    auto = hetpar.auto(step, plan={"nosuch": "cpu:1"})
+    with pytest.raises(hetpar.PlanError,
+                       match=r"does not fit this step's layers: unknown \['nosuch'\]; missing "
+                             r"\['first', 'second'\]; the step's layers are \['first', 'second'\]"):
+        auto(W, X)
+
+
+def test_one_device_plan_must_name_every_layer():
+    auto = hetpar.auto(step, plan={"first": "cpu:1"})
+    with pytest.raises(hetpar.PlanError, match=r"missing \['second'\]"):
+        auto(W, X)
+    out = hetpar.auto(step, plan={"first": "cpu:1", "second": "cpu:1"})(W, X)
+    assert out.devices() == {CPU[1]}
+
+
+def test_batch_argnums_out_of_range_is_a_clear_error_at_the_first_call():
+    auto = hetpar.auto(step, devices=["cpu:0"], batch_argnums=5)
+    with pytest.raises(hetpar.HetparError,
+                       match=r"batch_argnums \[5\] name arguments \[5\] the step was not given: "
+                             "it was called with 2 arguments"):
+        auto(W, X)
+
+
+def test_negative_batch_argnums_name_arguments_from_the_end():
+    auto = hetpar.auto(step, devices=["cpu:1"], batch_argnums=-1)
+    x0 = jax.device_put(X, CPU[0])  # a batch committed elsewhere is moved to the plan's device
+    np.testing.assert_allclose(float(auto(W, x0)), float(jax.jit(step)(W, X)), rtol=1e-6)
+    assert auto.lower(W, x0)._batch_here((W, x0))[1].devices() == {CPU[1]}
