@@ -23,7 +23,25 @@ def _has_gpu() -> bool:
         return False
 
 
+# Zoo models whose compilation dominates a test on 2 cores (10-60 s each). A
+# test run over one of them, by parameter or by fixture parameter, belongs to
+# the slow tier; the fast tier (`-m "not slow"`) makes the same checks on the
+# small models (mlp, lm_embed, transformer). Tests slow for other reasons carry
+# `@pytest.mark.slow` themselves.
+SLOW_MODELS = frozenset({"alexnet", "cnn_preprocess", "conv6", "cyclegan_generator",
+                         "mobilenet_v1", "resnet18", "resnet50", "rnn", "vgg16"})
+
+
+def _over_slow_model(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    return callspec is not None and any(
+        isinstance(v, str) and v in SLOW_MODELS for v in callspec.params.values())
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _over_slow_model(item):
+            item.add_marker(pytest.mark.slow)
     if _has_gpu():
         return
     skip = pytest.mark.skip(reason="needs a GPU (none present)")

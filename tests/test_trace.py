@@ -52,7 +52,7 @@ def test_flax_layers_and_program_equals_jit():
     g = trace(step, *args)
     assert g.layers == ["Conv_0", "Block_0", "Dense_0"]
     # The flat program computes exactly what the step computes.
-    out, ref = g.program(*args), jax.jit(step)(*args)
+    out, ref = jax.jit(g.program)(*args), jax.jit(step)(*args)
     for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     # No nested plain jit survives (Optax's update uses them).

@@ -62,13 +62,16 @@ DECREASING = {
 }
 
 
-@pytest.fixture(scope="module", params=zoo.names())
-def trained(request):
-    """A small workload, its states and losses over three jitted steps on one batch.
+@pytest.mark.parametrize("name", zoo.names())
+def test_small_config_trains(name):
+    """Three jitted steps of each small workload on one batch.
 
-    Module-scoped so each model compiles once: compilation is the cost here.
+    One test per model so each compiles once (compilation is the cost here,
+    and test workers do not share fixtures): the state keeps its structure,
+    the loss is finite and falls (models without BatchNorm), and BatchNorm
+    statistics update.
     """
-    w = zoo.get(request.param, small=True)
+    w = zoo.get(name, small=True)
     variables, opt_state, batch = w.example_args()
     step = jax.jit(w.train_step)
     states, losses = [(variables, opt_state)], []
@@ -76,11 +79,7 @@ def trained(request):
         variables, opt_state, loss = step(variables, opt_state, batch)
         states.append((variables, opt_state))
         losses.append(float(loss))
-    return w, states, losses
 
-
-def test_small_train_step_runs_and_keeps_state_structure(trained):
-    w, states, losses = trained
     assert all(np.isfinite(losses)), losses
     (v0, o0), (v1, o1) = states[0], states[1]
     assert jax.tree.structure(v0) == jax.tree.structure(v1)
@@ -89,21 +88,14 @@ def test_small_train_step_runs_and_keeps_state_structure(trained):
         assert a.shape == b.shape and a.dtype == b.dtype
     assert w.param_count == sum(x.size for x in jax.tree.leaves(v0["params"]))
 
+    # BatchNorm models with batch 2 and SGD at lr 0.1 are too noisy to promise it.
+    if name in DECREASING:
+        assert losses[-1] < losses[0], losses
 
-def test_repeated_steps_reduce_the_loss(trained):
-    w, _, losses = trained
-    if w.name not in DECREASING:
-        pytest.skip("BatchNorm model: loss on a batch of 2 is noisy")
-    assert losses[-1] < losses[0], losses
-
-
-def test_batchnorm_models_update_batch_stats(trained):
-    w, states, _ = trained
-    if "batch_stats" not in states[0][0]:
-        pytest.skip("no BatchNorm")
-    before, after = states[0][0]["batch_stats"], states[1][0]["batch_stats"]
-    changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), before, after)
-    assert all(jax.tree.leaves(changed))
+    if "batch_stats" in v0:
+        before, after = v0["batch_stats"], v1["batch_stats"]
+        changed = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), before, after)
+        assert all(jax.tree.leaves(changed))
 
 
 def test_loss_matches_the_train_step_loss():

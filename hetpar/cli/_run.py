@@ -133,5 +133,5 @@ def _best_single_device(compiled) -> str:
         best = [(t, d) for t, d in best if d in present]
         if best:
             return min(best)[1]
-    used = sorted(set(compiled.assignment.values()), key=lambda d: d.startswith("cpu"))
+    used = sorted(set(compiled.assignment.values()), key=lambda d: (d.startswith("cpu"), d))
     return used[0]
