@@ -107,7 +107,7 @@ PIPELINED = [
     *(pytest.param(*case, marks=pytest.mark.slow) for case in (
         ("mlp", 1, "1f1b"), ("mlp", 4, "gpipe"),
         ("transformer", 1, "gpipe"), ("transformer", 2, "1f1b"), ("transformer", 4, "gpipe"),
-        ("resnet18", 2, "gpipe"), ("resnet18", 4, "1f1b"))),
+        ("resnet18", 2, "1f1b"))),
 ]
 
 
@@ -127,8 +127,10 @@ def test_pipelined_plan_equals_jit(name, microbatches, schedule):
         assert {s.microbatch for s in stages.stages} >= set(range(microbatches))
 
 
+# ResNet50 is left to test_alternating_plan_equals_jit (55 s pipelined here; its
+# blocks are ResNet18's, which test_pipelined_plan_equals_jit pipelines).
 @pytest.mark.parametrize("name", [n for n in zoo.names()
-                                  if n not in ("mlp", "transformer", "resnet18")])
+                                  if n not in ("mlp", "transformer", "resnet18", "resnet50")])
 def test_every_model_pipelined(name):
     """The rest of the zoo, pipelined once (M=2, 1F1B), to keep CI short."""
     w = zoo.get(name, small=True, learning_rate=1e-4, batch=4)
