@@ -8,22 +8,45 @@ trace then holds M independent forward/backward chains per layer (which the
 stage splitter turns into a device pipeline) followed by one accumulation
 and one optimizer update (Alpa's `alpa.grad` idea, done at trace time).
 
-Which loss arguments are batch data? Those leaves that are the very arrays
-`hetpar.auto` was given as the step's batch (`batch_argnums`); pass
-`batch_argnums=` here when the loss receives data transformed beforehand.
+What each microbatch gets (docs/architecture.md, "Microbatching and random
+keys"): every array the loss reads, as an argument or closed over, is sorted
+by where it comes from in the step being traced:
+
+- the step's batch (`batch_argnums` of `hetpar.auto`), or an array computed
+  from it that keeps the batch axis first: cut along axis 0;
+- a PRNG key that does not come from the batch (a typed `jax.random.key`, or
+  a raw `uint32[2]` `jax.random.PRNGKey`): microbatch i gets
+  `jax.random.fold_in(key, i)`;
+- anything else (parameters, optimizer state, constants, batch statistics):
+  passed whole.
+
+An array computed from the batch whose leading dimension is the batch size
+but whose first axis is not the batch axis (`x.T` of a square batch) cannot
+be sorted and raises `HetparError`. `batch_argnums=` here names loss arguments
+to cut explicitly (the others are then passed whole, keys folded).
+
+Closed-over arrays are found by tracing the loss once (`jax.make_jaxpr`: its
+consts are the outer tracers it reads) and replaced by rebuilding the loss's
+Python closure (cells of nested functions, `functools.partial` arguments,
+pytrees such as dicts and Flax `TrainState`s) with the microbatch's values.
+Where an array comes from is read from the data flow of the step traced so
+far (JAX's tracing frame; `_frame_eqns`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import functools
 import threading
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jcore
 
 from hetpar.core import HetparError
 from hetpar.passes import MICROBATCH_SCOPE
@@ -39,10 +62,13 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
-def microbatching(count: int, batch_leaves: Sequence[Any]):
-    """While tracing under this context, marked gradients run as `count` microbatches."""
+def microbatching(count: int | None, batch_leaves: Sequence[Any] = ()):
+    """While tracing under this context, marked gradients run as `count` microbatches.
+
+    `count=None` suspends microbatching (inside a microbatch's own gradient).
+    """
     prev = getattr(_state, "mb", None)
-    _state.mb = _Microbatching(count, list(batch_leaves))
+    _state.mb = None if count is None else _Microbatching(count, list(batch_leaves))
     try:
         yield
     finally:
@@ -80,14 +106,17 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
     Args:
       fun, argnums, has_aux, **kwargs: as `jax.value_and_grad`.
       batch_argnums: positions of `fun`'s arguments that are batch data (split
-        along axis 0 into microbatches). Default: the arguments whose leaves
-        are the step's batch arrays.
+        along axis 0 into microbatches; the other arguments go whole, PRNG keys
+        among them folded per microbatch). Default: every input of `fun`,
+        argument or closed-over, that is the step's batch or computed from it
+        along the batch axis (see the module docstring).
 
     Returns:
       A function with `jax.value_and_grad`'s signature and results. Under
       microbatching, the value (and float aux leaves) are microbatch means and
       the gradient is the mean of the microbatch gradients: equal to the
-      full-batch result when the loss is a mean over the batch.
+      full-batch result when the loss is a mean over the batch and uses no
+      randomness (microbatch i draws from `jax.random.fold_in(key, i)`).
     """
     vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
 
@@ -95,16 +124,10 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
         mb = getattr(_state, "mb", None)
         if mb is None or mb.count == 1:
             return vg(*args)
-        split = _batch_positions(args, mb, batch_argnums)
-        m = mb.count
-        n = _batch_size([args[k] for k in split])
-        results = []
-        for i in range(m):
-            # The slicing belongs to the microbatch too: it is where its forward starts.
-            with jax.named_scope(f"{MICROBATCH_SCOPE}{i}"):
-                part = [_slice(a, i, m, n) if k in split else a for k, a in enumerate(args)]
-                results.append(vg(*part))
-        return jax.tree_util.tree_map(lambda *xs: _mean(xs), *results)
+        with microbatching(None):  # a gradient inside the loss is a plain one
+            grad_of = functools.partial(jax.value_and_grad, argnums=argnums,
+                                        has_aux=has_aux, **kwargs)
+            return _microbatch(fun, grad_of, args, mb, batch_argnums)
 
     return wrapped
 
@@ -124,18 +147,369 @@ def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
     return wrapped
 
 
-def _batch_positions(args, mb: _Microbatching, batch_argnums) -> set[int]:
-    if batch_argnums is not None:
-        return {k % len(args) for k in batch_argnums}
-    ids = {id(x) for x in mb.batch_leaves}
-    found = {k for k, a in enumerate(args)
-             if any(id(leaf) in ids for leaf in jax.tree_util.tree_leaves(a))}
-    if not found:
+# -- one marked gradient as M microbatches ------------------------------------
+
+
+class _Role(enum.Enum):
+    SLICE = "slice"  # batch data: microbatch i gets rows [i*n/M, (i+1)*n/M)
+    FOLD = "fold"    # a PRNG key: microbatch i gets fold_in(key, i)
+    WHOLE = "whole"  # everything else
+
+
+def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
+    m = mb.count
+    explicit = set() if batch_argnums is None else {k % len(args) for k in batch_argnums}
+    n = _batch_size([args[k] for k in explicit] if explicit else mb.batch_leaves)
+    if n is not None and n % m:
         raise HetparError(
-            "hetpar.value_and_grad was asked for microbatches but none of the loss's "
-            "arguments is the step's batch (batch_argnums of hetpar.auto). Pass "
-            "batch_argnums=... to hetpar.value_and_grad to say which loss arguments to split.")
-    return found
+            f"batch size {n} is not divisible by microbatches={m}; choose a microbatch "
+            f"count that divides the batch size (divisors of {n}).")
+    closed = _closed_over(fun, args)
+    sorter = _Sorter(mb.batch_leaves, n)
+    roles: dict[int, _Role] = {}
+    for k, a in enumerate(args):
+        for leaf in jax.tree_util.tree_leaves(a):
+            if k in explicit and _leads_with(leaf, n):
+                roles[id(leaf)] = _Role.SLICE
+            elif explicit:
+                roles.setdefault(id(leaf), _Role.FOLD if _is_key(leaf) else _Role.WHOLE)
+            else:
+                roles.setdefault(id(leaf), sorter.role(leaf, "an argument of the loss"))
+    for c in closed:
+        roles.setdefault(id(c), sorter.role(c, "an array the loss closes over"))
+    if _Role.SLICE not in roles.values():
+        raise HetparError(
+            "hetpar.value_and_grad was asked for microbatches but none of the loss's inputs "
+            "(its arguments and the arrays it closes over) is the step's batch (batch_argnums "
+            "of hetpar.auto) or computed from it along the batch axis. Pass the batch to the "
+            "loss as an argument and name it with batch_argnums=... of hetpar.value_and_grad.")
+    swapped = [c for c in closed if roles[id(c)] is not _Role.WHOLE]
+
+    results = []
+    for i in range(m):
+        # The slicing belongs to the microbatch too: it is where its forward starts.
+        with jax.named_scope(f"{MICROBATCH_SCOPE}{i}"):
+            def part(x, i=i):
+                role = roles.get(id(x), _Role.WHOLE)
+                if role is _Role.SLICE:
+                    return _cut(x, i, m, n)
+                return _fold(x, i) if role is _Role.FOLD else x
+
+            part_args = [jax.tree_util.tree_map(part, a) for a in args]
+            fun_i = fun
+            if swapped:
+                fun_i = _rebind_closure(fun, {id(c): part(c) for c in swapped}, swapped, roles)
+                if i == 0:
+                    _check_rebound(fun_i, part_args, swapped)
+            results.append(grad_of(fun_i)(*part_args))
+    return jax.tree_util.tree_map(lambda *xs: _mean(xs), *results)
+
+
+def _closed_over(fun, args) -> list:
+    """The arrays `fun(*args)` reads besides its arguments (tracers of the step, constants)."""
+    try:
+        jaxpr = jax.make_jaxpr(fun)(*args)
+    except Exception:  # noqa: BLE001 - the real call below raises JAX's own error
+        return []
+    seen, out = set(), []
+    for c in jaxpr.consts:
+        if id(c) not in seen and hasattr(c, "shape"):
+            seen.add(id(c))
+            out.append(c)
+    return out
+
+
+def _leading(x) -> int | None:
+    return x.shape[0] if getattr(x, "ndim", 0) else None
+
+
+def _leads_with(x, n: int | None) -> bool:
+    """Whether `x` (an array or an aval) has the batch size `n` as its leading dimension."""
+    return n is not None and _leading(x) == n
+
+
+@functools.cache
+def _raw_key_shape(impl: str) -> tuple[int, ...]:
+    return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
+def _is_key(x) -> bool:
+    """A typed PRNG key (array), or a raw key of the default implementation (uint32[2])."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    if jnp.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    impl = str(jax.config.jax_default_prng_impl)
+    return dtype == jnp.uint32 and tuple(x.shape) == _raw_key_shape(impl)
+
+
+def _fold(key, i: int):
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key) and key.ndim:
+        flat = jax.vmap(lambda k: jax.random.fold_in(k, i))(key.reshape(-1))
+        return flat.reshape(key.shape)
+    return jax.random.fold_in(key, i)
+
+
+def _cut(x, i: int, m: int, n: int):
+    size = n // m
+    return jax.lax.slice_in_dim(x, i * size, (i + 1) * size, axis=0)
+
+
+# -- where an input comes from ------------------------------------------------
+
+
+_ROW, _OTHER = "row", "other"  # from the batch: batch axis first / batch axis elsewhere
+
+# Calls whose inner jaxpr the data flow is followed through.
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "checkpoint", "remat"})
+
+
+def _frame_eqns(tracer):
+    """The equations traced so far in `tracer`'s tracing frame (None if not a jaxpr trace).
+
+    JAX internals (DynamicJaxprTracer.val, DynamicJaxprTrace.frame.get_eqns), checked by
+    tests/test_microbatching.py::test_jax_tracing_frame_contract.
+    """
+    frame = getattr(getattr(tracer, "_trace", None), "frame", None)
+    if frame is None or not hasattr(frame, "get_eqns") or not hasattr(tracer, "val"):
+        return None
+    return frame.get_eqns()
+
+
+class _Sorter:
+    """Gives each input of the loss its role, from the data flow of the step so far."""
+
+    def __init__(self, batch_leaves, n):
+        self.n = n
+        self.batch_ids = {id(b) for b in batch_leaves}
+        tracer = next((b for b in batch_leaves if isinstance(b, jax.core.Tracer)), None)
+        self.trace = getattr(tracer, "_trace", None)
+        eqns = _frame_eqns(tracer) if tracer is not None else None
+        self.states: dict | None = None
+        if eqns is not None:
+            start = {}
+            for b in batch_leaves:
+                if getattr(b, "_trace", None) is self.trace and isinstance(b.val, jcore.Var):
+                    start[b.val] = _ROW if _leads_with(b, n) else _OTHER
+            self.states = _flow(eqns, start, n)
+
+    def role(self, x, what: str) -> _Role:
+        if self._is_batch(x, what):
+            return _Role.SLICE
+        # A key not cut with the batch, wherever it comes from, gets a stream per microbatch.
+        return _Role.FOLD if _is_key(x) else _Role.WHOLE
+
+    def _is_batch(self, x, what: str) -> bool:
+        if id(x) in self.batch_ids:
+            return _leads_with(x, self.n)
+        if not isinstance(x, jax.core.Tracer):
+            return False  # a constant of the step: never cut
+        if self.states is not None and getattr(x, "_trace", None) is self.trace:
+            state = self.states.get(x.val) if isinstance(x.val, jcore.Var) else None
+            if state == _OTHER and _leads_with(x, self.n) and not _is_key(x):
+                raise self._ambiguous(x, what, "is computed from the step's batch, but an "
+                                      "operation on the way (a transpose, a matrix product "
+                                      "or reduction over the batch axis) put another axis first")
+            # _OTHER without the batch size first (batch statistics): one value for all.
+            return state == _ROW
+        if _leads_with(x, self.n) and not _is_key(x):
+            raise self._ambiguous(x, what, "was computed inside a transformation in the step "
+                                  "(vmap, scan, an inner jit), where hetpar cannot see whether "
+                                  "it comes from the batch")
+        return False
+
+    def _ambiguous(self, x, what, why) -> HetparError:
+        return HetparError(
+            f"microbatching: {what} ({x.dtype}{list(x.shape)}) has the batch size {self.n} as "
+            f"its leading dimension and {why}, so hetpar cannot tell whether to split it into "
+            "microbatches. Pass it to the loss as an argument instead of closing over it, and "
+            "list that argument in batch_argnums=... of hetpar.value_and_grad to split it "
+            "along axis 0 (arguments left out of batch_argnums are passed whole); or compute "
+            "it inside the loss from the batch.")
+
+
+def _flow(eqns, states: dict, n) -> dict:
+    """Propagates _ROW/_OTHER from the batch's vars through `eqns` (in program order)."""
+    for eqn in eqns:
+        ins = [states.get(v) if isinstance(v, jcore.Var) else None for v in eqn.invars]
+        if not any(ins):
+            continue
+        outs = [o for o in eqn.outvars if isinstance(o, jcore.Var)]
+        inner = _inner_jaxpr(eqn)
+        if inner is not None:
+            sub = _flow(inner.eqns, {v: s for v, s in zip(inner.invars, ins) if s}, n)
+            for o, io in zip(eqn.outvars, inner.outvars):
+                s = sub.get(io) if isinstance(io, jcore.Var) else None
+                if s and isinstance(o, jcore.Var):
+                    states[o] = s if s == _OTHER or _leads_with(o.aval, n) else _OTHER
+            continue
+        state = _ROW if _keeps_batch_first(eqn, ins, n) else _OTHER
+        for o in outs:
+            states[o] = state
+    return states
+
+
+def _inner_jaxpr(eqn):
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = eqn.params.get(key)
+        j = getattr(j, "jaxpr", j)
+        if isinstance(j, jcore.Jaxpr) and len(j.invars) == len(eqn.invars):
+            return j
+    return None
+
+
+def _keeps_batch_first(eqn, ins, n) -> bool:
+    """Whether an equation on batch-first operands (ins: their states) gives batch-first results.
+
+    Results must still lead with n. Transposes, broadcasts, reductions, matrix
+    products and convolutions can put another axis first and are checked; any
+    other primitive keeps the batch axis where its operands had it (or mixes
+    examples along it, as a permutation or a mixup does, which keeps it an
+    axis of examples).
+    """
+    if _OTHER in ins or not all(_leads_with(o.aval, n) for o in eqn.outvars):
+        return False
+    name, p = eqn.primitive.name, eqn.params
+    if name == "transpose":
+        return p["permutation"][0] == 0
+    if name == "broadcast_in_dim":
+        return p["broadcast_dimensions"][:1] == (0,)
+    if "axes" in p and isinstance(p["axes"], tuple):  # reductions, argmax/argmin
+        return 0 not in p["axes"]
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = p["dimension_numbers"]
+        lhs, rhs = ins[0], ins[1]
+        if lb:  # batched product: the output starts with the batch dims
+            return lb[0] == 0 and rb[0] == 0
+        return lhs == _ROW and rhs is None and 0 not in lc
+    if name == "conv_general_dilated":
+        dn = p["dimension_numbers"]
+        return (ins[0] == _ROW and ins[1] is None and dn.lhs_spec[0] == 0
+                and dn.out_spec[0] == 0 and p.get("batch_group_count", 1) == 1)
+    return True
+
+
+# -- rebuilding the loss's closure ------------------------------------------
+
+
+def _rebind_closure(fun, subst: dict[int, Any], swapped, roles):
+    rebinder = _Rebinder(subst)
+    new = rebinder(fun, 0)
+    missing = [c for c in swapped if id(c) not in rebinder.hit]
+    if missing:
+        c = missing[0]
+        what = ("a PRNG key" if roles[id(c)] is _Role.FOLD else "the step's batch (or an "
+                "array computed from it)")
+        raise HetparError(
+            f"microbatching: the loss reads {what} ({c.dtype}{list(c.shape)}) through "
+            "something hetpar cannot rebuild per microbatch (a global, an object's attribute, "
+            "a class instance's method). Pass it to the loss as an argument instead "
+            "(e.g. loss(params, x, y, key)); arguments that are the step's batch are split "
+            "into microbatches and keys folded per microbatch.")
+    return new
+
+
+class _Rebinder:
+    """Copies a callable with some closed-over arrays replaced; the original is untouched.
+
+    Walks closure cells and defaults of Python functions, `functools.partial`
+    and bound methods' functions, and pytrees (dicts, lists, dataclass states).
+    """
+
+    _ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType)
+    _MAX_DEPTH = 8
+
+    def __init__(self, subst: dict[int, Any]):
+        self.subst = subst
+        self.hit: set[int] = set()
+        self.memo: dict[int, Any] = {}
+
+    def __call__(self, obj, depth: int):
+        key = id(obj)
+        if key in self.subst:
+            self.hit.add(key)
+            return self.subst[key]
+        if key in self.memo:
+            return self.memo[key]
+        if (depth > self._MAX_DEPTH or isinstance(obj, self._ATOMS)
+                or isinstance(obj, jax.Array) or hasattr(obj, "__array__")):
+            return obj
+        self.memo[key] = obj  # a cycle (a recursive function) keeps the original
+        new = self._rebuild(obj, depth + 1)
+        self.memo[key] = new
+        return new
+
+    def _rebuild(self, obj, depth):
+        if isinstance(obj, types.FunctionType):
+            return self._function(obj, depth)
+        if isinstance(obj, functools.partial):
+            func = self(obj.func, depth)
+            pargs = [self(a, depth) for a in obj.args]
+            kw = {k: self(v, depth) for k, v in obj.keywords.items()}
+            if func is obj.func and all(a is b for a, b in zip(pargs, obj.args)) and all(
+                    kw[k] is obj.keywords[k] for k in kw):
+                return obj
+            return functools.partial(func, *pargs, **kw)
+        if isinstance(obj, types.MethodType):
+            func, self_ = self(obj.__func__, depth), self(obj.__self__, depth)
+            if func is obj.__func__ and self_ is obj.__self__:
+                return obj
+            return types.MethodType(func, self_)
+        try:
+            leaves, treedef = jax.tree_util.tree_flatten(obj)
+        except Exception:  # noqa: BLE001 - not a pytree we can take apart
+            return obj
+        if treedef.num_leaves == 1 and leaves and leaves[0] is obj:
+            return obj  # a leaf: an object hetpar does not look into
+        new = [self(leaf, depth) for leaf in leaves]
+        if all(a is b for a, b in zip(new, leaves)):
+            return obj
+        return jax.tree_util.tree_unflatten(treedef, new)
+
+    def _function(self, f, depth):
+        cells = f.__closure__ or ()
+        contents = []
+        for cell in cells:
+            try:
+                contents.append(cell.cell_contents)
+            except ValueError:  # an empty cell (a name not yet bound)
+                contents.append(cell)
+        new_contents = [c if isinstance(c, types.CellType) else self(c, depth)
+                        for c in contents]
+        defaults = f.__defaults__ or ()
+        new_defaults = tuple(self(d, depth) for d in defaults)
+        kwdefaults = f.__kwdefaults__ or {}
+        new_kwdefaults = {k: self(v, depth) for k, v in kwdefaults.items()}
+        if (all(a is b for a, b in zip(new_contents, contents))
+                and all(a is b for a, b in zip(new_defaults, defaults))
+                and all(new_kwdefaults[k] is v for k, v in kwdefaults.items())):
+            return f
+        closure = tuple(cell if new is old else types.CellType(new)
+                        for cell, old, new in zip(cells, contents, new_contents))
+        g = types.FunctionType(f.__code__, f.__globals__, f.__name__,
+                               new_defaults or f.__defaults__, closure or None)
+        g.__kwdefaults__ = new_kwdefaults or f.__kwdefaults__
+        g.__dict__.update(f.__dict__)
+        g.__qualname__, g.__module__, g.__doc__ = f.__qualname__, f.__module__, f.__doc__
+        return g
+
+
+def _check_rebound(fun_i, part_args, swapped) -> None:
+    """The rebuilt loss must read none of the arrays it replaces (no second path to them)."""
+    left = {id(c) for c in _closed_over(fun_i, part_args)} & {id(c) for c in swapped}
+    if left:
+        c = next(c for c in swapped if id(c) in left)
+        raise HetparError(
+            f"microbatching: the loss still reads the whole {c.dtype}{list(c.shape)} array "
+            "after hetpar rebuilt its closure for a microbatch (it reaches it a second way: "
+            "a global or an object's attribute). Pass it to the loss as an argument instead.")
+
+
+# -- batch size and accumulation ------------------------------------------------
 
 
 def _batch_size(trees) -> int | None:
@@ -145,23 +519,6 @@ def _batch_size(trees) -> int | None:
     if not dims:
         return None
     return max(set(dims), key=lambda d: (dims.count(d), d))
-
-
-def _slice(tree, i: int, m: int, n: int | None):
-    """Microbatch i of m: leaves whose leading dimension is the batch size n are cut;
-    others (a PRNG key, a scalar) go whole to every microbatch."""
-    if n is not None and n % m:
-        raise HetparError(
-            f"batch size {n} is not divisible by microbatches={m}; choose a microbatch "
-            f"count that divides the batch size (divisors of {n}).")
-
-    def cut(x):
-        if not getattr(x, "ndim", 0) or x.shape[0] != n:
-            return x
-        size = n // m
-        return jax.lax.slice_in_dim(x, i * size, (i + 1) * size, axis=0)
-
-    return jax.tree_util.tree_map(cut, tree)
 
 
 def _mean(xs):
