@@ -98,6 +98,12 @@ class LayerGraph:
         return list(self.graph.nodes)
 
     @property
+    def notes(self) -> tuple[str, ...]:
+        """Why parts of the step that could have been cut per layer stay whole
+        (a `cond` over all parameters tied by one tensor), one line each."""
+        return self.program.notes
+
+    @property
     def shared_eqns(self) -> tuple[int, ...]:
         return tuple(i for i, name in enumerate(self.eqn_layers) if name == SHARED)
 

@@ -8,7 +8,9 @@ update, all placed on one device (DESIGN, "Layers"). The rules, in order:
    backward `transpose(jvp(Model))/Dense_0`. Stripping the transform
    wrappers gives the module path; its first `depth` components name the layer.
 2. Program inputs (parameters, optimizer state, batch) take the layer of
-   their first named consumer.
+   their first named consumer; inputs nothing named reads (optimizer state),
+   that of their first consumer. A tiny one (one element) that several
+   layers read is shared.
 3. Unnamed equations (optimizer updates, glue between modules, the loss) join
    the layer of their producer: the most recent layer, in layer order, among
    the producers of their inputs. They carry activations, so they must not
@@ -16,6 +18,16 @@ update, all placed on one device (DESIGN, "Layers"). The rules, in order:
 4. Tiny unnamed scalar equations that read no layer's data (the step counter,
    Adam's bias-correction powers) form the explicit "shared" group: the
    runtime recomputes them wherever they are needed.
+   Tiny combines join it too (checked before rule 3): an unnamed equation
+   that reads only tiny values (one element each: a per-leaf partial norm,
+   a per-leaf all-finite flag) or earlier combines' results, whose inputs
+   come from two or more layers, and whose results are no bigger than its
+   inputs (the sum of partial norms, its sqrt, the stack of flags, the
+   clip/finite decision). A global reduction across all parameters
+   (`clip_by_global_norm`, `apply_if_finite`) thus splits into per-layer
+   partial results (rule 3: they read one layer's gradient) and a shared
+   combine; the per-leaf scaling that reads the combined scalar joins its
+   leaf's layer by rule 3, since shared producers never pull.
 5. What is left joins the layer of its first consumer; failing that, its
    program-order predecessor's layer.
 
@@ -26,6 +38,7 @@ and rules 2-5 place the rest.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -101,6 +114,37 @@ def _is_scalar(v) -> bool:
     return isinstance(v, jcore.Var) and getattr(v.aval, "shape", None) == ()
 
 
+def _size(v) -> int:
+    shape = getattr(getattr(v, "aval", None), "shape", None)
+    return math.prod(shape) if shape is not None else 1
+
+
+def is_tiny(v) -> bool:
+    """A value of one element (a scalar, or a `[1]` array): free to move or recompute.
+
+    "Tiny" is a size, not a role: a one-element value costs one transfer's
+    latency and a few bytes wherever it goes, so it never decides where a
+    layer's parameters or optimizer state live (docs/architecture.md, "Layers").
+    """
+    return _size(v) == 1
+
+
+#: The most elements a stack of tiny values (`jnp.array([flag, ...])`) may have and
+#: still count as tiny partial results.
+TINY_STACK_MAX = 4096
+
+
+def _stacks_tiny(eqn, light: set) -> bool:
+    """Whether `eqn` only gathers tiny values: all its inputs are tiny (or such
+    gathers) and no result is bigger than its inputs together (`concatenate` of
+    per-leaf flags, a `reduce_and` over them; not a broadcast to a leaf's shape)."""
+    ins = [a for a in eqn.invars if isinstance(a, jcore.Var)]
+    if not ins or not all(a in light or is_tiny(a) for a in ins):
+        return False
+    size_in = sum(_size(a) for a in ins)
+    return all(_size(o) <= min(size_in, TINY_STACK_MAX) for o in eqn.outvars)
+
+
 def assign_layers(
     program: Program, depth: int = 1, auto_layers: int = 8, flops: Sequence[float] | None = None
 ) -> tuple[list[str], list[str | None]]:
@@ -140,12 +184,16 @@ def assign_layers(
                 consumers.setdefault(a, []).append(i)
     _place_unnamed(eqns, layer, consumers)
 
-    # Rule 2. Inputs nothing named reads (optimizer state): the layer of their first consumer.
+    # Rule 2. Inputs nothing named reads (optimizer state): the layer of their first
+    # consumer. A tiny one read by several layers (a step count that every
+    # per-layer part of an optimizer `cond` recomputes from) is shared.
     input_layers: list[str | None] = []
     for v in jaxpr.invars:
         owner = first_named_consumer.get(v)
         if owner is None:
             owners = [layer[j] for j in consumers.get(v, []) if layer[j] != SHARED]
+            if is_tiny(v) and len(set(owners)) > 1:
+                owners = []
             owner = owners[0] if owners else (SHARED if consumers.get(v) else None)
         input_layers.append(owner)
     return layer, input_layers  # type: ignore[return-value]
@@ -164,6 +212,14 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
     # gradient inside `wte`, because `wte` reads the tokens the labels come
     # from: an 817 MB edge that was never the model's.
     producer: dict[jcore.Var, str] = {}  # var -> layer (or SHARED) that defines it
+    # Results of tiny combines (rule 4) -> the layers whose data they combine.
+    combined: dict[jcore.Var, frozenset[str]] = {}
+    # Tiny values and gathers of them: the partial results a combine may read.
+    light: set[jcore.Var] = set()
+    for e in eqns:
+        stack = _stacks_tiny(e, light)
+        light.update(o for o in e.outvars
+                     if not isinstance(o, jcore.DropVar) and (stack or is_tiny(o)))
 
     def define(i: int) -> None:
         for o in eqns[i].outvars:
@@ -175,7 +231,12 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
         if layer[i] is None:
             srcs = [producer.get(a) for a in e.invars if isinstance(a, jcore.Var)]
             layered = [s for s in srcs if s is not None and s != SHARED]
-            if layered:  # rule 3
+            origins = _combine_origins(e, producer, combined, light)
+            if origins is not None:  # rule 4: a tiny combine across layers
+                layer[i] = SHARED
+                combined.update((o, origins) for o in e.outvars
+                                if not isinstance(o, jcore.DropVar))
+            elif layered:  # rule 3
                 layer[i] = max(layered, key=order.__getitem__)
             elif all(_is_scalar(o) for o in e.outvars) and all(
                 s is None or s == SHARED for s in srcs
@@ -199,6 +260,27 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
             order.setdefault(found, len(order))
         layer[i] = found
         define(i)
+
+
+def _combine_origins(eqn, producer: dict, combined: dict, light: set) -> frozenset[str] | None:
+    """The layers a tiny combine reads from, or None when `eqn` is not one (rule 4).
+
+    A tiny combine gathers tiny values (or earlier combines' results, or
+    stacks of tiny values) from two or more layers and returns nothing
+    bigger than it reads: a norm broadcast to a leaf's shape belongs to that
+    leaf's layer.
+    """
+    if not _stacks_tiny(eqn, light):
+        return None
+    origins: set[str] = set()
+    for a in eqn.invars:
+        if not isinstance(a, jcore.Var):
+            continue
+        if a in combined:
+            origins |= combined[a]
+        elif producer.get(a) not in (None, SHARED):
+            origins.add(producer[a])
+    return frozenset(origins) if len(origins) >= 2 else None
 
 
 def _auto_cluster(eqns, stacks, k: int, flops) -> list[str | None]:

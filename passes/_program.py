@@ -8,16 +8,24 @@ relative stack is appended to the caller's).
 
 Control flow (`scan`, `while`, `cond`), `custom_jvp`/`custom_vjp` calls,
 `remat` and custom calls are never opened: they stay whole as one equation,
-so no later pass can split them (DESIGN, "Layers").
+so no later pass can split them (docs/architecture.md, "Layers"). One
+exception: a top-level `cond` without effects whose results fall into
+independent groups (Optax's `apply_if_finite` and `MultiSteps` write the
+whole optimizer update as one `cond`) is cut into one `cond` per group and
+phase, on the same index (`split_conds`). Each part is still a whole
+`cond`; a `cond` whose results all depend on one tensor stays whole, and
+`Program.notes` says why.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 # Nested calls that are plain function calls: safe to inline.
@@ -33,12 +41,16 @@ class Program:
       in_tree: pytree structure of the step's positional arguments.
       out_tree: pytree structure of the step's result.
       in_paths: one readable key path per flat input (e.g. "[0]['params']['Dense_0']['kernel']").
+      notes: one line per `cond` that stays whole although it has several
+        outputs (why it could not be cut into independent parts); empty
+        when there is none.
     """
 
     jaxpr: jcore.ClosedJaxpr
     in_tree: Any
     out_tree: Any
     in_paths: tuple[str, ...]
+    notes: tuple[str, ...] = ()
 
     @property
     def eqns(self) -> list[jcore.JaxprEqn]:
@@ -80,7 +92,8 @@ def trace_program(fn: Callable, *args) -> Program:
         ) from e
     out_tree = jax.tree_util.tree_structure(out_shape)
     del flat_args
-    return Program(inline_calls(closed), in_tree, out_tree, tuple(paths))
+    flat, notes = split_conds(inline_calls(closed))
+    return Program(flat, in_tree, out_tree, tuple(paths), notes)
 
 
 def inline_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
@@ -140,6 +153,304 @@ def inline_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:
     effects = _join_effects(eqns)
     flat = jcore.Jaxpr(constvars, list(jaxpr.invars), outvars, eqns, effects, jaxpr.debug_info)
     return jcore.ClosedJaxpr(flat, consts)
+
+
+def _size(v) -> int:
+    shape = getattr(getattr(v, "aval", None), "shape", None)
+    return math.prod(shape) if shape is not None else 1
+
+
+def split_conds(closed: jcore.ClosedJaxpr) -> tuple[jcore.ClosedJaxpr, tuple[str, ...]]:
+    """Cuts every top-level `cond` into parts that each touch one group of tensors.
+
+    `cond(p, x)` runs branch p, a pure function. Its equations are grouped,
+    in every branch at once, so that no tensor of more than one element (an
+    operand, an intermediate or a result) is in two groups: each group is
+    one parameter leaf's update under a per-leaf optimizer. One-element
+    values may be recomputed by every part that needs them (a step count,
+    `MultiSteps`' "emit" flag). A one-element value that combines several
+    groups (a global gradient norm inside `MultiSteps(chain(clip, adamw))`)
+    is computed in a shared part between the groups' parts: a group's part
+    is then cut in phases, before and after the combine. Every part is a
+    `cond` on the same index and runs that branch's own equations, so the
+    parts together compute exactly what the `cond` did; a value one part
+    hands another that the other branches do not compute is zeros there,
+    and nothing reads it. A `cond` with effects is never cut.
+
+    Returns:
+      (closed jaxpr, notes): notes say, per `cond` with several results of
+      more than one element that stays whole, which tensor ties them together.
+    """
+    jaxpr = closed.jaxpr
+    eqns: list[jcore.JaxprEqn] = []
+    notes: list[str] = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "cond":
+            eqns.append(eqn)
+            continue
+        parts, note = _split_cond(eqn)
+        eqns.extend(parts)
+        if note:
+            notes.append(note)
+    if len(eqns) == len(jaxpr.eqns):
+        return closed, tuple(notes)
+    flat = jcore.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns,
+                       jaxpr.effects, jaxpr.debug_info)
+    return jcore.ClosedJaxpr(flat, closed.consts), tuple(notes)
+
+
+class _UnionFind:
+    def __init__(self):
+        self.parent: dict = {}
+
+    def find(self, k):
+        self.parent.setdefault(k, k)
+        while self.parent[k] != k:
+            self.parent[k] = self.parent[self.parent[k]]
+            k = self.parent[k]
+        return k
+
+    def union(self, a, b) -> None:
+        a, b = self.find(a), self.find(b)
+        if a != b:
+            self.parent[b] = a
+
+
+# Where a branch value is computed: a group's part at a phase, the shared
+# combine part at a phase, or anywhere (one-element values of operands alone).
+_ANY = ("any",)
+
+
+def _split_cond(eqn: jcore.JaxprEqn) -> tuple[list[jcore.JaxprEqn], str | None]:
+    """(the parts replacing one `cond`, a note when several big results stay in one part)."""
+    if eqn.effects or len(eqn.outvars) < 2:
+        return [eqn], None
+    # Conds nested in a branch (`apply_if_finite(MultiSteps(...))`) are cut first.
+    branches = [split_conds(inline_calls(b))[0] for b in eqn.params["branches"]]
+    groups, where = _cond_groups(branches)
+    slot_part = _slot_parts(eqn, branches, groups, where)
+    # Every part that computes something: results, or values handed to later parts.
+    parts = list(dict.fromkeys([*slot_part, *(_tag_part(t) for w in where for t in w.values())]))
+    # Parts run by phase: the groups' parts (in the order of their first result),
+    # then the shared combine; values of operands alone first.
+    group_rank = {}
+    for p in parts:
+        if p[0] == "g":
+            group_rank.setdefault(p[1], len(group_rank))
+
+    def order(p):
+        if p[0] == "any":
+            return (-1, 0, 0)
+        return (p[1], 1, 0) if p[0] == "c" else (p[2], 0, group_rank[p[1]])
+
+    parts.sort(key=order)
+    big_groups = {slot_part[j][1] for j, o in enumerate(eqn.outvars)
+                  if _size(o) > 1 and slot_part[j][0] == "g"}
+    if len(parts) == 1 or len(big_groups) <= 1:
+        return [eqn], _whole_note(eqn, branches)
+    try:
+        return _emit_parts(eqn, branches, where, slot_part, parts), None
+    except Exception as e:  # noqa: BLE001 - whole is always exact; say why instead
+        why = str(e) if isinstance(e, _CannotSplit) else f"{type(e).__name__}: {e}"
+        return [eqn], (f"cond with {len(eqn.outvars)} results at "
+                       f"{str(eqn.source_info.name_stack) or 'the top level'} stays whole "
+                       f"(one layer): it could not be cut per layer ({why})")
+
+
+class _CannotSplit(Exception):
+    pass
+
+
+def _cond_groups(branches):
+    """Groups of big tensors (union-find) and, per branch, where each value is computed."""
+    groups = _UnionFind()
+    operand = [{v: k for k, v in enumerate(br.jaxpr.invars)} for br in branches]
+    consts = [set(br.jaxpr.constvars) for br in branches]
+
+    def key(b, br, a):
+        """The union-find key of a big tensor (an operand is one key in every branch)."""
+        if not isinstance(a, jcore.Var) or _size(a) <= 1 or a in consts[b]:
+            return None
+        return ("in", operand[b][a]) if a in operand[b] else ("v", b, a)
+
+    for b, br in enumerate(branches):
+        for e in br.jaxpr.eqns:
+            ks = [k for a in [*e.invars, *e.outvars] if not isinstance(a, jcore.DropVar)
+                  if (k := key(b, br, a)) is not None]
+            for k in ks:
+                groups.union(ks[0], k)
+        for j, o in enumerate(br.jaxpr.outvars):
+            if (k := key(b, br, o)) is not None:
+                groups.union(("out", j), k)
+
+    where: list[dict] = []  # per branch: var -> ("g", group, phase) | ("c", origins, phase)
+    for b, br in enumerate(branches):
+        w: dict = {}
+        for e in br.jaxpr.eqns:
+            ks = [k for a in [*e.invars, *e.outvars] if not isinstance(a, jcore.DropVar)
+                  if (k := key(b, br, a)) is not None]
+            srcs = [w[a] for a in e.invars if isinstance(a, jcore.Var) and a in w]
+            group = groups.find(ks[0]) if ks else None
+            if group is None:  # only one-element values: free, attached or a combine
+                origins = {s[1] for s in srcs if s[0] == "g"}
+                for s in srcs:
+                    if s[0] == "c":
+                        origins |= s[1]
+                if not origins:
+                    tag = _ANY
+                elif len(origins) == 1 and all(s[0] == "g" for s in srcs):
+                    group = next(iter(origins))  # one group's scalar work stays with it
+                else:
+                    tag = ("c", frozenset(origins), max(s[2] for s in srcs))
+            if group is not None:
+                phase = 0
+                for s in srcs:
+                    same = s[0] == "g" and s[1] == group
+                    phase = max(phase, s[2] if same else s[2] + 1)
+                tag = ("g", group, phase)
+            for o in e.outvars:
+                if not isinstance(o, jcore.DropVar) and tag is not _ANY:
+                    w[o] = tag
+        where.append(w)
+    return groups, where
+
+
+def _slot_parts(eqn, branches, groups, where) -> list[tuple]:
+    """The part each result comes out of: ("g", group, phase), ("c", phase) or ("any",)."""
+    out = []
+    for j in range(len(eqn.outvars)):
+        tags = [w.get(br.jaxpr.outvars[j], _ANY) if isinstance(br.jaxpr.outvars[j], jcore.Var)
+                else _ANY for br, w in zip(branches, where)]
+        placed = [t for t in tags if t is not _ANY]
+        if ("out", j) in groups.parent:
+            g = groups.find(("out", j))
+            out.append(("g", g, max([t[2] for t in placed if t[0] == "g" and t[1] == g],
+                                    default=0)))
+        elif not placed:
+            out.append(_ANY)
+        elif all(t[0] == "g" for t in placed) and len({t[1] for t in placed}) == 1:
+            out.append(("g", placed[0][1], max(t[2] for t in placed)))
+        else:
+            out.append(("c", max(t[2] for t in placed)))
+    return out
+
+
+def _tag_part(tag) -> tuple:
+    return tag if tag[0] != "c" else ("c", tag[2])
+
+
+def _emit_parts(eqn, branches, where, slot_part, parts) -> list[jcore.JaxprEqn]:
+    """One `cond` per part, in `parts` order, handing each other values through new results."""
+    rank = {p: k for k, p in enumerate(parts)}
+    # (branch, var) handed from the part computing it to a later part.
+    cross_out: dict[tuple, list] = {p: [] for p in parts}
+    plans = {}
+    for part in reversed(parts):  # later parts say first what they need from earlier ones
+        per_branch = []
+        for b, br in enumerate(branches):
+            need = [br.jaxpr.outvars[j] for j, sp in enumerate(slot_part) if sp == part]
+            need += [v for bb, v in cross_out[part] if bb == b]
+            live = {a for a in need if isinstance(a, jcore.Var)}
+            kept, cross_in = [], []
+            for e in reversed(br.jaxpr.eqns):
+                outs = [o for o in e.outvars if not isinstance(o, jcore.DropVar) and o in live]
+                if not outs:
+                    continue
+                tag = where[b].get(outs[0], _ANY)
+                home = _ANY if tag is _ANY else _tag_part(tag)
+                if home is _ANY or home == part:
+                    kept.append(e)
+                    live.update(a for a in e.invars if isinstance(a, jcore.Var))
+                    continue
+                if rank.get(home, len(parts)) >= rank[part]:
+                    raise _CannotSplit("its parts would depend on each other in a cycle")
+                for o in outs:
+                    cross_in.append((b, o))
+                    cross_out[home].append((b, o))
+                    live.discard(o)
+            kept.reverse()
+            per_branch.append((live, kept, cross_in))
+        plans[part] = per_branch
+    top = {}  # (branch, var) -> the new top-level variable carrying it
+    for part in parts:
+        for c in cross_out[part]:
+            top.setdefault(c, jcore.Var(c[1].aval))
+    out = []
+    for part in parts:
+        slots = [j for j, sp in enumerate(slot_part) if sp == part]
+        cin = list(dict.fromkeys(c for _, _, ci in plans[part] for c in ci))
+        cout = list(dict.fromkeys(cross_out[part]))
+        if not cout and all(isinstance(eqn.outvars[j], jcore.DropVar) for j in slots):
+            continue  # a pure part nothing reads
+        ops = sorted({k for br, (live, _, _) in zip(branches, plans[part])
+                      for k, v in enumerate(br.jaxpr.invars) if v in live})
+        new_branches = [
+            _part_branch(b, br, live, kept, ops, cin, slots, cout)
+            for b, (br, (live, kept, _)) in enumerate(zip(branches, plans[part]))
+        ]
+        avals = {tuple(_aval_key(a) for a in nb.out_avals) for nb in new_branches}
+        if len(avals) != 1:
+            raise _CannotSplit("its branches' parts would not return the same types")
+        out.append(eqn.replace(
+            invars=[eqn.invars[0]] + [eqn.invars[1 + k] for k in ops] + [top[c] for c in cin],
+            outvars=[eqn.outvars[j] for j in slots] + [top[c] for c in cout],
+            params={**eqn.params, "branches": tuple(new_branches)},
+        ))
+    return out
+
+
+def _aval_key(aval) -> tuple:
+    return (tuple(aval.shape), str(aval.dtype))
+
+
+def _part_branch(b, br, live, kept, ops, cin, slots, cout) -> jcore.ClosedJaxpr:
+    """Branch `b` of one part: its operands and handed-in values in, its results and
+    handed-out values out (zeros for values only other branches compute)."""
+    invars = [br.jaxpr.invars[k] for k in ops]
+    invars += [v if bb == b else jcore.Var(v.aval) for bb, v in cin]
+    outvars = [br.jaxpr.outvars[j] for j in slots]
+    outvars += [v for bb, v in cout if bb == b]
+    cv = [(v, c) for v, c in zip(br.jaxpr.constvars, br.consts) if v in live]
+    # Argument names and result paths no longer line up: drop them (lowering checks counts).
+    dbg = br.jaxpr.debug_info.with_unknown_names()
+    piece = jcore.ClosedJaxpr(
+        jcore.Jaxpr([v for v, _ in cv], invars, outvars, kept, _join_effects(kept), dbg),
+        [c for _, c in cv])
+    if all(bb == b for bb, _ in cout):
+        return piece
+    n_real = len(slots)
+
+    def with_zeros(*args):
+        vals = jcore.jaxpr_as_fun(piece)(*args)
+        handed = iter(vals[n_real:])
+        full = [jnp.zeros(v.aval.shape, v.aval.dtype) if bb != b else next(handed)
+                for bb, v in cout]
+        return [*vals[:n_real], *full]
+
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+             for v in invars]
+    return jax.make_jaxpr(with_zeros)(*specs)
+
+
+def _whole_note(eqn, branches) -> str | None:
+    """Why a cond with several big results stays whole (None when it has fewer than two)."""
+    big = [j for j, o in enumerate(eqn.outvars) if _size(o) > 1]
+    if len(big) < 2:
+        return None
+    # What ties them: the equation inside that reads the most big tensors at once.
+    tie, most = "one tensor computed inside it", 1
+    for br in branches:
+        for e in br.jaxpr.eqns:
+            n = sum(1 for a in e.invars if isinstance(a, jcore.Var) and _size(a) > 1)
+            if n > most and e.outvars:
+                most = n
+                tie = (f"one {e.primitive.name} of {n} tensors inside it "
+                       f"({e.outvars[0].aval.str_short()})")
+    where = str(eqn.source_info.name_stack) or "the top level"
+    return (f"cond with {len(eqn.outvars)} results at {where} stays whole (one layer): its "
+            f"{len(big)} results of more than one element all depend on {tie}, so no part "
+            "of it touches only one layer's tensors (e.g. all gradients flattened into one "
+            "vector); the state it updates lives in that one layer.")
 
 
 def _join_effects(eqns) -> frozenset:

@@ -1,0 +1,211 @@
+"""Training steps written the way Flax and Optax users write them.
+
+Optimizers that read all parameters at once (issue 14, item 1):
+`optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(...))`, the
+standard in Hugging Face scripts, `optax.apply_if_finite` and
+`optax.MultiSteps`. Each parameter's update and optimizer state must land
+in that parameter's own layer: the global reduction (a gradient norm, an
+all-finite check) becomes per-layer partial results plus a tiny shared
+combine, and no optimizer state crosses between layers. A plan that splits
+the layers over two devices must compute what `jax.jit` computes.
+
+The only hetpar code below is `hetpar.trace` and `hetpar.auto`.
+"""
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.extend import core as jcore
+
+import hetpar
+
+
+class Net(nn.Module):
+    """A tiny MLP with a norm: three Dense layers and a LayerNorm."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.gelu(nn.Dense(16)(x))
+        x = nn.LayerNorm()(x)
+        x = nn.gelu(nn.Dense(16)(x))
+        return nn.Dense(8)(x)
+
+
+LAYERS = ["Dense_0", "LayerNorm_0", "Dense_1", "Dense_2"]
+
+
+def make_step(tx):
+    model = Net()
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    y = jax.random.normal(jax.random.key(2), (4, 8))
+    params = model.init(jax.random.key(0), x)
+
+    def train_step(params, opt_state, batch):
+        def loss_fn(params):
+            pred = model.apply(params, batch["x"])
+            return jnp.mean((pred - batch["y"]) ** 2)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step, (params, tx.init(params), {"x": x, "y": y})
+
+
+def plain(tx):
+    """The same step traced with a per-leaf optimizer: the reference for layer edges."""
+    step, args = make_step(tx)
+    return hetpar.trace(step, *args)
+
+
+def leaf_layer(path: str) -> str:
+    """The layer a parameter or optimizer-state leaf belongs to, from its key path."""
+    return re.search(r"\['params'\]\['([^']+)'\]", path).group(1)
+
+
+def check_state_in_own_layer(g):
+    """Every parameter and optimizer-state leaf (more than one element) lives in its
+    parameter's layer; its update is computed there; only that layer reads it."""
+    jaxpr = g.program.jaxpr.jaxpr
+    producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    readers = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for a in e.invars:
+            if isinstance(a, jcore.Var):
+                readers.setdefault(a, set()).add(g.eqn_layers[i])
+    checked = 0
+    for k, (v, role, path) in enumerate(zip(jaxpr.invars, g.input_roles, g.program.in_paths)):
+        if role not in ("param", "opt_state") or v.aval.size == 1:
+            continue  # step counts, flags: tiny shared scalars
+        want = leaf_layer(path)
+        assert g.input_layers[k] == want, path
+        assert readers.get(v, {want}) == {want}, (path, readers[v])
+        # train_step returns (params, opt_state, loss): outputs in input order.
+        out = jaxpr.outvars[k]
+        assert g.eqn_layers[producer[out]] == want, path
+        checked += 1
+    assert checked > 0
+
+
+def check_no_optimizer_edges(g, g_plain):
+    """The layers exchange exactly what they do under a per-leaf optimizer: activations
+    and their gradients, no optimizer state, no partial results."""
+    def edges(graph):
+        return {(u, v): (d["bytes"], d["bytes_backward"])
+                for u, v, d in graph.graph.edges(data=True)}
+
+    assert edges(g) == edges(g_plain)
+
+
+def check_split_equals_jit(step, args, batches=None, steps=3):
+    """Layers alternate over cpu:0 / cpu:1; `steps` steps equal `jax.jit`'s (float leaves)."""
+    g = hetpar.trace(step, *args)
+    plan = {name: f"cpu:{k % 2}" for k, name in enumerate(g.layers)}
+    auto_step, jit_step = hetpar.auto(step, plan=plan), jax.jit(step)
+    batches = batches or [args[-1]] * steps
+    state, ref = args[:-1], args[:-1]
+    for batch in batches:
+        *state, loss = auto_step(*state, batch)
+        *ref, ref_loss = jit_step(*ref, batch)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    pairs = zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ref))
+    compared = 0
+    for a, b in pairs:
+        if jnp.issubdtype(jnp.asarray(b).dtype, jnp.floating):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+            compared += 1
+    assert compared > 0
+    return g
+
+
+def test_clip_by_global_norm_chain_keeps_state_per_layer():
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    step, args = make_step(tx)
+    g = hetpar.trace(step, *args)
+    assert g.layers == LAYERS
+    check_state_in_own_layer(g)
+    check_no_optimizer_edges(g, plain(optax.adamw(1e-3)))
+    # The norm's combine (sum of per-leaf partial norms, sqrt, comparison) is
+    # shared; every per-leaf square-and-sum sits in its leaf's layer.
+    eqns = g.program.eqns
+    shared = [eqns[i].primitive.name for i in g.shared_eqns]
+    assert "sqrt" in shared
+    assert all(eqns[i].outvars[0].aval.size == 1 for i in g.shared_eqns)
+    check_split_equals_jit(step, args)
+
+
+def test_apply_if_finite_keeps_state_per_layer_and_rejects_like_jit():
+    # Optax writes the accept/reject as one `lax.cond` over the whole inner
+    # update, here with a global-norm clip inside. The cond is cut per layer:
+    # each layer's part squares-and-sums its gradients, a shared part combines
+    # the norm, and each layer's second part scales and updates its leaves.
+    inner = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    tx = optax.apply_if_finite(inner, max_consecutive_errors=3)
+    step, args = make_step(tx)
+    g = hetpar.trace(step, *args)
+    check_state_in_own_layer(g)
+    check_no_optimizer_edges(g, plain(optax.adamw(1e-3)))
+    conds = [i for i, e in enumerate(g.program.eqns) if e.primitive.name == "cond"]
+    assert {g.eqn_layers[i] for i in conds} >= set(LAYERS)
+    assert not g.notes
+    # The second batch has a NaN: its update is rejected on both sides.
+    batch = args[-1]
+    bad = {"x": batch["x"].at[0, 0].set(jnp.nan), "y": batch["y"]}
+    check_split_equals_jit(step, args, batches=[batch, bad, batch])
+
+
+@pytest.mark.parametrize("clip", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["adamw", "clip_adamw"])
+def test_multi_steps_splits_per_layer_and_equals_jit(clip):
+    # Gradient accumulation over 2 steps: Optax's update is one `lax.cond`.
+    # Grouping: its results are independent per parameter leaf (accumulate,
+    # Adam, emit every k-th step), so it is cut into one cond per leaf, each in
+    # its parameter's layer; the mini-step and step counters (one element each)
+    # are shared. With a global-norm clip inside, each leaf's part is cut in two
+    # phases around a shared cond that combines the norm.
+    inner = optax.adamw(1e-3)
+    if clip:
+        inner = optax.chain(optax.clip_by_global_norm(1.0), inner)
+    tx = optax.MultiSteps(inner, every_k_schedule=2)
+    step, args = make_step(tx)
+    g = hetpar.trace(step, *args)
+    check_state_in_own_layer(g)
+    check_no_optimizer_edges(g, plain(optax.adamw(1e-3)))
+    assert not g.notes
+    check_split_equals_jit(step, args)
+
+
+def test_cond_tied_by_one_tensor_stays_whole_and_says_why():
+    # A user's own cond that works on all gradients flattened into one vector:
+    # its results cannot be cut per layer. It stays whole (one layer), the
+    # graph says why, and the split step still equals jit.
+    from jax.flatten_util import ravel_pytree
+
+    model = Net()
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    params = model.init(jax.random.key(0), x)
+    _, unravel = ravel_pytree(params)
+
+    def train_step(params, step_count, x):
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(model.apply(p, x) ** 2))(params)
+        updates = jax.lax.cond(step_count > 0,
+                               lambda g: unravel(ravel_pytree(g)[0] * 0.5),
+                               lambda g: g, grads)
+        params = jax.tree_util.tree_map(lambda p, u: p - 1e-2 * u, params, updates)
+        return params, step_count + 1, loss
+
+    args = (params, jnp.array(1), x)
+    g = hetpar.trace(train_step, *args)
+    conds = [i for i, e in enumerate(g.program.eqns) if e.primitive.name == "cond"]
+    assert len(conds) == 1
+    assert len(g.notes) == 1 and "stays whole" in g.notes[0], g.notes
+    check_split_equals_jit(train_step, args)
+    # The user sees it too.
+    one = hetpar.auto(train_step, devices=["cpu:0"])
+    one(*args)
+    assert f"not cut per layer: {g.notes[0]}" in one.explain()
