@@ -7,6 +7,11 @@ Later calls with the same shapes reuse all of that; new shapes retrace, as
 `jax.jit` does. A plan that puts every layer on one device compiles the
 whole step as one `jax.jit` executable on that device: no overhead beyond
 `jax.jit`'s own.
+
+Flax NNX objects among the arguments (a Module, an Optimizer, Rngs: any
+`nnx.Pytree`) are handled as `nnx.jit` handles them: split into a GraphDef
+and their state before the call, merged back inside the step, and updated
+in place with the state the step leaves them in.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import dataclasses
 import functools
 import numbers
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -165,6 +171,7 @@ class CompiledStep:
                 "which mark what runs per microbatch.")
         self.table = None
         self.plan = None
+        self._one_device_prediction = None
         self.assignment = self._assign(options)
         used = sorted(set(self.assignment.values()))
         self.stages: StageGraph | None = None
@@ -259,6 +266,27 @@ class CompiledStep:
                           data_parallel=options.data_parallel, schedule=options.schedule)
         return dict(self.plan.assignment)
 
+    def predicted(self):
+        """The planner's prediction of this step's costs (a `hetpar.planner.Predicted`), or None.
+
+        A planned step has its plan's prediction. A step on one device, with
+        nothing to plan, is costed on that device at the first ask. None when
+        the plan was given as a dict {layer: device}: nothing costed it.
+        """
+        if self.plan is not None:
+            return self.plan.predicted
+        if isinstance(self.options.plan, Mapping):
+            return None
+        if self._one_device_prediction is None:
+            from hetpar.planner import evaluate
+
+            table = self._cost_table(sorted(set(self.assignment.values())), self.options)
+            m = self.options.microbatches
+            self._one_device_prediction = evaluate(
+                table, self.assignment, mode="pipelined" if m > 1 else "sequential",
+                microbatches=m)
+        return self._one_device_prediction
+
     # -- running ----------------------------------------------------------
 
     def _batch_here(self, args: tuple) -> tuple:
@@ -310,31 +338,132 @@ def _signature(args) -> tuple:
                            for x in leaves)
 
 
+_NNX = object()  # AutoStep._compiled's mark of a signature holding Flax NNX objects
+
+
+class _NnxArgs:
+    """Flax NNX objects among a step's arguments, split out as `nnx.jit` does.
+
+    `pure_args` are the arguments with each NNX object replaced by its state
+    (one `nnx.split` over all of them, so references they share stay shared);
+    `pure_step(fn)` takes those and returns `(fn's output, the objects' new
+    state)`; `update` writes that state back into the caller's objects.
+    """
+
+    def __init__(self, args: tuple):
+        nnx = self._nnx = sys.modules["flax.nnx"]
+        is_object = _nnx_object_test(nnx)
+        leaves, tree = jax.tree_util.tree_flatten(args, is_leaf=is_object)
+        where = tuple(i for i, x in enumerate(leaves) if is_object(x))
+        self.objects = tuple(leaves[i] for i in where)
+        self._where, self._tree = where, tree
+        self.graphdef, state = nnx.split(self.objects)
+        for k, i in enumerate(where):
+            # An object all of whose variables an earlier one also holds has no entry.
+            leaves[i] = state[k] if k in state else nnx.State({})
+        self.pure_args = jax.tree_util.tree_unflatten(tree, leaves)
+        # The GraphDef holds the objects' static attributes (a `train()` flag
+        # included): a change compiles afresh, as in nnx.jit.
+        self.key = (_NNX, self.graphdef, tree, where)
+
+    @staticmethod
+    def present(args: tuple) -> bool:
+        nnx = sys.modules.get("flax.nnx")  # not imported: no NNX object can be here
+        if nnx is None:
+            return False
+        is_object = _nnx_object_test(nnx)
+        return any(map(is_object, jax.tree_util.tree_leaves(args, is_leaf=is_object)))
+
+    def pure_step(self, fn: Callable) -> Callable:
+        nnx, graphdef, tree, where = self._nnx, self.graphdef, self._tree, self._where
+        is_object = _nnx_object_test(nnx)
+
+        @functools.wraps(fn)
+        def pure(*pure_args):
+            leaves = tree.flatten_up_to(pure_args)
+            objects = nnx.merge(graphdef, nnx.State({k: leaves[i] for k, i in enumerate(where)}))
+            for k, i in enumerate(where):
+                leaves[i] = objects[k]
+            out = fn(*jax.tree_util.tree_unflatten(tree, leaves))
+            if any(map(is_object, jax.tree_util.tree_leaves(out, is_leaf=is_object))):
+                raise HetparError(
+                    "a step under hetpar.auto may not return Flax NNX objects; the NNX objects "
+                    "it was given are updated in place, so return arrays only (e.g. the loss)")
+            new_graphdef, state = nnx.split(objects)
+            if new_graphdef != graphdef:
+                raise HetparError(
+                    "the step changed the structure of the Flax NNX objects it was given "
+                    "(added, removed or replaced a Variable, submodule or static attribute); "
+                    "under hetpar.auto a step may only update their values")
+            return out, state
+
+        return pure
+
+    def update(self, state) -> None:
+        self._nnx.update(self.objects, state)
+
+
+def _nnx_object_test(nnx) -> Callable[[Any], bool]:
+    # Module, Optimizer, Rngs and Object are Pytrees. Not Variables: the State
+    # of the functional form (`nnx.split`) holds them, as values.
+    return lambda x: isinstance(x, nnx.Pytree)
+
+
 class AutoStep:
-    """A training step under `hetpar.auto`: call it like the original."""
+    """A training step under `hetpar.auto`: call it like the original.
+
+    Flax NNX objects among the arguments are updated in place, as under
+    `nnx.jit` (see `_NnxArgs`).
+    """
 
     def __init__(self, fn: Callable, options: Options):
         functools.update_wrapper(self, fn)
         self._fn = fn
         self.options = options
-        self._compiled: dict[tuple, CompiledStep] = {}
+        # Signature -> its CompiledStep, or _NNX where the arguments hold Flax
+        # NNX objects (whose steps are keyed by their GraphDef and state too).
+        self._compiled: dict[tuple, Any] = {}
         self._last: CompiledStep | None = None
         # Every signature's executor runs on these: one thread per device,
         # however many shapes the step is called with.
         self._workers = Workers()
 
     def lower(self, *args) -> CompiledStep:
-        """Traces, plans and compiles for these arguments without running."""
+        """Traces, plans and compiles for these arguments without running.
+
+        With Flax NNX objects among `args`, this is the step on their state:
+        it takes and returns what `_NnxArgs` describes.
+        """
+        return self._step_for(args)[0]
+
+    def _step_for(self, args: tuple) -> tuple[CompiledStep, _NnxArgs | None]:
         key = _signature(args)
         step = self._compiled.get(key)
         if step is None:
-            step = self._compiled[key] = CompiledStep(self._fn, args, self.options,
-                                                      self._workers)
+            # Looking for NNX objects walks the arguments in Python (10x a
+            # flatten): only once per signature, never on a known one.
+            step = _NNX if _NnxArgs.present(args) else CompiledStep(
+                self._fn, args, self.options, self._workers)
+            self._compiled[key] = step
+        nnx_args = None
+        if step is _NNX:
+            nnx_args = _NnxArgs(args)
+            key = nnx_args.key + _signature(nnx_args.pure_args)
+            step = self._compiled.get(key)
+            if step is None:
+                step = self._compiled[key] = CompiledStep(
+                    nnx_args.pure_step(self._fn), nnx_args.pure_args, self.options,
+                    self._workers)
         self._last = step
-        return step
+        return step, nnx_args
 
     def __call__(self, *args):
-        return self.lower(*args)(*args)
+        step, nnx_args = self._step_for(args)
+        if nnx_args is None:
+            return step(*args)
+        out, state = step(*nnx_args.pure_args)
+        nnx_args.update(state)
+        return out
 
     def _need_last(self) -> CompiledStep:
         if self._last is None:
@@ -362,8 +491,12 @@ class AutoStep:
         if step.plan is None or step.table is None:
             why = ("given in the plan" if self.options.plan is not None
                    else "the only device to plan for")
-            return "\n".join(f"{layer}: {dev} ({why})" for layer, dev in step.assignment.items())
-        return step.plan.explain(step.table)
+            text = "\n".join(f"{layer}: {dev} ({why})" for layer, dev in step.assignment.items())
+        else:
+            text = step.plan.explain(step.table)
+        # Control flow the tracer could not cut per layer (an optimizer update
+        # written as one `cond` whose results are tied together) stays whole.
+        return "\n".join([text, *(f"not cut per layer: {n}" for n in step.graph.notes)])
 
 
 def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = None,
@@ -376,7 +509,9 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
     Usable as `@hetpar.auto` or `hetpar.auto(step, devices=[...], ...)`.
 
     Args:
-      fn: the step, e.g. `train_step(params, opt_state, batch)`.
+      fn: the step, e.g. `train_step(params, opt_state, batch)`. A step on
+        Flax NNX objects that updates them in place (`optimizer.update(model,
+        grads)`) updates them as under `nnx.jit`; it returns arrays only.
       devices: device names (`cpu:0`, `gpu:0`) to use, or one name as a
         string (`devices="gpu:0"`); default all present.
       objective: "time", "cost" or "energy".

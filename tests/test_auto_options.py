@@ -127,3 +127,15 @@ def test_negative_batch_argnums_name_arguments_from_the_end():
     x0 = jax.device_put(X, CPU[0])  # a batch committed elsewhere is moved to the plan's device
     np.testing.assert_allclose(float(auto(W, x0)), float(jax.jit(step)(W, X)), rtol=1e-6)
     assert auto.lower(W, x0)._batch_here((W, x0))[1].devices() == {CPU[1]}
+
+
+def test_a_compiled_step_predicts_its_step_time():
+    # `hetpar run` prints this beside the measured step.
+    one = hetpar.auto(step, devices="cpu:1").lower(W, X)
+    assert one.plan is None  # nothing to plan on one device: costed when asked
+    assert 0 < one.predicted().step_time_s < float("inf")
+    assert one.predicted() is one.predicted()
+    planned = hetpar.auto(step, devices=["cpu:0", "cpu:1"]).lower(W, X)
+    assert planned.predicted() is planned.plan.predicted
+    given = hetpar.auto(step, plan={"first": "cpu:0", "second": "cpu:1"}).lower(W, X)
+    assert given.predicted() is None  # a plan dict: nothing costed it

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -87,9 +88,21 @@ def test_cli_hlo_of_one_layer():
     assert "HloModule" in out
 
 
+@pytest.mark.slow  # the README main command, end to end (two compiles, interleaved timing)
 def test_cli_run_main_job():
-    out = hetpar_cli("run", "mlp", "--small", "--steps", "2").stdout
+    out = hetpar_cli("run", "mlp", "--small", "--steps", "3").stdout
     assert "hetpar.auto" in out and "jax.jit" in out
+    assert "interleaved step by step" in out
+    # Both sides train from the same state on the same batch: the same losses.
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith("step ")]
+    assert len(rows) == 3
+    assert all(row[5] == row[9] for row in rows), rows  # hetpar.auto's loss, jax.jit's
+    measured = re.search(r"measured step \(median of steps 1-2\): hetpar.auto \S+ ms, "
+                         r"jax.jit \S+ ms: ratio [\d.]+ \(hetpar.auto / jax.jit\)", out)
+    assert measured, out
+    # The planner's prediction beside the measured step, and their ratio.
+    assert re.search(r"predicted step \(planner\): [\d.]+ [mu]?s; measured hetpar.auto "
+                     r"[\d.]+ [mu]?s: measured / predicted [\d.e+]+", out), out
     if not [d for d in jax.devices() if d.platform != "cpu"]:
         assert "what-if" in out  # spec-sheet plans when no accelerator is here
 
@@ -102,6 +115,10 @@ def test_cli_run_main_job():
         (("report", "mlp", "--config", "nonsense"), "KEY=VALUE"),
         (("hlo", "mlp", "--small", "--layer", "nope"), "no layer 'nope'"),
         (("costs", "mlp", "--small", "--devices", "cpu:0,quantum"), "quantum"),
+        # Issue 14: config values and counts were used unchecked (tracebacks).
+        (("report", "resnet18", "--small", "--config", "image_size=abc"),
+         "config 'image_size' must be a positive int, got 'abc'"),
+        (("trace", "resnet18", "--small", "--depth", "0"), "--depth must be a positive int, got 0"),
     ],
 )
 def test_cli_bad_input_is_one_clear_line(argv, message):
@@ -109,6 +126,60 @@ def test_cli_bad_input_is_one_clear_line(argv, message):
     assert proc.returncode == 2
     assert message.lower() in proc.stderr.lower()
     assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        *[((command, "mlp", "--small", *extra, f"--{flag}", value),
+           f"--{flag} must be a positive int, got {value}")
+          for command, extra, flags in [
+              ("trace", (), ("batch", "depth")),
+              ("report", (), ("batch", "depth")),
+              ("hlo", (), ("batch", "depth")),
+              ("costs", ("--devices", "cpu:0"), ("batch", "microbatches", "k")),
+              ("plan", ("--devices", "cpu:0,h100"), ("batch", "microbatches")),
+              ("run", (), ("batch", "steps", "microbatches")),
+          ]
+          for flag in flags for value in ("0", "-3")],
+        (("report", "mlp", "--small", "--config", "hidden=32,zero"),
+         "config 'hidden' must be a tuple of positive ints (e.g. 2,2,2,2), got '32,zero'"),
+        (("report", "resnet18", "--small", "--config", "blocks=1,0,1,1"),
+         "config 'blocks' must be a tuple of positive ints (e.g. 2,2,2,2), got '1,0,1,1'"),
+        (("report", "transformer", "--small", "--config", "tie_embeddings=maybe"),
+         "config 'tie_embeddings' must be a bool (true or false), got 'maybe'"),
+        (("report", "mlp", "--small", "--config", "learning_rate=fast"),
+         "config 'learning_rate' must be a number, got 'fast'"),
+        (("costs", "mlp", "--small", "--devices", "cpu:0", "--config", "input_dim=2.5"),
+         "config 'input_dim' must be a positive int, got '2.5'"),
+        (("plan", "mlp", "--small", "--devices", "cpu:0,h100", "--config", "hidden="),
+         "config 'hidden' must be a tuple of positive ints (e.g. 2,2,2,2), got ''"),
+        (("run", "mlp", "--small", "--config", "batch_size=-1"),
+         "config 'batch_size' must be positive, got -1"),
+        (("plan", "--graph", "graph.json", "--config", "hidden=4"),
+         "--config apply to a MODEL, not to --graph"),
+    ],
+)
+def test_cli_bad_numbers_and_config_values_fail_before_any_work(argv, message, capsys):
+    # In process (each case in milliseconds): the one line `hetpar` prints, exit status 2.
+    from hetpar import cli
+
+    assert cli._main(cli._parser().parse_args(list(argv))) == 2
+    err = capsys.readouterr().err
+    assert err == f"hetpar {argv[0]}: error: {err.split(': error: ', 1)[1]}"
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_cli_config_values_are_parsed_by_the_models_types():
+    from hetpar.cli._common import parse_config
+
+    assert parse_config("resnet18", ["image_size=64", "blocks=(2, 1, 1, 1)",
+                                     "learning_rate=1e-2"]) == {
+        "image_size": 64, "blocks": (2, 1, 1, 1), "learning_rate": 0.01}
+    assert parse_config("transformer", ["tie_embeddings=false", "num_heads=2"]) == {
+        "tie_embeddings": False, "num_heads": 2}
+    assert parse_config("mlp", ["hidden=16,8", "hidden=[4]"]) == {"hidden": (4,)}
 
 
 def test_cli_costs_measures_the_fixed_part_per_microbatch(tmp_path):

@@ -129,7 +129,7 @@ def test_pipelined_plan_equals_jit(name, microbatches, schedule):
 
 # ResNet50 is left to test_alternating_plan_equals_jit (55 s pipelined here; its
 # blocks are ResNet18's, which test_pipelined_plan_equals_jit pipelines).
-@pytest.mark.parametrize("name", [n for n in zoo.names()
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in zoo.names()
                                   if n not in ("mlp", "transformer", "resnet18", "resnet50")])
 def test_every_model_pipelined(name):
     """The rest of the zoo, pipelined once (M=2, 1F1B), to keep CI short."""

@@ -15,6 +15,7 @@ import sys
 from absl import app, flags, logging
 from absl.flags import argparse_flags
 
+from hetpar.cli._common import check_counts
 from hetpar.core import HetparError
 
 # Order is the order `hetpar --help` lists them.
@@ -45,6 +46,7 @@ def _main(args) -> int:
     if not flags.FLAGS["verbosity"].present:
         logging.set_verbosity(logging.WARNING)  # progress is printed; --verbosity=0 for logs
     try:
+        check_counts(args)
         return int(args.func(args) or 0)
     except HetparError as e:
         logging.debug("hetpar error", exc_info=True)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ast
-
 from hetpar.core import HetparError
 
 
@@ -17,18 +15,33 @@ def add_model_args(parser, *, batch: bool = True) -> None:
                         help="model config override, e.g. --config image_size=128 (repeatable)")
 
 
-def parse_config(items: list[str]) -> dict:
-    """['image_size=128', 'name=x'] -> {'image_size': 128, 'name': 'x'}."""
-    config = {}
+def parse_config(model: str, items: list[str]) -> dict:
+    """['image_size=128', 'blocks=2,2,2,2'] -> {'image_size': 128, 'blocks': (2, 2, 2, 2)}.
+
+    Each value is parsed as MODEL's config types it and checked before any
+    use; a bad one is a HetparError naming the key, the value and the type.
+    """
+    from hetpar.zoo import parse_config as parse  # loads JAX
+
+    text = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise HetparError(f"--config expects KEY=VALUE, got {item!r}")
-        try:
-            config[key.strip()] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            config[key.strip()] = value
-    return config
+        text[key.strip()] = value
+    return parse(model, text)
+
+
+# Flags that count something: a positive int wherever a command takes them.
+_COUNTS = ("batch", "steps", "microbatches", "depth", "k")
+
+
+def check_counts(args) -> None:
+    """Every count flag the command was given (--batch, --steps, ...) is a positive int."""
+    for name in _COUNTS:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise HetparError(f"--{name} must be a positive int, got {value}")
 
 
 def workload(args):
@@ -36,7 +49,7 @@ def workload(args):
     from hetpar import zoo
 
     return zoo.get(args.model, small=args.small, batch=getattr(args, "batch", None),
-                   **parse_config(args.config))
+                   **parse_config(args.model, args.config))
 
 
 def step_and_args(w, mode: str = "train", abstract: bool = True):

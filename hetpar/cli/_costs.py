@@ -47,8 +47,9 @@ def _run(args) -> int:
 
     table = zoo.cost_table(
         args.model, devices, small=args.small, batch=args.batch,
-        config=parse_config(args.config), measure=args.measure, profiles=args.profiles,
-        k=args.k, progress=progress if args.measure else None, microbatches=args.microbatches)
+        config=parse_config(args.model, args.config), measure=args.measure,
+        profiles=args.profiles, k=args.k, progress=progress if args.measure else None,
+        microbatches=args.microbatches)
     batch = int(table.meta.get("batch") or 1)
     predicted = table.meta["predicted_s"]
     measured = table.meta.get("measured_s", {})

@@ -55,9 +55,11 @@ def _table(args: argparse.Namespace) -> CostTable:
 
         return zoo.cost_table(args.model, [d.strip() for d in args.devices.split(",")],
                               small=args.small, batch=args.batch,
-                              config=parse_config(args.config))
+                              config=parse_config(args.model, args.config))
     if args.graph is None:
         raise HetparError("pass --graph graph.json (or a MODEL with --devices)")
+    if args.config or args.small or args.batch is not None:
+        raise HetparError("--small, --batch and --config apply to a MODEL, not to --graph")
     return CostTable.load(args.graph)
 
 

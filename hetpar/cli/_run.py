@@ -1,9 +1,11 @@
 """`hetpar run MODEL`: train a zoo model under `@hetpar.auto`, beside plain `jax.jit`.
 
-Prints the cost report's summary, the plan, per-step time and loss, and the
-same step under plain `jax.jit` on the best single device. Without an
-accelerator it still runs (a CPU plan) and also shows what-if plans for
-CPU + H100 and CPU + TPU v5e from spec sheets.
+Prints the traced step's size, the plan, and per-step time and loss under
+`hetpar.auto` and under plain `jax.jit` on the best single device, timed
+interleaved step by step (each side one step in turn, same start, same batch),
+then both medians, their ratio, and the planner's predicted step beside the
+measured one. Without an accelerator it still runs (a CPU plan) and also
+shows what-if plans for CPU + H100 and CPU + TPU v5e from spec sheets.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import statistics
 import time
 
 from hetpar.cli._common import add_model_args, workload
+from hetpar.core import seconds
 
 
 def register(sub) -> None:
@@ -30,32 +33,35 @@ def register(sub) -> None:
     p.set_defaults(func=_run)
 
 
-def _timed_steps(step, state, batch, steps: int):
+def _timed_step(step, state: tuple, batch) -> tuple[float, tuple, float]:
+    """(seconds, new state, loss) of one step, waited for to the last output."""
     import jax
 
-    times, losses = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        *state, loss = step(*state, batch)
-        loss = float(jax.block_until_ready(loss))
-        times.append(time.perf_counter() - t0)
-        losses.append(loss)
-    return times, losses
+    t0 = time.perf_counter()
+    *state, loss = jax.block_until_ready(step(*state, batch))
+    return time.perf_counter() - t0, tuple(state), float(loss)
 
 
 def _ms(x: float) -> str:
     return f"{x * 1e3:8.2f} ms"
 
 
+def _steps(n: int) -> str:
+    return f"{n} step" + "s" * (n != 1)
+
+
+def _median_steady(times: list[float]) -> float:
+    """The median step time after the first (which compiles); the first alone if only one."""
+    return statistics.median(times[1:] if len(times) > 1 else times)
+
+
 def _run(args) -> int:
     import jax
 
     import hetpar
-    from hetpar.core import HetparError, human
+    from hetpar.core import human
     from hetpar.cost_models import cost_table
 
-    if args.steps < 1:
-        raise HetparError("--steps must be >= 1")
     w = workload(args)
     devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
     variables, opt_state, batch = w.example_args()
@@ -83,24 +89,49 @@ def _run(args) -> int:
     if compiled.stages is not None:
         print(f"   {compiled.stages}")
 
-    print(f"\n== training {args.steps} steps under hetpar.auto")
-    times, losses = _timed_steps(step, (variables, opt_state), batch, args.steps)
-    for i, (t, loss) in enumerate(zip(times, losses)):
-        print(f"   step {i}: {_ms(t)}  loss {loss:.5f}" + ("  (includes compilation)" * (i == 0)))
-    steady = statistics.median(times[1:]) if len(times) > 1 else times[0]
-
+    # Each side trains its own copy of the state from the same start on the
+    # same batch, one step each in turn, so both meet the same machine load.
+    runs = {"hetpar.auto": (step, (variables, opt_state), batch)}
     if not args.no_baseline:
         dev = _best_single_device(compiled)
-        print(f"\n== the same step under plain jax.jit on {dev}")
-        jitted = jax.jit(w.train_step)
         placed = jax.device_put((variables, opt_state, batch), _device(dev))
-        base_times, base_losses = _timed_steps(jitted, placed[:2], placed[2], args.steps)
-        for i, (t, loss) in enumerate(zip(base_times, base_losses)):
-            print(f"   step {i}: {_ms(t)}  loss {loss:.5f}" +
-                  ("  (includes compilation)" * (i == 0)))
-        base = statistics.median(base_times[1:]) if len(base_times) > 1 else base_times[0]
-        print(f"\n   median step: hetpar {_ms(steady)}, jax.jit {_ms(base)}: "
-              f"ratio {steady / base:.3f}")
+        runs["jax.jit"] = (jax.jit(w.train_step), placed[:2], placed[2])
+        print(f"\n== training {_steps(args.steps)} under hetpar.auto and, interleaved step by "
+              f"step, plain jax.jit on {dev}")
+    else:
+        print(f"\n== training {_steps(args.steps)} under hetpar.auto")
+    names = list(runs)
+    print(f"   {'':<10}" + "".join(f"{name:>30}" for name in names))
+    times = {name: [] for name in names}
+    for i in range(args.steps):
+        losses = {}
+        # Alternate who goes first, so neither always runs on a cache the other warmed.
+        for name in (names if i % 2 == 0 else names[::-1]):
+            fn, state, data = runs[name]
+            t, state, losses[name] = _timed_step(fn, state, data)
+            runs[name] = (fn, state, data)
+            times[name].append(t)
+        print(f"   {f'step {i}':<10}"
+              + "".join(f"{_ms(times[n][-1]):>16}  loss {losses[n]:<7.5f}" for n in names)
+              + ("  (includes compilation)" if i == 0 else ""))
+
+    steady = _median_steady(times["hetpar.auto"])
+    over = (f"median of steps 1-{args.steps - 1}" if args.steps > 1
+            else "step 0 alone, compilation included")
+    if "jax.jit" in times:
+        base = _median_steady(times["jax.jit"])
+        print(f"\n   measured step ({over}): hetpar.auto {_ms(steady).strip()}, "
+              f"jax.jit {_ms(base).strip()}: ratio {steady / base:.3f} (hetpar.auto / jax.jit)")
+    else:
+        print(f"\n   measured step ({over}): hetpar.auto {_ms(steady).strip()}")
+    predicted = compiled.predicted()
+    if predicted is None:
+        print("   predicted step: none (the plan was given as a dict {layer: device}, which "
+              "the planner did not cost)")
+    else:
+        p = predicted.step_time_s
+        print(f"   predicted step (planner): {seconds(p)}; measured hetpar.auto "
+              f"{seconds(steady)}: measured / predicted {steady / p:.3g}")
 
     accelerators = [d for d in jax.devices() if d.platform != "cpu"]
     if not accelerators and not args.no_what_if:

@@ -7,7 +7,7 @@ traced step (LayerGraph) and to the planner's CostTable (graph.json).
 """
 
 from hetpar.zoo._costs import cost_table, trace_model
-from hetpar.zoo._registry import describe, get, names
+from hetpar.zoo._registry import describe, get, names, parse_config
 from hetpar.zoo._workload import Workload
 
-__all__ = ["Workload", "cost_table", "describe", "get", "names", "trace_model"]
+__all__ = ["Workload", "cost_table", "describe", "get", "names", "parse_config", "trace_model"]

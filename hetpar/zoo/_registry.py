@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -331,19 +332,87 @@ def _coerce(name: str, key: str, value: Any, default: Any) -> Any:
     return value
 
 
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def parse_config(name: str, overrides: dict[str, str]) -> dict:
+    """Config overrides given as text (`--config key=value`), parsed by each key's type.
+
+    Each value is read as its key's default is typed: an int, a number, a
+    bool (true/false, yes/no, on/off, 1/0), or a tuple of positive ints
+    (`2,2,2,2`, `(2, 2, 2, 2)` or `[2, 2, 2, 2]`), then checked as `get` checks it.
+
+    Raises:
+      UnknownModelError: `name`, or a key, is unknown.
+      HetparError: a value that does not parse as its key's type, or is out of range;
+        the message names the key, the value and the type expected.
+    """
+    spec = _spec(name)
+    config = {}
+    for key, text in overrides.items():
+        _check_key(name, spec, key)
+        default = spec.defaults[key]
+        where = f"zoo model {name!r}: config {key!r}"
+        try:
+            value = _parse(text.strip(), default)
+            config[key] = _coerce(name, key, value, default)
+        except (TypeError, ValueError) as e:
+            if isinstance(e, HetparError):
+                raise
+            raise HetparError(f"{where} must be {_KINDS[_kind(default)]}, got {text!r}") from None
+    return config
+
+
+def _kind(default: Any) -> type:
+    return next(t for t in (bool, int, float, tuple, str) if isinstance(default, t))
+
+
+_KINDS = {bool: "a bool (true or false)", int: "a positive int", float: "a number",
+          tuple: "a tuple of positive ints (e.g. 2,2,2,2)", str: "a string"}
+
+
+def _parse(text: str, default: Any) -> Any:
+    """`text` read as the type of `default`; ValueError when it is not one."""
+    kind = _kind(default)
+    if not text:
+        raise ValueError(text)
+    if kind is bool:
+        if text.lower() in _TRUE + _FALSE:
+            return text.lower() in _TRUE
+        raise ValueError(text)
+    if kind is int:
+        return int(text)
+    if kind is float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(text)
+        return value
+    if kind is tuple:
+        inner = text[1:-1] if text[:1] + text[-1:] in ("()", "[]") else text
+        parts = [p.strip() for p in inner.split(",")]
+        if parts and not parts[-1]:
+            parts.pop()  # "64," is (64,)
+        return tuple(int(p) for p in parts)
+    return text
+
+
+def _check_key(name: str, spec: _Spec, key: str) -> None:
+    if key not in spec.defaults:
+        close = difflib.get_close_matches(key, spec.defaults, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UnknownModelError(
+            f"Unknown config key {key!r} for zoo model {name!r}.{hint} "
+            f"Valid keys: {', '.join(sorted(spec.defaults))}."
+        )
+
+
 def _resolve(name: str, small: bool, batch: int | None, overrides: dict) -> tuple[_Spec, dict]:
     spec = _spec(name)
     config = dict(spec.defaults)
     if small:
         config.update(spec.small)
     for key, value in overrides.items():
-        if key not in spec.defaults:
-            close = difflib.get_close_matches(key, spec.defaults, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise UnknownModelError(
-                f"Unknown config key {key!r} for zoo model {name!r}.{hint} "
-                f"Valid keys: {', '.join(sorted(spec.defaults))}."
-            )
+        _check_key(name, spec, key)
         config[key] = _coerce(name, key, value, spec.defaults[key])
     if batch is not None:
         config["batch_size"] = _coerce(name, "batch_size", batch, 1)
