@@ -44,6 +44,7 @@ def test_report_by_op():
     assert "conv_general_dilated" in names and "dot_general" in names
 
 
+@pytest.mark.slow  # two subprocesses that each trace and compile
 def test_cli_report_json_and_csv():
     out = hetpar_cli("report", "mlp", "--small", "--format", "json").stdout
     data = json.loads(out)

@@ -133,6 +133,7 @@ def test_scale_to_step_matches_whole_step_and_keeps_ratios():
         scale_to_step(table, {"cpu:0": 0.0})
 
 
+@pytest.mark.slow
 def test_measured_fixed_part_per_microbatch():
     table = zoo.cost_table("mlp", ["cpu:0"], small=True, measure=True, k=2, microbatches=2)
     for layer in table.layers:

@@ -94,6 +94,7 @@ def test_replay_runs_each_device_in_the_runtimes_order(name):
                 assert ran == replayed, (kind, m, schedule, dev)
 
 
+@pytest.mark.slow  # the planner's data-parallel choice is tested fast in test_planner
 def test_data_parallel_over_two_gpus_equals_jit():
     w = zoo.get("transformer", small=True, batch=8, learning_rate=1e-4)
     args = w.example_args()
