@@ -30,7 +30,7 @@ from absl import logging
 from hetpar._grad import microbatched
 from hetpar.core import SCHEDULES, HetparError, PlanError
 from hetpar.cost_models import ProfileSet, present_devices
-from hetpar.passes import LayerGraph, StageGraph, microbatch_of, split, trace
+from hetpar.passes import LayerGraph, StageGraph, check_covers, microbatch_of, split, trace
 from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
 
 _OBJECTIVES = ("time", "cost", "energy")
@@ -127,20 +127,6 @@ def _check_plan(plan) -> None:
                         f"{{layer: device}}, got {type(plan).__name__}")
 
 
-def _check_layers(graph: LayerGraph, assignment: Mapping[str, str]) -> None:
-    """A plan dict must name exactly the step's layers."""
-    layers = set(graph.layers)
-    missing = [n for n in graph.layers if n not in assignment]
-    unknown = [n for n in assignment if n not in layers]
-    if missing or unknown:
-        raise PlanError(
-            "the plan does not fit this step's layers: "
-            + (f"unknown {unknown[:8]}{'...' if len(unknown) > 8 else ''}; " if unknown else "")
-            + (f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}; " if missing else "")
-            + f"the step's layers are {graph.layers[:12]}{'...' if len(graph) > 12 else ''}. "
-            "Was the plan made for another model or depth?")
-
-
 class CompiledStep:
     """A step traced, planned and compiled for one signature of arguments.
 
@@ -217,7 +203,7 @@ class CompiledStep:
         if isinstance(plan, (str, os.PathLike)):
             plan = Plan.load(plan)
         if isinstance(plan, Mapping):
-            _check_layers(self.graph, plan)
+            check_covers(self.graph, plan)
         assignment = dict(plan.assignment if isinstance(plan, Plan) else plan)
         wanted = sorted(set(assignment.values()) | set(getattr(plan, "replicas", ())))
         absent = [d for d in wanted if d not in self.devices]

@@ -33,7 +33,7 @@ from hetpar.passes._layers import (
     module_path,
 )
 from hetpar.passes._program import Program, subjaxpr, trace_program
-from hetpar.passes._split import Stage, StageGraph, split
+from hetpar.passes._split import Stage, StageGraph, check_covers, split
 from hetpar.passes._xla import XlaCost, compiled_cost, hlo_text, layer_costs, step_cost
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "StageGraph",
     "Work",
     "XlaCost",
+    "check_covers",
     "compiled_cost",
     "conv_flops",
     "dot_general_flops",

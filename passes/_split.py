@@ -107,7 +107,7 @@ def split(graph: LayerGraph, assignment: Mapping[str, str], *,
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-    _check_covers(graph, assignment)
+    check_covers(graph, assignment)
     eqns = graph.program.jaxpr.jaxpr.eqns
     home = assignment[graph.layers[0]]
     device = _eqn_devices(graph, assignment, home)
@@ -127,8 +127,12 @@ def split(graph: LayerGraph, assignment: Mapping[str, str], *,
                       _input_devices(graph, assignment, device, home), home, schedule)
 
 
-def _check_covers(graph: LayerGraph, assignment: Mapping[str, str]) -> None:
-    """The assignment names every layer of the step and no other."""
+def check_covers(graph: LayerGraph, assignment: Mapping[str, str]) -> None:
+    """The assignment names every layer of the step and no other.
+
+    Raises:
+      PlanError: naming the unknown and missing layers and the step's own.
+    """
     missing = [n for n in graph.layers if n not in assignment]
     unknown = [n for n in assignment if n not in set(graph.layers)]
     if missing or unknown:
