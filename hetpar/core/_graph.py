@@ -23,6 +23,8 @@ VERSION = 1
 # What `hetpar trace --out` writes: a listing of the layers, often mistaken for graph.json.
 _LAYERS_FORMAT = "hetpar.layers"
 _HOW_TO_WRITE = "hetpar costs MODEL --devices LIST --out graph.json"
+# Device fields written only when set: files without them mean the default.
+_OPTIONAL_DEVICE_FIELDS = ("price_alone_per_hour", "compute_group")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,10 @@ class Device:
         GPU, which is already rented, but a plan that uses only the CPU rents
         a CPU machine: without this, the cost objective would call all-CPU
         free.
+      compute_group: devices with the same group share one compute resource,
+        so their work never overlaps: the virtual CPU devices of one process
+        (`--xla_force_host_platform_device_count`) run on the same cores.
+        None: the device computes on its own.
     """
 
     name: str
@@ -51,6 +57,7 @@ class Device:
     watts_busy: float = 0.0
     watts_idle: float = 0.0
     price_alone_per_hour: float | None = None
+    compute_group: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,7 +238,7 @@ class CostTable:
             "format": FORMAT,
             "version": VERSION,
             "devices": [{k: v for k, v in dataclasses.asdict(d).items()
-                         if not (k == "price_alone_per_hour" and v is None)}
+                         if not (k in _OPTIONAL_DEVICE_FIELDS and v is None)}
                         for d in self.devices],
             "links": [dataclasses.asdict(k) for k in self.links],
             "layers": [layer_json(layer) for layer in self.layers],
@@ -276,7 +283,8 @@ class CostTable:
                    watts_busy=_field(d, "watts_busy", f"devices[{i}]", float, 0.0),
                    watts_idle=_field(d, "watts_idle", f"devices[{i}]", float, 0.0),
                    price_alone_per_hour=_field(d, "price_alone_per_hour", f"devices[{i}]",
-                                               float, None))
+                                               float, None),
+                   compute_group=_field(d, "compute_group", f"devices[{i}]", str, None))
             for i, d in enumerate(_objects(data["devices"], "devices")))
         links = tuple(
             Link(src=_field(k, "src", f"links[{i}]", str),
@@ -410,6 +418,10 @@ def _validate_devices(devices: Sequence[Device]) -> dict[str, int]:
                     f"devices[{i}].price_alone_per_hour ({d.price_alone_per_hour}) is below "
                     f"its price_per_hour ({d.price_per_hour}); renting a device alone never "
                     "costs less than beside others: drop the field or raise it")
+        if d.compute_group is not None and (not isinstance(d.compute_group, str)
+                                            or not d.compute_group):
+            raise GraphFormatError(f"devices[{i}].compute_group must be a non-empty string "
+                                   f"(or absent), got {d.compute_group!r}")
     if not devices:
         raise GraphFormatError("devices is empty; list at least one device")
     return names

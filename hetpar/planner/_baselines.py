@@ -13,7 +13,8 @@
 - `heft`: HEFT (Topcuoglu et al., 2002): layers in decreasing upward rank
   (mean time + mean transfer + the largest rank of a successor), each placed
   on the device giving the earliest finish time (no insertion), skipping
-  devices without room or without a link to a predecessor's device.
+  devices without room or without a link to a predecessor's device; devices
+  of one compute group are busy together.
 - `exhaustive`: every assignment (the oracle; small graphs only).
 
 Each returns a `BaselineResult`: an assignment and its Predicted costs, or the
@@ -176,14 +177,14 @@ def heft(table: CostTable, mode: str = "sequential", microbatches: int = 1, *,
                     continue
                 c = comm[k, where[p], j]
                 ready = max(ready, finish[p] + c)
-            eft = max(avail[j], ready) + t[i, j]
+            eft = max(avail[arr.resource[j]], ready) + t[i, j]
             if eft < best:
                 best, best_j = eft, j
         if best_j < 0 or not np.isfinite(best):
             return _result("heft", table, None, mode, microbatches, arr,
                            reason=f"no device with room and links for {arr.layers[i]}")
         where[i], finish[i] = best_j, best
-        avail[best_j] = best
+        avail[arr.resource[best_j]] = best  # devices of one compute group wait together
         left[best_j] -= arr.mem[i, best_j]
     out = {arr.layers[i]: arr.devices[where[i]] for i in range(L)}
     return _result("heft", table, out, mode, microbatches, arr)
@@ -231,7 +232,7 @@ def exhaustive(table: CostTable, objective: str = "time", mode: str = "sequentia
     if mode == "sequential":
         step = compute + transfer
     else:
-        bott = (busy / M).max(axis=1)
+        bott = (arr.resource_load(busy) / M).max(axis=1)
         for a in range(D):
             for c in range(D):
                 if a != c:

@@ -9,8 +9,11 @@ edges that cross devices (DESIGN "Planner"; nothing overlaps).
 Pipelined mode (M microbatches): each layer takes t/M per microbatch and each
 crossing edge moves bytes/M per microbatch (a transfer still pays its full
 latency). Every device and every directed link is one pipeline resource (links
-are full duplex: a->b and b->a are separate). The bottleneck B is the busiest
-resource's time per microbatch, and the step time is
+are full duplex: a->b and b->a are separate), except that devices of one
+`compute_group` (the virtual CPU devices of one process, which run on the
+same cores) are one resource together: their work adds up, never overlaps.
+The bottleneck B is the busiest resource's time per microbatch, and the step
+time is
 
     step_time = T1 + (M - 1) * B
 
@@ -119,6 +122,9 @@ class Arrays:
       pair_ok: [E, D, D] whether edge e's ends may sit on (a, b).
       act: [L] activation bytes saved per step.
       param: [L] parameter (= gradient) bytes; nan where unknown.
+      resource: [D] each device's compute resource: the position of the first
+        device of its `compute_group`, else its own. Work on devices of one
+        resource is serialised.
     """
 
     def __init__(self, table: CostTable):
@@ -148,6 +154,10 @@ class Arrays:
                                      else d.price_alone_per_hour for d in table.devices])
         self.watts_busy = np.array([d.watts_busy for d in table.devices])
         self.watts_idle = np.array([d.watts_idle for d in table.devices])
+        first: dict[str, int] = {}
+        self.resource = np.array([j if d.compute_group is None
+                                  else first.setdefault(d.compute_group, j)
+                                  for j, d in enumerate(table.devices)], dtype=int)
         self.eu = np.array([lindex[e.src] for e in table.edges], dtype=int)
         self.ev = np.array([lindex[e.dst] for e in table.edges], dtype=int)
         self.fwd = np.array([e.bytes for e in table.edges], dtype=float)
@@ -192,6 +202,24 @@ class Arrays:
                                 f"{', '.join(self.devices)}")
             out[i] = self.dindex[d]
         return out
+
+    def resource_load(self, busy: np.ndarray) -> np.ndarray:
+        """[..., D] seconds per compute resource (at its first device's position; 0
+        elsewhere) from [..., D] seconds per device: devices of one group add up."""
+        out = np.zeros_like(busy, dtype=float)
+        for j in np.unique(self.resource):
+            out[..., j] = busy[..., self.resource == j].sum(axis=-1)
+        return out
+
+    def resource_label(self, j: int, used: np.ndarray | None = None) -> str:
+        """The resource at position j in words: "device gpu:0", or "devices cpu:0+cpu:1"
+        (the group's devices `used`, all when None) when a compute group shares it."""
+        members = np.nonzero(self.resource == j)[0]
+        if used is not None and used[members].any():
+            members = members[used[members]]
+        if len(members) == 1:
+            return f"device {self.devices[members[0]]}"
+        return "devices " + "+".join(self.devices[k] for k in members)
 
     def hourly_price(self, used: np.ndarray) -> float:
         """Dollars per hour of the devices `used` ([D] bool); one used alone at its solo price."""
@@ -306,7 +334,7 @@ def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "seque
         np.add.at(link, (ia, ib), fe)
         np.add.at(link, (ib, ia), be)
         np.fill_diagonal(link, 0.0)
-        dev_mb = busy / M
+        dev_mb = arr.resource_load(busy) / M
         kd, kl = int(np.argmax(dev_mb)), int(np.argmax(link))
         if link.flat[kl] > dev_mb[kd]:
             bottleneck = float(link.flat[kl])
@@ -314,7 +342,7 @@ def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "seque
             where = f"link {arr.devices[src]}->{arr.devices[dst]}"
         else:
             bottleneck = float(dev_mb[kd])
-            where = f"device {arr.devices[kd]}"
+            where = arr.resource_label(kd, used)
         step = compute / M + transfer_mb + (M - 1) * bottleneck
         act = np.bincount(a, weights=arr.act, minlength=D)
         stages = int(used.sum())
@@ -382,6 +410,7 @@ def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,
     and the rest / N. Then a ring all-reduce of the gradients, 2 (N - 1)
     steps each sending gradient bytes / N over the ring's slowest link, not
     overlapped with compute (XLA may overlap some: a conservative estimate).
+    Replicas of one compute group share its cores: their work adds up.
 
     Raises:
       PlanError: `data_parallel_obstacle` names a reason.
@@ -399,7 +428,9 @@ def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,
     lat = max(arr.lat[a, b] for a, b in ring)
     grads = float(arr.param.sum())
     allreduce = 2 * (n - 1) * (lat + grads / n / bw)
-    step = float(busy.max()) + allreduce
+    load = np.zeros(len(arr.devices))
+    load[idx] = busy
+    step = float(arr.resource_load(load).max()) + allreduce
     used = np.zeros(len(arr.devices), bool)
     used[idx] = True
     busy_all = np.zeros(len(arr.devices))

@@ -239,17 +239,17 @@ def _step_time(m: _Model, time_terms: list, link_terms: dict[tuple[int, int], li
                edge_max: float) -> tuple[pulp.LpAffineExpression, float]:
     """The step time T in scaled units, and an upper bound t_max on it for big-M products.
 
-    Pipelined, T = T1 + (M - 1) B with B >= every device's and link's load.
+    Pipelined, T = T1 + (M - 1) B with B >= every compute resource's and
+    link's load; a compute resource's load sums its devices' (one compute group).
     """
     arr, prob, M, t_s = m.arr, m.prob, m.M, m.t_s
     t_max_layers = float(np.where(arr.ok, t_s, 0.0).max(axis=1).sum())
     if m.pipelined:
         bottleneck = prob.add_variable("B", lowBound=0)
-        for j in range(arr.ok.shape[1]):
-            rows = np.nonzero(arr.ok[:, j])[0]
-            prob.addConstraint(
-                _affine([(m.x[i, j], float(t_s[i, j]) / M) for i in rows] + [(bottleneck, -1.0)])
-                <= 0, f"busy{j}")
+        for r in np.unique(arr.resource):
+            terms = [(m.x[i, j], float(t_s[i, j]) / M) for j in np.nonzero(arr.resource == r)[0]
+                     for i in np.nonzero(arr.ok[:, j])[0]]
+            prob.addConstraint(_affine(terms + [(bottleneck, -1.0)]) <= 0, f"busy{r}")
         for (a, b), terms in link_terms.items():
             prob.addConstraint(_affine(terms + [(bottleneck, -1.0)]) <= 0, f"link{a}_{b}")
         step_expr = _affine(time_terms + [(bottleneck, float(M - 1))])

@@ -539,11 +539,15 @@ def _try_contiguous(arr: Arrays, req: _Request, assignment, predicted, solver_in
 
 def replica_groups(table: CostTable) -> list[tuple[str, ...]]:
     """The devices a data-parallel plan may replicate over: each kind of accelerator
-    with two or more devices (CPUs excluded: virtual CPU devices share one host's cores)."""
+    with two or more devices (CPUs excluded: virtual CPU devices share one host's cores),
+    at most one device per compute group (devices sharing one cannot speed each other up)."""
     by_kind: dict[str, list[str]] = {}
+    groups: set[str] = set()
     for d in table.devices:
-        if d.kind != "cpu":
+        if d.kind != "cpu" and (d.compute_group is None or d.compute_group not in groups):
             by_kind.setdefault(d.kind, []).append(d.name)
+            if d.compute_group is not None:
+                groups.add(d.compute_group)
     return [tuple(names) for names in by_kind.values() if len(names) >= 2]
 
 

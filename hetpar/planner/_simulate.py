@@ -20,7 +20,10 @@ at layer granularity, with each layer's time from the table:
   previous stage of its order and its inputs have arrived;
 - inputs from another device travel over the directed link (latency +
   bytes / bandwidth, one transfer per producer stage, links first-come
-  first-served) once their producer stage ends.
+  first-served) once their producer stage ends;
+- devices of one `compute_group` (the virtual CPU devices of one process)
+  share one compute resource: a stage on one of them waits until no stage
+  runs on the others, so their work never overlaps.
 
 The replay's makespan is the predicted step time of pipelined plans.
 """
@@ -227,13 +230,16 @@ def _replay(st: _Stages, arr: Arrays) -> tuple[np.ndarray, np.ndarray]:
     """Runs the stages in each device's order; returns their (start, end) seconds.
 
     Event-driven: each device's next stage is queued with the time it can
-    start once its producers have run; the earliest queued stage runs next.
-    Transfers are priced (and their links taken) when queued.
+    start once its producers have run and its compute resource is free; the
+    earliest queued stage runs next. A stage whose resource another device
+    of its compute group took meanwhile is queued again, at the time that
+    resource frees. Transfers are priced (and their links taken) when queued.
     """
     S = len(st.cut)
     end = np.full(S, np.nan)
     start = np.full(S, np.nan)
-    dev_free = dict.fromkeys(st.per_device, 0.0)
+    res_of = {dev: int(arr.resource[arr.dindex[dev]]) for dev in st.per_device}
+    res_free = dict.fromkeys(res_of.values(), 0.0)
     head = dict.fromkeys(st.per_device, 0)
     link_free: dict[tuple[str, str], float] = {}
     arrived: dict[tuple[int, int], float] = {}
@@ -247,14 +253,17 @@ def _replay(st: _Stages, arr: Arrays) -> tuple[np.ndarray, np.ndarray]:
             s = stages[head[dev]]
             t = _arrivals(s, st, end, arr, link_free, arrived)
             if t is not None:
-                heapq.heappush(heap, (max(t, dev_free[dev]), s, dev))
+                heapq.heappush(heap, (max(t, res_free[res_of[dev]]), s, dev))
                 queued.add(dev)
         if not heap:
             break
         t, s, dev = heapq.heappop(heap)
+        if res_free[res_of[dev]] > t:  # a device sharing its cores ran first
+            heapq.heappush(heap, (res_free[res_of[dev]], s, dev))
+            continue
         queued.discard(dev)
         start[s], end[s] = t, t + st.dur[s]
-        dev_free[dev] = end[s]
+        res_free[res_of[dev]] = end[s]
         head[dev] += 1
         placed += 1
     if placed != S:  # cannot happen: the orders were checked to complete
