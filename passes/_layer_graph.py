@@ -67,7 +67,7 @@ class LayerGraph:
 
     Attributes:
       program: the flat traced step.
-      eqn_layers: layer name (or "shared") of every equation.
+      eqn_layers: layer name (or SHARED) of every equation.
       input_layers: layer name of every flat input (None when nothing reads it).
       input_roles: "param", "opt_state" or "batch" for every flat input.
       graph: networkx DiGraph, nodes = layers (attribute `info`: LayerInfo),
@@ -100,8 +100,22 @@ class LayerGraph:
     @property
     def notes(self) -> tuple[str, ...]:
         """Why parts of the step that could have been cut per layer stay whole
-        (a `cond` over all parameters tied by one tensor), one line each."""
-        return self.program.notes
+        (a `cond` over all parameters tied by one tensor, a scanned stack of
+        blocks), one line each."""
+        return self.program.notes + self._scan_notes()
+
+    def _scan_notes(self) -> tuple[str, ...]:
+        notes = []
+        for i, e in enumerate(self.program.eqns):
+            name = self.eqn_layers[i]
+            if e.primitive.name == "scan" and name != SHARED and is_forward(
+                    str(e.source_info.name_stack)) and e.params.get("length", 1) > 1:
+                notes.append(
+                    f"layer {name!r} is a scan over {e.params['length']} iterations: its "
+                    "iterations run as one unit on one device (a stack is not cut into "
+                    "pieces; unroll it, e.g. a Python loop over blocks, to let the planner "
+                    "place blocks apart)")
+        return tuple(dict.fromkeys(notes))
 
     @property
     def shared_eqns(self) -> tuple[int, ...]:
@@ -140,21 +154,46 @@ class LayerGraph:
         return g
 
     def _program_order(self) -> tuple[dict[str, int], dict[str, list[int]]]:
-        """({layer: rank in program order}, {layer: its equations}), layers in that order.
+        """({layer: rank in data-flow order}, {layer: its equations}), layers in that order.
 
-        Program order is taken at each layer's first forward equation: with
-        microbatches the labels are sliced up front by equations of the loss
-        layer, which must not make it "earlier" than the layers before it.
+        Layers are ranked by the forward data flow between them (a layer
+        comes after the layers whose forward results it reads), ties broken
+        by where each layer's forward starts. Program order alone misleads:
+        JAX may emit a layer's first equation early (GPT-2's position ids,
+        T5's relative-position bias of a decoder block) although its input
+        comes later. Cycles (a tied embedding read again by the head) are
+        broken at the layer whose forward starts first. With microbatches the
+        labels are sliced up front by equations of the loss layer, which must
+        not make it "earlier" than the layers before it.
         """
         eqns = self.program.jaxpr.jaxpr.eqns
         first: dict[str, int] = {}
         first_fwd: dict[str, int] = {}
+        producer: dict[jcore.Var, str] = {}
+        after: dict[str, set[str]] = {}  # layer -> layers whose forward results it reads
         for i, (name, e) in enumerate(zip(self.eqn_layers, eqns)):
-            if name != SHARED:
-                first.setdefault(name, i)
-                if name not in first_fwd and is_forward(str(e.source_info.name_stack)):
-                    first_fwd[name] = i
-        ranked = sorted(first, key=lambda n: (first_fwd.get(n, first[n]), first[n]))
+            if name == SHARED:
+                continue
+            first.setdefault(name, i)
+            after.setdefault(name, set())
+            if is_forward(str(e.source_info.name_stack)):
+                first_fwd.setdefault(name, i)
+                for a in e.invars:
+                    src = producer.get(a) if isinstance(a, jcore.Var) else None
+                    if src is not None and src != name:
+                        after[name].add(src)
+                for o in e.outvars:
+                    if not isinstance(o, jcore.DropVar):
+                        producer[o] = name
+        start = {n: (first_fwd.get(n, first[n]), first[n]) for n in first}
+        ranked: list[str] = []
+        done: set[str] = set()
+        while len(ranked) < len(start):
+            waiting = [n for n in start if n not in done]
+            ready = [n for n in waiting if after[n] <= done] or waiting
+            nxt = min(ready, key=start.__getitem__)
+            ranked.append(nxt)
+            done.add(nxt)
         order = {name: k for k, name in enumerate(ranked)}
         members: dict[str, list[int]] = {name: [] for name in order}
         for i, name in enumerate(self.eqn_layers):
@@ -319,8 +358,11 @@ def trace(
         backward and optimizer update all inside.
       *example_args: arguments with the real shapes and dtypes (arrays or
         `jax.ShapeDtypeStruct`s).
-      depth: how many module-path components name a layer (default 1: the
-        model's direct children, e.g. `Block_3` of a transformer).
+      depth: how many module-path components name a layer (1: the model's
+        direct children, e.g. `Block_3` of a transformer). Default: balanced,
+        from the model's children down to submodules while a layer holds more
+        than half the FLOPs or there are fewer than four (see
+        `hetpar.passes.balanced_names`).
       batch_argnums: which positional arguments are data rather than state
         (default: the last one).
       auto_layers: how many balanced layers to form when nothing is named.
@@ -331,7 +373,7 @@ def trace(
     Raises:
       TraceError: the step does not trace with these arguments.
     """
-    depth = 1 if depth is None else int(depth)
+    depth = None if depth is None else int(depth)
     program = trace_program(step_fn, *example_args)
     flops = [eqn_work(e).flops for e in program.eqns]
     eqn_layers, input_layers = assign_layers(program, depth, auto_layers, flops)

@@ -47,7 +47,9 @@ from jax.extend import core as jcore
 
 from hetpar.passes._program import Program
 
-SHARED = "shared"
+#: The shared group's name: not a module name, so a model's own `shared` module
+#: (T5's embedding) stays a layer.
+SHARED = "<shared>"
 #: Name scope `hetpar.value_and_grad` puts around microbatch i: `hetpar_mb<i>`.
 MICROBATCH_SCOPE = "hetpar_mb"
 _MICROBATCH = re.compile(rf"^{MICROBATCH_SCOPE}(\d+)$")
@@ -56,23 +58,73 @@ _WRAPPER = re.compile(r"^[A-Za-z_][\w.]*\((.*)\)$")
 _HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 
 
+#: Scopes JAX itself adds, which name no module: `jax.checkpoint` wraps the
+#: recomputed forward of a rematerialised region in `rematted_computation`.
+_JAX_SCOPES = frozenset({"rematted_computation"})
+
+
 def module_path(name_stack: str) -> tuple[str, ...]:
     """Module path of a name stack: transform wrappers stripped, empty parts dropped.
 
     >>> module_path("transpose(jvp(ResNet))/layer1/Conv_0")
     ('ResNet', 'layer1', 'Conv_0')
+    >>> module_path("transpose(jvp(M))/enc/layer/jvp(M)/enc/layer")
+    ('M', 'enc', 'layer')
     """
-    parts = []
+    parts: list[str] = []
     for part in str(name_stack).split("/"):
         while (m := _WRAPPER.match(part)) is not None:
             part = m.group(1)
-        if _MICROBATCH.match(part):
+        if _MICROBATCH.match(part) or part in _JAX_SCOPES:
             continue  # microbatch scopes say when, not which layer
         # Rematerialised regions repeat the scope they were traced in
         # (`transpose(jvp(M))/jvp(M)`): collapse the repeat.
         if part and (not parts or parts[-1] != part):
             parts.append(part)
-    return tuple(parts)
+    return _collapse_repeat(tuple(parts))
+
+
+def _collapse_repeat(parts: tuple[str, ...]) -> tuple[str, ...]:
+    """`A + A` -> `A`: the transpose of a rematerialised module carries the
+    module's path twice (`transpose(jvp(M))/bert/layer/jvp(M)/bert/layer`)."""
+    n = len(parts)
+    for k in range(1, n // 2 + 1):
+        if parts[k] == parts[0] and parts[k:2 * k] == parts[:k] and n - k >= k:
+            return _collapse_repeat(parts[k:])
+    return parts
+
+
+def _subjaxprs(eqn):
+    """The jaxprs a higher-order equation runs (a scan's body, a remat's region,
+    a cond's branches), as plain Jaxprs."""
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jcore.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jcore.Jaxpr):
+                yield item
+
+
+def eqn_path(eqn) -> tuple[str, ...]:
+    """Module path of an equation. A higher-order equation (scan, remat, a
+    custom-gradient call) carries only its caller's scope; the modules it
+    runs are named inside its body, relative to that scope. Its path is the
+    caller's plus what all named body equations share: a scan over
+    `ScanBlock_0` belongs to `ScanBlock_0`, the backward of a checkpointed
+    `layer/3` to `layer/3`, forward and backward alike."""
+    outer = module_path(str(eqn.source_info.name_stack))
+    inner = [p for sub in _subjaxprs(eqn) for e in sub.eqns if (p := eqn_path(e))]
+    return _collapse_repeat(outer + _common_prefix(inner)) if inner else outer
+
+
+def _common_prefix(paths: Sequence[tuple[str, ...]]) -> tuple[str, ...]:
+    first = paths[0]
+    n = len(first)
+    for p in paths[1:]:
+        n = min(n, len(p))
+        while n and p[:n] != first[:n]:
+            n -= 1
+    return first[:n]
 
 
 def microbatch_of(name_stack: str) -> int | None:
@@ -108,6 +160,23 @@ def _strip_root(paths: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
     if count < 0.9 * len(named) or not any(len(p) > 1 and p[0] == root for p in named):
         return list(paths)
     return [p[1:] if p and p[0] == root else () for p in paths]
+
+
+def _merge_methods(paths: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    """`decoder.bias` -> `decoder` where `decoder` is also a scope: Flax names a
+    call of a module's method other than `__call__` `module.method`, but it
+    runs in that module (Equinox's `eqx.nn.Linear` has no `eqx` beside it)."""
+    scopes = {p[:k + 1] for p in paths for k in range(len(p))}
+
+    def merged(p: tuple[str, ...]) -> tuple[str, ...]:
+        out = list(p)
+        for k, part in enumerate(p):
+            base = part.split(".", 1)[0]
+            if base != part and p[:k] + (base,) in scopes:
+                out[k] = base
+        return tuple(out)
+
+    return [merged(p) for p in paths]
 
 
 def _is_scalar(v) -> bool:
@@ -146,28 +215,37 @@ def _stacks_tiny(eqn, light: set) -> bool:
 
 
 def assign_layers(
-    program: Program, depth: int = 1, auto_layers: int = 8, flops: Sequence[float] | None = None
+    program: Program, depth: int | None = None, auto_layers: int = 8,
+    flops: Sequence[float] | None = None
 ) -> tuple[list[str], list[str | None]]:
     """Assigns every equation to a layer (or to `SHARED`).
 
     Args:
       program: the flat traced step.
       depth: how many module-path components name a layer (1: the model's
-        direct children).
+        direct children); None: balanced (see `balanced_names`).
       auto_layers: how many layers to form when nothing is named.
       flops: per-equation FLOPs, used to balance automatic clusters.
 
     Returns:
-      (eqn_layers, input_layers): one layer name (or "shared") per equation,
+      (eqn_layers, input_layers): one layer name (or SHARED) per equation,
       and one layer name (or None, when nothing reads it) per flat input.
     """
-    if depth < 1:
+    if depth is not None and depth < 1:
         raise ValueError(f"depth must be >= 1, got {depth}")
     jaxpr = program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     stacks = [str(e.source_info.name_stack) for e in eqns]
-    paths = _strip_root([module_path(s) for s in stacks])
-    layer: list[str | None] = ["/".join(p[:depth]) or None for p in paths]  # rule 1
+    paths = _strip_root(_merge_methods([eqn_path(e) for e in eqns]))
+    paths = split_instances(eqns, paths, jaxpr.invars, program.in_paths)
+    if depth is None:
+        weights = [float(f) for f in flops] if flops is not None else [1.0] * len(eqns)
+        inputs = set(jaxpr.invars)
+        holds = [any(isinstance(a, jcore.Var) and a in inputs and not is_tiny(a)
+                     for a in e.invars) for e in eqns]
+        layer: list[str | None] = balanced_names(paths, weights, holds)  # rule 1
+    else:
+        layer = ["/".join(p[:depth]) or None for p in paths]  # rule 1
     if not any(layer):
         layer = _auto_cluster(eqns, stacks, auto_layers, flops)
 
@@ -281,6 +359,254 @@ def _combine_origins(eqn, producer: dict, combined: dict, light: set) -> frozens
         elif producer.get(a) not in (None, SHARED):
             origins.add(producer[a])
     return frozenset(origins) if len(origins) >= 2 else None
+
+
+#: Balanced granularity (`depth=None`): split a layer into its submodules
+#: while there are fewer than MIN_LAYERS layers, or while one holds more than
+#: MAX_SHARE of the step's FLOPs; never beyond MAX_LAYERS.
+MIN_LAYERS = 4
+MAX_SHARE = 0.5
+MAX_LAYERS = 64
+
+
+def balanced_names(paths: Sequence[tuple[str, ...]], weights: Sequence[float],
+                   holds_state: Sequence[bool] | None = None) -> list[str | None]:
+    """Layer names from module paths at a granularity that fits the model.
+
+    A fixed depth fits no library: Hugging Face models have two children
+    (`bert`, `cls`) and their blocks sit at depth 3 or 4 beside embeddings
+    at depth 2. Starting from the model's children, the heaviest layer that
+    has two or more submodules doing work is replaced by them while there are
+    fewer than MIN_LAYERS layers or it holds more than MAX_SHARE of the FLOPs
+    (a chain of single submodules, `bert/encoder/layer`, is walked through).
+    GPT-2 becomes `transformer/wte, transformer/wpe, transformer/h/0, ...,
+    lm_head`. Equations named at exactly a split scope (glue between its
+    submodules) are left unnamed, and so is a submodule of a split layer
+    that reads no step input and does under 1% of the work (a dropout): no
+    glue layer forms; rules 2-5 place them by data flow. The model's own
+    children are kept as named.
+
+    Args:
+      paths: module path of every equation (root stripped).
+      weights: FLOPs of every equation.
+      holds_state: per equation, whether it reads a step input (a parameter):
+        a submodule that does so is kept however light it is (an embedding).
+    """
+    total = sum(weights) or 1.0
+    holds = holds_state if holds_state is not None else [False] * len(paths)
+    weight: Counter = Counter()
+    stateful: set = set()
+    children: dict[tuple, list[tuple]] = {}
+    for p, w, h in zip(paths, weights, holds):
+        for k in range(1, len(p) + 1):
+            q = p[:k]
+            if q not in weight and k > 1:
+                children.setdefault(p[:k - 1], []).append(q)
+            weight[q] += w
+            if h:
+                stateful.add(q)
+
+    def real(q) -> bool:  # a submodule worth a layer of its own
+        return q in stateful or weight[q] >= 0.01 * total
+
+    def expand(q) -> list | None:
+        """What replaces `q` when it is split, or None when it cannot be."""
+        kids = [c for c in children.get(q, ()) if real(c)]
+        if len(kids) == 1:
+            return expand(kids[0])
+        return kids if len(kids) >= 2 else None
+
+    layers = [q for q in weight if len(q) == 1]  # the model's children, as named
+    while len(layers) < MAX_LAYERS:
+        options = [(weight[q], q, e) for q in layers if (e := expand(q)) is not None]
+        if not options:
+            break
+        w, heaviest, parts = max(options, key=lambda t: t[0])
+        if len(layers) >= MIN_LAYERS and w <= MAX_SHARE * total:
+            break
+        at = layers.index(heaviest)
+        layers[at:at + 1] = parts
+    chosen = set(layers)
+    names: list[str | None] = []
+    for p in paths:
+        k = next((k for k in range(len(p), 0, -1) if p[:k] in chosen), 0)
+        names.append("/".join(p[:k]) or None)
+    return names
+
+
+_KEY = re.compile(r"\[[^\]]*\]|\.[^.\[]+")
+
+
+def _render(keys: Sequence[str]) -> str:
+    """`('.layers', '[0]')` -> `layers[0]`; `("['params']", "['h']")` -> `params/h`."""
+    out = ""
+    for k in keys:
+        if k.startswith("['") or k.startswith('["'):
+            out += "/" + k[2:-2]
+        else:
+            out += k
+    return out.lstrip("./")
+
+
+def split_instances(eqns, paths: Sequence[tuple[str, ...]], invars, in_paths: Sequence[str]
+                    ) -> list[tuple[str, ...]]:
+    """Tells apart module instances that share one scope name.
+
+    Equinox names scopes by class (`eqx.nn.MLP/eqx.nn.Linear`), so the four
+    Linears of an MLP share one path. When one module path reads the
+    parameters of several owners (sibling subtrees of the argument holding
+    the parameters: `model.layers[0]`, `model.layers[1]`, ...), that path
+    component is replaced by the owner (`layers[0]`), level by level, so
+    nested instances (the q/k/v Linears of each block's attention) come
+    apart too. Flax names every instance, so its paths never read two
+    owners and are returned unchanged; a module applied twice (tied weights)
+    reads one owner and stays one.
+    """
+    index = {v: k for k, v in enumerate(invars)}
+    keys = [tuple(_KEY.findall(p)) for p in in_paths]
+    reads = [[index[a] for a in e.invars if isinstance(a, jcore.Var) and a in index
+              and not is_tiny(a)] for e in eqns]
+    paths = list(paths)
+    downstream: dict = {}  # var -> every equation that reads it
+    for i, e in enumerate(eqns):
+        for a in e.invars:
+            if isinstance(a, jcore.Var):
+                downstream.setdefault(a, []).append(i)
+    level = 0
+    while level < 32:
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(paths):
+            if len(p) > level:
+                groups.setdefault(p[:level + 1], []).append(i)
+        if not groups:
+            break
+        for prefix, members in groups.items():
+            owner = _instance_owners(eqns, members, paths, reads, keys, prefix[-1], downstream)
+            parent = prefix[-2] if level else ""
+            for i, o in owner.items():
+                name = _render(o[1:])
+                rest = name[len(parent):] if parent and name.startswith(parent) else ""
+                if rest[:1] in (".", "/"):
+                    name = rest[1:]  # `blocks[0].attn` under `blocks[0]`: `attn`
+                elif rest[:1] == "[":  # `mlp.layers[0]` under `mlp.layers`: `layers[0]`
+                    name = parent.rsplit(".", 1)[-1] + rest
+                p = paths[i]
+                paths[i] = p[:level] + (name,) + p[level + 1:]
+        level += 1
+    return paths
+
+
+def _instance_owners(eqns, members: list[int], paths, reads, keys, scope: str,
+                     downstream: dict) -> dict[int, tuple]:
+    """{equation: owner} for a group of equations under one scope when that
+    scope stands for several instances (see `split_instances`); else {}.
+
+    Not instances: a scope whose name is a key of the parameters it reads
+    (Flax's `['params']['bn1']` and `['batch_stats']['bn1']` are one
+    BatchNorm), and equations that read several owners at once (an LSTM
+    cell's fused gate kernels).
+    """
+    read = {k for i in members for k in reads[i] if keys[k]}
+    if len(read) < 2:
+        return {}
+    named = {f"['{scope}']", f".{scope}", f'["{scope}"]'}
+    if any(named & set(keys[k]) for k in read):
+        return {}
+    arg = Counter(keys[k][0] for k in read).most_common(1)[0][0]
+    params = [keys[k] for k in read if keys[k][0] == arg]
+    common = _common_prefix(params)
+    n = len(common)
+
+    def owner_of(k: int):
+        key = keys[k]
+        return key[:n + 1] if key[:n] == common and len(key) > n + 1 else None
+
+    owners_by_path: dict[tuple, set] = {}
+    inst: dict[int, tuple] = {}
+    for i in members:
+        found = [o for k in reads[i] if (o := owner_of(k)) is not None]
+        if len(set(found)) > 1:
+            return {}
+        if found:
+            owners_by_path.setdefault(paths[i], set()).update(found)
+            inst[i] = found[0]
+    if not any(len(s) >= 2 for s in owners_by_path.values()):
+        return {}
+    # The rest of the group (bias gradients, reshapes, the backward's matmul
+    # with saved inputs) joins the instance it shares data with: an input read
+    # by an instance's equation, then a consumer, then a producer.
+    producer = {o: i for i in members for o in eqns[i].outvars}
+    readers: dict = {}
+    for i in members:
+        for a in eqns[i].invars:
+            if isinstance(a, jcore.Var):
+                readers.setdefault(a, []).append(i)
+    for relation in ("sibling", "consumer", "producer"):
+        changed = True
+        while changed:
+            changed = False
+            for i in members:
+                if i in inst:
+                    continue
+                # Only an unambiguous relation decides: q, k and v projections
+                # all read the same input, which says nothing.
+                found = {inst[j] for j in _related(eqns[i], relation, readers, producer)
+                         if j in inst}
+                if len(found) == 1:
+                    inst[i] = found.pop()
+                    changed = True
+    # A weight gradient whose inputs are all shared (the first block's q, k
+    # and v read the batch) is told apart by where it goes: the update of
+    # its own parameter.
+    for i in members:
+        if i not in inst:
+            found = {o for j in _reachable(eqns, i, downstream) for k in reads[j]
+                     if (o := owner_of(k)) is not None}
+            if len(found) == 1:
+                inst[i] = found.pop()
+    resolved = sorted(inst)
+    for i in members:
+        if i not in inst and resolved:
+            inst[i] = inst[min(resolved, key=lambda j: abs(j - i))]
+    # Each instance is named by all it reads (`blocks[0].attn`, not `blocks[0]`).
+    read_by: dict[tuple, list[tuple]] = {}
+    for i, o in inst.items():
+        read_by.setdefault(o, []).extend(keys[k] for k in reads[i] if owner_of(k) == o)
+    full = {}
+    for o, ks in read_by.items():
+        c = _common_prefix(ks)
+        full[o] = c[:-1] if any(len(k) == len(c) for k in ks) else c
+    return {i: full[o] for i, o in inst.items()}
+
+
+def _reachable(eqns, start: int, downstream: dict, limit: int = 64) -> list[int]:
+    """Equations that read `start`'s results, directly or not (at most `limit`)."""
+    seen: list[int] = []
+    frontier = [start]
+    visited = {start}
+    while frontier and len(seen) < limit:
+        i = frontier.pop(0)
+        for o in eqns[i].outvars:
+            for j in downstream.get(o, ()):
+                if j not in visited:
+                    visited.add(j)
+                    seen.append(j)
+                    frontier.append(j)
+    return seen
+
+
+def _related(eqn, relation: str, readers: dict, producer: dict):
+    if relation == "sibling":
+        for a in eqn.invars:
+            if isinstance(a, jcore.Var) and not is_tiny(a):
+                yield from readers.get(a, ())
+    elif relation == "consumer":
+        for o in eqn.outvars:
+            yield from readers.get(o, ())
+    else:
+        for a in eqn.invars:
+            if isinstance(a, jcore.Var) and a in producer:
+                yield producer[a]
 
 
 def _auto_cluster(eqns, stacks, k: int, flops) -> list[str | None]:
