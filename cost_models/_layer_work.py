@@ -6,12 +6,14 @@ a `LayerWork` over the roofline's op classes (`ROOFLINE_CLASS` maps one to
 the other); `graph_layer_work` adds what only the layer's jaxpr tells: the
 dtype its matmuls read, the arrays its call takes and returns
 (`layer_io`), and, compiled for a backend, XLA's after-fusion bytes
-(`layer_fused_bytes`).
+(`layer_fused_bytes`). `update_work` is the part of a layer's work that is
+its optimizer update, which the offload planner may run on another device.
 """
 
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 from absl import logging
@@ -142,3 +144,26 @@ def graph_layer_work(graph, layer: str, backend: str | None = None) -> LayerWork
     fused = None if backend is None else layer_fused_bytes(graph, layer, backend)
     return layer_work(graph[layer], dtype=layer_dtype(graph, layer), buffers=n, io_bytes=io,
                       fused_bytes=fused)
+
+
+def update_work(graph, layer: str) -> LayerWork | None:
+    """The roofline's view of the layer's optimizer update alone, or None if it has none.
+
+    The update is the layer's equations that are neither forward nor
+    backward (`hetpar.passes.is_forward` / `is_backward` on the name
+    stack): Optax's update, gradient accumulation. Elementwise, so the
+    roofline prices it by its bytes. One launch: the runtime runs it as
+    (part of) one executable.
+    """
+    from hetpar.passes import Work, eqn_work, is_backward, is_forward  # JAX: only with a graph
+
+    eqns = graph.program.eqns
+    work, n = Work(), 0
+    for i in graph[layer].eqns:
+        stack = str(eqns[i].source_info.name_stack)
+        if not (is_forward(stack) or is_backward(stack)):
+            work.add(eqn_work(eqns[i]))
+            n += 1
+    if n == 0:
+        return None
+    return layer_work(types.SimpleNamespace(work=work))

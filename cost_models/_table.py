@@ -15,6 +15,14 @@ median of k runs, cached on disk (`measure_layer`). The predictions are
 kept in `meta` next to the measurements so reports can show both.
 `scale_to_step` rescales a table's layers to measured whole-step times.
 
+Optimizer updates
+-----------------
+Each layer also gets `opt_state_bytes` and `update_s`: its optimizer
+update's time on every device, priced by the same roofline from the
+update's equations alone (`update_work`), so the offload planner can move
+the update to the host CPU that holds the state. Measured tables keep the
+predicted update times (a layer is measured whole).
+
 Devices
 -------
 Present CPU devices of one process share its cores: the table puts them in
@@ -30,7 +38,7 @@ from typing import Any
 
 from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
 from hetpar.cost_models._layer_timing import measure_layer
-from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes
+from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes, update_work
 from hetpar.cost_models._profiles import ProfileSet
 from hetpar.cost_models._resolve import ResolvedDevice, resolve_devices, resolve_links
 from hetpar.cost_models._roofline import LayerWork, predict
@@ -151,9 +159,13 @@ def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, m
                                     microbatch_graph=microbatch_graph,
                                     microbatches=microbatches, say=say))
     mem = float(info.memory_bytes)
+    upd = update_work(graph, name)
     return Layer(name=name, time_s=row, memory_bytes={d.name: mem for d in devs},
                  activation_bytes=float(info.activation_bytes),
-                 fixed_s=times.fixed.get(name), param_bytes=float(info.param_bytes))
+                 fixed_s=times.fixed.get(name), param_bytes=float(info.param_bytes),
+                 opt_state_bytes=float(info.opt_state_bytes),
+                 update_s=None if upd is None else {d.name: predict(d.profile, upd)
+                                                    for d in devs})
 
 
 def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *,
@@ -301,7 +313,9 @@ def scale_to_step(table, step_s: Mapping[str, float]):
         layer,
         time_s={d: t * factor.get(d, 1.0) for d, t in layer.time_s.items()},
         fixed_s=None if layer.fixed_s is None else {
-            d: f * factor.get(d, 1.0) for d, f in layer.fixed_s.items()})
+            d: f * factor.get(d, 1.0) for d, f in layer.fixed_s.items()},
+        update_s=None if layer.update_s is None else {
+            d: u * factor.get(d, 1.0) for d, u in layer.update_s.items()})
         for layer in table.layers)
     meta = {**table.meta, "step_scale": factor, "step_s": dict(step_s)}
     return dataclasses.replace(table, layers=layers, meta=meta)

@@ -40,6 +40,11 @@ def register(subparsers) -> None:
                    help="auto: HiGHS when highspy is installed, else CBC")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit, seconds")
     p.add_argument("--gap", type=float, default=None, help="relative optimality gap (1e-4)")
+    p.add_argument("--memory", action="append", default=[], metavar="DEVICE=GB",
+                   help="cap a device's memory for planning, in GB (1e9 bytes), e.g. "
+                        "--memory gpu:0=40 (repeatable)")
+    p.add_argument("--no-offload", dest="offload", action="store_false",
+                   help="never keep layers' state apart from their compute device")
     p.add_argument("--explain", action="store_true", help="say why each layer sits where it does")
     p.add_argument("--out", help="where to write plan.json")
     p.set_defaults(func=_run)
@@ -63,9 +68,30 @@ def _table(args: argparse.Namespace) -> CostTable:
     return CostTable.load(args.graph)
 
 
+def parse_memory(items: list[str]) -> dict[str, float]:
+    """['gpu:0=40', 'cpu:0=100'] -> {'gpu:0': 4e10, 'cpu:0': 1e11} (GB to bytes).
+
+    Raises:
+      HetparError: an item that is not DEVICE=GB with a positive number.
+    """
+    out = {}
+    for item in items:
+        dev, sep, value = item.partition("=")
+        try:
+            gb = float(value)
+        except ValueError:
+            gb = float("nan")
+        if not sep or not dev.strip() or not (gb > 0 and gb < float("inf")):
+            raise HetparError(f"--memory expects DEVICE=GB with a positive number of GB, e.g. "
+                              f"gpu:0=40; got {item!r}")
+        out[dev.strip()] = gb * 1e9
+    return out
+
+
 def _run(args: argparse.Namespace) -> int:
     from hetpar.planner import plan
 
+    memory = parse_memory(args.memory)  # checked before any model is traced
     table = _table(args)
     microbatches = args.microbatches
     if microbatches is None:
@@ -73,7 +99,8 @@ def _run(args: argparse.Namespace) -> int:
     result = plan(table, objective=args.objective, mode=args.mode, microbatches=microbatches,
                   contiguous=args.contiguous, max_cost=args.max_cost,
                   max_step_time=args.max_step_time, solver=args.solver,
-                  time_limit=args.time_limit, gap=args.gap, schedule=args.schedule)
+                  time_limit=args.time_limit, gap=args.gap, schedule=args.schedule,
+                  memory=memory or None, offload=args.offload)
     print(result.summary(table))
     if args.explain:
         print()

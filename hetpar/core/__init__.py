@@ -21,6 +21,7 @@ from hetpar.core._fingerprint import fingerprint
 from hetpar.core._graph import FORMAT as GRAPH_FORMAT
 from hetpar.core._graph import VERSION as GRAPH_VERSION
 from hetpar.core._graph import CostTable, Device, Edge, Layer, Link
+from hetpar.core._placement import ACTIVATIONS, ACTIVATIONS_RUN, Placement, parse_placements
 from hetpar.core._schedule import (
     PHASE_RANK,
     SCHEDULES,
@@ -33,6 +34,8 @@ from hetpar.core._schedule import (
 from hetpar.core._units import human, nbytes, seconds, signed_seconds
 
 __all__ = [
+    "ACTIVATIONS",
+    "ACTIVATIONS_RUN",
     "GRAPH_FORMAT",
     "GRAPH_VERSION",
     "PHASE_RANK",
@@ -46,6 +49,7 @@ __all__ = [
     "Layer",
     "Link",
     "PlanError",
+    "Placement",
     "ProfileError",
     "TraceError",
     "UnknownModelError",
@@ -57,6 +61,7 @@ __all__ = [
     "load_json",
     "save_json",
     "nbytes",
+    "parse_placements",
     "seconds",
     "signed_seconds",
     "runs",

@@ -94,7 +94,16 @@ class Layer:
         (experiments/results/two_gpus_affine_h200x2.md).
       param_bytes: bytes of the layer's parameters, the size of its gradient
         (what a data-parallel step all-reduces). None: unknown, and no
-        data-parallel plan is considered.
+        data-parallel plan is considered, nor any offload of its state.
+      opt_state_bytes: bytes of the layer's optimizer state (part of
+        `memory_bytes`). None: unknown; the offload planner then takes
+        what `memory_bytes` holds beyond 2 x `param_bytes` and the
+        activations.
+      update_s: seconds of the layer's optimizer update alone on each device
+        (part of `time_s` where both name a device; may name devices the
+        layer cannot compute on: a host CPU that updates state it holds).
+        None (or a device missing): unknown there, and the offload planner
+        runs no update of the layer on that device.
     """
 
     name: str
@@ -105,6 +114,8 @@ class Layer:
     activation_bytes: float | None = None
     fixed_s: Mapping[str, float] | None = None
     param_bytes: float | None = None
+    opt_state_bytes: float | None = None
+    update_s: Mapping[str, float] | None = None
 
     def devices(self) -> tuple[str, ...]:
         """Devices this layer may run on: timed there, allowed, and the pin if any."""
@@ -232,6 +243,10 @@ class CostTable:
                 out["fixed_s"] = dict(layer.fixed_s)
             if layer.param_bytes is not None:
                 out["param_bytes"] = layer.param_bytes
+            if layer.opt_state_bytes is not None:
+                out["opt_state_bytes"] = layer.opt_state_bytes
+            if layer.update_s:
+                out["update_s"] = dict(layer.update_s)
             return out
 
         out = {
@@ -311,7 +326,11 @@ class CostTable:
                                                                  where, float),
                 fixed_s=_number_map(layer, "fixed_s", where) if "fixed_s" in layer else None,
                 param_bytes=None if layer.get("param_bytes") is None else _field(
-                    layer, "param_bytes", where, float)))
+                    layer, "param_bytes", where, float),
+                opt_state_bytes=None if layer.get("opt_state_bytes") is None else _field(
+                    layer, "opt_state_bytes", where, float),
+                update_s=_number_map(layer, "update_s", where) if layer.get(
+                    "update_s") is not None else None))
         edges = tuple(
             Edge(src=_field(e, "src", f"edges[{i}]", str),
                  dst=_field(e, "dst", f"edges[{i}]", str),
@@ -475,6 +494,13 @@ def _validate_layer(i: int, layer: Layer, layers: Mapping[str, int], names: Mapp
         _check_number(layer.activation_bytes, f"{where}.activation_bytes")
     if layer.param_bytes is not None:
         _check_number(layer.param_bytes, f"{where}.param_bytes")
+    if layer.opt_state_bytes is not None:
+        _check_number(layer.opt_state_bytes, f"{where}.opt_state_bytes")
+    for dev, u in (layer.update_s or {}).items():
+        if dev not in names:
+            raise GraphFormatError(f"{where}.update_s names unknown device {dev!r}; known "
+                                   f"devices: {known}")
+        _check_number(u, f"{where}.update_s[{dev!r}]")
     for dev, f in (layer.fixed_s or {}).items():
         if dev not in layer.time_s:
             raise GraphFormatError(f"{where}.fixed_s names {dev!r}, which time_s does not; "

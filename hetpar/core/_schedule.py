@@ -40,7 +40,7 @@ def device_aware_order(deps: Sequence[Collection[int]], keys: Sequence[Key]) -> 
             heapq.heappush(ready.setdefault(keys[i], []), i)
 
     def priority(key, head):
-        _, mb, ph = key
+        _, mb, ph = key[:3]  # a 4th part only cuts stages finer (offloaded layers)
         return (PHASE_RANK[ph], -1 if mb is None else mb, head)
 
     order, current = [], None
@@ -108,7 +108,7 @@ def device_orders(stage_keys: Sequence[Key], deps: Sequence[Collection[int]],
 
 def _one_f_one_b(stage_keys, gpipe) -> dict[str, tuple[int, ...]]:
     fwd_devices: list[str] = []
-    for dev, _, phase in stage_keys:
+    for dev, _, phase in (k[:3] for k in stage_keys):
         if phase == "forward" and dev not in fwd_devices:
             fwd_devices.append(dev)
     depth = len(fwd_devices)
@@ -117,7 +117,7 @@ def _one_f_one_b(stage_keys, gpipe) -> dict[str, tuple[int, ...]]:
         units: dict[tuple[str, int], list[int]] = {}
         head, tail = [], []
         for i in ids:
-            _, mb, phase = stage_keys[i]
+            _, mb, phase = stage_keys[i][:3]
             if mb is None:
                 (head if phase == "pre" else tail).append(i)
             else:

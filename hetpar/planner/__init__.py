@@ -3,8 +3,9 @@
 The public surface is this flat list; the work lives in private modules:
 `_evaluate` (the cost model), `_ilp` (the pulp model), `_baselines`,
 `_feasibility` (infeasibility diagnosis), `_simulate` (replays a pipelined
-schedule), `_plan` (Plan, plan). The input, CostTable (graph.json), is
-`hetpar.core`'s, re-exported here.
+schedule, or a step with state apart from compute), `_offload` (where each
+layer's state lives and its update runs), `_plan` (Plan, plan). The input,
+CostTable (graph.json), is `hetpar.core`'s, re-exported here.
 """
 
 from hetpar.core import CostTable, Device, Edge, Layer, Link
@@ -23,6 +24,7 @@ from hetpar.planner._evaluate import (
     data_parallel_obstacle,
     evaluate,
     evaluate_data_parallel,
+    held_bytes,
     violations,
 )
 from hetpar.planner._ilp import highs_available
@@ -49,6 +51,7 @@ __all__ = [
     "exhaustive",
     "greedy_fastest",
     "heft",
+    "held_bytes",
     "highs_available",
     "memory_fill",
     "plan",

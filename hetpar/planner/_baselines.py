@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,8 @@ class BaselineResult:
 
     name: str
     # Not part of plan.json (plans stay small), so not part of equality either.
-    assignment: Mapping[str, str] | None = dataclasses.field(default=None, compare=False)
+    # Device names, or Placements where state lives apart (zero_offload).
+    assignment: Mapping[str, Any] | None = dataclasses.field(default=None, compare=False)
     predicted: Predicted | None = None
     reason: str | None = None
 

@@ -35,6 +35,13 @@ hourly prices of the devices used / 3600.
 Data parallel (`evaluate_data_parallel`), the other way to use several
 accelerators of one kind: each replica runs the whole step on batch / N
 (fixed part whole, the rest / N), then the gradients are all-reduced.
+
+State apart from compute (offload): an assignment may give a layer a
+`Placement` whose state lives on a host CPU device (and whose update runs
+there, or on the compute device with the state streamed in and back). Such a
+plan's step is always replayed (`hetpar.planner.simulate`: weight copies,
+gradients, streamed state and host updates on their links and devices), and
+its memory follows `held_bytes` (see there).
 """
 
 from __future__ import annotations
@@ -45,10 +52,14 @@ from typing import Any
 
 import numpy as np
 
-from hetpar.core import CostTable, PlanError, nbytes
+from hetpar.core import CostTable, Placement, PlanError, nbytes
 
 MODES = ("sequential", "pipelined")
 OBJECTIVES = ("time", "cost", "energy")
+#: Copies of an offloaded layer's parameters and optimizer state its host
+#: holds at the step's peak: the old state and the new one coexist, since the
+#: runtime donates no buffer (the caller's state is never left half-updated).
+HOST_STATE_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +73,8 @@ class Predicted:
       busy_s: seconds each device computes per step (devices used only).
       compute_s: Σ of layer times (per step).
       transfer_s: Σ of transfer times of crossing edges (per step, all microbatches).
-      memory_bytes: bytes held on each device used.
+      memory_bytes: bytes held on each device used (the same figure as
+        `peak_memory_bytes` where that is known).
       bottleneck_s: pipelined only: the busiest resource's time per microbatch.
       bottleneck: pipelined only: which resource ("device gpu:0", "link a->b").
       activation_bytes_in_flight: pipelined only: {"gpipe": {dev: bytes},
@@ -71,6 +83,10 @@ class Predicted:
         ("gpipe" or "1f1b", `hetpar.planner.simulate`) rather than the
         closed form; cost and energy then use the replayed step time.
       closed_form_s: with `schedule`: the closed form's step time (the ILP's).
+      peak_memory_bytes: the step's peak bytes on each device used, by
+        `held_bytes`: with state offloaded, the compute device holds weight
+        copies, gradients and activations, the host the offloaded state.
+        None in plans written before it existed.
     """
 
     step_time_s: float
@@ -85,6 +101,7 @@ class Predicted:
     activation_bytes_in_flight: Mapping[str, Mapping[str, float]] | None = None
     schedule: str | None = None
     closed_form_s: float | None = None
+    peak_memory_bytes: Mapping[str, float] | None = None
 
     def objective(self, objective: str) -> float:
         """The value of `objective` ("time", "cost" or "energy")."""
@@ -95,6 +112,8 @@ class Predicted:
         out = dataclasses.asdict(self)
         out["busy_s"] = dict(self.busy_s)
         out["memory_bytes"] = dict(self.memory_bytes)
+        if self.peak_memory_bytes is not None:
+            out["peak_memory_bytes"] = dict(self.peak_memory_bytes)
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
@@ -125,6 +144,14 @@ class Arrays:
       resource: [D] each device's compute resource: the position of the first
         device of its `compute_group`, else its own. Work on devices of one
         resource is serialised.
+      opt: [L, D] optimizer-state bytes of the layer computing on d: its
+        `opt_state_bytes`, else what its memory there holds beyond 2 x
+        parameters and activations; nan where `param_bytes` is unknown (its
+        state cannot be offloaded).
+      upd: [L, D] seconds of the layer's update on d (`update_s`); nan where
+        unknown.
+      cpu: [D] whether the device is a CPU (kind "cpu"): where offloaded
+        state may live.
     """
 
     def __init__(self, table: CostTable):
@@ -181,6 +208,16 @@ class Arrays:
         out_bytes = np.bincount(self.eu, weights=self.fwd, minlength=L) if E else np.zeros(L)
         self.act = np.where(np.isnan(act), out_bytes, act)
         self.order = table.topological_order()
+        given = np.array([np.nan if layer.opt_state_bytes is None else layer.opt_state_bytes
+                          for layer in table.layers], dtype=float).reshape(L, 1)
+        rest = np.maximum(self.mem - 2 * self.param[:, None] - self.act[:, None], 0.0)
+        self.opt = np.where(np.isnan(given), rest, np.minimum(given, self.mem))
+        self.opt[np.isnan(self.param)] = np.nan
+        self.upd = np.full((L, D), np.nan)
+        for i, layer in enumerate(table.layers):
+            for d, v in (layer.update_s or {}).items():
+                self.upd[i, dindex[d]] = v
+        self.cpu = np.array([d.kind == "cpu" for d in table.devices], dtype=bool)
 
     def indices(self, assignment: Mapping[str, str]) -> np.ndarray:
         """[L] each layer's device position under `assignment` ({layer: device}).
@@ -197,11 +234,39 @@ class Arrays:
         out = np.empty(len(self.layers), dtype=int)
         for i, n in enumerate(self.layers):
             d = assignment[n]
+            if not isinstance(d, str):
+                d = Placement.parse(d, n).compute
             if d not in self.dindex:
                 raise PlanError(f"assignment puts {n!r} on unknown device {d!r}; devices: "
                                 f"{', '.join(self.devices)}")
             out[i] = self.dindex[d]
         return out
+
+    def placed(self, assignment: Mapping[str, Any]) -> Placed:
+        """The compute, state and update device of every layer under `assignment`.
+
+        Values are device names or `Placement`s (or their plan.json objects).
+
+        Raises:
+          PlanError: a missing or unknown layer or device, or an update on a
+            device that is neither the layer's compute nor its state device.
+        """
+        compute = self.indices(assignment)
+        state, update = compute.copy(), compute.copy()
+        for i, n in enumerate(self.layers):
+            v = assignment[n]
+            if isinstance(v, str):
+                continue
+            p = Placement.parse(v, n)
+            for what, name in (("state", p.state), ("update", p.update)):
+                if name not in self.dindex:
+                    raise PlanError(f"layer {n!r}: {what} device {name!r} is unknown; devices: "
+                                    f"{', '.join(self.devices)}")
+            state[i], update[i] = self.dindex[p.state], self.dindex[p.update]
+            if update[i] not in (compute[i], state[i]):
+                raise PlanError(f"layer {n!r}: its update runs on {p.update}, neither its "
+                                f"compute ({p.compute}) nor its state device ({p.state})")
+        return Placed(compute, state, update)
 
     def resource_load(self, busy: np.ndarray) -> np.ndarray:
         """[..., D] seconds per compute resource (at its first device's position; 0
@@ -259,11 +324,95 @@ class Arrays:
         return f, b
 
 
-def violations(table: CostTable, assignment: Mapping[str, str], *, contiguous: bool = False,
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """An assignment as [L] device positions: compute, state and update of every layer."""
+
+    compute: np.ndarray
+    state: np.ndarray
+    update: np.ndarray
+
+    @property
+    def apart(self) -> np.ndarray:
+        """[L] whether the layer's state lives off its compute device."""
+        return self.state != self.compute
+
+    @property
+    def host_update(self) -> np.ndarray:
+        """[L] whether the layer's update runs on its state device, apart from compute."""
+        return self.apart & (self.update == self.state)
+
+    @property
+    def streamed(self) -> np.ndarray:
+        """[L] whether the layer's state is streamed to its compute device for the update."""
+        return self.apart & (self.update == self.compute)
+
+    @property
+    def any_apart(self) -> bool:
+        return bool(self.apart.any())
+
+
+def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
+    """[D] each device's peak bytes over a step under `placed`.
+
+    - A layer whose state stays with its compute holds its `memory_bytes`
+      there (2 x parameters: values and gradients, optimizer state, saved
+      activations).
+    - A layer whose state lives on a host holds on its compute device its
+      weight copy, its gradient and its activations: `memory_bytes` less its
+      optimizer state. Streamed (update on the compute device), its optimizer
+      state also visits the compute device during its update; updates run one
+      at a time, so the device adds the largest such state.
+    - The host holds an offloaded layer's parameters and optimizer state
+      HOST_STATE_COPIES times (old and new coexist: nothing is donated), plus
+      its gradient when the host runs its update.
+
+    Everything counted can be alive at once (weights are copied in from the
+    step's start, activations live until the backward), so this bounds the
+    peak from above; it is not a plain sum of layer footprints.
+    """
+    L, D = arr.mem.shape
+    rows = np.arange(L)
+    c, s = placed.compute, placed.state
+    apart = placed.apart
+    mem_c = arr.mem[rows, c]
+    o = np.nan_to_num(arr.opt[rows, c])
+    p = np.nan_to_num(arr.param)
+    out = np.zeros(D)
+    np.add.at(out, c, np.where(apart, np.maximum(mem_c - o, 0.0), mem_c))
+    host = HOST_STATE_COPIES * (p + o) + np.where(placed.host_update, p, 0.0)
+    np.add.at(out, s[apart], host[apart])
+    streamed = placed.streamed
+    for j in np.unique(c[streamed]):
+        out[j] += float(o[streamed & (c == j)].max())
+    return out
+
+
+def placement_obstacles(arr: Arrays, placed: Placed) -> list[str]:
+    """Why layers' state or update cannot be where `placed` puts them, in words."""
+    out = []
+    for i in np.nonzero(placed.apart)[0]:
+        n, c, s = arr.layers[i], placed.compute[i], placed.state[i]
+        dc, ds = arr.devices[c], arr.devices[s]
+        if np.isnan(arr.opt[i, c]):
+            out.append(f"{n}'s state cannot leave {dc}: the table lacks its param_bytes")
+        if arr.bw[c, s] <= 0 or arr.bw[s, c] <= 0:
+            out.append(f"{n}'s state on {ds} needs links {dc} <-> {ds} both ways")
+        if placed.update[i] == s and not np.isfinite(arr.upd[i, s]):
+            out.append(f"{n}'s update has no time on {ds} (update_s)")
+    return out
+
+
+def violations(table: CostTable, assignment: Mapping[str, Any], *, contiguous: bool = False,
                arrays: Arrays | None = None) -> list[str]:
-    """Every constraint an assignment breaks, in words (empty if it is feasible)."""
+    """Every constraint an assignment breaks, in words (empty if it is feasible).
+
+    `assignment` maps layers to device names or `Placement`s; memory follows
+    `held_bytes`.
+    """
     arr = arrays or Arrays(table)
-    a = arr.indices(assignment)
+    placed = arr.placed(assignment)
+    a = placed.compute
     out = []
     for i, layer in enumerate(table.layers):
         d = arr.devices[a[i]]
@@ -274,7 +423,8 @@ def violations(table: CostTable, assignment: Mapping[str, str], *, contiguous: b
                 out.append(f"{layer.name} is pinned to {layer.pinned}, not {d}")
             else:
                 out.append(f"{layer.name} is not allowed on {d}")
-    used = np.bincount(a, weights=arr.mem[np.arange(len(a)), a], minlength=len(arr.devices))
+    out += placement_obstacles(arr, placed)
+    used = held_bytes(arr, placed)
     for j, d in enumerate(arr.devices):
         if used[j] > arr.cap[j] * (1 + 1e-9):
             out.append(f"{d} memory exceeded: needs {nbytes(used[j])}, holds {nbytes(arr.cap[j])}")
@@ -292,13 +442,17 @@ def violations(table: CostTable, assignment: Mapping[str, str], *, contiguous: b
     return out
 
 
-def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "sequential",
+def evaluate(table: CostTable, assignment: Mapping[str, Any], mode: str = "sequential",
              microbatches: int = 1, *, arrays: Arrays | None = None) -> Predicted:
     """Predicts step time, dollars, joules and device busy time of any assignment.
 
+    An assignment that keeps some layer's state apart from its compute (a
+    `Placement`) is replayed (`hetpar.planner.simulate`, GPipe order when
+    pipelined): its transfers overlap compute, so no closed form prices it.
+
     Args:
       table: the cost table.
-      assignment: {layer name: device name} for every layer.
+      assignment: {layer name: device name or Placement} for every layer.
       mode: "sequential" or "pipelined" (see the module docstring for the formulas).
       microbatches: M, pipelined mode only.
       arrays: a precomputed `Arrays(table)` (saves time in loops).
@@ -314,7 +468,12 @@ def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "seque
     if M < 1:
         raise PlanError(f"microbatches must be >= 1, got {microbatches}")
     arr = arrays or Arrays(table)
-    a = arr.indices(assignment)
+    placed = arr.placed(assignment)
+    if placed.any_apart:
+        from hetpar.planner._simulate import evaluate_replayed  # _simulate imports this module
+
+        return evaluate_replayed(table, assignment, M, "gpipe", arrays=arr)
+    a = placed.compute
     L, D = len(a), len(arr.devices)
     t = arr.t_at(M)[np.arange(L), a]
     busy = np.bincount(a, weights=t, minlength=D)
@@ -359,6 +518,7 @@ def evaluate(table: CostTable, assignment: Mapping[str, str], mode: str = "seque
         busy_s={arr.devices[j]: float(busy[j]) for j in range(D) if used[j]},
         compute_s=compute, transfer_s=transfer_mb * M,
         memory_bytes={arr.devices[j]: float(memory[j]) for j in range(D) if used[j]},
+        peak_memory_bytes={arr.devices[j]: float(memory[j]) for j in range(D) if used[j]},
         **extra)
 
 

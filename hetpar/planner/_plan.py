@@ -2,7 +2,9 @@
 
 `plan(table, ...)` solves the ILP, evaluates the result and the baselines on
 the same cost model, and returns a Plan that can be saved, loaded, checked
-against a table and explained.
+against a table and explained. Where a device's memory is tight it also
+searches where each layer's state lives and its update runs (`_offload`)
+and keeps that plan when its replayed step is better.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ from hetpar.core import (
     SCHEDULES,
     CostTable,
     InfeasibleError,
+    Placement,
     PlanError,
     load_json,
     nbytes,
+    parse_placements,
     save_json,
     seconds,
     signed_seconds,
 )
-from hetpar.planner import _baselines, _feasibility, _ilp
+from hetpar.planner import _baselines, _feasibility, _ilp, _offload
 from hetpar.planner._baselines import BaselineResult
 from hetpar.planner._evaluate import (
     MODES,
@@ -37,6 +41,7 @@ from hetpar.planner._evaluate import (
     data_parallel_obstacle,
     evaluate,
     evaluate_data_parallel,
+    held_bytes,
     violations,
 )
 from hetpar.planner._simulate import evaluate_replayed
@@ -54,7 +59,9 @@ class Plan:
       mode: "sequential" or "pipelined".
       objective: "time", "cost" or "energy".
       microbatches: M (1 in sequential mode).
-      assignment: {layer: device}.
+      assignment: {layer: compute device}. The constructor also takes
+        `Placement`s (or their plan.json objects) here: their compute device
+        stays in `assignment`, the placement goes to `offloaded`.
       predicted: the plan's Predicted costs.
       solver: {"name", "status", "gap", "solve_time_s", "objective"}.
       baselines: {name: BaselineResult}, evaluated on the same table.
@@ -64,6 +71,9 @@ class Plan:
         (batch split evenly, state replicated, gradients all-reduced) and
         `assignment` puts every layer on the first; `predicted` is then
         `evaluate_data_parallel`'s. Empty: the layers run where `assignment` says.
+      offloaded: {layer: Placement} of the layers whose state or update lives
+        apart from their compute device (the rest keep everything there).
+        `placements` gives every layer's.
     """
 
     fingerprint: str
@@ -77,16 +87,42 @@ class Plan:
     contiguous: bool = False
     constraints: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
     replicas: tuple[str, ...] = ()
+    offloaded: Mapping[str, Placement] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        placements = {**parse_placements(self.assignment),
+                      **parse_placements(self.offloaded)}
+        object.__setattr__(self, "assignment",
+                           {n: p.compute for n, p in placements.items()})
+        object.__setattr__(self, "offloaded", {
+            n: p for n, p in placements.items()
+            if p.offloaded or p.activations != "keep"})
+
+    @property
+    def placements(self) -> dict[str, Placement]:
+        """{layer: Placement} for every layer: compute, state and update device."""
+        return {n: self.offloaded.get(n) or Placement(d) for n, d in self.assignment.items()}
+
+    @property
+    def state_assignment(self) -> dict[str, str]:
+        """{layer: the device holding its parameters and optimizer state between steps}."""
+        return {n: p.state for n, p in self.placements.items()}
+
+    @property
+    def update_assignment(self) -> dict[str, str]:
+        """{layer: the device running its optimizer update}."""
+        return {n: p.update for n, p in self.placements.items()}
 
     # -- file form -------------------------------------------------------------
 
     def to_json(self) -> dict:
-        """The plan.json form."""
+        """The plan.json form (an offloaded layer's assignment is a placement object)."""
         return {
             "format": FORMAT, "version": VERSION, "fingerprint": self.fingerprint,
             "mode": self.mode, "objective": self.objective, "microbatches": self.microbatches,
             "contiguous": self.contiguous, "constraints": dict(self.constraints),
-            "assignment": dict(self.assignment), "predicted": self.predicted.to_json(),
+            "assignment": {n: p.to_json() for n, p in self.placements.items()},
+            "predicted": self.predicted.to_json(),
             "solver": dict(self.solver),
             "baselines": {k: v.to_json() for k, v in self.baselines.items()},
             **({"replicas": list(self.replicas)} if self.replicas else {}),
@@ -120,8 +156,11 @@ class Plan:
             raise PlanError(f"microbatches must be a positive integer, got {mb!r}")
         assignment = data["assignment"]
         if not isinstance(assignment, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in assignment.items()):
-            raise PlanError("assignment must map layer names to device names (strings)")
+                isinstance(k, str) and isinstance(v, str | Mapping)
+                for k, v in assignment.items()):
+            raise PlanError("assignment must map layer names to device names (strings) or "
+                            "placement objects ({\"compute\", \"state\", \"update\"})")
+        assignment = parse_placements(assignment)
         if not isinstance(data["solver"], Mapping):
             raise PlanError("solver must be an object")
         if not isinstance(data["predicted"], Mapping):
@@ -169,8 +208,8 @@ class Plan:
             different graph (fingerprint mismatch).
         """
         devices = set(table.device_names)
-        missing = sorted({d for d in (*self.assignment.values(), *self.replicas)
-                          if d not in devices})
+        named = [d for p in self.placements.values() for d in p.devices]
+        missing = sorted({d for d in (*named, *self.replicas) if d not in devices})
         if missing:
             raise PlanError(f"the plan places layers on {missing}, which are not among the "
                             f"devices present ({', '.join(table.device_names)}); re-plan for "
@@ -192,7 +231,9 @@ class Plan:
         For each layer: its time on each device, what moving it alone to each
         other device would change (compute, transfers), and the constraint
         that forbids the move if one does (pinned, not allowed, memory full,
-        no link).
+        no link). For a layer whose state lives apart from its compute: why
+        (the memory its compute device would need with the state resident),
+        and what it costs (its update on the host, its state's transfers).
         """
         self.check(table)
         if self.replicas:
@@ -205,7 +246,7 @@ class Plan:
         f, b = arr.edge_parts(M)
         comm = f + b
         L, D = arr.ok.shape
-        memory = np.bincount(a, weights=arr.mem[np.arange(L), a], minlength=D)
+        memory = held_bytes(arr, arr.placed(self.placements))
         incident: list[list[tuple[int, int, bool]]] = [[] for _ in range(L)]
         for k in range(len(arr.eu)):
             incident[arr.eu[k]].append((k, int(arr.ev[k]), True))
@@ -226,6 +267,8 @@ class Plan:
                               else f"{d} -" for j, d in enumerate(arr.devices))
             lines.append(f"{layer.name} -> {arr.devices[here]}  (time: {times}; transfers here "
                          f"{seconds(x_here)})")
+            if layer.name in self.offloaded:
+                lines.append("    " + _why_apart(arr, i, self.offloaded[layer.name], memory, a))
             for j, d in enumerate(arr.devices):
                 if j == here:
                     continue
@@ -273,19 +316,32 @@ class Plan:
             for k, e in enumerate(table.edges):
                 xfer[e.dst] += f[k, a[e.src], a[e.dst]] + b[k, a[e.src], a[e.dst]]
             w = max(5, *(len(n) for n in arr.layers))
-            lines.append(f"{'layer':<{w}}  {'device':<10} {'time':>10} {'transfers in':>13}")
+            apart = bool(self.offloaded)
+            extra = f" {'state':<10} {'update':<10}" if apart else ""
+            lines.append(f"{'layer':<{w}}  {'device':<10}{extra} {'time':>10} "
+                         f"{'transfers in':>13}")
             for n in arr.layers:
-                d = a[n]
-                lines.append(f"{n:<{w}}  {arr.devices[d]:<10} "
+                d, pl = a[n], self.placements[n]
+                extra = f" {pl.state:<10} {pl.update:<10}" if apart else ""
+                lines.append(f"{n:<{w}}  {arr.devices[d]:<10}{extra} "
                              f"{seconds(t[arr.lindex[n], d] / M):>10} {seconds(xfer[n]):>13}")
+            if apart:
+                lines.append("(time: the layer's forward + backward + update on its compute "
+                             "device; an update on the host runs there instead)")
         else:
-            for n, d in self.assignment.items():
-                lines.append(f"{n}: {d}")
+            for n, pl in self.placements.items():
+                lines.append(f"{n}: {pl.compute}" + (
+                    f" (state {pl.state}, update {pl.update})" if pl.offloaded else ""))
         p = self.predicted
         lines += ["", "predicted per step: " + _costs(p)]
-        if p.schedule is not None:
+        if self.offloaded:
+            lines.append(_offload_line(self.placements, p))
+        if p.schedule is not None and p.closed_form_s is not None:
             lines.append(f"step time replays the {p.schedule} schedule (the ILP's closed form: "
                          f"{seconds(p.closed_form_s)})")
+        if p.peak_memory_bytes:
+            lines.append("peak memory: " + ", ".join(
+                f"{d} {nbytes(v)}" for d, v in p.peak_memory_bytes.items()))
         tried = self.solver.get("replayed")
         if tried:
             lines.append("stages tried: " + ", ".join(
@@ -315,6 +371,48 @@ class Plan:
         return self.summary()
 
 
+def _offload_line(placements: Mapping[str, Placement], p: Predicted) -> str:
+    """A line on a plan's state apart from compute."""
+    apart = [pl for pl in placements.values() if pl.offloaded]
+    host = sum(pl.update == pl.state for pl in apart)
+    states = ", ".join(sorted({pl.state for pl in apart}))
+    return (f"state apart: {len(apart)} of {len(placements)} layers keep their state on "
+            f"{states} ({host} updated there, {len(apart) - host} streamed to their compute "
+            f"device for the update); the step time replays their transfers "
+            f"({seconds(p.transfer_s)} on the links) and host updates")
+
+
+def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
+               compute: np.ndarray) -> str:
+    """Why layer i's state is where it is and what that costs, in one line.
+
+    `memory`: [D] the plan's `held_bytes`; `compute`: [L] each layer's compute device.
+    """
+    c, s = arr.dindex[pl.compute], arr.dindex[pl.state]
+    o = float(np.nan_to_num(arr.opt[i, c]))
+    p = float(np.nan_to_num(arr.param[i]))
+    need = memory[c] + o
+
+    def move(a: int, b: int, n: float) -> str:
+        return seconds(arr.lat[a, b] + n / arr.bw[a, b]) if arr.bw[a, b] > 0 else "-"
+
+    everyone = float(arr.mem[compute == c, c].sum())
+    why = (f"state on {pl.state}: {pl.compute} would need {nbytes(need)} with it resident "
+           f"({nbytes(everyone)} with all its layers' state there), holds "
+           f"{nbytes(arr.cap[c])}")
+    if need <= arr.cap[c] * (1 + 1e-9):
+        why += " (the room serves another layer's state or compute, or the plan was given)"
+    if pl.update == pl.state:
+        cost = (f"host update {seconds(float(np.nan_to_num(arr.upd[i, s])))}, weights in "
+                f"{move(s, c, p)} overlapped with earlier layers' compute, gradient out "
+                f"{move(c, s, p)}")
+    else:
+        cost = (f"update on {pl.compute} with the state streamed: weights in {move(s, c, p)} "
+                f"overlapped, optimizer state in {move(s, c, o)}, new state out "
+                f"{move(c, s, p + o)}")
+    return f"{why}; {cost}"
+
+
 def _costs(p: Predicted) -> str:
     return (f"{seconds(p.step_time_s)}, ${p.cost_usd_per_step:.3g}, "
             f"{p.energy_j_per_step:.3g} J")
@@ -325,8 +423,16 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
          max_step_time: float | None = None, solver: str = "auto",
          time_limit: float | None = None, gap: float | None = None,
          pins: Mapping[str, str] | None = None, baselines: bool = True,
-         data_parallel: bool = True, schedule: str = "gpipe") -> Plan:
+         data_parallel: bool = True, schedule: str = "gpipe",
+         memory: Mapping[str, float] | None = None, offload: bool = True) -> Plan:
     """Places every layer of `table` on a device by solving the placement ILP.
+
+    Where some accelerator cannot hold every layer it could run, the planner
+    also searches where each layer's state lives between steps and where its
+    update runs (`hetpar.planner._offload`: on the accelerator, on a host CPU
+    with the update there, or on the host and streamed in for the update),
+    replays that plan's step with its transfers and host updates, and keeps
+    whichever of the two is better (`Plan.offloaded`, `solver.offload`).
 
     Args:
       table: the CostTable (graph.json).
@@ -361,6 +467,12 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         pipeline cannot beat it on equal GPUs at realistic batches: its
         bubble and every microbatch's kernel launches cost more than the
         all-reduce (experiments/results/two_gpus_*_h200x2.md).
+      memory: {device: bytes} caps on the devices' memory for this plan (a
+        device keeps its `memory_bytes` where not capped, and a cap never
+        raises it), so a plan for a smaller device can be tried anywhere.
+      offload: also consider keeping layers' state apart from their compute
+        when memory is tight (needs `param_bytes` in the table, and a CPU
+        device linked both ways to the accelerator).
 
     Returns:
       The Plan.
@@ -368,40 +480,146 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     Raises:
       InfeasibleError: no assignment satisfies memory, links, pins and budgets;
         the message names the device short of memory and by how much, the
-        edge without a link, or the budget that cannot be met.
+        edge without a link, or the budget that cannot be met; with offload,
+        the smallest footprint found and its device (the host, when the
+        offloaded state does not fit there).
       PlanError: bad arguments.
     """
     req = _Request(objective=objective, mode=mode, microbatches=microbatches,
                    contiguous=contiguous, max_cost=max_cost, max_step_time=max_step_time,
                    solver=solver, time_limit=time_limit, gap=gap, schedule=schedule)
     req = req.checked()
+    if memory:
+        table = with_memory(table, memory)
     if pins:
         table = table.with_pins(pins)
     arr = Arrays(table)
     _check_prices(arr, req)
-    reason = _feasibility.memory_shortfall(arr) or _feasibility.link_obstacle(arr)
+    reason = _feasibility.link_obstacle(arr)
     if reason:
         raise InfeasibleError(reason)
-    sol = req.solve(arr)
-    logging.info("ILP %s: %s in %.2f s (build %.2f s, %d vars, %d constraints)", req.solver,
-                 sol.status, sol.solve_time_s, sol.build_time_s, sol.variables, sol.constraints)
-    if sol.assignment is None:
-        err = _infeasible(arr, sol, req)
+    short = _feasibility.memory_shortfall(arr)
+    search = offload and _offload.memory_tight(arr)
+    if short and not search:
+        raise InfeasibleError(short)
+    result, err, status = None, None, "infeasible"
+    if not short:
+        sol = req.solve(arr)
+        logging.info("ILP %s: %s in %.2f s (build %.2f s, %d vars, %d constraints)",
+                     req.solver, sol.status, sol.solve_time_s, sol.build_time_s, sol.variables,
+                     sol.constraints)
+        status = sol.status
+        if sol.assignment is None:
+            err = _infeasible(arr, sol, req)
+        else:
+            result = _layer_plan(table, arr, sol, req)
+    if search:
+        result, off_err = _with_offload(table, arr, req, result)
+        if err is None or short:
+            err = off_err
+    if result is None:
+        err = err or InfeasibleError(short or "no plan meets the constraints")
         # No placement of layers meets the budgets; replicas still might.
         shell = req.plan(table, assignment={}, predicted=None,
-                         solver={"name": req.solver, "status": sol.status,
+                         solver={"name": req.solver, "status": status,
                                  "layer_plan": str(err)})
         dp = _consider_data_parallel(shell, table, arr, req) if data_parallel else shell
         if not dp.replicas:
             raise err
         return dp
-    result = _layer_plan(table, arr, sol, req)
     if baselines:
         result = dataclasses.replace(result, baselines=_evaluated_baselines(
             table, arr, req, contiguous=result.contiguous))
     if data_parallel:
         result = _consider_data_parallel(result, table, arr, req)
     return result
+
+
+def with_memory(table: CostTable, memory: Mapping[str, float]) -> CostTable:
+    """`table` with device memory capped: {device: bytes} (same fingerprint).
+
+    A cap never raises a device's memory.
+
+    Raises:
+      PlanError: an unknown device or a cap that is not a positive number.
+    """
+    if not isinstance(memory, Mapping):
+        raise PlanError(f"memory maps device names to bytes, got {type(memory).__name__}")
+    names = set(table.device_names)
+    for d, v in memory.items():
+        if d not in names:
+            raise PlanError(f"memory names unknown device {d!r}; devices: "
+                            f"{', '.join(table.device_names)}")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (
+                v > 0 and math.isfinite(v)):
+            raise PlanError(f"memory[{d!r}] must be a positive number of bytes, got {v!r}")
+    devices = tuple(dataclasses.replace(d, memory_bytes=min(d.memory_bytes, float(memory[d.name])))
+                    if d.name in memory else d for d in table.devices)
+    return dataclasses.replace(table, devices=devices,
+                               meta={**table.meta, "memory_caps": dict(memory)})
+
+
+def _predict(table: CostTable, arr: Arrays, assignment: Mapping, req: _Request) -> Predicted:
+    """An assignment's Predicted on the plan's terms (pipelined: replayed)."""
+    if req.mode == "pipelined":
+        return evaluate_replayed(table, assignment, req.microbatches, req.schedule, arrays=arr)
+    return evaluate(table, assignment, arrays=arr)
+
+
+def _with_offload(table: CostTable, arr: Arrays, req: _Request, result: Plan | None
+                  ) -> tuple[Plan | None, InfeasibleError | None]:
+    """`result`, or the offload search's plan when its replayed objective is better.
+
+    The candidates, all replayed: the offload ILP's placements, the same with
+    every offloaded layer's update moved to the host or streamed (where
+    memory allows), and ZeRO-Offload's rule. Returns (plan, error): the
+    error says why no candidate fits memory (`_offload.diagnose`), when none
+    does.
+    """
+    M = req.microbatches if req.mode == "pipelined" else 1
+    found = _offload.search(arr, solver=req.solver, time_limit=req.time_limit, gap=req.gap,
+                            microbatches=M, contiguous=req.contiguous and req.mode == "pipelined")
+    info = found.info()
+    logging.info("offload ILP %s: %s in %.2f s", req.solver, found.status, found.solve_time_s)
+    candidates = []
+    if found.placements is not None:
+        candidates += [("ilp", found.placements), *_offload.variants(arr, found.placements)]
+    zero, _ = _offload.zero_offload(table, arrays=arr)
+    if zero is not None:
+        candidates.append(("zero_offload", zero))
+    best = None
+    for name, placements in candidates:
+        if violations(table, placements, arrays=arr, contiguous=req.contiguous):
+            continue
+        p = _predict(table, arr, placements, req)
+        if _over_budget(p, req.max_cost, req.max_step_time) is not None:
+            continue
+        if best is None or p.objective(req.objective) < best[2].objective(req.objective):
+            best = (name, placements, p)
+    if best is None:
+        if result is None and found.placements is None and found.status == "infeasible":
+            return result, _offload.diagnose(arr, solver=req.solver, time_limit=req.time_limit,
+                                             microbatches=M)
+        return result, None
+    name, placements, p = best
+    info.update(candidate=name, replayed=float(p.objective(req.objective)))
+    mine = p.objective(req.objective)
+    if result is not None:
+        info["without_offload"] = result.predicted.objective(req.objective)
+        if mine >= result.predicted.objective(req.objective) * (1 - 1e-9):
+            info["chosen"] = False
+            return dataclasses.replace(result, solver={**result.solver, "offload": info}), None
+    info["chosen"] = True
+    solver = {"name": req.solver, "status": found.status if name != "zero_offload" else "rule",
+              "gap": found.gap, "solve_time_s": found.solve_time_s,
+              "build_time_s": found.build_time_s, "objective": found.objective,
+              "variables": found.variables, "constraints": found.constraints, "offload": info}
+    if result is not None:
+        solver["layer_plan_predicted"] = result.predicted.to_json()
+    contiguous = req.contiguous or (req.mode == "pipelined" and not violations(
+        table, placements, contiguous=True, arrays=arr))
+    return req.plan(table, assignment=placements, predicted=p, solver=solver,
+                    contiguous=contiguous and req.mode == "pipelined"), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,7 +717,8 @@ def _layer_plan(table: CostTable, arr: Arrays, sol: _ilp.IlpSolution, req: _Requ
 
 def _evaluated_baselines(table: CostTable, arr: Arrays, req: _Request, *,
                          contiguous: bool) -> dict[str, BaselineResult]:
-    """The baselines on the plan's terms (pipelined: their steps replayed too)."""
+    """The baselines on the plan's terms (pipelined: their steps replayed too), and
+    ZeRO-Offload's rule where the table allows offload."""
     base = _baselines.all_baselines(table, req.objective, req.mode, req.microbatches,
                                     max_cost=req.max_cost, max_step_time=req.max_step_time,
                                     contiguous=contiguous, arrays=arr)
@@ -508,7 +727,22 @@ def _evaluated_baselines(table: CostTable, arr: Arrays, req: _Request, *,
             r, predicted=evaluate_replayed(table, r.assignment, req.microbatches, req.schedule,
                                            arrays=arr))
                 for k, r in base.items()}
+    if _offload.options(arr):
+        base[_offload.ZERO_OFFLOAD] = _zero_offload_baseline(table, arr, req)
     return base
+
+
+def _zero_offload_baseline(table: CostTable, arr: Arrays, req: _Request) -> BaselineResult:
+    """ZeRO-Offload's rule (`_offload.zero_offload`), replayed on the plan's terms."""
+    name = _offload.ZERO_OFFLOAD
+    placements, why = _offload.zero_offload(table, arrays=arr)
+    if placements is None:
+        return BaselineResult(name, reason=why)
+    broken = violations(table, placements, arrays=arr)
+    if broken:
+        more = f" (+{len(broken) - 2} more)" if len(broken) > 2 else ""
+        return BaselineResult(name, placements, reason="; ".join(broken[:2]) + more)
+    return BaselineResult(name, placements, _predict(table, arr, placements, req))
 
 
 def _try_contiguous(arr: Arrays, req: _Request, assignment, predicted, solver_info):
@@ -570,7 +804,7 @@ def _consider_data_parallel(result: Plan, table: CostTable, arr: Arrays,
             layer_plan = ({"layer_plan_predicted": result.predicted.to_json()}
                           if result.predicted is not None else {})
             best = dataclasses.replace(
-                result, replicas=group, predicted=p,
+                result, replicas=group, predicted=p, offloaded={},
                 assignment=dict.fromkeys(table.layer_names, group[0]),
                 solver={**result.solver, "chosen": name, **layer_plan})
     if not result.baselines:  # baselines were not asked for: keep only the choice's record

@@ -25,7 +25,25 @@ at layer granularity, with each layer's time from the table:
   share one compute resource: a stage on one of them waits until no stage
   runs on the others, so their work never overlaps.
 
-The replay's makespan is the predicted step time of pipelined plans.
+A layer whose state lives apart from its compute (a `Placement` with its
+state on a host CPU device) runs as the runtime runs it:
+
+- its compute is stages of its own (a fourth part of the stage key, as the
+  split pass cuts them), so its weights' copy host -> compute device is
+  issued at the step's start, in stage order, one copy after another on the
+  link direction, and overlaps earlier layers' compute;
+- host update: its gradient goes compute device -> host after its backward
+  (each microbatch's), and its update runs on the host as a stage of its
+  own once the gradient is there; the host's work is serialised (it is one
+  compute resource with whatever else runs there). Its update time leaves
+  the compute device's share;
+- streamed: its optimizer state also goes host -> compute device (issued at
+  the start, after the weights, in stage order) for the update there, and
+  the new parameters and state go back after it;
+- the step ends when the last stage and the last transfer end.
+
+The replay's makespan is the predicted step time of pipelined plans and of
+plans with state apart from compute.
 """
 
 from __future__ import annotations
@@ -45,7 +63,7 @@ from hetpar.core import (
     runs,
     stage_deps,
 )
-from hetpar.planner._evaluate import Arrays, Predicted, evaluate
+from hetpar.planner._evaluate import Arrays, Placed, Predicted, evaluate, held_bytes
 
 # A backward pass costs about twice its forward (two matmuls per forward one).
 FORWARD_SHARE = 1.0 / 3.0
@@ -72,25 +90,28 @@ class Replay:
       schedule: the schedule the device orders realise ("gpipe" or "1f1b").
       stages: every stage as it ran, in start order.
       busy_s: seconds each device computes.
+      transfer_s: seconds of all transfers (activations, gradients and
+        state), summed over links.
     """
 
     step_time_s: float
     schedule: str
     stages: tuple[StageRun, ...]
     busy_s: Mapping[str, float]
+    transfer_s: float = 0.0
 
     def timeline(self) -> list[dict]:
         """The stages as dicts, the form of the runtime's recorded events."""
         return [dataclasses.asdict(s) for s in self.stages]
 
 
-def simulate(table: CostTable, assignment: Mapping[str, str], microbatches: int = 1,
+def simulate(table: CostTable, assignment: Mapping, microbatches: int = 1,
              schedule: str = "gpipe", *, arrays: Arrays | None = None) -> Replay:
     """Replays the step under `assignment` with M microbatches and `schedule`.
 
     Args:
       table: the cost table.
-      assignment: {layer: device} for every layer.
+      assignment: {layer: device or Placement} for every layer.
       microbatches: M; 1 replays the unpipelined split step.
       schedule: "gpipe" or "1f1b".
       arrays: a precomputed `Arrays(table)`.
@@ -100,20 +121,27 @@ def simulate(table: CostTable, assignment: Mapping[str, str], microbatches: int 
         without a link.
     """
     arr = arrays or Arrays(table)
-    a = arr.indices(assignment)
+    placed = arr.placed(assignment)
+    a = placed.compute
     M = int(microbatches)
     if M < 1:
         raise PlanError(f"microbatches must be >= 1, got {microbatches}")
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     L = len(a)
-    per_mb = arr.t_at(M)[np.arange(L), a] / M
-    if not np.all(np.isfinite(per_mb)):
-        bad = [arr.layers[i] for i in range(L) if not np.isfinite(per_mb[i])]
+    rows = np.arange(L)
+    step_t = arr.t_at(M)[rows, a]
+    if not np.all(np.isfinite(step_t)):
+        bad = [arr.layers[i] for i in range(L) if not np.isfinite(step_t[i])]
         raise PlanError(f"layers {bad[:5]} have no time on their assigned devices")
-    items = _work_items(arr, a, per_mb, M)
+    # An update run as its own stage leaves the layer's backward.
+    upd_here = np.nan_to_num(arr.upd[rows, a])
+    own = placed.apart
+    per_mb = np.where(own, np.maximum(step_t - upd_here, 0.0), step_t) / M
+    items = _work_items(arr, a, per_mb, M, placed)
     st = _stages(items, schedule)
-    start, end = _replay(st, arr)
+    stats: dict[str, float] = {}
+    start, end = _replay(st, arr, stats)
     S = len(st.cut)
     runs_out = sorted(
         (StageRun(st.keys[s][0], st.keys[s][1], st.keys[s][2],
@@ -121,7 +149,8 @@ def simulate(table: CostTable, assignment: Mapping[str, str], microbatches: int 
                   float(start[s]), float(end[s])) for s in range(S)),
         key=lambda r: (r.start_s, r.device))
     busy = {d: float(sum(st.dur[s] for s in ids)) for d, ids in st.per_device.items()}
-    return Replay(float(np.nanmax(end)) if S else 0.0, st.schedule, tuple(runs_out), busy)
+    step = max(float(np.nanmax(end)) if S else 0.0, stats.get("last_s", 0.0))
+    return Replay(step, st.schedule, tuple(runs_out), busy, float(stats.get("transfer_s", 0.0)))
 
 
 @dataclasses.dataclass
@@ -134,6 +163,10 @@ class _Items:
       layer_of: [n] the layer each item belongs to.
       deps: per item, the items it reads from.
       xbytes: {(consumer, producer): bytes} of the tensors between items.
+      state_in: {item: [(source device, bytes)]}: state it reads from
+        another device, copied from the step's start.
+      state_out: {item: [(destination device, bytes)]}: state it sends
+        back once done.
     """
 
     keys: list
@@ -141,6 +174,8 @@ class _Items:
     layer_of: np.ndarray
     deps: list[set[int]]
     xbytes: dict[tuple[int, int], float]
+    state_in: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
+    state_out: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -155,6 +190,7 @@ class _Stages:
       dur: [S] seconds per stage.
       per_device: {device: its stages in the order it runs them}.
       schedule: the schedule those orders realise.
+      state_in, state_out: per stage, its items' state copies (see `_Items`).
     """
 
     cut: list[list[int]]
@@ -164,17 +200,24 @@ class _Stages:
     dur: np.ndarray
     per_device: Mapping[str, list[int]]
     schedule: str
+    state_in: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
+    state_out: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
 
 
-def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int) -> _Items:
-    """A forward and a backward item per layer and microbatch, with their dependencies.
+def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
+                placed: Placed | None = None) -> _Items:
+    """A forward and a backward item per layer and microbatch, with their dependencies;
+    and an update item per layer whose state lives apart from its compute.
 
     Program order: per microbatch, forwards in topological order, then
-    backwards in reverse (the order `hetpar.value_and_grad` traces).
+    backwards in reverse (the order `hetpar.value_and_grad` traces), then the
+    separate updates in the order their gradients are final.
     """
     L = len(a)
     pos = np.empty(L, dtype=int)
     pos[arr.order] = np.arange(L)
+    apart = np.zeros(L, bool) if placed is None else placed.apart
+    split_keys = bool(apart.any())
 
     def fwd(i, m):
         return m * 2 * L + pos[i]
@@ -182,17 +225,25 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int) -> _Item
     def bwd(i, m):
         return m * 2 * L + 2 * L - 1 - pos[i]
 
-    n = 2 * L * M
+    apart_layers = sorted(np.nonzero(apart)[0], key=lambda i: -pos[i])
+    upd_item = {int(i): 2 * L * M + k for k, i in enumerate(apart_layers)}
+    n = 2 * L * M + len(upd_item)
     keys: list = [None] * n
     dur = np.zeros(n)
     layer_of = np.zeros(n, dtype=int)
     deps: list[set[int]] = [set() for _ in range(n)]
     xbytes: dict[tuple[int, int], float] = {}  # (consumer, producer) item -> bytes
+
+    def key(dev, mb, phase, i):
+        if not split_keys:
+            return (dev, mb, phase)
+        return (dev, mb, phase, arr.layers[i] if apart[i] else None)
+
     for m in range(M):
         mb, (pf, pb) = (None, ("main", "main")) if M == 1 else (m, ("forward", "backward"))
         for i in range(L):
             dev = arr.devices[a[i]]
-            keys[fwd(i, m)], keys[bwd(i, m)] = (dev, mb, pf), (dev, mb, pb)
+            keys[fwd(i, m)], keys[bwd(i, m)] = key(dev, mb, pf, i), key(dev, mb, pb, i)
             dur[fwd(i, m)] = FORWARD_SHARE * per_mb[i]
             dur[bwd(i, m)] = (1 - FORWARD_SHARE) * per_mb[i]
             layer_of[fwd(i, m)] = layer_of[bwd(i, m)] = i
@@ -204,7 +255,25 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int) -> _Item
             if arr.bwd[k] > 0:
                 deps[bwd(u, m)].add(bwd(v, m))
                 _add(xbytes, (bwd(u, m), bwd(v, m)), arr.bwd[k] / M)
-    return _Items(keys, dur, layer_of, deps, xbytes)
+    state_in: dict[int, list[tuple[str, float]]] = {}
+    state_out: dict[int, list[tuple[str, float]]] = {}
+    for i, item in upd_item.items():
+        c, s = arr.devices[a[i]], arr.devices[placed.state[i]]
+        p, o = float(arr.param[i]), float(arr.opt[i, a[i]])
+        host = bool(placed.host_update[i])
+        dev = s if host else c
+        keys[item] = key(dev, None, "main" if M == 1 else "post", i)
+        dur[item] = float(np.nan_to_num(arr.upd[i, placed.update[i]]))
+        layer_of[item] = i
+        state_in.setdefault(fwd(i, 0), []).append((s, p))  # the weights, once a step
+        for m in range(M):
+            deps[item].add(bwd(i, m))
+            if host:
+                xbytes[item, bwd(i, m)] = p  # each microbatch's gradient
+        if not host:
+            state_in.setdefault(item, []).append((s, o))
+            state_out.setdefault(item, []).append((s, p + o))
+    return _Items(keys, dur, layer_of, deps, xbytes, state_in, state_out)
 
 
 def _stages(items: _Items, schedule: str) -> _Stages:
@@ -223,17 +292,26 @@ def _stages(items: _Items, schedule: str) -> _Stages:
         if sc != sp and skeys[sc][0] != skeys[sp][0]:
             _add(sbytes, (sc, sp), b)
     sdur = np.array([items.dur[members].sum() for members in cut])
-    return _Stages(cut, skeys, sdeps, sbytes, sdur, per_device, realised)
+    state_in: dict[int, list[tuple[str, float]]] = {}
+    state_out: dict[int, list[tuple[str, float]]] = {}
+    for src, dst in ((items.state_in, state_in), (items.state_out, state_out)):
+        for i, copies in src.items():
+            dst.setdefault(int(stage_of[i]), []).extend(copies)
+    return _Stages(cut, skeys, sdeps, sbytes, sdur, per_device, realised, state_in, state_out)
 
 
-def _replay(st: _Stages, arr: Arrays) -> tuple[np.ndarray, np.ndarray]:
+def _replay(st: _Stages, arr: Arrays, stats: dict | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
     """Runs the stages in each device's order; returns their (start, end) seconds.
 
     Event-driven: each device's next stage is queued with the time it can
     start once its producers have run and its compute resource is free; the
     earliest queued stage runs next. A stage whose resource another device
     of its compute group took meanwhile is queued again, at the time that
-    resource frees. Transfers are priced (and their links taken) when queued.
+    resource frees. Transfers are priced (and their links taken) when queued;
+    state copies in are issued at the start in stage order, copies back when
+    their stage ends. `stats` receives `transfer_s` (all transfers' seconds)
+    and `last_s` (when the last state copy back ends).
     """
     S = len(st.cut)
     end = np.full(S, np.nan)
@@ -243,6 +321,14 @@ def _replay(st: _Stages, arr: Arrays) -> tuple[np.ndarray, np.ndarray]:
     head = dict.fromkeys(st.per_device, 0)
     link_free: dict[tuple[str, str], float] = {}
     arrived: dict[tuple[int, int], float] = {}
+    stats = {} if stats is None else stats
+    stats.setdefault("transfer_s", 0.0)
+    stats.setdefault("last_s", 0.0)
+    state_ready = np.zeros(S)
+    for s in sorted(st.state_in):
+        for src, b in st.state_in[s]:
+            state_ready[s] = max(state_ready[s],
+                                 _send(arr, link_free, stats, src, st.keys[s][0], b, 0.0))
     heap: list[tuple[float, int, str]] = []
     queued: set[str] = set()
     placed = 0
@@ -251,8 +337,9 @@ def _replay(st: _Stages, arr: Arrays) -> tuple[np.ndarray, np.ndarray]:
             if dev in queued or head[dev] >= len(stages):
                 continue
             s = stages[head[dev]]
-            t = _arrivals(s, st, end, arr, link_free, arrived)
+            t = _arrivals(s, st, end, arr, link_free, arrived, stats)
             if t is not None:
+                t = max(t, state_ready[s])
                 heapq.heappush(heap, (max(t, res_free[res_of[dev]]), s, dev))
                 queued.add(dev)
         if not heap:
@@ -266,6 +353,9 @@ def _replay(st: _Stages, arr: Arrays) -> tuple[np.ndarray, np.ndarray]:
         res_free[res_of[dev]] = end[s]
         head[dev] += 1
         placed += 1
+        for dst, b in st.state_out.get(s, ()):
+            stats["last_s"] = max(stats["last_s"],
+                                  _send(arr, link_free, stats, dev, dst, b, float(end[s])))
     if placed != S:  # cannot happen: the orders were checked to complete
         raise PlanError("internal error: the replayed schedule deadlocked")
     return start, end
@@ -275,8 +365,23 @@ def _add(d: dict, key, value: float) -> None:
     d[key] = d.get(key, 0.0) + value
 
 
+def _send(arr: Arrays, link_free: dict, stats: dict, src: str, dst: str, nbytes: float,
+          ready: float) -> float:
+    """Sends `nbytes` src -> dst once `ready` and the link is free; returns when it arrives."""
+    if src == dst:
+        return ready
+    i, j = arr.dindex[src], arr.dindex[dst]
+    if arr.bw[i, j] <= 0:
+        raise PlanError(f"no link {src} -> {dst} for a transfer the plan needs")
+    go = max(ready, link_free.get((src, dst), 0.0))
+    took = arr.lat[i, j] + nbytes / arr.bw[i, j]
+    stats["transfer_s"] = stats.get("transfer_s", 0.0) + took
+    link_free[src, dst] = go + took
+    return go + took
+
+
 def _arrivals(s: int, st: _Stages, end: np.ndarray, arr: Arrays, link_free: dict,
-              arrived: dict) -> float | None:
+              arrived: dict, stats: dict) -> float | None:
     """When all of stage s's inputs are on its device, or None if a producer has not run.
 
     Prices each cross-device input once, on first ask: the transfer starts
@@ -292,24 +397,24 @@ def _arrivals(s: int, st: _Stages, end: np.ndarray, arr: Arrays, link_free: dict
             if b is None:
                 arrived[s, p] = end[p]
             else:
-                src = st.keys[p][0]
-                i, j = arr.dindex[src], arr.dindex[dst]
-                if arr.bw[i, j] <= 0:
-                    raise PlanError(f"no link {src} -> {dst} for a transfer the plan needs")
-                go = max(end[p], link_free.get((src, dst), 0.0))
-                arrived[s, p] = link_free[src, dst] = go + arr.lat[i, j] + b / arr.bw[i, j]
+                arrived[s, p] = _send(arr, link_free, stats, st.keys[p][0], dst, b, end[p])
         t = max(t, arrived[s, p])
     return t
 
 
-def evaluate_replayed(table: CostTable, assignment: Mapping[str, str], microbatches: int,
+def evaluate_replayed(table: CostTable, assignment: Mapping, microbatches: int,
                       schedule: str, *, arrays: Arrays | None = None) -> Predicted:
     """`evaluate` in pipelined mode, with the step time (and so cost, energy) replayed.
 
     The closed form stays in `closed_form_s`; bottleneck, memory and busy
-    times are the closed form's.
+    times are the closed form's. An assignment with state apart from compute
+    (`Placement`s) has no closed form: everything comes from the replay
+    (`microbatches` 1 replays a sequential step), memory from `held_bytes`.
     """
     arr = arrays or Arrays(table)
+    placed = arr.placed(assignment)
+    if placed.any_apart:
+        return _evaluate_apart(arr, assignment, placed, microbatches, schedule)
     p = evaluate(table, assignment, "pipelined", microbatches, arrays=arr)
     if not np.isfinite(p.step_time_s):
         return p
@@ -320,3 +425,24 @@ def evaluate_replayed(table: CostTable, assignment: Mapping[str, str], microbatc
         p, step_time_s=step, cost_usd_per_step=step * arr.hourly_price(used) / 3600.0,
         energy_j_per_step=arr.joules(used, busy, step), schedule=schedule,
         closed_form_s=p.step_time_s)
+
+
+def _evaluate_apart(arr: Arrays, assignment: Mapping, placed: Placed, microbatches: int,
+                    schedule: str) -> Predicted:
+    """The replayed Predicted of an assignment with some state apart from compute."""
+    M = int(microbatches)
+    replay = simulate(arr.table, assignment, M, schedule, arrays=arr)
+    D = len(arr.devices)
+    used = np.zeros(D, bool)
+    for where in (placed.compute, placed.state, placed.update):
+        used[where] = True
+    busy = np.array([replay.busy_s.get(d, 0.0) for d in arr.devices])
+    step = replay.step_time_s
+    held = held_bytes(arr, placed)
+    memory = {arr.devices[j]: float(held[j]) for j in range(D) if used[j]}
+    return Predicted(
+        step_time_s=step, cost_usd_per_step=step * arr.hourly_price(used) / 3600.0,
+        energy_j_per_step=arr.joules(used, busy, step),
+        busy_s={arr.devices[j]: float(busy[j]) for j in range(D) if used[j]},
+        compute_s=float(busy.sum()), transfer_s=replay.transfer_s, memory_bytes=memory,
+        schedule=replay.schedule if M > 1 else None, peak_memory_bytes=memory)

@@ -1,0 +1,115 @@
+"""Where a layer computes, where its state lives, where its update runs.
+
+DESIGN, "State apart from compute": on an 80 GB GPU beside 128 GiB of host
+RAM, what the host adds is memory, not FLOPs. So a layer has separate
+decisions:
+
+- `compute`: the device that runs its forward and backward;
+- `state`: the device whose memory holds its parameters and optimizer state
+  between steps (the host CPU device for an offloaded layer);
+- `update`: the device that runs its optimizer update (the CPU on
+  host-resident state, as ZeRO-Offload does, or the compute device with the
+  state streamed in and the new state sent back);
+- `activations`: what happens to its saved activations ("keep" on the
+  compute device; "offload" and "remat" are reserved names, not yet run).
+
+A plain device name is the placement of every plan so far: all four on one
+device. Plans and `hetpar.auto(plan=...)` accept either form:
+`{"h0": "gpu:0", "h1": {"compute": "gpu:0", "state": "cpu:0", "update": "cpu:0"}}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from hetpar.core._errors import PlanError
+
+ACTIVATIONS = ("keep", "offload", "remat")
+#: Activation policies the runtime carries out today.
+ACTIVATIONS_RUN = ("keep",)
+_KEYS = ("compute", "state", "update", "activations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """One layer's placement; `state` and `update` default to `compute`."""
+
+    compute: str
+    state: str | None = None
+    update: str | None = None
+    activations: str = "keep"
+
+    def __post_init__(self):
+        for key in ("compute", "state", "update"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise PlanError(f"placement {key} must be a device name, got {value!r}")
+        if self.activations not in ACTIVATIONS:
+            raise PlanError(f"activations must be one of {ACTIVATIONS}, got "
+                            f"{self.activations!r}")
+        if self.state is None:
+            object.__setattr__(self, "state", self.compute)
+        if self.update is None:
+            object.__setattr__(self, "update", self.compute)
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether any part of the layer lives or runs away from its compute device."""
+        return self.state != self.compute or self.update != self.compute
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys((self.compute, self.state, self.update)))
+
+    def to_json(self) -> str | dict:
+        """The plan.json form: a device name when nothing is apart, else an object."""
+        if not self.offloaded and self.activations == "keep":
+            return self.compute
+        out: dict[str, str] = {"compute": self.compute, "state": self.state,
+                               "update": self.update}
+        if self.activations != "keep":
+            out["activations"] = self.activations
+        return out
+
+    @classmethod
+    def parse(cls, value: Any, layer: str = "?") -> Placement:
+        """From a device name or a {"compute", "state", "update", "activations"} object.
+
+        Raises:
+          PlanError: naming the layer and what is wrong.
+        """
+        if isinstance(value, Placement):
+            return value
+        if isinstance(value, str):
+            if not value:
+                raise PlanError(f"layer {layer!r}: the device name is empty")
+            return cls(value)
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - set(_KEYS))
+            if unknown:
+                raise PlanError(f"layer {layer!r}: unknown placement keys {unknown}; a "
+                                f"placement has {list(_KEYS)}")
+            if "compute" not in value:
+                raise PlanError(f"layer {layer!r}: a placement object needs 'compute' "
+                                f"(got {dict(value)!r})")
+            try:
+                return cls(value["compute"], value.get("state"), value.get("update"),
+                           value.get("activations", "keep"))
+            except PlanError as e:
+                raise PlanError(f"layer {layer!r}: {e}") from None
+        raise PlanError(f"layer {layer!r}: a placement is a device name or an object with "
+                        f"{list(_KEYS)}, got {type(value).__name__} {value!r}")
+
+
+def parse_placements(plan: Mapping[str, Any]) -> dict[str, Placement]:
+    """{layer: Placement} from a plan dict whose values are names or placement objects."""
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"a plan maps layer names to placements, got {type(plan).__name__}")
+    out = {}
+    for layer, value in plan.items():
+        if not isinstance(layer, str):
+            raise PlanError(f"layer names must be strings, got {layer!r}")
+        out[layer] = Placement.parse(value, layer)
+    return out

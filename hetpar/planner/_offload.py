@@ -1,0 +1,438 @@
+"""The offload search: where each layer's state lives and where its update runs.
+
+DESIGN "State apart from compute": beside an 80 GB GPU, the host adds memory
+and a CPU that can run an elementwise optimizer update, not FLOPs. So a layer
+computing on an accelerator has three ways to hold its state (`Placement`):
+
+- resident: parameters and optimizer state on the compute device, update
+  there (every plan before offload);
+- host: state on a host CPU device linked both ways, update on that CPU
+  (ZeRO-Offload's rule, here per layer): weights go to the accelerator each
+  step, gradients come back;
+- streamed: state on the host, update on the accelerator: weights go in for
+  the forward, the optimizer state before the update, the new parameters
+  and state come back.
+
+The search is one small ILP (pulp) over layer x compute device x way, built
+on the placement ILP's variables (`_ilp`: x[l, d] and the edges' marginal
+z): a binary y per offload option, at most x[l, c] of them per layer.
+
+Memory (`hetpar.planner._evaluate.held_bytes`, linear but for one max): a
+resident layer holds its `memory_bytes`; an offloaded layer holds on its
+compute device its weights copy, gradient and activations (memory_bytes less
+its optimizer state), plus, streamed, the largest optimizer state visiting
+for its update (S_c >= o_l y_l); its host holds HOST_STATE_COPIES x
+(parameters + optimizer state), plus the gradient when the host updates.
+
+Time: the replay overlaps transfers with compute, which no linear form
+captures; the ILP minimises T under lower bounds of the replayed step:
+
+- the chain: layer times (less the update a host runs) + crossing edges;
+- each link direction host -> accelerator: the weights and streamed
+  states it carries (copies start at the step's start);
+- accelerator -> host: the forward share of the accelerator's work (no
+  gradient leaves before the backward) + the gradients and streamed states;
+- each host: the forward share of the accelerators' work + the host's own
+  layers + its updates.
+
+Its solution is then replayed (`simulate`), and `plan` keeps it only when its
+replayed objective beats the best plan without offload. When no plan fits,
+the same model with slack on every device's memory names the smallest
+footprint found (`diagnose`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import pulp
+
+from hetpar.core import CostTable, InfeasibleError, Placement, nbytes, seconds
+from hetpar.planner import _ilp
+from hetpar.planner._evaluate import HOST_STATE_COPIES, Arrays, Placed, held_bytes
+
+WAYS = ("resident", "host", "streamed")
+#: The baseline's name in plans.
+ZERO_OFFLOAD = "zero_offload"
+#: The search's defaults when `plan` is given no gap or time limit. Its time
+#: is a linear bound that the replay corrects, so a 1% gap loses nothing
+#: the replay would keep; identical blocks make proofs slow (a 36-layer
+#: transformer capped to half its GPU: 1% in 6 s, 0.1% in 23 s with HiGHS).
+DEFAULT_GAP = 1e-2
+DEFAULT_TIME_LIMIT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One way to place a layer: compute, state and update device positions."""
+
+    layer: int
+    compute: int
+    state: int
+    way: str  # "host" or "streamed" (resident is x without any y)
+
+    @property
+    def update(self) -> int:
+        return self.state if self.way == "host" else self.compute
+
+
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """What the offload ILP found.
+
+    Attributes:
+      placements: {layer: Placement}, or None when no plan fits.
+      status: the solver's status.
+      gap: the relative gap at the end (None when unknown).
+      objective: the ILP's (linearised) step time, seconds.
+      solve_time_s, build_time_s: seconds.
+      variables, constraints: model size.
+    """
+
+    placements: dict[str, Placement] | None
+    status: str
+    gap: float | None
+    objective: float | None
+    solve_time_s: float
+    build_time_s: float
+    variables: int
+    constraints: int
+
+    def info(self) -> dict:
+        return {"status": self.status, "gap": self.gap, "objective": self.objective,
+                "solve_time_s": self.solve_time_s, "build_time_s": self.build_time_s,
+                "variables": self.variables, "constraints": self.constraints}
+
+
+def hosts(arr: Arrays, c: int) -> list[int]:
+    """The CPU devices that can hold accelerator c's offloaded state (linked both ways)."""
+    if arr.cpu[c]:
+        return []
+    return [h for h in np.nonzero(arr.cpu)[0] if h != c and arr.bw[c, h] > 0
+            and arr.bw[h, c] > 0]
+
+
+def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Option]:
+    """Every offload option of every layer (resident ones are implied).
+
+    A layer may offload from an accelerator it may run on (or the one
+    `compute` gives) when its parameter bytes are known and it has optimizer
+    state to move; the host way also needs its update's time on the host.
+    """
+    out = []
+    for i, n in enumerate(arr.layers):
+        devs = [arr.dindex[compute[n]]] if compute is not None else np.nonzero(arr.ok[i])[0]
+        for c in devs:
+            if np.isnan(arr.opt[i, c]) or arr.opt[i, c] <= 0:
+                continue
+            for h in hosts(arr, c):
+                out.append(Option(i, int(c), int(h), "streamed"))
+                if np.isfinite(arr.upd[i, h]):
+                    out.append(Option(i, int(c), int(h), "host"))
+    return out
+
+
+def memory_tight(arr: Arrays) -> bool:
+    """Whether some device with offload options could not hold every layer it may run."""
+    devs = {o.compute for o in options(arr)}
+    return any(arr.mem[arr.ok[:, j], j].sum() > arr.cap[j] * (1 + 1e-9) for j in devs)
+
+
+def placements_of(arr: Arrays, compute: np.ndarray, chosen: Mapping[int, Option]
+                  ) -> dict[str, Placement]:
+    """{layer: Placement} from compute positions and the chosen offload options."""
+    out = {}
+    for i, n in enumerate(arr.layers):
+        o = chosen.get(i)
+        c = arr.devices[compute[i]]
+        out[n] = Placement(c) if o is None else Placement(
+            c, arr.devices[o.state], arr.devices[o.update])
+    return out
+
+
+def search(arr: Arrays, *, compute: Mapping[str, str] | None = None, solver: str = "cbc",
+           time_limit: float | None = None, gap: float | None = None,
+           microbatches: int = 1, contiguous: bool = False) -> Search:
+    """The offload ILP: the placements minimising the linearised step under memory.
+
+    Args:
+      arr: the table's arrays (device capacities already capped).
+      compute: fix each layer's compute device ({layer: device}); None: the
+        search places compute too (a layer may move to the host CPU when that
+        frees the accelerator better than offloading its state).
+      solver: "cbc" or "highs".
+      time_limit, gap: as for `hetpar.plan` (None: DEFAULT_TIME_LIMIT_S,
+        DEFAULT_GAP); on the time limit the best placements found are kept.
+      microbatches: gradients cross once per microbatch.
+      contiguous: each device holds one contiguous run of layers.
+    """
+    t0 = time.perf_counter()
+    m, y, step = _model(arr, compute, microbatches, slack=np.zeros(len(arr.devices), bool))
+    if contiguous:
+        _ilp._add_contiguity(m)
+    return _solve(m, y, step, solver, time_limit, gap, time.perf_counter() - t0)
+
+
+def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = None,
+             microbatches: int = 1) -> InfeasibleError:
+    """Why no placement with offload fits memory, naming the smallest footprint found.
+
+    First with the accelerators' memory kept and the CPUs' allowed to
+    overflow: if that fits, the host is what is short, and the error names
+    the least it would need. Else with every device allowed to overflow,
+    minimising the total overflow: the error names each device that
+    overflows and its footprint there.
+    """
+    for elastic in (arr.cpu, np.ones(len(arr.devices), bool)):
+        if not elastic.any():
+            continue
+        m, y, slack = _model(arr, None, microbatches, slack=elastic)
+        status, _, _ = _ilp._run_solver(m.prob, solver, time_limit or DEFAULT_TIME_LIMIT_S,
+                                        DEFAULT_GAP)
+        if status in ("optimal", "feasible"):
+            break
+    else:
+        return InfeasibleError("no placement fits memory even with state offloaded to the "
+                               "host; raise memory_bytes of the accelerators")
+    over = {j: float(v.varValue or 0.0) * _GB for j, v in slack.items()}
+    compute = np.array([max(m.dev_of[i], key=lambda j, i=i: m.x[i, j].varValue or 0.0)
+                        for i in range(len(arr.layers))])
+    chosen = {o.layer: o for o, v in y.items()
+              if (v.varValue or 0.0) > 0.5 and compute[o.layer] == o.compute}
+    held = held_bytes(arr, _placed(arr, compute, chosen))
+    parts = []
+    for j in sorted(over, key=lambda j: -over[j]):
+        if over[j] <= arr.cap[j] * 1e-6:
+            continue
+        d = arr.devices[j]
+        holds = f"{d} holds {nbytes(arr.cap[j])}"
+        n = sum(o.state == j for o in chosen.values())
+        if arr.cpu[j]:
+            ups = sum(o.state == j and o.way == "host" for o in chosen.values())
+            grads = f", and the gradients of its {ups} updates" if ups else ""
+            what = [f"{n} layers' offloaded state: parameters and optimizer state "
+                    f"x{HOST_STATE_COPIES}{grads}"] if n else []
+            k = int((compute == j).sum())
+            what += [f"the {k} layers it computes"] if k else []
+            lead = "the state does not fit host memory: " if n else ""
+            parts.append(f"{lead}{d} would need at least {nbytes(held[j])} "
+                         f"({' and '.join(what)}), {holds}")
+        else:
+            parts.append(f"the smallest footprint found needs {nbytes(held[j])} on {d} "
+                         f"(weights, gradients and activations, with {len(chosen)} layers' "
+                         f"state on the host), {holds}")
+    if not parts:
+        return InfeasibleError("no placement fits memory with state offloaded to the host "
+                               "(the solver found none in time; raise time_limit)")
+    return InfeasibleError("no plan fits memory, even with state offloaded to the host: "
+                           + "; ".join(parts) + "; raise the memory (or --memory caps) of "
+                           "those devices or use a smaller batch")
+
+
+_GB = 1e9  # slack variables count gigabytes, so solver tolerances stay meaningful
+
+
+def _placed(arr: Arrays, compute: np.ndarray, chosen: Mapping[int, Option]) -> Placed:
+    state, update = compute.copy(), compute.copy()
+    for i, o in chosen.items():
+        state[i], update[i] = o.state, o.update
+    return Placed(np.asarray(compute), state, update)
+
+
+def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
+           slack: np.ndarray | bool):
+    """The offload ILP: (model, {Option: y}, T), or with `slack` ([D] bool: the
+    devices whose memory may overflow) the overflow model: (model, {Option: y},
+    {device: overflow in GB})."""
+    elastic = np.broadcast_to(np.asarray(slack, bool), (len(arr.devices),))
+    slack = bool(elastic.any())
+    m = _ilp._new_model(arr, "sequential", 1)
+    _ilp._add_placement(m)
+    prob, x, scale = m.prob, m.x, m.scale
+    if compute is not None:
+        for i, n in enumerate(arr.layers):
+            prob.addConstraint(x[i, arr.dindex[compute[n]]] == 1, f"fix{i}")
+    opts = options(arr, compute)
+    y = {o: prob.add_variable(f"y{k}_{o.way[0]}", cat=pulp.LpBinary) for k, o in enumerate(opts)}
+    by_pair: dict[tuple[int, int], list] = {}
+    for o, v in y.items():
+        by_pair.setdefault((o.layer, o.compute), []).append((v, 1.0))
+    for (i, c), terms in by_pair.items():
+        prob.addConstraint(_ilp._affine(terms + [(x[i, c], -1.0)]) <= 0, f"way{i}_{c}")
+    p = np.nan_to_num(arr.param)
+    M = max(int(microbatches), 1)
+
+    # Memory, in GB.
+    D = len(arr.devices)
+    use: list[list] = [[] for _ in range(D)]
+    for (i, j), v in x.items():
+        use[j].append((v, float(arr.mem[i, j]) / _GB))
+    transient: dict[int, list] = {}
+    for o, v in y.items():
+        opt = float(arr.opt[o.layer, o.compute])
+        use[o.compute].append((v, -opt / _GB))
+        host = HOST_STATE_COPIES * (p[o.layer] + opt) + (p[o.layer] if o.way == "host" else 0.0)
+        use[o.state].append((v, host / _GB))
+        if o.way == "streamed":
+            transient.setdefault(o.compute, []).append((v, opt / _GB))
+    slacks = {}
+    for j in range(D):
+        terms = list(use[j])
+        if j in transient:
+            s = prob.add_variable(f"S{j}", lowBound=0)
+            for v, opt in transient[j]:
+                prob.addConstraint(_ilp._affine([(s, 1.0), (v, -opt)]) >= 0, f"tr{j}_{v.name}")
+            terms.append((s, 1.0))
+        if not terms:
+            continue
+        if elastic[j]:
+            slacks[j] = prob.add_variable(f"over{j}", lowBound=0)
+            terms.append((slacks[j], -1.0))
+        prob.addConstraint(_ilp._affine(terms) <= float(arr.cap[j]) / _GB, f"mem{j}")
+    if slack:
+        _ilp._add_transfers(m, [])  # only links: two unlinked neighbours stay apart
+        prob.setObjective(_ilp._affine([(v, 1.0) for v in slacks.values()]))
+        return m, y, slacks
+
+    # Time, in the model's scaled units.
+    chain = [(v, float(m.t_s[i, j])) for (i, j), v in x.items()]
+    _ilp._add_transfers(m, chain)
+    fwd_on: dict[int, list] = {}
+    for (i, j), v in x.items():
+        fwd_on.setdefault(j, []).append((v, _FORWARD_SHARE * float(m.t_s[i, j])))
+    links: dict[tuple[int, int], list] = {}
+    host_work: dict[int, list] = {}
+    for o, v in y.items():
+        i, c, h = o.layer, o.compute, o.state
+        opt = float(arr.opt[i, c])
+
+        def move(a, b, nbytes, v=v):
+            return (v, (float(arr.lat[a, b]) + nbytes / float(arr.bw[a, b])) / scale)
+
+        weights = move(h, c, p[i])
+        links.setdefault((h, c), []).append(weights)
+        if o.way == "host":
+            u_here = min(float(np.nan_to_num(arr.upd[i, c])), float(arr.t[i, c]))
+            chain.append((v, -u_here / scale))
+            v_, t_ = move(c, h, p[i])
+            links.setdefault((c, h), []).append((v_, M * t_))
+            host_work.setdefault(h, []).append((v, float(arr.upd[i, h]) / scale))
+        else:
+            links.setdefault((h, c), []).append(move(h, c, opt))
+            links.setdefault((c, h), []).append(move(c, h, p[i] + opt))
+    step = prob.add_variable("T", lowBound=0)
+    prob.addConstraint(_ilp._affine(chain + [(step, -1.0)]) <= 0, "chain")
+    for (a, b), terms in links.items():
+        lead = fwd_on.get(a, []) if arr.cpu[b] else []  # gradients leave after the forward
+        prob.addConstraint(_ilp._affine(terms + lead + [(step, -1.0)]) <= 0, f"link{a}_{b}")
+    for h, terms in host_work.items():
+        own = [(v, float(m.t_s[i, j])) for (i, j), v in x.items() if j == h]
+        lead = [t for c, ts in fwd_on.items() if c != h for t in ts]
+        prob.addConstraint(_ilp._affine(terms + own + lead + [(step, -1.0)]) <= 0, f"host{h}")
+    # Only the largest bound sets T; a small weight on the chain and the links
+    # keeps the rest from growing where it costs the replay (an activation
+    # queued behind the weight copies) but not the bound.
+    tie = [(v, _TIE * c) for v, c in chain] + [
+        (v, _TIE * c) for terms in links.values() for v, c in terms]
+    prob.setObjective(_ilp._affine([(step, 1.0)] + tie))
+    return m, y, step
+
+
+_FORWARD_SHARE = 1.0 / 3.0  # as the replay's (`_simulate.FORWARD_SHARE`)
+_TIE = 0.01
+
+
+def _solve(m, y: Mapping[Option, pulp.LpVariable], step, solver: str,
+           time_limit: float | None, gap: float | None, build: float) -> Search:
+    arr = m.arr
+    status, final_gap, solve_s = _ilp._run_solver(
+        m.prob, solver, DEFAULT_TIME_LIMIT_S if time_limit is None else time_limit,
+        DEFAULT_GAP if gap is None else gap)
+    n_vars, n_cons = m.prob.numVariables(), m.prob.numConstraints()
+    if status not in ("optimal", "feasible"):
+        return Search(None, status, None, None, solve_s, build, n_vars, n_cons)
+    compute = np.array([max(m.dev_of[i], key=lambda j, i=i: m.x[i, j].varValue or 0.0)
+                        for i in range(len(arr.layers))])
+    chosen = {}
+    for o, v in y.items():
+        if (v.varValue or 0.0) > 0.5 and compute[o.layer] == o.compute:
+            chosen[o.layer] = o
+    value = step.varValue
+    return Search(placements_of(arr, compute, chosen), status, final_gap,
+                  None if value is None else float(value) * m.scale, solve_s, build,
+                  n_vars, n_cons)
+
+
+def variants(arr: Arrays, placements: Mapping[str, Placement]
+             ) -> list[tuple[str, dict[str, Placement]]]:
+    """The same offloaded layers with every update on the host, or every one streamed.
+
+    The ILP's time is a linear bound; the replay, which overlaps the
+    transfers with compute, may prefer the other way for all of them.
+    """
+    out = []
+    for way in ("host", "streamed"):
+        changed, new = False, dict(placements)
+        for n, p in placements.items():
+            if not p.offloaded:
+                continue
+            i, s = arr.lindex[n], arr.dindex[p.state]
+            upd = p.state if way == "host" else p.compute
+            if upd != p.update and (way == "streamed" or np.isfinite(arr.upd[i, s])):
+                new[n] = Placement(p.compute, p.state, upd)
+                changed = True
+        if changed:
+            out.append((f"all {way}", new))
+    return out
+
+
+def zero_offload(table: CostTable, *, arrays: Arrays | None = None
+                 ) -> tuple[dict[str, Placement] | None, str | None]:
+    """ZeRO-Offload's rule: all compute on one accelerator, every offloadable
+    layer's state and update on its host CPU.
+
+    The accelerator is the one every layer may run on with the least total
+    time; the host the linked CPU with the most memory.
+
+    Returns:
+      (placements, None), or (None, why the rule does not apply).
+    """
+    arr = arrays or Arrays(table)
+    best, best_t = None, np.inf
+    for c in range(len(arr.devices)):
+        if arr.cpu[c] or not arr.ok[:, c].all() or not hosts(arr, c):
+            continue
+        total = float(arr.t[:, c].sum())
+        if total < best_t:
+            best, best_t = c, total
+    if best is None:
+        return None, "no accelerator runs every layer with a host CPU linked both ways"
+    h = max(hosts(arr, best), key=lambda j: arr.cap[j])
+    out, moved = {}, 0
+    for i, n in enumerate(arr.layers):
+        if np.isfinite(arr.opt[i, best]) and arr.opt[i, best] > 0 and np.isfinite(
+                arr.upd[i, h]):
+            out[n] = Placement(arr.devices[best], arr.devices[h], arr.devices[h])
+            moved += 1
+        else:
+            out[n] = Placement(arr.devices[best])
+    if not moved:
+        return None, ("no layer's state can go to the host (the table lacks param_bytes or "
+                      "update_s on the host)")
+    return out, None
+
+
+def describe(arr: Arrays, placements: Mapping[str, Placement], step_s: float) -> str:
+    """One line on a plan's offload: how many layers, where, the bytes moved."""
+    apart = [(n, p) for n, p in placements.items() if p.offloaded]
+    if not apart:
+        return "no state offloaded"
+    host = sum(p.update != p.compute for _, p in apart)
+    states = sorted({p.state for _, p in apart})
+    moved = sum(float(np.nan_to_num(arr.param[arr.lindex[n]])) for n, _ in apart)
+    return (f"{len(apart)} layers' state on {', '.join(states)} ({host} updated there, "
+            f"{len(apart) - host} streamed to their compute device); weights in each step "
+            f"{nbytes(moved)}; step {seconds(step_s)}")

@@ -1,0 +1,251 @@
+"""Tests of the offload planner: state and update apart from compute (JAX-free but one)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetpar.core import GraphFormatError, InfeasibleError, Placement, PlanError
+from hetpar.planner import (
+    CostTable,
+    Device,
+    Edge,
+    Layer,
+    Link,
+    Plan,
+    evaluate,
+    evaluate_replayed,
+    plan,
+    simulate,
+    violations,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+PARAM, OPT, ACT = 1 * GB, 2 * GB, 0.5 * GB  # each block's parameters, optimizer state, activations
+RESIDENT = 2 * PARAM + OPT + ACT  # 4.5 GB a block holds with its state on its compute device
+
+
+def table(blocks: int = 6, *, gpu_gb: float = 100.0, host_gb: float = 200.0,
+          bandwidth: float = 63e9, cpu_compute: bool = True) -> CostTable:
+    """A chain of equal blocks on a slow, roomy CPU and a fast GPU linked both ways."""
+    devices = (Device("cpu:0", "cpu", host_gb * GB, 0.0, 270.0, 100.0, price_alone_per_hour=1.4),
+               Device("gpu:0", "h100", gpu_gb * GB, 6.9, 700.0, 70.0))
+    links = (Link("cpu:0", "gpu:0", bandwidth, 3e-4), Link("gpu:0", "cpu:0", bandwidth, 3e-4))
+    names = [f"b{i}" for i in range(blocks)]
+    layers = tuple(
+        Layer(n, time_s={"cpu:0": 5.0, "gpu:0": 0.02},
+              memory_bytes={"cpu:0": RESIDENT, "gpu:0": RESIDENT},
+              allowed=None if cpu_compute else ("gpu:0",), activation_bytes=ACT, param_bytes=PARAM,
+              opt_state_bytes=OPT, update_s={"cpu:0": 0.3, "gpu:0": 0.008})
+        for n in names)
+    edges = tuple(Edge(u, v, 1e7, 1e7) for u, v in zip(names, names[1:], strict=False))
+    return CostTable(devices, links, layers, edges)
+
+
+def _apart(p: Plan) -> set[str]:
+    return set(p.offloaded)
+
+
+def test_state_that_does_not_fit_goes_to_the_host_and_compute_stays_on_the_gpu():
+    tight = table(gpu_gb=20)  # 6 x 4.5 GB resident = 27 GB
+    p = plan(tight)
+    assert set(p.assignment.values()) == {"gpu:0"}
+    assert _apart(p) and all(pl.state == "cpu:0" for pl in p.offloaded.values())
+    assert p.state_assignment["b0"] in ("cpu:0", "gpu:0")
+    assert set(p.update_assignment.values()) <= {"cpu:0", "gpu:0"}
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 20 * GB
+    assert violations(tight, p.placements) == []
+    without = plan(tight, offload=False)  # some blocks must compute on the CPU
+    assert "cpu:0" in without.assignment.values()
+    assert p.predicted.step_time_s < without.predicted.step_time_s / 3
+    assert p.predicted.step_time_s < p.baselines["only cpu:0"].predicted.step_time_s / 10
+    assert p.solver["offload"]["chosen"] is True
+    assert p.solver["offload"]["without_offload"] == pytest.approx(without.predicted.step_time_s)
+    assert evaluate(tight, p.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
+
+
+def test_with_enough_memory_nothing_is_offloaded():
+    p = plan(table(gpu_gb=100))
+    assert p.offloaded == {} and set(p.assignment.values()) == {"gpu:0"}
+    assert "offload" not in p.solver
+    assert p.placements == {n: Placement("gpu:0") for n in p.assignment}
+    assert p.to_json()["assignment"] == dict.fromkeys(p.assignment, "gpu:0")
+
+
+def test_partial_offload_beats_offloading_everything():
+    tight = table(gpu_gb=20)
+    p = plan(tight)
+    assert 0 < len(p.offloaded) < 6  # 27 GB - 20 GB needs a few blocks' state gone
+    everything = {n: Placement("gpu:0", "cpu:0", "cpu:0") for n in tight.layer_names}
+    assert violations(tight, everything) == []
+    assert p.predicted.step_time_s < evaluate(tight, everything).step_time_s
+    zero = p.baselines["zero_offload"]  # ZeRO-Offload's rule: that very placement
+    assert zero.feasible
+    assert zero.predicted.step_time_s == pytest.approx(evaluate(tight, everything).step_time_s)
+    assert p.predicted.step_time_s < zero.predicted.step_time_s
+
+
+def test_memory_caps_plan_for_a_smaller_device():
+    roomy = table(gpu_gb=100)
+    capped = plan(roomy, memory={"gpu:0": 20 * GB})
+    assert capped.offloaded and capped.predicted.peak_memory_bytes["gpu:0"] <= 20 * GB
+    assert capped.placements == plan(table(gpu_gb=20)).placements
+    assert capped.fingerprint == roomy.fingerprint()
+    capped.check(roomy)
+    with pytest.raises(PlanError, match="unknown device 'tpu:0'"):
+        plan(roomy, memory={"tpu:0": 1e9})
+    with pytest.raises(PlanError, match="positive number of bytes"):
+        plan(roomy, memory={"gpu:0": -1})
+
+
+def test_cli_memory_caps(tmp_path):
+    graph = tmp_path / "graph.json"
+    table(gpu_gb=100).save(graph)
+    out = tmp_path / "plan.json"
+    run = subprocess.run([sys.executable, "-m", "hetpar", "plan", "--graph", str(graph),
+                          "--memory", "gpu:0=20", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "state apart:" in run.stdout and "zero_offload" in run.stdout
+    assert Plan.load(out).offloaded
+    bad = subprocess.run([sys.executable, "-m", "hetpar", "plan", "--graph", str(graph),
+                          "--memory", "gpu:0"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0
+    assert "--memory expects DEVICE=GB" in bad.stderr
+
+
+def test_plan_json_round_trip_with_placements_and_old_files(tmp_path):
+    tight = table(gpu_gb=20)
+    p = plan(tight)
+    data = p.to_json()
+    kinds = {type(v) for v in data["assignment"].values()}
+    assert kinds == {str, dict}  # resident layers stay device names
+    obj = next(v for v in data["assignment"].values() if isinstance(v, dict))
+    assert set(obj) == {"compute", "state", "update"}
+    p.save(tmp_path / "plan.json")
+    again = Plan.load(tmp_path / "plan.json")
+    assert again == p and again.placements == p.placements
+    again.check(tight)
+    old = {"format": "hetpar.plan", "version": 1, "fingerprint": tight.fingerprint(),
+           "mode": "sequential", "objective": "time", "microbatches": 1,
+           "assignment": dict.fromkeys(tight.layer_names, "gpu:0"),
+           "predicted": {"step_time_s": 0.12, "cost_usd_per_step": 2e-4,
+                         "energy_j_per_step": 80.0, "busy_s": {"gpu:0": 0.12},
+                         "memory_bytes": {"gpu:0": 27e9}},
+           "solver": {"name": "cbc", "status": "optimal"}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    loaded = Plan.load(tmp_path / "old.json")
+    assert loaded.offloaded == {} and loaded.predicted.peak_memory_bytes is None
+    assert loaded.state_assignment == dict.fromkeys(tight.layer_names, "gpu:0")
+    bad = dict(old, assignment={**old["assignment"], "b0": {"state": "cpu:0"}})
+    with pytest.raises(PlanError, match="needs 'compute'"):
+        Plan.from_json(bad)
+    elsewhere = dict(old, assignment={**old["assignment"],
+                                      "b0": {"compute": "gpu:0", "state": "cpu:7"}})
+    with pytest.raises(PlanError, match="cpu:7"):
+        Plan.from_json(elsewhere).check(tight)
+
+
+def test_graph_json_keeps_update_times_and_optimizer_state(tmp_path):
+    t = table()
+    t.save(tmp_path / "g.json")
+    again = CostTable.load(tmp_path / "g.json")
+    assert again.layers == t.layers
+    assert again.layers[0].update_s == {"cpu:0": 0.3, "gpu:0": 0.008}
+    data = t.to_json()
+    for layer in data["layers"]:  # a graph written before these fields loads unchanged
+        del layer["update_s"], layer["opt_state_bytes"]
+    old = CostTable.from_json(data)
+    assert old.layers[0].update_s is None and old.layers[0].opt_state_bytes is None
+    data["layers"][0]["update_s"] = {"tpu:0": 1.0}
+    with pytest.raises(GraphFormatError, match=r"update_s names unknown device 'tpu:0'"):
+        CostTable.from_json(data)
+
+
+def test_state_that_does_not_fit_the_host_names_the_host_and_bytes():
+    small_host = table(gpu_gb=20, host_gb=5, cpu_compute=False)
+    with pytest.raises(InfeasibleError) as e:
+        plan(small_host)
+    msg = str(e.value)
+    assert "does not fit host memory" in msg and "cpu:0" in msg
+    # 27 GB on a 20 GB GPU: four blocks' state must go, 7 GB each on the host.
+    assert "28 GB" in msg and "5 GB" in msg
+
+
+def test_a_cap_no_plan_meets_names_the_smallest_footprint():
+    with pytest.raises(InfeasibleError) as e:
+        plan(table(cpu_compute=False), memory={"gpu:0": 5 * GB})
+    msg = str(e.value)
+    # Every block's state on the host still leaves its weights, gradient and activations.
+    assert "smallest footprint found needs 15 GB on gpu:0" in msg and "5 GB" in msg
+
+
+def test_replayed_step_includes_the_transfers():
+    fast, slow = table(gpu_gb=20), table(gpu_gb=20, bandwidth=2e9)
+    placements = plan(fast).placements
+    t_fast = evaluate(fast, placements).step_time_s
+    t_slow = evaluate(slow, placements).step_time_s
+    assert t_slow > t_fast + 1.0  # 2 GB/s moves each offloaded block's weights in 0.5 s
+    replay = simulate(fast, placements)
+    updates = [s for s in replay.stages if s.device == "cpu:0"]
+    host = [n for n, pl in placements.items() if pl.update == "cpu:0"]
+    assert sorted(la for s in updates for la in s.layers) == sorted(host)
+    assert replay.transfer_s > 0
+    # Host updates run while the GPU computes earlier layers' backward.
+    gpu_end = max(s.end_s for s in replay.stages if s.device == "gpu:0")
+    if host:
+        assert min(s.start_s for s in updates) < gpu_end
+
+
+def test_streamed_state_moves_both_ways():
+    t = table(gpu_gb=100)
+    resident = {n: Placement("gpu:0") for n in t.layer_names}
+    streamed = {**resident, "b2": Placement("gpu:0", "cpu:0", "gpu:0")}
+    base = simulate(t, resident)
+    replay = simulate(t, streamed)
+    # weights (1 GB) and state (2 GB) in, 3 GB back: 6 GB at 63 GB/s in three copies
+    assert replay.transfer_s == pytest.approx(base.transfer_s + 6 * GB / 63e9 + 3 * 3e-4,
+                                              rel=1e-6)
+    assert replay.step_time_s > base.step_time_s
+    held = evaluate(t, streamed).peak_memory_bytes
+    assert held["cpu:0"] == pytest.approx(2 * (PARAM + OPT))
+    # Its optimizer state leaves the GPU between steps but visits for the update.
+    assert held["gpu:0"] == pytest.approx(6 * RESIDENT - OPT + OPT)
+
+
+def test_pipelined_plans_offload_and_replay():
+    tight = table(gpu_gb=20)
+    for schedule in ("gpipe", "1f1b"):
+        p = plan(tight, mode="pipelined", microbatches=2, schedule=schedule)
+        assert p.offloaded and set(p.assignment.values()) == {"gpu:0"}
+        assert p.predicted.step_time_s == pytest.approx(
+            evaluate_replayed(tight, p.placements, 2, schedule).step_time_s)
+
+
+def test_explain_and_summary_say_why_state_is_on_the_host():
+    tight = table(gpu_gb=20)
+    p = plan(tight)
+    text = p.explain(tight)
+    name = next(iter(p.offloaded))
+    block = text.split(f"\n{name} -> ")[1]
+    assert "state on cpu:0: gpu:0 would need" in block and "holds 20 GB" in block
+    summary = p.summary(tight)
+    assert "state" in summary.splitlines()[2] and "update" in summary.splitlines()[2]
+    assert "peak memory:" in summary and "zero_offload" in summary
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_cost_tables_price_each_layers_update():
+    from hetpar import zoo  # JAX
+
+    t = zoo.cost_table("mlp", ["cpu", "h100"], small=True)
+    for layer in t.layers:
+        assert layer.opt_state_bytes is not None and layer.opt_state_bytes > 0
+        assert set(layer.update_s) == set(layer.time_s)
+        for d, u in layer.update_s.items():
+            assert 0 < u <= layer.time_s[d]
