@@ -47,3 +47,23 @@ def test_cpu_gpu_pipeline_1f1b():
     with jax.default_matmul_precision("highest"):
         step = hetpar.auto(w.train_step, plan=plan, microbatches=4, schedule="1f1b")
         check_steps(w.train_step, step, args, microbatches=4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("update", ["cpu:0", "gpu:0"])
+def test_offload_plan_on_gpu_equals_jit(update):
+    # Compute on the GPU; parameters and optimizer state on the host CPU
+    # between steps, updated there (ZeRO-Offload's split) or streamed to the
+    # GPU for the update and sent back (issue 15).
+    w = zoo.get("transformer", small=True, learning_rate=1e-4)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    plan = {n: {"compute": "gpu:0", "state": "cpu:0", "update": update} for n in layers}
+    with jax.default_matmul_precision("highest"):
+        step = hetpar.auto(w.train_step, plan=plan)
+        check_steps(w.train_step, step, args, rtol=5e-4)
+    new_params, new_opt_state, _ = step(*args)
+    cpu = jax.devices("cpu")[0]
+    leaves = [x for x in jax.tree_util.tree_leaves((new_params, new_opt_state))
+              if isinstance(x, jax.Array) and x.size > 1]
+    assert leaves and all(cpu in x.devices() for x in leaves), \
+        "offloaded state must come back to the host"
