@@ -156,7 +156,13 @@ def _strip_root(paths: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
     named = [p for p in paths if p]
     if not named:
         return list(paths)
-    root, count = Counter(p[0] for p in named).most_common(1)[0]
+    root = Counter(p[0] for p in named).most_common(1)[0][0]
+    # Loop-invariant work JAX hoists out of a scan keeps the body's relative
+    # stack (`blocks/LayerNorm_0`, no root): it belongs under the root.
+    children = {p[1] for p in named if len(p) > 1 and p[0] == root}
+    paths = [(root, *p) if p and p[0] != root and p[0] in children else p for p in paths]
+    named = [p for p in paths if p]
+    count = sum(1 for p in named if p[0] == root)
     if count < 0.9 * len(named) or not any(len(p) > 1 and p[0] == root for p in named):
         return list(paths)
     return [p[1:] if p and p[0] == root else () for p in paths]

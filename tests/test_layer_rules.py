@@ -120,6 +120,9 @@ def test_jax_checkpoint_in_plain_jax_with_named_layers():
 class ScanBlock(nn.Module):
     @nn.compact
     def __call__(self, x, _):
+        # Loop-invariant work (a position bias, a causal mask): JAX hoists it
+        # out of the scan with the body's relative name stack.
+        x = x + jnp.sqrt(jnp.arange(x.shape[-1], dtype=x.dtype)) / 100.0
         return x + nn.Dense(16)(nn.gelu(nn.Dense(16)(x))), None
 
 
@@ -364,3 +367,13 @@ def test_hf_bert_layers(checkpointing):
     total = sum(g[n].flops for n in g.layers)
     for name in ("bert/encoder/layer/0", "bert/encoder/layer/1"):
         assert 0.3 < g[name].flops / total < 0.5
+
+
+def test_work_hoisted_out_of_a_scan_stays_under_the_root():
+    from hetpar.passes._layers import _strip_root
+
+    # JAX hoists a scan body's loop-invariant work (a causal mask) out of the
+    # scan with the body's relative stack: `blocks/...`, no model root.
+    paths = [("M", "embed")] * 5 + [("M", "blocks", "Dense_0")] * 3 + [("blocks", "mask")] * 4
+    assert _strip_root(paths) == ([("embed",)] * 5 + [("blocks", "Dense_0")] * 3
+                                  + [("blocks", "mask")] * 4)
