@@ -5,8 +5,15 @@ builds its cost table for the devices, solves the placement ILP (or takes
 the plan given), splits the step into per-device stages and compiles them.
 Later calls with the same shapes reuse all of that; new shapes retrace, as
 `jax.jit` does. A plan that puts every layer on one device compiles the
-whole step as one `jax.jit` executable on that device: no overhead beyond
-`jax.jit`'s own.
+whole step as one `jax.jit` executable on that device, and later calls go
+straight to it (`AutoStep.__call__`): jit's own C++ signature check is the
+only one, so the step costs what `jax.jit`'s does.
+
+Leaves of the arguments that are not arrays or Python numbers (an Equinox
+model's activation function) are static, as under `eqx.filter_jit`: part of
+the signature, compared by equality (identity when unhashable), closed over
+when tracing; the result's are returned as the trace produced them
+(`StaticLeaves`, passes/_program.py).
 
 Flax NNX objects among the arguments (a Module, an Optimizer, Rngs: any
 `nnx.Pytree`) are handled as `nnx.jit` handles them: split into a GraphDef
@@ -18,9 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import numbers
 import os
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,9 +37,19 @@ import jax
 from absl import logging
 
 from hetpar._grad import microbatched
-from hetpar.core import SCHEDULES, HetparError, PlanError
+from hetpar.core import SCHEDULES, HetparError, Placement, PlanError, parse_placements
 from hetpar.cost_models import ProfileSet, present_devices
-from hetpar.passes import LayerGraph, StageGraph, check_covers, microbatch_of, split, trace
+from hetpar.passes import (
+    LayerGraph,
+    StageGraph,
+    StaticKey,
+    StaticLeaves,
+    check_covers,
+    is_traced,
+    microbatch_of,
+    split,
+    trace,
+)
 from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
 
 _OBJECTIVES = ("time", "cost", "energy")
@@ -56,6 +75,7 @@ class Options:
     depth: int | None = None
     on_missing_device: str = "error"
     data_parallel: bool = True
+    memory: Mapping[str, float] | None = None
 
     def __post_init__(self):
         _check_choice("objective", self.objective, _OBJECTIVES)
@@ -77,6 +97,17 @@ class Options:
                               f"a ProfileSet, got {type(self.profile).__name__}")
         _check_devices(self.devices)
         _check_plan(self.plan)
+        _check_memory(self.memory)
+
+
+def _check_memory(memory) -> None:
+    if memory is None:
+        return
+    if not isinstance(memory, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+            and v > 0 for k, v in memory.items()):
+        raise HetparError("memory caps a device's memory for planning: a dict {device: bytes}, "
+                          f"e.g. {{'gpu:0': 40e9}}; got {memory!r}")
 
 
 def _is_int(x) -> bool:
@@ -115,10 +146,14 @@ def _check_plan(plan) -> None:
     if plan is None or isinstance(plan, (str, os.PathLike)):
         return
     if isinstance(plan, Mapping):
-        bad = {k: v for k, v in plan.items() if not (isinstance(k, str) and isinstance(v, str))}
+        bad = {k: v for k, v in plan.items()
+               if not (isinstance(k, str) and isinstance(v, (str, Mapping, Placement)))}
         if bad:
             raise PlanError("a plan dict maps layer names to device names (strings, e.g. "
-                            f"{{'Dense_0': 'cpu:0'}}); these entries are not: {bad!r}")
+                            "{'Dense_0': 'cpu:0'}) or to placements ({'compute': 'gpu:0', "
+                            f"'state': 'cpu:0', 'update': 'cpu:0'}}); these entries are not: "
+                            f"{bad!r}")
+        parse_placements(plan)  # names the layer and what is wrong
         return
     from hetpar.planner import Plan
 
@@ -144,11 +179,18 @@ class CompiledStep:
         self.devices = present_devices()
         _check_present(options.devices, self.devices)
         m = options.microbatches
+        self._nargs = len(args)
         self._batch_argnums = _batch_positions(options.batch_argnums, len(args))
-        self._step = microbatched(fn, m, self._batch_argnums)
+        step = microbatched(fn, m, self._batch_argnums)
+        # Non-array leaves (an Equinox model's activation function) are closed
+        # over, as eqx.filter_jit does: the graph and every runtime see arrays.
+        static = StaticLeaves(step, args)
         # `trace` reads None as "the last argument, unless it is the only one".
-        self.graph: LayerGraph = trace(self._step, *args, depth=options.depth,
-                                       batch_argnums=options.batch_argnums)
+        self.graph: LayerGraph = trace(static.pure_step, *static.pure_args,
+                                       depth=options.depth, batch_argnums=options.batch_argnums)
+        self._static = static if static.any else None
+        self._step = step if self._static is None else static.pure_step
+        user_args, args = args, static.pure_args
         if m > 1 and not any(microbatch_of(str(e.source_info.name_stack)) is not None
                              for e in self.graph.program.eqns):
             raise HetparError(
@@ -158,12 +200,14 @@ class CompiledStep:
         self.table = None
         self.plan = None
         self._one_device_prediction = None
-        self.assignment = self._assign(options)
-        used = sorted(set(self.assignment.values()))
+        self.placements: dict[str, Placement] = parse_placements(self._assign(options))
+        self.assignment = {layer: p.compute for layer, p in self.placements.items()}
+        used = sorted({d for p in self.placements.values() for d in p.devices})
         self.stages: StageGraph | None = None
         self._out_tree = self.graph.program.out_tree
         self._replicated = None
         self._executor = None
+        self._jit = None
         replicas = self.plan.replicas if self.plan is not None else ()
         if replicas:
             absent = [d for d in replicas if d not in self.devices]
@@ -172,6 +216,9 @@ class CompiledStep:
                                 f"present (present: {sorted(self.devices)})")
             # The user's step, not the microbatch-marked one: each replica runs
             # its share of the batch whole.
+            if self._static is not None:
+                self._static = StaticLeaves(fn, user_args)
+                fn = self._static.pure_step
             self._replicated = Replicated(fn, [self.devices[d] for d in replicas], args,
                                           self._batch_argnums)
             used = list(replicas)
@@ -180,10 +227,19 @@ class CompiledStep:
             sharding = jax.sharding.SingleDeviceSharding(self._device)
             # Explicit shardings in and out: fresh and resident arguments then hit
             # the same executable (jit's cache tells committed inputs apart).
-            self._jit = jax.jit(self._step, in_shardings=sharding, out_shardings=sharding)
+            # With static leaves, jit takes the traced leaves as one flat list.
+            jitted = self._step if self._static is None else self._static.flat_step
+            self._jit = jax.jit(_traced_when_known(jitted), in_shardings=sharding,
+                                out_shardings=sharding)
             self._sharding = sharding
+            # Flat positions of the batch arguments' leaves, static leaves counted.
+            ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a))
+                                             for a in user_args))
+            starts = [0, *ends[:-1]]
+            self._batch_leaves = tuple(i for k in self._batch_argnums
+                                       for i in range(starts[k], ends[k]))
         else:
-            self.stages = split(self.graph, self.assignment, schedule=options.schedule)
+            self.stages = split(self.graph, self.placements, schedule=options.schedule)
             self._executor = Executor(self.stages, {d: self.devices[d] for d in used},
                                       TransferEngine(), workers)
         logging.info("hetpar: %d layers on %s", len(self.graph), used)
@@ -194,7 +250,7 @@ class CompiledStep:
         # Options checked that the devices given are present.
         return list(options.devices) if options.devices else list(self.devices)
 
-    def _assign(self, options: Options) -> dict[str, str]:
+    def _assign(self, options: Options) -> Mapping[str, str | Placement]:
         plan = options.plan
         if plan is None:
             return self._solve(options, self._candidate_devices(options))
@@ -204,8 +260,9 @@ class CompiledStep:
             plan = Plan.load(plan)
         if isinstance(plan, Mapping):
             check_covers(self.graph, plan)
-        assignment = dict(plan.assignment if isinstance(plan, Plan) else plan)
-        wanted = sorted(set(assignment.values()) | set(getattr(plan, "replicas", ())))
+        assignment = dict(plan.placements if isinstance(plan, Plan) else parse_placements(plan))
+        wanted = sorted({d for p in assignment.values() for d in p.devices}
+                        | set(getattr(plan, "replicas", ())))
         absent = [d for d in wanted if d not in self.devices]
         if absent:
             if options.on_missing_device == "replan":
@@ -226,7 +283,7 @@ class CompiledStep:
                 table = wider
         plan.check(table)
         self.table, self.plan = table, plan
-        return dict(plan.assignment)
+        return dict(plan.placements)
 
     def _cost_table(self, devices: list[str], options: Options):
         from hetpar.cost_models import cost_table, load_profiles
@@ -240,7 +297,7 @@ class CompiledStep:
             profiles = load_profiles(profiles)
         return cost_table(self.graph, devices, profiles=profiles)
 
-    def _solve(self, options: Options, devices: list[str]) -> dict[str, str]:
+    def _solve(self, options: Options, devices: list[str]) -> dict[str, Placement]:
         from hetpar.planner import plan as solve
 
         if len(devices) == 1:
@@ -249,8 +306,9 @@ class CompiledStep:
         m = options.microbatches
         self.plan = solve(self.table, objective=options.objective,
                           mode="pipelined" if m > 1 else "sequential", microbatches=m,
-                          data_parallel=options.data_parallel, schedule=options.schedule)
-        return dict(self.plan.assignment)
+                          data_parallel=options.data_parallel, schedule=options.schedule,
+                          memory=options.memory)
+        return dict(self.plan.placements)
 
     def predicted(self):
         """The planner's prediction of this step's costs (a `hetpar.planner.Predicted`), or None.
@@ -291,13 +349,96 @@ class CompiledStep:
                 moved[i] = jax.device_put(args[i], self._device)
         return args if moved is None else tuple(moved)
 
+    def _batch_leaves_here(self, leaves: list) -> list:
+        """`_batch_here` on the flat leaves of the arguments (the static-leaf path)."""
+        moved = [i for i in self._batch_leaves
+                 if isinstance(leaves[i], jax.Array) and leaves[i].sharding != self._sharding]
+        if moved:
+            for i, y in zip(moved, jax.device_put([leaves[i] for i in moved], self._device)):
+                leaves[i] = y
+        return leaves
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls may go straight to its jit executable (`call_known`): a
+        one-device plan."""
+        return self._jit is not None
+
+    def call_known(self, args: tuple):
+        """Runs the step if jit has already run it for arguments like these, else `UNKNOWN`.
+
+        The fast path of a one-device plan: jit's C++ dispatch checks the
+        arguments' structure, shapes, dtypes and placement, and where they
+        are new it would trace, which `_traced_when_known` refuses outside
+        `__call__`; with static leaves, their structure and the leaves are
+        checked here first. Nothing runs for arguments not known, and the
+        caller takes the full path.
+        """
+        if len(args) != self._nargs:
+            return UNKNOWN
+        try:
+            return self._call_jit(args)
+        except (_NewSignature, TypeError):  # TypeError: a non-array leaf (the full path says)
+            return UNKNOWN
+
     def __call__(self, *args):
+        if self._jit is not None:
+            before, _known.on = getattr(_known, "on", False), True
+            try:
+                out = self._call_jit(args)
+            finally:
+                _known.on = before
+            if out is UNKNOWN:
+                raise HetparError("these arguments' structure or static (non-array) leaves "
+                                  "differ from those the step was compiled for; call the "
+                                  "hetpar.auto step itself, which compiles for them")
+            return out
+        if self._static is not None:
+            return self._static.result(self._run(self._static.strip(args)))
+        return self._run(args)
+
+    def _call_jit(self, args: tuple):
+        if self._static is None:
+            return self._jit(*self._batch_here(args))
+        static = self._static
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != static.in_tree or not static.matches(leaves):
+            return UNKNOWN
+        out = self._jit(*static.dynamic(self._batch_leaves_here(leaves)))
+        return static.result_of(out)
+
+    def _run(self, args: tuple):
         if self._replicated is not None:
             return self._replicated(*args)
-        if self._executor is None:
-            return self._jit(*self._batch_here(args))
         flat = jax.tree_util.tree_leaves(args)
         return jax.tree_util.tree_unflatten(self._out_tree, self._executor(flat))
+
+
+UNKNOWN = object()  # CompiledStep.call_known: not run, take the full path
+
+
+class _NewSignature(Exception):
+    """jit was about to trace a one-device step outside `CompiledStep.__call__`."""
+
+
+_known = threading.local()  # .on: inside CompiledStep.__call__, where jit may trace
+
+
+def _traced_when_known(step: Callable) -> Callable:
+    """`step` for jit, refusing to be traced from `CompiledStep.call_known`.
+
+    jit traces only arguments it has no executable for: the signature check
+    of the fast path is jit's own, and a signature jit has not seen goes back
+    to `AutoStep`'s full path (which may plan it differently).
+    """
+
+    @functools.wraps(step)
+    def traced(*args):
+        if not getattr(_known, "on", False):
+            raise _NewSignature
+        return step(*args)
+
+    return traced
 
 
 def _batch_positions(batch_argnums: tuple[int, ...] | None, n: int) -> tuple[int, ...]:
@@ -312,16 +453,20 @@ def _batch_positions(batch_argnums: tuple[int, ...] | None, n: int) -> tuple[int
 
 
 def _signature(args) -> tuple:
-    """What a compiled step is keyed on: the argument structure, shapes and dtypes.
+    """What a compiled step is keyed on: the argument structure, the shapes and
+    dtypes of the traced leaves (a Python number by its type, as jax.jit's weak
+    types), and the static leaves themselves (`StaticKey`).
 
-    On every call, so kept cheap (tens of microseconds for a ResNet's state).
+    Not on the fast path of a one-device plan (`AutoStep.__call__`).
     """
     leaves, tree = jax.tree_util.tree_flatten(args)
-    try:
-        return tree, tuple([(x.shape, x.dtype) for x in leaves])
-    except AttributeError:  # Python scalars among the arguments
-        return tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", type(x)))
-                           for x in leaves)
+    return tree, tuple(map(_leaf_signature, leaves))
+
+
+def _leaf_signature(x):
+    if not is_traced(x):
+        return StaticKey(x)
+    return getattr(x, "shape", None), getattr(x, "dtype", type(x))
 
 
 _NNX = object()  # AutoStep._compiled's mark of a signature holding Flax NNX objects
@@ -399,7 +544,16 @@ class AutoStep:
     """A training step under `hetpar.auto`: call it like the original.
 
     Flax NNX objects among the arguments are updated in place, as under
-    `nnx.jit` (see `_NnxArgs`).
+    `nnx.jit` (see `_NnxArgs`). Leaves of the arguments that are neither
+    arrays nor Python numbers (an Equinox model's activation functions) are
+    static, as under `eqx.filter_jit`: a new one compiles afresh, an equal
+    one reuses the step (`StaticLeaves`, passes/_program.py).
+
+    A call first tries the last step called, if it is a one-device plan
+    (`CompiledStep.call_known`: straight to its jit, whose own check of the
+    arguments is the only one); otherwise, or for arguments that jit has not
+    run, it takes the full path: the arguments' signature (`_signature`)
+    picks or builds the compiled step.
     """
 
     def __init__(self, fn: Callable, options: Options):
@@ -410,6 +564,8 @@ class AutoStep:
         # NNX objects (whose steps are keyed by their GraphDef and state too).
         self._compiled: dict[tuple, Any] = {}
         self._last: CompiledStep | None = None
+        # The last step called, when calls may go straight to its jit (`CompiledStep.direct`).
+        self._direct: CompiledStep | None = None
         # Every signature's executor runs on these: one thread per device,
         # however many shapes the step is called with.
         self._workers = Workers()
@@ -444,9 +600,19 @@ class AutoStep:
         return step, nnx_args
 
     def __call__(self, *args):
+        direct = self._direct
+        if direct is not None:
+            # A one-device plan: straight to its jit, which checks the
+            # arguments as jax.jit does; only arguments it has not run go on.
+            out = direct.call_known(args)
+            if out is not UNKNOWN:
+                return out
         step, nnx_args = self._step_for(args)
         if nnx_args is None:
-            return step(*args)
+            out = step(*args)
+            self._direct = step if step.direct else None
+            return out
+        self._direct = None
         out, state = step(*nnx_args.pure_args)
         nnx_args.update(state)
         return out
@@ -463,7 +629,23 @@ class AutoStep:
 
     @property
     def assignment(self) -> dict[str, str]:
+        """{layer: the device that computes it} of the last compiled signature."""
         return dict(self._need_last().assignment)
+
+    @property
+    def placements(self) -> dict[str, Placement]:
+        """{layer: Placement}: where each layer computes, keeps its state, updates."""
+        return dict(self._need_last().placements)
+
+    @property
+    def state_assignment(self) -> dict[str, str]:
+        """{layer: the device whose memory holds its parameters and optimizer state}."""
+        return {layer: p.state for layer, p in self.placements.items()}
+
+    @property
+    def update_assignment(self) -> dict[str, str]:
+        """{layer: the device that runs its optimizer update}."""
+        return {layer: p.update for layer, p in self.placements.items()}
 
     def report(self):
         """The cost report of the last compiled signature's step."""
@@ -477,7 +659,8 @@ class AutoStep:
         if step.plan is None or step.table is None:
             why = ("given in the plan" if self.options.plan is not None
                    else "the only device to plan for")
-            text = "\n".join(f"{layer}: {dev} ({why})" for layer, dev in step.assignment.items())
+            text = "\n".join(f"{layer}: {_describe(p)} ({why})"
+                             for layer, p in step.placements.items())
         else:
             text = step.plan.explain(step.table)
         # Control flow the tracer could not cut per layer (an optimizer update
@@ -485,11 +668,18 @@ class AutoStep:
         return "\n".join([text, *(f"not cut per layer: {n}" for n in step.graph.notes)])
 
 
+def _describe(p: Placement) -> str:
+    if not p.offloaded:
+        return p.compute
+    return f"computes on {p.compute}, state on {p.state}, update on {p.update}"
+
+
 def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = None,
          objective: str = "time", plan: Any = None, microbatches: int = 1,
          batch_argnums: Sequence[int] | int | None = None, schedule: str = "gpipe",
          profile: Any = "auto", depth: int | None = None,
-         on_missing_device: str = "error", data_parallel: bool = True):
+         on_missing_device: str = "error", data_parallel: bool = True,
+         memory: Mapping[str, float] | None = None):
     """Runs a training step across the devices present, placed by hetpar's planner.
 
     Usable as `@hetpar.auto` or `hetpar.auto(step, devices=[...], ...)`.
@@ -501,8 +691,12 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
       devices: device names (`cpu:0`, `gpu:0`) to use, or one name as a
         string (`devices="gpu:0"`); default all present.
       objective: "time", "cost" or "energy".
-      plan: a path to plan.json, a `hetpar.Plan`, or a dict {layer: device}
-        naming every layer (layer names as `hetpar.trace(fn, *args).layers`);
+      plan: a path to plan.json, a `hetpar.Plan`, or a dict naming every
+        layer (layer names as `hetpar.trace(fn, *args).layers`) with its
+        device, or with a placement `{"compute": "gpu:0", "state": "cpu:0",
+        "update": "cpu:0"}` that keeps its parameters and optimizer state on
+        another device between steps and runs its update there (or streams
+        the state to `compute` for the update: `"update": "gpu:0"`);
         default: solve.
       microbatches: a positive int. With M > 1 and a step that takes its gradient with
         `hetpar.value_and_grad`/`hetpar.grad`, the gradient part runs as M
@@ -519,6 +713,9 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         parallel over two or more accelerators of one kind (batch split, state
         replicated, `Plan.replicas`) when it predicts that faster (or cheaper)
         than any placement of layers. False: layer placements only.
+      memory: {device: bytes} caps on devices' memory for planning (e.g.
+        `{"gpu:0": 40e9}`), so the planner keeps state off a device (offload)
+        as if it were that small.
 
     Returns:
       An `AutoStep`: call it like `fn`; it has `.plan`, `.report()`,
@@ -543,7 +740,9 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
                       plan=plan, microbatches=microbatches,
                       batch_argnums=None if batch_argnums is None else tuple(batch_argnums),
                       schedule=schedule, profile=profile, depth=depth,
-                      on_missing_device=on_missing_device, data_parallel=bool(data_parallel))
+                      on_missing_device=on_missing_device, data_parallel=bool(data_parallel),
+                      memory=None if memory is None else dict(memory)
+                      if isinstance(memory, Mapping) else memory)
     if fn is None:
         return functools.partial(_wrap, options=options)
     return _wrap(fn, options)

@@ -50,6 +50,7 @@ from jax.extend import core as jcore
 
 from hetpar.core import HetparError
 from hetpar.passes import MICROBATCH_SCOPE
+from hetpar.passes._program import StaticLeaves
 
 
 @dataclasses.dataclass
@@ -117,17 +118,29 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
       the gradient is the mean of the microbatch gradients: equal to the
       full-batch result when the loss is a mean over the batch and uses no
       randomness (microbatch i draws from `jax.random.fold_in(key, i)`).
+
+      Leaves of the arguments that are not arrays or Python numbers (an
+      Equinox model's activation function), where JAX's would raise, are
+      static as under `eqx.filter_value_and_grad`: the loss closes over them
+      and their gradient is None.
     """
     vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
 
     def wrapped(*args):
+        static = StaticLeaves(fun, args)
+        f, g = fun, vg
+        if static.in_args:
+            f, args = static.pure_step, static.pure_args
+            g = jax.value_and_grad(f, argnums=argnums, has_aux=has_aux, **kwargs)
         mb = getattr(_state, "mb", None)
         if mb is None or mb.count == 1:
-            return vg(*args)
-        with microbatching(None):  # a gradient inside the loss is a plain one
-            grad_of = functools.partial(jax.value_and_grad, argnums=argnums,
-                                        has_aux=has_aux, **kwargs)
-            return _microbatch(fun, grad_of, args, mb, batch_argnums)
+            value, grads = g(*args)
+        else:
+            with microbatching(None):  # a gradient inside the loss is a plain one
+                grad_of = functools.partial(jax.value_and_grad, argnums=argnums,
+                                            has_aux=has_aux, **kwargs)
+                value, grads = _microbatch(f, grad_of, args, mb, batch_argnums)
+        return static.result(value), grads
 
     return wrapped
 

@@ -34,7 +34,14 @@ from hetpar.passes._layers import (
     microbatch_of,
     module_path,
 )
-from hetpar.passes._program import Program, subjaxpr, trace_program
+from hetpar.passes._program import (
+    Program,
+    StaticKey,
+    StaticLeaves,
+    is_traced,
+    subjaxpr,
+    trace_program,
+)
 from hetpar.passes._split import Stage, StageGraph, check_covers, split
 from hetpar.passes._xla import XlaCost, compiled_cost, hlo_text, layer_costs, step_cost
 
@@ -49,6 +56,8 @@ __all__ = [
     "LayerInfo",
     "Program",
     "Stage",
+    "StaticKey",
+    "StaticLeaves",
     "StageGraph",
     "Work",
     "balanced_names",
@@ -62,6 +71,7 @@ __all__ = [
     "hlo_text",
     "is_backward",
     "is_forward",
+    "is_traced",
     "jaxpr_work",
     "layer",
     "layer_costs",

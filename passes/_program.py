@@ -15,21 +15,186 @@ whole optimizer update as one `cond`) is cut into one `cond` per group and
 phase, on the same index (`split_conds`). Each part is still a whole
 `cond`; a `cond` whose results all depend on one tensor stays whole, and
 `Program.notes` says why.
+
+Leaves of the arguments and result that are not arrays (an Equinox model's
+activation function, a `custom_jvp` such as `jax.nn.relu`, a string) are
+static, as under `eqx.filter_jit`: `StaticLeaves` closes over them when the
+step is traced and puts the result's back afterwards, so the jaxpr sees
+arrays only. Python numbers are traced, as `jax.jit` traces them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 # Nested calls that are plain function calls: safe to inline.
 _INLINE = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+
+# Leaves traced as arrays. Python numbers too: jax.jit traces them as weakly
+# typed arrays, and hetpar keeps that (eqx.filter_jit would hold them static).
+_TRACED = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, jax.core.Tracer,
+           bool, int, float, complex)
+
+
+def is_traced(leaf) -> bool:
+    """Whether a pytree leaf is traced (an array, array-like or Python number), not static."""
+    return isinstance(leaf, _TRACED) or hasattr(leaf, "__jax_array__")
+
+
+class StaticLeaves:
+    """A step with the non-array leaves of its arguments and result held static.
+
+    What `eqx.filter_jit` does with a model passed as an argument: a leaf
+    that is not traced (`is_traced`: an activation function, a `custom_jvp`
+    such as `jax.nn.relu`, a string) is closed over when the step is traced,
+    not passed in. `pure_step` takes the arguments with those leaves replaced
+    by None (empty subtrees: `pure_args`, `strip`) and returns the result
+    likewise; `result` puts the result's static leaves back as the first
+    trace produced them (the activation of the model `eqx.apply_updates`
+    returns). `flat_step` is the same on flat lists of the traced leaves
+    (`dynamic`, `result_of`): what a jit called on every step takes, so the
+    caller's trees (Equinox modules flatten in Python) are flattened once a
+    call. Who keys compiled steps compares the static leaves with
+    `StaticKey` (`matches`).
+
+    Args:
+      fn: the step.
+      args: its example arguments.
+    """
+
+    def __init__(self, fn: Callable, args: tuple):
+        leaves, self._in_tree = jax.tree_util.tree_flatten(args)
+        self._in_where = tuple(i for i, x in enumerate(leaves) if not is_traced(x))
+        self._in_values = tuple(leaves[i] for i in self._in_where)
+        static = set(self._in_where)
+        self._in_traced = tuple(i for i in range(len(leaves)) if i not in static)
+        self.pure_args = self.strip(args)
+        # (structure, static positions, their values) of the first traced result.
+        self._out: tuple | None = None
+
+        @functools.wraps(fn)
+        def pure_step(*pure_args):
+            leaves = self._in_tree.flatten_up_to(pure_args)
+            for i, v in zip(self._in_where, self._in_values):
+                leaves[i] = v
+            out = fn(*jax.tree_util.tree_unflatten(self._in_tree, leaves))
+            leaves, tree = jax.tree_util.tree_flatten(out)
+            where = tuple(i for i, x in enumerate(leaves) if not is_traced(x))
+            if self._out is None:
+                self._out = (tree, where, tuple(leaves[i] for i in where))
+            for i in where:
+                leaves[i] = None
+            return jax.tree_util.tree_unflatten(tree, leaves)
+
+        self.pure_step = pure_step
+        pure_tree = jax.tree_util.tree_structure(self.pure_args)
+
+        @functools.wraps(fn)
+        def flat_step(*traced):
+            return jax.tree_util.tree_leaves(pure_step(*pure_tree.unflatten(traced)))
+
+        self.flat_step = flat_step
+
+    @property
+    def in_tree(self):
+        """The structure of the example arguments, static leaves included."""
+        return self._in_tree
+
+    def matches(self, leaves: Sequence) -> bool:
+        """Whether flat leaves of arguments structured as the example's hold its
+        static leaves (the same objects, or equal as `StaticKey` compares)."""
+        for i, v in zip(self._in_where, self._in_values):
+            x = leaves[i]
+            if x is not v and StaticKey(x) != StaticKey(v):
+                return False
+        return True
+
+    def dynamic(self, leaves: Sequence) -> list:
+        """The traced leaves among flat leaves of arguments structured as the example's."""
+        return [leaves[i] for i in self._in_traced]
+
+    def result_of(self, traced_out: Sequence):
+        """The result from `flat_step`'s: the static leaves of the traced result put back."""
+        if self._out is None:
+            raise RuntimeError("result_of before the step was traced")
+        tree, where, values = self._out
+        leaves = list(traced_out)
+        for i, v in zip(where, values):  # ascending: each lands at its own position
+            leaves.insert(i, v)
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    @property
+    def in_args(self) -> bool:
+        """Whether the arguments have static leaves."""
+        return bool(self._in_where)
+
+    @property
+    def any(self) -> bool:
+        """Whether the arguments or the (traced) result have static leaves."""
+        return bool(self._in_where or (self._out is not None and self._out[1]))
+
+    def strip(self, args: tuple) -> tuple:
+        """`args` (structured as the example's) with the static leaves replaced by None."""
+        if not self._in_where:
+            return args
+        leaves = self._in_tree.flatten_up_to(args)
+        for i in self._in_where:
+            leaves[i] = None
+        return jax.tree_util.tree_unflatten(self._in_tree, leaves)
+
+    def result(self, pure_out):
+        """`pure_step`'s result with the static leaves of the traced result put back."""
+        if self._out is None or not self._out[1]:
+            return pure_out
+        tree, where, values = self._out
+        leaves = tree.flatten_up_to(pure_out)
+        for i, v in zip(where, values):
+            leaves[i] = v
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+class StaticKey:
+    """A static leaf as a dict key: equal when the leaves are the same object or,
+    both hashable and of one type, equal (as `eqx.filter_jit` compares its
+    static part); an unhashable leaf is compared by identity."""
+
+    __slots__ = ("leaf", "_hash", "_by_id")
+
+    def __init__(self, leaf):
+        self.leaf = leaf
+        try:
+            self._hash, self._by_id = hash((type(leaf), leaf)), False
+        except TypeError:
+            self._hash, self._by_id = id(leaf), True
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, StaticKey):
+            return NotImplemented
+        a, b = self.leaf, other.leaf
+        if a is b:
+            return True
+        if self._by_id or other._by_id or type(a) is not type(b):
+            return False
+        try:
+            return bool(a == b)
+        except Exception:  # noqa: BLE001 - an __eq__ that does not answer: not equal
+            return False
+
+    def __repr__(self) -> str:
+        return f"StaticKey({self.leaf!r})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +203,15 @@ class Program:
 
     Attributes:
       jaxpr: the flat ClosedJaxpr (nested plain calls inlined).
-      in_tree: pytree structure of the step's positional arguments.
-      out_tree: pytree structure of the step's result.
+      in_tree: pytree structure of the step's positional arguments (static
+        leaves, if any, left out: see `static`).
+      out_tree: pytree structure of the step's result (likewise).
       in_paths: one readable key path per flat input (e.g. "[0]['params']['Dense_0']['kernel']").
       notes: one line per `cond` that stays whole although it has several
         outputs (why it could not be cut into independent parts); empty
         when there is none.
+      static: the non-array leaves of the arguments and result, held static
+        (None when there are none).
     """
 
     jaxpr: jcore.ClosedJaxpr
@@ -51,6 +219,7 @@ class Program:
     out_tree: Any
     in_paths: tuple[str, ...]
     notes: tuple[str, ...] = ()
+    static: StaticLeaves | None = None
 
     @property
     def eqns(self) -> list[jcore.JaxprEqn]:
@@ -58,28 +227,35 @@ class Program:
 
     def __call__(self, *args):
         """Evaluates the program (unjitted) on arguments with the step's structure."""
+        if self.static is not None:
+            args = self.static.strip(args)
         flat, tree = jax.tree_util.tree_flatten(args)
         if tree != self.in_tree:
             raise ValueError(f"arguments have structure {tree}, expected {self.in_tree}")
         out = jax.core.eval_jaxpr(self.jaxpr.jaxpr, self.jaxpr.consts, *flat)
-        return jax.tree_util.tree_unflatten(self.out_tree, out)
+        out = jax.tree_util.tree_unflatten(self.out_tree, out)
+        return out if self.static is None else self.static.result(out)
 
 
 def trace_program(fn: Callable, *args) -> Program:
     """Traces `fn(*args)` to a flat `Program`.
 
+    Leaves of the arguments and result that are not arrays or Python numbers
+    are static (`StaticLeaves`).
+
     Raises:
       TraceError: when `fn` cannot be traced with these arguments; the message
         carries JAX's own explanation (shape mismatch, non-array argument...).
     """
-    from hetpar.core import TraceError
+    from hetpar.core import HetparError, TraceError
 
-    flat_args, in_tree = jax.tree_util.tree_flatten(args)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
-    from hetpar.core import HetparError
-
+    static = StaticLeaves(fn, args)
+    in_tree = jax.tree_util.tree_structure(static.pure_args)
+    paths = [jax.tree_util.keystr(p)
+             for p, _ in jax.tree_util.tree_flatten_with_path(static.pure_args)[0]]
     try:
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        closed, out_shape = jax.make_jaxpr(static.pure_step, return_shape=True)(
+            *static.pure_args)
     except HetparError:
         raise  # already says what is wrong (e.g. microbatches that do not divide the batch)
     except Exception as e:  # JAX raises many types; all mean "this step does not trace"
@@ -91,9 +267,9 @@ def trace_program(fn: Callable, *args) -> Program:
             "jit-compatible (no Python control flow on traced values)."
         ) from e
     out_tree = jax.tree_util.tree_structure(out_shape)
-    del flat_args
     flat, notes = split_conds(inline_calls(closed))
-    return Program(flat, in_tree, out_tree, tuple(paths), notes)
+    return Program(flat, in_tree, out_tree, tuple(paths), notes,
+                   static if static.any else None)
 
 
 def inline_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:

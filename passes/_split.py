@@ -25,10 +25,19 @@ from collections.abc import Mapping
 
 from jax.extend import core as jcore
 
-from hetpar.core import SCHEDULES, PlanError, device_aware_order, device_orders, stage_deps
+from hetpar.core import (
+    ACTIVATIONS_RUN,
+    SCHEDULES,
+    Placement,
+    PlanError,
+    device_aware_order,
+    device_orders,
+    parse_placements,
+    stage_deps,
+)
 from hetpar.core import runs as cut_runs
-from hetpar.passes._layer_graph import LayerGraph
-from hetpar.passes._layers import SHARED, is_backward, microbatch_of
+from hetpar.passes._layer_graph import OPT_STATE, PARAM, LayerGraph
+from hetpar.passes._layers import SHARED, is_backward, is_forward, microbatch_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,12 +78,17 @@ class StageGraph:
 
     Attributes:
       graph: the LayerGraph it was cut from.
-      assignment: layer -> device.
+      assignment: layer -> compute device.
       stages: all stages, in one global topological order.
       device_order: device -> stage indices in the order that device runs them.
       input_devices: for every flat program input, the device it should live on.
       home: device of the shared group.
       schedule: "gpipe" or "1f1b" (what device_order realises).
+      placements: layer -> Placement (compute, state and update devices).
+      output_devices: for every flat program output, the device it must be
+        returned on, or None where it stays where it was computed. A layer
+        whose update runs away from its state (streamed) returns its new
+        state to the state device, so the next step finds it there.
     """
 
     graph: LayerGraph
@@ -84,6 +98,8 @@ class StageGraph:
     input_devices: tuple[str, ...]
     home: str
     schedule: str
+    placements: Mapping[str, Placement] = dataclasses.field(default_factory=dict)
+    output_devices: tuple[str | None, ...] = ()
 
     def stages_on(self, device: str) -> list[Stage]:
         return [self.stages[i] for i in self.device_order.get(device, ())]
@@ -93,38 +109,86 @@ class StageGraph:
         return f"StageGraph({len(self.stages)} stages; {per}; schedule={self.schedule})"
 
 
-def split(graph: LayerGraph, assignment: Mapping[str, str], *,
+def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping], *,
           schedule: str = "gpipe") -> StageGraph:
     """Cuts `graph`'s program into per-device stages under `assignment`.
 
     Args:
       graph: the traced step.
-      assignment: layer name -> device name, covering every layer.
+      assignment: layer name -> device name, or -> Placement (or its dict
+        form) for a layer whose state and update live apart from its compute
+        (docs/architecture.md, "State apart from compute"). Covers every layer.
       schedule: "gpipe" or "1f1b": each device's stage order when microbatched.
 
     Raises:
-      PlanError: the assignment misses layers or names unknown ones.
+      PlanError: the assignment misses layers or names unknown ones, or asks
+        for an activation policy the runtime does not carry out.
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     check_covers(graph, assignment)
+    placements = parse_placements(assignment)
+    for layer, p in placements.items():
+        if p.activations not in ACTIVATIONS_RUN:
+            raise PlanError(f"layer {layer!r}: activations={p.activations!r} is planned for but "
+                            f"not run yet; use one of {ACTIVATIONS_RUN}")
+    compute = {layer: p.compute for layer, p in placements.items()}
     eqns = graph.program.jaxpr.jaxpr.eqns
-    home = assignment[graph.layers[0]]
-    device = _eqn_devices(graph, assignment, home)
+    home = compute[graph.layers[0]]
+    device = _eqn_devices(graph, placements, home)
     keys = _stage_keys(eqns, device)
     deps = _eqn_deps(eqns)
     try:
-        order = device_aware_order(deps, keys)
+        order = device_aware_order(deps, _cut_keys(graph, placements, keys))
     except ValueError:  # cannot happen for a valid jaxpr
         raise PlanError("internal error: the step's equations form a cycle") from None
-    runs = cut_runs(order, keys)
+    runs = cut_runs(order, _cut_keys(graph, placements, keys))
     stage_of = {i: s for s, run in enumerate(runs) for i in run}
     stages = _stages(graph, runs, keys, stage_of)
     device_order, schedule = device_orders(
         [(st.device, st.microbatch, st.phase) for st in stages],
         stage_deps([stage_of[i] for i in range(len(eqns))], deps, len(stages)), schedule)
-    return StageGraph(graph, dict(assignment), tuple(stages), device_order,
-                      _input_devices(graph, assignment, device, home), home, schedule)
+    return StageGraph(graph, compute, tuple(stages), device_order,
+                      _input_devices(graph, placements, device, home), home, schedule,
+                      placements, _output_devices(graph, placements, device))
+
+
+def _output_devices(graph: LayerGraph, placements: Mapping[str, Placement],
+                    device: list[str]) -> tuple[str | None, ...]:
+    """Where each program output goes back to: a layer's state device for the
+    values its update computed elsewhere (the new parameters and optimizer
+    state of a streamed layer); None (where computed) for the rest."""
+    jaxpr = graph.program.jaxpr.jaxpr
+    producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    updating = _updating(jaxpr.eqns)
+    out: list[str | None] = []
+    for v in jaxpr.outvars:
+        i = producer.get(v) if isinstance(v, jcore.Var) else None
+        layer = graph.eqn_layers[i] if i is not None else None
+        p = placements.get(layer) if layer is not None else None
+        wanted = None
+        if p is not None and updating[i] and p.update != p.state:
+            wanted = p.state
+        out.append(wanted)
+    return tuple(out)
+
+
+def _cut_keys(graph: LayerGraph, placements: Mapping[str, Placement], keys: list) -> list:
+    """Stage keys, with each offloaded layer's compute as stages of its own.
+
+    An offloaded layer's weights come from another device every step. As
+    its own stage, its weights' copy starts while the layers before it
+    compute, instead of every weight arriving before one big stage starts.
+    """
+    if not any(p.offloaded for p in placements.values()):
+        return keys
+    out = []
+    for i, key in enumerate(keys):
+        layer = graph.eqn_layers[i]
+        p = placements.get(layer)
+        part = layer if p is not None and p.offloaded and key[0] == p.compute else None
+        out.append((*key, part))
+    return out
 
 
 def check_covers(graph: LayerGraph, assignment: Mapping[str, str]) -> None:
@@ -202,13 +266,15 @@ def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int]) -> list[
     return stages
 
 
-def _input_devices(graph: LayerGraph, assignment: Mapping[str, str], device: list[str],
+def _input_devices(graph: LayerGraph, placements: Mapping[str, Placement], device: list[str],
                    home: str) -> tuple[str, ...]:
-    """The device every flat program input should live on: its layer's.
+    """The device every flat program input should live on.
 
-    Shared inputs (the optimizer's step count) live where they are first read,
-    like the shared equations: otherwise every step would pull the new count
-    back from the accelerator to the home device and wait for it.
+    Parameters and optimizer state live on their layer's state device, other
+    inputs (the batch) on its compute device. Shared inputs (the optimizer's
+    step count) live where they are first read, like the shared equations:
+    otherwise every step would pull the new count back from the accelerator
+    to the home device and wait for it.
     """
     jaxpr = graph.program.jaxpr.jaxpr
     first_read: dict[jcore.Var, str] = {}
@@ -216,22 +282,36 @@ def _input_devices(graph: LayerGraph, assignment: Mapping[str, str], device: lis
         for a in e.invars:
             if isinstance(a, jcore.Var):
                 first_read.setdefault(a, device[i])
-    return tuple(
-        first_read.get(v, home) if layer in (None, SHARED) else assignment[layer]
-        for v, layer in zip(jaxpr.invars, graph.input_layers)
-    )
+    out = []
+    for v, layer, role in zip(jaxpr.invars, graph.input_layers, graph.input_roles):
+        if layer in (None, SHARED):
+            out.append(first_read.get(v, home))
+        else:
+            p = placements[layer]
+            out.append(p.state if role in (PARAM, OPT_STATE) else p.compute)
+    return tuple(out)
 
 
-def _eqn_devices(graph: LayerGraph, assignment: Mapping[str, str], home: str) -> list[str]:
-    """Each equation's device: its layer's; a shared (scalar) one runs where it is first read.
+def _eqn_devices(graph: LayerGraph, placements: Mapping[str, Placement], home: str
+                 ) -> list[str]:
+    """Each equation's device: its layer's compute device for the forward and
+    backward, its update device for the rest once the backward has begun (the
+    optimizer update, gradient accumulation). A shared (scalar) equation runs
+    where it is first read.
 
     Placing a shared scalar beside its first consumer keeps it off the
     critical path; other readers receive a few bytes. Shared equations that
     only feed the result (the new step count) run on the home device.
     """
     eqns = graph.program.jaxpr.jaxpr.eqns
-    device: list[str | None] = [None if name == SHARED else assignment[name]
-                                for name in graph.eqn_layers]
+    updating = _updating(eqns)
+    device: list[str | None] = []
+    for i, name in enumerate(graph.eqn_layers):
+        if name == SHARED:
+            device.append(None)
+            continue
+        p = placements[name]
+        device.append(p.update if updating[i] else p.compute)
     first_reader: dict[jcore.Var, int] = {}
     for i, e in enumerate(eqns):
         for a in e.invars:
@@ -242,6 +322,15 @@ def _eqn_devices(graph: LayerGraph, assignment: Mapping[str, str], home: str) ->
             readers = [first_reader[o] for o in eqns[i].outvars if o in first_reader]
             device[i] = device[min(readers)] if readers else home
     return device  # type: ignore[return-value]
+
+
+def _updating(eqns) -> list[bool]:
+    """Per equation: whether it is update work (neither forward nor backward,
+    after the backward began: the optimizer, gradient accumulation)."""
+    stacks = [str(e.source_info.name_stack) for e in eqns]
+    first_bwd = next((i for i, s in enumerate(stacks) if is_backward(s)), len(eqns))
+    return [i > first_bwd and not is_forward(s) and not is_backward(s)
+            for i, s in enumerate(stacks)]
 
 
 def _eqn_deps(eqns) -> list[set[int]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -68,6 +69,14 @@ def _compile(stage: Stage, device: jax.Device):
                  out_shardings=sharding)
     fn.lower(*args).compile()
     return fn
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 class Workers:
@@ -121,16 +130,7 @@ class Executor:
         self.devices = dict(devices)
         self.transfer = transfer or TransferEngine()
         self.workers = workers or Workers()
-        # Microbatches repeat the same stage computations: compile each distinct
-        # (jaxpr, consts, device) once. A jaxpr's text names its variables by
-        # position, so structurally equal stages print alike.
-        cache: dict = {}
-        self.compiled = []
-        for st in stages.stages:
-            key = (str(st.jaxpr.jaxpr), tuple(id(c) for c in st.jaxpr.consts), st.device)
-            if key not in cache:
-                cache[key] = _compile(st, self.devices[st.device])
-            self.compiled.append(cache[key])
+        self.compiled = self._compile_all(stages.stages)
         jaxpr = stages.graph.program.jaxpr.jaxpr
         self._invars = list(jaxpr.invars)
         self._is_input = set(self._invars)
@@ -139,6 +139,32 @@ class Executor:
         self._producer = {v: st.index for st in stages.stages for v in st.outputs}
         self.last_events: list[StageEvent] = []
         self.record_events = False
+
+    def _compile_all(self, stages: Sequence[Stage]) -> list:
+        """One executable per stage, compiled in parallel threads.
+
+        Microbatches repeat the same stage computations: each distinct
+        (jaxpr, consts, device) compiles once. A jaxpr's text names its
+        variables by position, so structurally equal stages print alike.
+        XLA compiles with the GIL released, so the stages' compilations (and
+        one stage's lowering, in Python, beside another's compilation) overlap:
+        a split step's first call then costs about its largest stage's
+        compilation, not their sum, where cores allow.
+        """
+        keys = [(str(st.jaxpr.jaxpr), tuple(id(c) for c in st.jaxpr.consts), st.device)
+                for st in stages]
+        first = {}
+        for key, st in zip(keys, stages):
+            first.setdefault(key, st)
+        threads = min(len(first), _cores())
+        if threads <= 1:
+            done = {k: _compile(st, self.devices[st.device]) for k, st in first.items()}
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="hetpar-compile") as pool:
+                futures = {k: pool.submit(_compile, st, self.devices[st.device])
+                           for k, st in first.items()}
+                done = {k: f.result() for k, f in futures.items()}
+        return [done[k] for k in keys]
 
     def place_inputs(self, flat_args: Sequence) -> list:
         """Each input on its planned device (a no-op for state already resident)."""
@@ -164,7 +190,25 @@ class Executor:
                 f"{st.device} failed, running layers {list(st.layers)}: "
                 f"{type(e).__name__}: {e}. The inputs you passed are unchanged.") from e
         self.last_events = sorted(run.events, key=lambda ev: ev.start_s)
-        return [self._read(run.env, v) for v in self._outvars]
+        outs = [self._read(run.env, v) for v in self._outvars]
+        return self._return_state(outs)
+
+    def _return_state(self, outs: list) -> list:
+        """Outputs moved to where the plan keeps them: the new state of a layer
+        whose update ran away from its state device (streamed) goes back
+        there, so the next step finds it in place."""
+        wanted = self.stages.output_devices
+        if not any(wanted):
+            return outs
+        by_device: dict = {}
+        for i, d in enumerate(wanted):
+            if d is not None:
+                by_device.setdefault(d, []).append(i)
+        for d, idx in by_device.items():
+            for i, y in zip(idx, self.transfer.move_many([outs[i] for i in idx],
+                                                         self.devices[d])):
+                outs[i] = y
+        return outs
 
     def _read(self, env, v):
         if isinstance(v, jcore.Literal):

@@ -1,0 +1,188 @@
+"""Equinox steps under `hetpar.auto`, written as Equinox users write them.
+
+The model is passed as it is, activation functions (`jax.nn.relu`, a
+`custom_jvp`) and all: its non-array leaves are static, as under
+`eqx.filter_jit`, and the updated model comes back with them. Results equal
+`eqx.filter_jit`'s (and `jax.jit`'s on the array part) on one device, on two,
+and with microbatches.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import hetpar
+
+TX = optax.adam(1e-2)
+
+
+def mlp_data():
+    x = jax.random.normal(jax.random.key(1), (8, 6))
+    y = jax.random.normal(jax.random.key(2), (8, 3))
+    return x, y
+
+
+def mlp_step(model, opt_state, x, y):
+    def loss(model):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    loss_value, grads = eqx.filter_value_and_grad(loss)(model)
+    updates, opt_state = TX.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss_value
+
+
+def fresh_mlp():
+    model = eqx.nn.MLP(6, 3, 16, 2, key=jax.random.key(0))
+    return model, TX.init(eqx.filter(model, eqx.is_array))
+
+
+class CNN(eqx.Module):
+    conv: eqx.nn.Conv2d
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(2, 4, kernel_size=3, padding=1, key=k1)
+        self.head = eqx.nn.Linear(4 * 6 * 6, 3, key=k2)
+
+    def __call__(self, x):  # one example, channels first as Equinox has it
+        return self.head(jax.nn.relu(self.conv(x)).reshape(-1))
+
+
+def cnn_data():
+    x = jax.random.normal(jax.random.key(3), (4, 2, 6, 6))
+    y = jax.random.normal(jax.random.key(4), (4, 3))
+    return x, y
+
+
+def cnn_step(model, opt_state, batch):
+    x, y = batch
+
+    def loss(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    # hetpar.value_and_grad takes the model as eqx.filter_value_and_grad
+    # does (non-array leaves static, their gradient None) and microbatches.
+    loss_value, grads = hetpar.value_and_grad(loss)(model, x, y)
+    updates, opt_state = TX.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss_value
+
+
+def fresh_cnn():
+    model = CNN(jax.random.key(0))
+    return model, TX.init(eqx.filter(model, eqx.is_array))
+
+
+def train(step, model, opt_state, *batch, steps=3):
+    for _ in range(steps):
+        model, opt_state, loss = step(model, opt_state, *batch)
+    return model, opt_state, loss
+
+
+def assert_close(a, b):
+    """Float array leaves within f32 relative error 1e-5; integer and non-array leaves skipped."""
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        if not eqx.is_inexact_array(x):
+            continue
+        x, y = np.asarray(x), np.asarray(y)
+        scale = max(np.abs(y).max(), 1e-30)
+        assert np.abs(x - y).max() / scale <= 1e-5
+
+
+def two_device_plan(step, *args):
+    layers = hetpar.trace(step, *args).layers
+    assert len(layers) >= 2, layers
+    return {name: f"cpu:{i % 2}" for i, name in enumerate(layers)}
+
+
+def test_model_with_activation_functions_traces():
+    model, opt_state = fresh_mlp()
+    graph = hetpar.trace(mlp_step, model, opt_state, *mlp_data())
+    assert graph.layers
+    # One flat input per array leaf: the activations are static, not inputs.
+    n_arrays = len(jax.tree.leaves(eqx.filter((model, opt_state, *mlp_data()), eqx.is_array)))
+    assert len(graph.program.in_paths) == n_arrays
+    assert "[0].layers[0].weight" in graph.program.in_paths
+
+
+def test_one_device_step_equals_filter_jit():
+    model, opt_state = fresh_mlp()
+    data = mlp_data()
+    ref = train(eqx.filter_jit(mlp_step), model, opt_state, *data)
+    step = hetpar.auto(mlp_step, devices="cpu:0")
+    out = train(step, model, opt_state, *data)
+    assert_close(out, ref)
+    # The updated model is an MLP with its activation, as the step returned it.
+    assert out[0].activation is jax.nn.relu
+    assert jax.tree.structure(out[0]) == jax.tree.structure(model)
+    # The array part equals jax.jit on the partitioned model.
+    params, static = eqx.partition(model, eqx.is_array)
+
+    @jax.jit
+    def jit_step(params, opt_state, x, y):
+        model, opt_state, loss = mlp_step(eqx.combine(params, static), opt_state, x, y)
+        return eqx.filter(model, eqx.is_array), opt_state, loss
+
+    jp, jo, jl = train(jit_step, params, opt_state, *data)
+    assert_close((eqx.filter(out[0], eqx.is_array), out[1], out[2]), (jp, jo, jl))
+
+
+def test_lower_takes_the_model_as_given():
+    model, opt_state = fresh_mlp()
+    data = mlp_data()
+    step = hetpar.auto(mlp_step, devices="cpu:0")
+    compiled = step.lower(model, opt_state, *data)
+    new_model, _, loss = compiled(model, opt_state, *data)
+    _, _, ref_loss = eqx.filter_jit(mlp_step)(model, opt_state, *data)
+    assert new_model.activation is jax.nn.relu
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+
+
+def test_hetpar_value_and_grad_filters_like_equinox():
+    model, _ = fresh_cnn()
+    x, y = cnn_data()
+
+    def loss(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    value, grads = eqx.filter_jit(hetpar.value_and_grad(loss))(model, x, y)
+    ref_value, ref_grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(model, x, y)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+    assert_close(grads, ref_grads)
+
+
+def test_mlp_under_a_plan_dict_equals_filter_jit():
+    model, opt_state = fresh_mlp()
+    data = mlp_data()
+    layers = hetpar.trace(mlp_step, model, opt_state, *data).layers
+    step = hetpar.auto(mlp_step, plan={name: f"cpu:{i % 2}" for i, name in enumerate(layers)})
+    out = train(step, model, opt_state, *data)
+    assert_close(out, train(eqx.filter_jit(mlp_step), model, opt_state, *data))
+    assert out[0].activation is jax.nn.relu
+
+
+def test_cnn_split_over_two_devices_equals_filter_jit():
+    model, opt_state = fresh_cnn()
+    batch = cnn_data()
+    plan = two_device_plan(cnn_step, model, opt_state, batch)
+    step = hetpar.auto(cnn_step, plan=plan)
+    out = train(step, model, opt_state, batch)
+    assert set(step.assignment.values()) == {"cpu:0", "cpu:1"}
+    ref = train(eqx.filter_jit(cnn_step), model, opt_state, batch)
+    assert_close(out, ref)
+    assert isinstance(out[0], CNN)
+
+
+def test_cnn_microbatched_pipeline_equals_filter_jit():
+    model, opt_state = fresh_cnn()
+    batch = cnn_data()
+    plan = two_device_plan(cnn_step, model, opt_state, batch)
+    step = hetpar.auto(cnn_step, plan=plan, microbatches=2)
+    out = train(step, model, opt_state, batch)
+    ref = train(eqx.filter_jit(cnn_step), model, opt_state, batch)
+    assert_close(out, ref)

@@ -1,0 +1,121 @@
+"""State apart from compute, run (issue 15): offload plans equal `jax.jit`.
+
+On virtual CPU devices: compute on `cpu:0`, parameters and optimizer state
+kept on `cpu:1` between steps and updated there (ZeRO-Offload's split), or
+kept on `cpu:1` and updated on `cpu:0` (state streamed in and out). Three
+steps must match the same step under `jax.jit` on one device (f32 relative
+error <= 1e-5), the state must stay where the plan put it, and a failing
+step must leave the caller's state intact.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hetpar
+from hetpar import zoo
+from hetpar.core import Placement, PlanError
+from hetpar.passes import split
+
+from .test_runtime import check_steps
+
+OFFLOAD = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:1"}
+STREAMED = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:0"}
+
+
+@pytest.mark.parametrize("model", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("how", ["host_update", "streamed", "partial"])
+def test_offload_plan_equals_jit(model, how):
+    w = zoo.get(model, small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    if how == "host_update":
+        plan = {layer: OFFLOAD for layer in graph.layers}
+    elif how == "streamed":
+        plan = {layer: STREAMED for layer in graph.layers}
+    else:  # the first layer resident, the rest offloaded
+        plan = {layer: OFFLOAD for layer in graph.layers}
+        plan[graph.layers[0]] = "cpu:0"
+    step = hetpar.auto(w.train_step, plan=plan)
+    got = check_steps(w.train_step, step, args)  # each of 3 steps equals jax.jit's
+    placements = step.placements
+    assert all(isinstance(p, Placement) for p in placements.values())
+    assert step.state_assignment[graph.layers[-1]] == "cpu:1"
+    assert step.update_assignment[graph.layers[-1]] == ("cpu:0" if how == "streamed" else "cpu:1")
+    # The offloaded layers' new state comes back where their state lives.
+    cpu1 = jax.devices("cpu")[1]
+    on_cpu1 = [x for x in jax.tree_util.tree_leaves(got[:-1])
+               if isinstance(x, jax.Array) and cpu1 in x.devices()]
+    assert on_cpu1, "offloaded state must stay on the state device"
+
+
+def test_split_puts_each_part_on_its_device():
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    stages = split(graph, {layer: OFFLOAD for layer in graph.layers})
+    update = [st for st in stages.stages if st.device == "cpu:1"]
+    compute = [st for st in stages.stages if st.device == "cpu:0"]
+    assert len(update) == 1, "the host update of all offloaded layers is one computation"
+    assert compute and all(st.device == "cpu:0" for st in compute)
+    # Each offloaded layer's forward is a stage of its own, so its weights'
+    # copy can overlap the layers before it.
+    fwd_layers = [st.layers for st in compute]
+    assert len(fwd_layers) >= len(graph.layers)
+    for layer, role, dev in zip(graph.input_layers, graph.input_roles, stages.input_devices):
+        if layer not in graph.layers:
+            continue  # shared scalars (Adam's count) live where first read
+        assert dev == ("cpu:1" if role in ("param", "opt_state") else "cpu:0"), (layer, role)
+
+
+def test_bad_placements_are_refused():
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    with pytest.raises(PlanError, match="unknown placement keys"):
+        split(graph, {layer: {"compute": "cpu:0", "home": "cpu:1"} for layer in graph.layers})
+    with pytest.raises(PlanError, match="needs 'compute'"):
+        split(graph, {layer: {"state": "cpu:1"} for layer in graph.layers})
+    with pytest.raises(PlanError, match="not run yet"):
+        split(graph, {layer: {"compute": "cpu:0", "activations": "offload"}
+                      for layer in graph.layers})
+    with pytest.raises(PlanError, match="activations must be one of"):
+        split(graph, {layer: {"compute": "cpu:0", "activations": "drop"}
+                      for layer in graph.layers})
+
+
+class Boom(Exception):
+    pass
+
+
+def test_caller_state_survives_a_failing_offload_step():
+    fail = {"now": False}
+
+    def check(x):
+        if fail["now"]:
+            raise Boom("injected failure")
+
+    def step(w, x):
+        def loss(w):
+            with hetpar.layer("first"):
+                h = jnp.tanh(x @ w[0])
+            with hetpar.layer("second"):
+                jax.debug.callback(check, h)
+                h = jnp.tanh(h @ w[1])
+            return h.sum()
+
+        val, g = jax.value_and_grad(loss)(w)
+        return [a - 0.1 * b for a, b in zip(w, g)], val
+
+    cpu1 = jax.devices("cpu")[1]
+    w = [jax.device_put(jnp.ones((4, 4)), cpu1), jax.device_put(jnp.ones((4, 4)) * 0.5, cpu1)]
+    before = [np.asarray(a).copy() for a in w]
+    auto_step = hetpar.auto(step, plan={"first": OFFLOAD, "second": OFFLOAD})
+    new, _ = auto_step(w, jnp.ones((2, 4)))
+    assert {d for a in new for d in a.devices()} == {cpu1}  # host-resident state stays there
+    fail["now"] = True
+    with pytest.raises(hetpar.StageError, match=r"cpu:0.*second"):
+        auto_step(w, jnp.ones((2, 4)))
+    for a, b in zip(w, before):  # the caller's host-resident state is intact
+        np.testing.assert_array_equal(np.asarray(a), b)
