@@ -45,9 +45,9 @@ from hetpar.passes import (
     StaticKey,
     StaticLeaves,
     check_covers,
-    is_traced,
     microbatch_of,
     split,
+    static_where,
     trace,
 )
 from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
@@ -460,12 +460,12 @@ def _signature(args) -> tuple:
     Not on the fast path of a one-device plan (`AutoStep.__call__`).
     """
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple(map(_leaf_signature, leaves))
+    static = set(static_where(args))
+    return tree, tuple(StaticKey(x) if i in static else _leaf_signature(x)
+                       for i, x in enumerate(leaves))
 
 
 def _leaf_signature(x):
-    if not is_traced(x):
-        return StaticKey(x)
     return getattr(x, "shape", None), getattr(x, "dtype", type(x))
 
 

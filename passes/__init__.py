@@ -39,6 +39,7 @@ from hetpar.passes._program import (
     StaticKey,
     StaticLeaves,
     is_traced,
+    static_where,
     subjaxpr,
     trace_program,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "module_path",
     "op_class",
     "split",
+    "static_where",
     "step_cost",
     "subjaxpr",
     "trace",

@@ -51,6 +51,30 @@ def is_traced(leaf) -> bool:
     return isinstance(leaf, _TRACED) or hasattr(leaf, "__jax_array__")
 
 
+_NUMBERS = (bool, int, float, complex)
+
+
+def static_where(parts: Sequence) -> tuple[int, ...]:
+    """Flat positions of the static leaves of `parts` (a step's arguments, or
+    its result's elements), counted across all of them.
+
+    A leaf that is not traced (`is_traced`) is static. So is a Python number
+    inside a part that holds such leaves: an Equinox module's fields
+    (`MaxPool2d`'s `-inf` init, a dropout rate) are static under
+    `eqx.filter_jit`, and `lax.reduce_window` cannot differentiate through a
+    traced init value. A Python number passed on its own (a learning rate)
+    stays traced, as under jax.jit.
+    """
+    where, offset = [], 0
+    for part in parts:
+        leaves = jax.tree_util.tree_leaves(part)
+        filtered = any(not is_traced(x) for x in leaves)
+        where.extend(offset + k for k, x in enumerate(leaves)
+                     if not is_traced(x) or (filtered and isinstance(x, _NUMBERS)))
+        offset += len(leaves)
+    return tuple(where)
+
+
 class StaticLeaves:
     """A step with the non-array leaves of its arguments and result held static.
 
@@ -74,7 +98,7 @@ class StaticLeaves:
 
     def __init__(self, fn: Callable, args: tuple):
         leaves, self._in_tree = jax.tree_util.tree_flatten(args)
-        self._in_where = tuple(i for i, x in enumerate(leaves) if not is_traced(x))
+        self._in_where = static_where(args)
         self._in_values = tuple(leaves[i] for i in self._in_where)
         static = set(self._in_where)
         self._in_traced = tuple(i for i in range(len(leaves)) if i not in static)
@@ -89,7 +113,7 @@ class StaticLeaves:
                 leaves[i] = v
             out = fn(*jax.tree_util.tree_unflatten(self._in_tree, leaves))
             leaves, tree = jax.tree_util.tree_flatten(out)
-            where = tuple(i for i, x in enumerate(leaves) if not is_traced(x))
+            where = static_where(out if isinstance(out, (tuple, list)) else (out,))
             if self._out is None:
                 self._out = (tree, where, tuple(leaves[i] for i in where))
             for i in where:

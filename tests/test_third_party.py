@@ -1,0 +1,297 @@
+"""Third-party models, their steps written the way each library's users write them.
+
+Hugging Face Flax (GPT-2, BERT, BERT with gradient checkpointing) with the
+optimizer and step of the Hugging Face Flax example scripts, and Haiku
+(`hk.transform`), each under a plan that splits its layers over cpu:0 and
+cpu:1, and with 2 microbatches. The only hetpar code in the steps is
+`hetpar.auto` and, for microbatching, `hetpar.value_and_grad` in place of
+`jax.value_and_grad`; the helpers below trace the step once for its layer names.
+
+The oracle is tests/test_runtime.py's: at each of 3 steps, the same step under
+`jax.jit` on cpu:0 applied to the state hetpar returned, relative L2 error over
+the float leaves <= 1e-5. Integer leaves (PRNG keys, Adam's step count) are left
+out, not turned into floats. Two independent 3-step trajectories are not
+compared: Adam turns the rounding noise on gradients that are zero in exact
+arithmetic (attention key biases: softmax ignores a shift shared by all keys)
+into +-lr updates, so those leaves differ between any two compilations of the
+step, `jax.jit` against itself equation by equation included.
+
+Layer counts and layer structure are not checked here (tests/test_trace.py and
+tests/test_user_steps.py do that).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import hetpar
+
+CPU0 = jax.devices("cpu")[0]
+
+
+# -- helpers ---------------------------------------------------------------
+
+
+def float_leaves(tree):
+    """The floating-point leaves; integer leaves and PRNG keys are skipped, not converted."""
+    return [x for x in jax.tree_util.tree_leaves(tree)
+            if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)]
+
+
+def rel_error(a, b) -> float:
+    """Relative L2 error of tree `a` against `b` over their float leaves."""
+    la, lb = float_leaves(a), float_leaves(b)
+    assert len(la) == len(lb) and lb, (len(la), len(lb))
+    num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
+              for x, y in zip(la, lb))
+    den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in lb)
+    return float(np.sqrt(num / den))
+
+
+def half_plan(step, args):
+    """First half of the step's layers on cpu:0, the rest on cpu:1."""
+    layers = hetpar.trace(step, *args).layers
+    half = max(1, len(layers) // 2)
+    return {name: "cpu:0" if k < half else "cpu:1" for k, name in enumerate(layers)}
+
+
+def check_equals_jit(auto_step, reference, args, steps=3, rtol=1e-5):
+    """`steps` steps of `auto_step`; each equals `jax.jit(reference)` on the same inputs."""
+    jitted = jax.jit(reference)
+    *state, batch = args
+    for _ in range(steps):
+        out = auto_step(*state, batch)
+        expected = jitted(*jax.device_put((*state, batch), CPU0))
+        np.testing.assert_allclose(out[-1], expected[-1], rtol=rtol)
+        assert rel_error(out, expected) <= rtol
+        state = out[:-1]
+
+
+def test_rel_error_skips_integer_and_key_leaves():
+    a = {"w": jnp.ones(3), "count": jnp.array(5, jnp.int32), "rng": jax.random.PRNGKey(0),
+         "key": jax.random.key(1)}
+    b = {"w": jnp.ones(3), "count": jnp.array(7, jnp.int32), "rng": jax.random.PRNGKey(9),
+         "key": jax.random.key(2)}
+    assert len(float_leaves(a)) == 1
+    assert rel_error(a, b) == 0.0
+
+
+# -- Hugging Face Flax -------------------------------------------------------
+
+VOCAB, SEQ, BATCH = 64, 8, 4
+
+
+def transformers_flax():
+    """transformers, skipping the test where it is absent or has no Flax models (v5)."""
+    transformers = pytest.importorskip("transformers")
+    try:
+        transformers.FlaxGPT2LMHeadModel  # noqa: B018 (lazy import: raises when absent)
+    except (AttributeError, ImportError) as e:
+        pytest.skip(f"this transformers has no Flax models: {e}")
+    return transformers
+
+
+# Models are built once per module (per xdist worker): Hugging Face builds their
+# random weights op by op, ~10 s of XLA compiles on 2 cores.
+@pytest.fixture(scope="module")
+def gpt2():
+    transformers = transformers_flax()
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=1,
+                                     n_head=2)
+    return transformers.FlaxGPT2LMHeadModel(config, seed=0)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return make_bert(gradient_checkpointing=False)
+
+
+def make_bert(gradient_checkpointing):
+    transformers = transformers_flax()
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, intermediate_size=64,
+                                     max_position_embeddings=SEQ)
+    model = transformers.FlaxBertForMaskedLM(config, seed=0)
+    if gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    return model
+
+
+def token_batch():
+    input_ids = jax.random.randint(jax.random.key(1), (BATCH, SEQ), 0, VOCAB)
+    return {"input_ids": input_ids, "attention_mask": jnp.ones_like(input_ids),
+            "labels": input_ids}
+
+
+# As run_clm_flax.py writes it: dropout on, its key carried in the state.
+def clm_train_step(model, tx):
+    def train_step(params, opt_state, dropout_rng, batch):
+        dropout_rng, new_dropout_rng = jax.random.split(dropout_rng)
+
+        def loss_fn(params):
+            logits = model(batch["input_ids"], params=params, dropout_rng=dropout_rng,
+                           train=True).logits
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1], batch["labels"][:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return params, opt_state, new_dropout_rng, loss
+
+    return train_step
+
+
+# The evaluation-mode twin, with the loss closing over the batch; `value_and_grad`
+# is jax's or hetpar's.
+def clm_eval_mode_step(model, tx, value_and_grad):
+    def train_step(params, opt_state, batch):
+        def loss_fn(params):
+            logits = model(batch["input_ids"], params=params, train=False).logits
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1], batch["labels"][:, 1:]).mean()
+
+        loss, grads = value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+# As run_mlm_flax.py writes it (masked positions labelled, the rest -100), the loss
+# averaged over the batch's tokens so that microbatches average to the full batch.
+def mlm_step(model, tx, value_and_grad, train):
+    def train_step(params, opt_state, dropout_rng, batch):
+        dropout_rng, new_dropout_rng = jax.random.split(dropout_rng)
+
+        def loss_fn(params):
+            logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                           params=params, dropout_rng=dropout_rng, train=train).logits
+            labels = batch["labels"]
+            mask = labels != -100
+            loss = optax.softmax_cross_entropy_with_integer_labels(
+                logits, jnp.where(mask, labels, 0))
+            return (loss * mask).sum() / labels.size
+
+        loss, grads = value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, new_dropout_rng, loss
+
+    return train_step
+
+
+def hf_optimizer():
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
+
+
+def mlm_batch():
+    batch = token_batch()
+    masked = jax.random.bernoulli(jax.random.key(2), 0.3, batch["input_ids"].shape)
+    batch["labels"] = jnp.where(masked, batch["input_ids"], -100)
+    return batch
+
+
+# The fast tier runs GPT-2 through the microbatched test below (a split plan too);
+# each Hugging Face case costs ~30 s of XLA compiles on 2 cores.
+@pytest.mark.slow
+def test_hf_gpt2_split_plan_equals_jit(gpt2):
+    tx = hf_optimizer()
+    train_step = clm_train_step(gpt2, tx)
+    params = gpt2.params
+    args = (params, tx.init(params), jax.random.PRNGKey(0), token_batch())
+    step = hetpar.auto(train_step, plan=half_plan(train_step, args))
+    check_equals_jit(step, train_step, args)
+
+
+def test_hf_gpt2_microbatched_closure_loss_equals_full_batch(gpt2):
+    # loss_fn(params) closes over the batch; hetpar cuts what it reads per microbatch.
+    tx = hf_optimizer()
+    step_fn = clm_eval_mode_step(gpt2, tx, hetpar.value_and_grad)
+    params = gpt2.params
+    args = (params, tx.init(params), token_batch())
+    step = hetpar.auto(step_fn, microbatches=2, plan=half_plan(step_fn, args))
+    check_equals_jit(step, clm_eval_mode_step(gpt2, tx, jax.value_and_grad), args)
+
+
+@pytest.mark.slow
+def test_hf_bert_split_plan_equals_jit(bert):
+    model = bert
+    tx = hf_optimizer()
+    train_step = mlm_step(model, tx, jax.value_and_grad, train=True)
+    args = (model.params, tx.init(model.params), jax.random.PRNGKey(0), mlm_batch())
+    step = hetpar.auto(train_step, plan=half_plan(train_step, args))
+    check_equals_jit(step, train_step, args)
+
+
+@pytest.mark.slow
+def test_hf_bert_microbatched_equals_full_batch(bert):
+    model = bert
+    tx = hf_optimizer()
+    step_fn = mlm_step(model, tx, hetpar.value_and_grad, train=False)
+    args = (model.params, tx.init(model.params), jax.random.PRNGKey(0), mlm_batch())
+    step = hetpar.auto(step_fn, microbatches=2, plan=half_plan(step_fn, args))
+    check_equals_jit(step, mlm_step(model, tx, jax.value_and_grad, train=False), args)
+
+
+@pytest.mark.slow
+def test_hf_bert_gradient_checkpointing_split_and_microbatched():
+    model = make_bert(gradient_checkpointing=True)
+    tx = hf_optimizer()
+    train_step = mlm_step(model, tx, jax.value_and_grad, train=True)
+    args = (model.params, tx.init(model.params), jax.random.PRNGKey(0), mlm_batch())
+    step = hetpar.auto(train_step, plan=half_plan(train_step, args))
+    check_equals_jit(step, train_step, args)
+
+    step_fn = mlm_step(model, tx, hetpar.value_and_grad, train=False)
+    step = hetpar.auto(step_fn, microbatches=2, plan=half_plan(step_fn, args))
+    check_equals_jit(step, mlm_step(model, tx, jax.value_and_grad, train=False), args)
+
+
+# -- Haiku -------------------------------------------------------------------
+
+
+def haiku_net():
+    hk = pytest.importorskip("haiku")
+
+    def forward(images):
+        x = hk.Flatten()(images)
+        x = hk.nets.MLP([32, 32], activate_final=True)(x)
+        x = hk.LayerNorm(axis=-1, create_scale=True, create_offset=True)(x)
+        return hk.Linear(10)(x)
+
+    return hk.without_apply_rng(hk.transform(forward))
+
+
+def haiku_step(net, tx, value_and_grad):
+    def loss_fn(params, images, labels):
+        logits = net.apply(params, images)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def update(params, opt_state, batch):
+        loss, grads = value_and_grad(loss_fn)(params, batch["images"], batch["labels"])
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return update
+
+
+def haiku_args(net, tx):
+    images = jax.random.normal(jax.random.key(1), (BATCH, 8, 8, 1))
+    labels = jax.random.randint(jax.random.key(2), (BATCH,), 0, 10)
+    params = net.init(jax.random.key(0), images)
+    return params, tx.init(params), {"images": images, "labels": labels}
+
+
+def test_haiku_split_plan_and_microbatches_equal_jit():
+    net = haiku_net()
+    tx = optax.adam(1e-3)
+    update = haiku_step(net, tx, jax.value_and_grad)
+    args = haiku_args(net, tx)
+    step = hetpar.auto(update, plan=half_plan(update, args))
+    check_equals_jit(step, update, args)
+
+    mb_update = haiku_step(net, tx, hetpar.value_and_grad)
+    step = hetpar.auto(mb_update, microbatches=2, plan=half_plan(mb_update, args))
+    check_equals_jit(step, update, args)
