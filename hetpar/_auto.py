@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from absl import logging
 
 from hetpar._grad import microbatched
@@ -231,7 +232,7 @@ class CompiledStep:
             jitted = self._step if self._static is None else self._static.flat_step
             self._jit = jax.jit(_traced_when_known(jitted), in_shardings=sharding,
                                 out_shardings=sharding)
-            self._sharding = sharding
+            self._sharding = self._placed_like = sharding
             # Flat positions of the batch arguments' leaves, static leaves counted.
             ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a))
                                              for a in user_args))
@@ -343,16 +344,33 @@ class CompiledStep:
         """
         moved = None
         for i in self._batch_argnums:
-            if any(isinstance(x, jax.Array) and x.sharding != self._sharding
-                   for x in jax.tree_util.tree_leaves(args[i])):
-                moved = moved or list(args)
-                moved[i] = jax.device_put(args[i], self._device)
+            for x in jax.tree_util.tree_leaves(args[i]):
+                if self._elsewhere(x):
+                    moved = moved or list(args)
+                    moved[i] = jax.device_put(args[i], self._device)
+                    break
         return args if moved is None else tuple(moved)
+
+    def _elsewhere(self, x) -> bool:
+        """Whether `x` is a JAX array placed other than the plan's device.
+
+        On every call, for every batch leaf: a sharding object already found
+        equal (arrays of one source share theirs) is recognised by identity,
+        and NumPy arrays by type, before anything slower.
+        """
+        if type(x) is np.ndarray or not isinstance(x, jax.Array):
+            return False
+        sharding = x.sharding
+        if sharding is self._placed_like:
+            return False
+        if sharding != self._sharding:
+            return True
+        self._placed_like = sharding
+        return False
 
     def _batch_leaves_here(self, leaves: list) -> list:
         """`_batch_here` on the flat leaves of the arguments (the static-leaf path)."""
-        moved = [i for i in self._batch_leaves
-                 if isinstance(leaves[i], jax.Array) and leaves[i].sharding != self._sharding]
+        moved = [i for i in self._batch_leaves if self._elsewhere(leaves[i])]
         if moved:
             for i, y in zip(moved, jax.device_put([leaves[i] for i in moved], self._device)):
                 leaves[i] = y
@@ -377,6 +395,8 @@ class CompiledStep:
         if len(args) != self._nargs:
             return UNKNOWN
         try:
+            if self._static is None:  # _call_jit's first case, one Python call less
+                return self._jit(*self._batch_here(args))
             return self._call_jit(args)
         except (_NewSignature, TypeError):  # TypeError: a non-array leaf (the full path says)
             return UNKNOWN

@@ -24,7 +24,7 @@ from jax.extend import core as jcore
 from hetpar.core import fingerprint
 from hetpar.passes._costs import Work, eqn_work, eqns_work, nbytes
 from hetpar.passes._layers import SHARED, assign_layers, is_backward, is_forward
-from hetpar.passes._program import Program, subjaxpr, trace_program
+from hetpar.passes._program import Program, static_where, subjaxpr, trace_program
 
 #: Roles of a flat input of the step.
 PARAM, OPT_STATE, BATCH = "param", "opt_state", "batch"
@@ -389,9 +389,16 @@ def input_roles(program: Program, args: Sequence, batch_argnums) -> list[str]:
     else:
         batch = {batch_argnums} if isinstance(batch_argnums, int) else set(batch_argnums)
         batch = {b % n for b in batch}
+    # The program's inputs are the traced leaves only: static ones (an
+    # Equinox model's activation function) are closed over.
+    static = set(static_where(args))
     arg_of: list[int] = []
+    flat = 0
     for k, a in enumerate(args):
-        arg_of += [k] * len(jax.tree_util.tree_leaves(a))
+        for _ in jax.tree_util.tree_leaves(a):
+            if flat not in static:
+                arg_of.append(k)
+            flat += 1
     read_forward: set = set()
     for e in program.eqns:
         if is_forward(str(e.source_info.name_stack)):

@@ -337,6 +337,7 @@ def hf_step(forward):
     return train_step, tx
 
 
+@pytest.mark.slow  # building a Hugging Face model compiles its initialiser: ~10-30 s
 def test_hf_gpt2_layers():
     t = _hf()
     model = t.FlaxGPT2LMHeadModel(t.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
@@ -350,6 +351,7 @@ def test_hf_gpt2_layers():
     assert updates_in_own_layer(g) == 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_hf_bert_layers(checkpointing):
     t = _hf()
@@ -377,3 +379,24 @@ def test_work_hoisted_out_of_a_scan_stays_under_the_root():
     paths = [("M", "embed")] * 5 + [("M", "blocks", "Dense_0")] * 3 + [("blocks", "mask")] * 4
     assert _strip_root(paths) == ([("embed",)] * 5 + [("blocks", "Dense_0")] * 3
                                   + [("blocks", "mask")] * 4)
+
+
+def test_equinox_module_passed_whole_keeps_its_roles():
+    eqx = pytest.importorskip("equinox")
+    model = eqx.nn.MLP(8, 4, 16, 3, key=jax.random.key(0))  # holds jax.nn.relu: static
+    tx = optax.adam(1e-3)
+
+    def step(model, opt_state, x, y):
+        def loss(model):
+            return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+        loss_value, grads = eqx.filter_value_and_grad(loss)(model)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss_value
+
+    g = hetpar.trace(step, model, tx.init(eqx.filter(model, eqx.is_array)),
+                     jnp.ones((4, 8)), jnp.ones((4, 4)), batch_argnums=(2, 3))
+    assert g.layers == ["layers[0]", "layers[1]", "layers[2]", "layers[3]"]
+    roles = list(g.input_roles)
+    assert roles.count("param") == 8 and roles[-2:] == ["batch", "batch"]
+    assert updates_in_own_layer(g) == 1.0

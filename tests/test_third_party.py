@@ -205,6 +205,7 @@ def test_hf_gpt2_split_plan_equals_jit(gpt2):
     check_equals_jit(step, train_step, args)
 
 
+@pytest.mark.slow
 def test_hf_gpt2_microbatched_closure_loss_equals_full_batch(gpt2):
     # loss_fn(params) closes over the batch; hetpar cuts what it reads per microbatch.
     tx = hf_optimizer()
@@ -284,6 +285,7 @@ def haiku_args(net, tx):
     return params, tx.init(params), {"images": images, "labels": labels}
 
 
+@pytest.mark.slow
 def test_haiku_split_plan_and_microbatches_equal_jit():
     net = haiku_net()
     tx = optax.adam(1e-3)
