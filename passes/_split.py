@@ -135,14 +135,16 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
     compute = {layer: p.compute for layer, p in placements.items()}
     eqns = graph.program.jaxpr.jaxpr.eqns
     home = compute[graph.layers[0]]
-    device = _eqn_devices(graph, placements, home)
+    updating = _updating(eqns)
+    device = _eqn_devices(graph, placements, home, updating)
     keys = _stage_keys(eqns, device)
     deps = _eqn_deps(eqns)
+    cut_keys = _cut_keys(graph, placements, keys)
     try:
-        order = device_aware_order(deps, _cut_keys(graph, placements, keys))
+        order = device_aware_order(deps, cut_keys)
     except ValueError:  # cannot happen for a valid jaxpr
         raise PlanError("internal error: the step's equations form a cycle") from None
-    runs = cut_runs(order, _cut_keys(graph, placements, keys))
+    runs = cut_runs(order, cut_keys)
     stage_of = {i: s for s, run in enumerate(runs) for i in run}
     stages = _stages(graph, runs, keys, stage_of)
     device_order, schedule = device_orders(
@@ -150,17 +152,16 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
         stage_deps([stage_of[i] for i in range(len(eqns))], deps, len(stages)), schedule)
     return StageGraph(graph, compute, tuple(stages), device_order,
                       _input_devices(graph, placements, device, home), home, schedule,
-                      placements, _output_devices(graph, placements, device))
+                      placements, _output_devices(graph, placements, updating))
 
 
 def _output_devices(graph: LayerGraph, placements: Mapping[str, Placement],
-                    device: list[str]) -> tuple[str | None, ...]:
+                    updating: list[bool]) -> tuple[str | None, ...]:
     """Where each program output goes back to: a layer's state device for the
     values its update computed elsewhere (the new parameters and optimizer
     state of a streamed layer); None (where computed) for the rest."""
     jaxpr = graph.program.jaxpr.jaxpr
     producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
-    updating = _updating(jaxpr.eqns)
     out: list[str | None] = []
     for v in jaxpr.outvars:
         i = producer.get(v) if isinstance(v, jcore.Var) else None
@@ -292,8 +293,8 @@ def _input_devices(graph: LayerGraph, placements: Mapping[str, Placement], devic
     return tuple(out)
 
 
-def _eqn_devices(graph: LayerGraph, placements: Mapping[str, Placement], home: str
-                 ) -> list[str]:
+def _eqn_devices(graph: LayerGraph, placements: Mapping[str, Placement], home: str,
+                 updating: list[bool]) -> list[str]:
     """Each equation's device: its layer's compute device for the forward and
     backward, its update device for the rest once the backward has begun (the
     optimizer update, gradient accumulation). A shared (scalar) equation runs
@@ -304,7 +305,6 @@ def _eqn_devices(graph: LayerGraph, placements: Mapping[str, Placement], home: s
     only feed the result (the new step count) run on the home device.
     """
     eqns = graph.program.jaxpr.jaxpr.eqns
-    updating = _updating(eqns)
     device: list[str | None] = []
     for i, name in enumerate(graph.eqn_layers):
         if name == SHARED:

@@ -18,7 +18,7 @@ from hetpar import zoo
 from hetpar.core import Placement, PlanError
 from hetpar.passes import split
 
-from .test_runtime import check_steps
+from .test_runtime import check_steps, failing_step
 
 OFFLOAD = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:1"}
 STREAMED = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:0"}
@@ -85,29 +85,8 @@ def test_bad_placements_are_refused():
                       for layer in graph.layers})
 
 
-class Boom(Exception):
-    pass
-
-
 def test_caller_state_survives_a_failing_offload_step():
-    fail = {"now": False}
-
-    def check(x):
-        if fail["now"]:
-            raise Boom("injected failure")
-
-    def step(w, x):
-        def loss(w):
-            with hetpar.layer("first"):
-                h = jnp.tanh(x @ w[0])
-            with hetpar.layer("second"):
-                jax.debug.callback(check, h)
-                h = jnp.tanh(h @ w[1])
-            return h.sum()
-
-        val, g = jax.value_and_grad(loss)(w)
-        return [a - 0.1 * b for a, b in zip(w, g)], val
-
+    fail, step = failing_step()
     cpu1 = jax.devices("cpu")[1]
     w = [jax.device_put(jnp.ones((4, 4)), cpu1), jax.device_put(jnp.ones((4, 4)) * 0.5, cpu1)]
     before = [np.asarray(a).copy() for a in w]

@@ -285,7 +285,8 @@ class Boom(Exception):
     pass
 
 
-def test_failing_stage_names_layer_and_device_and_keeps_state():
+def failing_step():
+    """(switch, step): a two-layer step whose layer "second" raises once switch["now"] is set."""
     fail = {"now": False}
 
     def check(x):
@@ -304,6 +305,11 @@ def test_failing_stage_names_layer_and_device_and_keeps_state():
         val, g = jax.value_and_grad(loss)(w)
         return [a - 0.1 * b for a, b in zip(w, g)], val
 
+    return fail, step
+
+
+def test_failing_stage_names_layer_and_device_and_keeps_state():
+    fail, step = failing_step()
     w = [jnp.ones((4, 4)), jnp.ones((4, 4)) * 0.5]
     before = [np.asarray(a).copy() for a in w]
     auto_step = hetpar.auto(step, plan={"first": "cpu:0", "second": "cpu:1"})
