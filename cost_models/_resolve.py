@@ -24,6 +24,25 @@ transfer). CPU devices of one host share its memory: between them a copy
 runs at the host's memory bandwidth. An accelerator without a measured path
 to a CPU uses its spec sheet's host link, and two accelerators without a
 measured path go through the host (two hops in series).
+
+Memory places
+-------------
+An accelerator's pinned host memory (JAX's `pinned_host` memory kind) is a
+place where state can live off the accelerator: host RAM the accelerator
+copies to and from at bus speed. Measured on an H100 host, those copies
+run ~50 GB/s each way while copies between the GPU and the CPU *device* run
+~7 GB/s. So beside every accelerator of a list that also has a CPU device
+(a host whose RAM can hold the state), the table gets a device named
+`<accelerator>:pinned_host` (`gpu:0:pinned_host`, `h100:0:pinned_host`) of
+kind `pinned_host` (`memory_places`): the host CPU device's memory, no
+price, no power, no compute group, no layer times (no layer computes
+there), linked both ways to its accelerator only. Those links are the
+measured `pinned_host_staged` paths of that accelerator (the copy between
+pinned memory and the device, which is all a state home in pinned memory
+needs), else its spec sheet's host link. A present accelerator without
+pinned host memory gets no place. A memory place named in the device list
+is kept even without a CPU device (the host memory then comes from the CPU
+profile), so a table rebuilt for a plan's devices has the same names.
 """
 
 from __future__ import annotations
@@ -33,8 +52,8 @@ from collections.abc import Sequence
 
 from absl import logging
 
-from hetpar.core import Link, ProfileError
-from hetpar.cost_models._devices import present_devices, spec_kind_of
+from hetpar.core import Link, ProfileError, memory_place
+from hetpar.cost_models._devices import has_pinned_host, present_devices, spec_kind_of
 from hetpar.cost_models._profile import DeviceProfile, LinkProfile
 from hetpar.cost_models._profiles import ProfileSet
 from hetpar.cost_models._specs import spec_kinds
@@ -43,6 +62,8 @@ from hetpar.cost_models._specs import spec_kinds
 _PARTIAL_PATHS = frozenset({"pinned_host_staged"})
 
 _NAME = re.compile(r"^([A-Za-z0-9_.\-]+):(\d+)$")
+#: The kind (and memory kind) of the memory places a table gets.
+PLACE_KIND = "pinned_host"
 
 
 # -- devices ---------------------------------------------------------------------
@@ -209,3 +230,100 @@ def resolve_links(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
                 continue
             links.append(Link(a.name, b.name, bandwidth_bytes_per_s=lk[1], latency_s=lk[0]))
     return links
+
+
+# -- memory places ------------------------------------------------------------
+
+
+class MemoryPlace:
+    """A memory place of the table: its name, its accelerator, its host's memory and
+    the links both ways ((latency_s, bandwidth) each)."""
+
+    def __init__(self, name: str, device: ResolvedDevice, memory_bytes: float,
+                 host: str | None, to_place: tuple[float, float],
+                 from_place: tuple[float, float]):
+        self.name = name
+        self.device = device
+        self.memory_bytes = memory_bytes
+        self.host = host
+        self.to_place = to_place
+        self.from_place = from_place
+
+    def links(self) -> list[Link]:
+        """The graph.json links accelerator -> place and place -> accelerator."""
+        acc = self.device.name
+        return [Link(acc, self.name, bandwidth_bytes_per_s=self.to_place[1],
+                     latency_s=self.to_place[0]),
+                Link(self.name, acc, bandwidth_bytes_per_s=self.from_place[1],
+                     latency_s=self.from_place[0])]
+
+
+def split_places(devices: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(devices, memory places) of a device list: `gpu:0:pinned_host` names a place."""
+    devs, places = [], []
+    for raw in devices:
+        (places if memory_place(raw.strip())[1] is not None else devs).append(raw)
+    return devs, [p.strip() for p in places]
+
+
+def memory_places(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
+                  sizes: Sequence[float], listed: Sequence[str] = ()) -> list[MemoryPlace]:
+    """The pinned host memory place of every accelerator of `devs` when a CPU device
+    is among them, and of those `listed`; see the module docstring.
+
+    Raises:
+      ProfileError: a listed place whose accelerator is not in `devs`, or whose
+        memory kind is not `pinned_host`.
+    """
+    by_name = {d.name: d for d in devs}
+    cpus = [d for d in devs if d.profile.device_class == "cpu"]
+    wanted = {}
+    for name in listed:
+        acc, kind = memory_place(name)
+        if kind != PLACE_KIND:
+            raise ProfileError(f"memory place {name!r}: only {PLACE_KIND!r} places are "
+                               "planned for")
+        if acc not in by_name:
+            raise ProfileError(f"memory place {name!r} names {acc!r}, which is not in the "
+                               f"device list ({', '.join(by_name)}); list it too")
+        wanted[acc] = name
+    if cpus:
+        for d in devs:
+            if d.profile.device_class != "cpu":
+                wanted.setdefault(d.name, f"{d.name}:{PLACE_KIND}")
+    if cpus:
+        memory, host = float(cpus[0].profile.memory_bytes), cpus[0].name
+    else:
+        memory, host = float(profiles.device("cpu").memory_bytes), None
+    cpu_names = [d.name for d in cpus] + [n for n, p in profiles.devices.items()
+                                          if p.origin == "measured" and p.device_class == "cpu"]
+    out = []
+    for d in devs:
+        if d.name not in wanted or d.profile.device_class == "cpu":
+            continue
+        jd = d.jax_device
+        if jd is not None and (jd.platform == "cpu" or not has_pinned_host(jd)):
+            continue  # no pinned host memory behind it (or a CPU standing in for a GPU)
+        to_place = _staged(d, profiles, cpu_names, sizes, outbound=True)
+        from_place = _staged(d, profiles, cpu_names, sizes, outbound=False)
+        if to_place is None or from_place is None or memory <= 0:
+            logging.warning("no pinned host memory place for %s: no host link known", d.name)
+            continue
+        out.append(MemoryPlace(wanted[d.name], d, memory, host, to_place, from_place))
+    return out
+
+
+def _staged(acc: ResolvedDevice, profiles: ProfileSet, cpu_names: Sequence[str],
+            sizes: Sequence[float], *, outbound: bool) -> tuple[float, float] | None:
+    """(latency_s, bandwidth) between `acc` and its pinned host memory: the measured
+    `pinned_host_staged` path (any CPU of the host), else its spec sheet's host link."""
+    for c in cpu_names:
+        src, dst = (acc.name, c) if outbound else (c, acc.name)
+        cands = [lk for lk in profiles.links_between(src, dst) if lk.path == "pinned_host_staged"]
+        if cands:
+            lk = min(cands, key=lambda lk: sum(lk.time(n) for n in sizes))
+            return lk.latency_s, lk.bandwidth_bytes_per_s
+    hl = acc.profile.host_link
+    if hl is None and acc.kind in spec_kinds():
+        hl = profiles.device(acc.kind).host_link
+    return (hl.latency_s, hl.bandwidth_bytes_per_s) if hl else None

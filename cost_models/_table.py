@@ -27,6 +27,19 @@ Devices
 -------
 Present CPU devices of one process share its cores: the table puts them in
 one `compute_group`, and the planner then never overlaps their work.
+
+Memory places
+-------------
+Beside every accelerator of a list with a CPU device, the table also gets
+that accelerator's pinned host memory as a device of kind `pinned_host`
+named `<accelerator>:pinned_host` (`gpu:0:pinned_host`): memory_bytes the
+host CPU device's (they share the host's RAM; the planner caps the two
+together), no price or power, no compute group, no layer times (no layer
+computes there; layers' `memory_bytes` and `update_s` never name it), and
+links both ways to its accelerator alone, at the bus's speed rather than the
+CPU device's (`_resolve.memory_places`). The offload planner streams
+optimizer state from there for updates on the accelerator, as JAX's host
+offload does. `memory_places=False` leaves them out.
 """
 
 from __future__ import annotations
@@ -40,7 +53,15 @@ from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
 from hetpar.cost_models._layer_timing import measure_layer
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes, update_work
 from hetpar.cost_models._profiles import ProfileSet
-from hetpar.cost_models._resolve import ResolvedDevice, resolve_devices, resolve_links
+from hetpar.cost_models._resolve import (
+    PLACE_KIND,
+    MemoryPlace,
+    ResolvedDevice,
+    memory_places,
+    resolve_devices,
+    resolve_links,
+    split_places,
+)
 from hetpar.cost_models._roofline import LayerWork, predict
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
 
@@ -64,6 +85,7 @@ def cost_table(
     meta: Mapping[str, Any] | None = None,
     microbatch_graph=None,
     microbatches: int = 1,
+    memory_places: bool = True,
 ) -> CostTable:
     """The planner's CostTable of `graph` on `devices`.
 
@@ -88,6 +110,10 @@ def cost_table(
         fitted from t = fixed + per_sample x batch at both sizes:
         fixed = (M t_small - t) / (M - 1), clipped to [0, t].
       microbatches: M, the ratio of the two batches.
+      memory_places: add each accelerator's pinned host memory as a device
+        of kind `pinned_host` when the list has a CPU device (see the
+        module docstring); memory places named in `devices`
+        (`gpu:0:pinned_host`) are added whatever this says.
 
     Returns:
       A validated `hetpar.core.CostTable`. Its `meta` holds the
@@ -101,7 +127,10 @@ def cost_table(
     """
     profiles = profiles if profiles is not None else ProfileSet(
         {k_: spec(k_) for k_ in spec_kinds()})
+    devices, listed_places = split_places(devices)
     devs = resolve_devices(devices, profiles, measure=measure)
+    sizes = _edge_sizes(graph)
+    places = _memory_places(devs, profiles, sizes, listed_places, memory_places)
     if microbatch_graph is not None and not (measure and microbatches > 1):
         raise ProfileError("microbatch_graph needs measure=True and microbatches > 1")
     times = _Times()
@@ -119,15 +148,35 @@ def cost_table(
         "device_sources": {d.name: {"origin": d.profile.origin, **dict(d.profile.sources)}
                            for d in devs},
     }
+    for place in places:
+        info_meta["device_sources"][place.name] = {
+            "origin": "memory place", "device": place.device.name,
+            "memory_bytes": f"the RAM of host {place.host or 'cpu (spec sheet)'}"}
     if measure:
         info_meta["measured_s"] = times.measured
         info_meta["measured_iqr_s"] = times.measured_iqr
     if times.fixed:
         info_meta["fixed_s"] = f"fitted from each layer measured at batch and batch/{microbatches}"
     info_meta.update(meta or {})
-    return CostTable(devices=_table_devices(devs, host_cpu_included=host_cpu_included),
-                     links=tuple(resolve_links(devs, profiles, _edge_sizes(graph))),
-                     layers=tuple(layers), edges=tuple(edges), meta=info_meta)
+    links = resolve_links(devs, profiles, sizes) + [k for p in places for k in p.links()]
+    return CostTable(devices=_table_devices(devs, host_cpu_included=host_cpu_included)
+                     + tuple(_place_device(p) for p in places),
+                     links=tuple(links), layers=tuple(layers), edges=tuple(edges), meta=info_meta)
+
+
+def _memory_places(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
+                   sizes: Sequence[float], listed: Sequence[str],
+                   wanted: bool) -> list[MemoryPlace]:
+    """The table's memory places: every accelerator's (when `wanted`) and the listed ones."""
+    if not wanted and not listed:
+        return []
+    places = memory_places(devs, profiles, sizes, listed)
+    return places if wanted else [p for p in places if p.name in listed]
+
+
+def _place_device(place: MemoryPlace) -> Device:
+    """The graph.json device of a memory place: host memory, free, computing nothing."""
+    return Device(name=place.name, kind=PLACE_KIND, memory_bytes=place.memory_bytes)
 
 
 @dataclasses.dataclass

@@ -23,8 +23,9 @@ def test_predicted_table_is_valid_and_matches_the_graph():
     _, graph = _lm()
     table = cost_models.cost_table(graph, ["cpu:0", "cpu:1", "h100"])
     assert isinstance(table, CostTable)
-    assert table.device_names == ("cpu:0", "cpu:1", "h100:0")
-    assert [d.kind for d in table.devices] == ["cpu", "cpu", "h100"]
+    # Beside the H100, its pinned host memory: a memory place where nothing computes.
+    assert table.device_names == ("cpu:0", "cpu:1", "h100:0", "h100:0:pinned_host")
+    assert [d.kind for d in table.devices] == ["cpu", "cpu", "h100", "pinned_host"]
     assert table.layer_names == tuple(graph.layers)
     for layer in table.layers:
         assert all(t > 0 for t in layer.time_s.values())
@@ -32,8 +33,9 @@ def test_predicted_table_is_valid_and_matches_the_graph():
     assert {(e.src, e.dst, e.bytes, e.bytes_backward) for e in table.edges} == {
         (u, v, d["bytes"], d["bytes_backward"]) for u, v, d in graph.graph.edges(data=True)
     }
-    # Every ordered pair is linked; the host CPU beside the H100 costs nothing extra.
-    assert len(table.links) == 6
+    # Every ordered pair of devices is linked, the place to its H100 alone; the
+    # host CPU beside the H100 costs nothing extra.
+    assert len(table.links) == 6 + 2
     assert table.device("cpu:0").price_per_hour == 0.0
     assert table.device("h100:0").price_per_hour > 0
     CostTable.from_json(table.to_json())  # round trip validates
@@ -44,7 +46,7 @@ def test_bigger_layer_predicts_slower():
     table = cost_models.cost_table(graph, ["cpu:0", "h100"])
     by_flops = sorted(graph.layers, key=lambda n: graph[n].flops + graph[n].bytes_accessed)
     small, big = by_flops[0], by_flops[-1]
-    for dev in table.device_names:
+    for dev in table.layers[0].time_s:  # the devices layers compute on
         assert table.layers[table.layer_names.index(big)].time_s[dev] > \
             table.layers[table.layer_names.index(small)].time_s[dev]
 
@@ -89,7 +91,8 @@ def test_cli_writes_a_graph_json_the_planner_loads(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "h100:0" in printed and "$" in printed and "J" in printed
     table = CostTable.load(out)
-    assert table.device_names == ("cpu:0", "h100:0")
+    assert table.device_names == ("cpu:0", "h100:0", "h100:0:pinned_host")
+    assert "memory place" in printed
     assert table.meta["model"] == "lm_embed"
 
 

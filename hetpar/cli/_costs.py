@@ -54,10 +54,14 @@ def _run(args) -> int:
     predicted = table.meta["predicted_s"]
     measured = table.meta.get("measured_s", {})
     costs = per_sample(table, batch)
-    names = table.device_names
+    # Memory places (`gpu:0:pinned_host`) hold state; no layer computes there.
+    names = [d.name for d in table.devices if d.kind != "pinned_host"]
     print(f"{args.model} (batch {batch}): seconds per step, then per sample "
           f"$ (price/h) and J (busy watts)")
     for d in table.devices:
+        if d.kind == "pinned_host":
+            print(f"  {d.name:<12} memory place (pinned host memory) {nbytes(d.memory_bytes)}")
+            continue
         print(f"  {d.name:<12} kind {d.kind:<8} ${d.price_per_hour:.3f}/h  "
               f"{d.watts_busy:.0f} W busy  {nbytes(d.memory_bytes)}")
     head = f"{'layer':<28}" + "".join(f"{n:>38}" for n in names)

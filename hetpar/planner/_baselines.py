@@ -1,6 +1,7 @@
 """Baseline placements, evaluated with the same evaluator as the ILP.
 
-- `single_device`: every layer on one device (one baseline per device).
+- `single_device`: every layer on one device (one baseline per device; none
+  for a memory place, which computes nothing).
 - `greedy_fastest`: each layer on its fastest device, ignoring transfers (the
   "recommend a device per layer" approach). It respects memory by falling back
   to the next fastest device that still has room, in layer order.
@@ -111,7 +112,8 @@ def memory_fill(table: CostTable, mode: str = "sequential", microbatches: int = 
     """Accelerate-style `device_map="auto"`: fill the fastest device, then the next."""
     arr = arrays or Arrays(table)
     total = np.where(arr.ok, arr.t, 0.0).sum(axis=0) / np.maximum(arr.ok.sum(axis=0), 1)
-    rank = list(np.argsort(total, kind="stable"))
+    # A device no layer may use (a memory place) would rank first and hold the pointer.
+    rank = [j for j in np.argsort(total, kind="stable") if arr.ok[:, j].any()]
     left = arr.cap.astype(float).copy()
     pointer = 0
     out = {}
@@ -271,7 +273,9 @@ def all_baselines(table: CostTable, objective: str = "time", mode: str = "sequen
     """Every baseline on `table`; exhaustive only when small enough (else its reason says why)."""
     arr = arrays or Arrays(table)
     out = {}
-    for d in arr.devices:
+    for j, d in enumerate(arr.devices):
+        if arr.place[j]:  # a memory place holds state; no layer runs there
+            continue
         r = single_device(table, d, mode, microbatches, arrays=arr)
         out[r.name] = r
     for fn in (greedy_fastest, memory_fill, heft):

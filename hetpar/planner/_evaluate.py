@@ -37,11 +37,14 @@ accelerators of one kind: each replica runs the whole step on batch / N
 (fixed part whole, the rest / N), then the gradients are all-reduced.
 
 State apart from compute (offload): an assignment may give a layer a
-`Placement` whose state lives on a host CPU device (and whose update runs
-there, or on the compute device with the state streamed in and back). Such a
-plan's step is always replayed (`hetpar.planner.simulate`: weight copies,
-gradients, streamed state and host updates on their links and devices), and
-its memory follows `held_bytes` (see there).
+`Placement` whose optimizer state (and maybe parameters) lives on a host CPU
+device or in a memory place (an accelerator's pinned host memory, a device
+of kind "pinned_host" in the table, on which no layer computes), its update
+running on the host CPU, or on the compute device with the state streamed
+in and back. Such a plan's step is always replayed
+(`hetpar.planner.simulate`: weight copies, gradients, streamed state and
+host updates on their links and devices), and its memory follows
+`held_bytes` (see there).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from hetpar.core import CostTable, Placement, PlanError, nbytes
+from hetpar.core import MEMORY_KINDS, CostTable, Placement, PlanError, is_memory_place, nbytes
 
 MODES = ("sequential", "pipelined")
 OBJECTIVES = ("time", "cost", "energy")
@@ -60,6 +63,12 @@ OBJECTIVES = ("time", "cost", "energy")
 #: holds at the step's peak: the old state and the new one coexist, since the
 #: runtime donates no buffer (the caller's state is never left half-updated).
 HOST_STATE_COPIES = 2
+
+
+def is_place(device) -> bool:
+    """Whether a table `Device` is a memory place (`gpu:0:pinned_host`): memory
+    beside an accelerator that holds state and never computes."""
+    return device.kind in MEMORY_KINDS or is_memory_place(device.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,7 +160,13 @@ class Arrays:
       upd: [L, D] seconds of the layer's update on d (`update_s`); nan where
         unknown.
       cpu: [D] whether the device is a CPU (kind "cpu"): where offloaded
-        state may live.
+        state may live and its update run.
+      place: [D] whether the device is a memory place (kind "pinned_host",
+        or a name like `gpu:0:pinned_host`): offloaded state may live there,
+        nothing computes there.
+      ram: [D] the position whose memory each device draws on: a memory
+        place's host RAM is its table's first CPU device's (they share it),
+        every other device its own.
     """
 
     def __init__(self, table: CostTable):
@@ -218,6 +233,10 @@ class Arrays:
             for d, v in (layer.update_s or {}).items():
                 self.upd[i, dindex[d]] = v
         self.cpu = np.array([d.kind == "cpu" for d in table.devices], dtype=bool)
+        self.place = np.array([is_place(d) for d in table.devices], dtype=bool)
+        host = int(np.argmax(self.cpu)) if self.cpu.any() else None
+        self.ram = np.array([host if self.place[j] and host is not None else j
+                             for j in range(D)], dtype=int)
 
     def indices(self, assignment: Mapping[str, str]) -> np.ndarray:
         """[L] each layer's device position under `assignment` ({layer: device}).
@@ -243,30 +262,36 @@ class Arrays:
         return out
 
     def placed(self, assignment: Mapping[str, Any]) -> Placed:
-        """The compute, state and update device of every layer under `assignment`.
+        """The compute, params, state and update device of every layer under `assignment`.
 
         Values are device names or `Placement`s (or their plan.json objects).
 
         Raises:
-          PlanError: a missing or unknown layer or device, or an update on a
-            device that is neither the layer's compute nor its state device.
+          PlanError: a missing or unknown layer or device, an update on a
+            device that is neither the layer's compute nor its state device,
+            or compute or update on a memory place.
         """
         compute = self.indices(assignment)
-        state, update = compute.copy(), compute.copy()
+        state, update, params = compute.copy(), compute.copy(), compute.copy()
         for i, n in enumerate(self.layers):
             v = assignment[n]
             if isinstance(v, str):
                 continue
             p = Placement.parse(v, n)
-            for what, name in (("state", p.state), ("update", p.update)):
+            for what, name in (("state", p.state), ("update", p.update), ("params", p.params)):
                 if name not in self.dindex:
                     raise PlanError(f"layer {n!r}: {what} device {name!r} is unknown; devices: "
                                     f"{', '.join(self.devices)}")
             state[i], update[i] = self.dindex[p.state], self.dindex[p.update]
+            params[i] = self.dindex[p.params]
             if update[i] not in (compute[i], state[i]):
                 raise PlanError(f"layer {n!r}: its update runs on {p.update}, neither its "
                                 f"compute ({p.compute}) nor its state device ({p.state})")
-        return Placed(compute, state, update)
+            for what, j in (("compute", compute[i]), ("update", update[i])):
+                if self.place[j]:
+                    raise PlanError(f"layer {n!r}: its {what} is on {self.devices[j]}, a "
+                                    "memory place (it holds state, it cannot compute)")
+        return Placed(compute, state, update, params)
 
     def resource_load(self, busy: np.ndarray) -> np.ndarray:
         """[..., D] seconds per compute resource (at its first device's position; 0
@@ -287,8 +312,9 @@ class Arrays:
         return "devices " + "+".join(self.devices[k] for k in members)
 
     def hourly_price(self, used: np.ndarray) -> float:
-        """Dollars per hour of the devices `used` ([D] bool); one used alone at its solo price."""
-        price = self.price_alone if used.sum() == 1 else self.price
+        """Dollars per hour of the devices `used` ([D] bool); one used alone at its solo
+        price (memory places, rented with their accelerator, do not count)."""
+        price = self.price_alone if (used & ~self.place).sum() == 1 else self.price
         return float(price[used].sum())
 
     def joules(self, used: np.ndarray, busy: np.ndarray, step: float) -> float:
@@ -326,25 +352,42 @@ class Arrays:
 
 @dataclasses.dataclass(frozen=True)
 class Placed:
-    """An assignment as [L] device positions: compute, state and update of every layer."""
+    """An assignment as [L] device positions: compute, state, update and parameters
+    of every layer (`params` None: with the state, as `Placement` defaults)."""
 
     compute: np.ndarray
     state: np.ndarray
     update: np.ndarray
+    params: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.params is None:
+            object.__setattr__(self, "params", np.array(self.state, copy=True))
 
     @property
     def apart(self) -> np.ndarray:
-        """[L] whether the layer's state lives off its compute device."""
+        """[L] whether the layer's state or parameters live off its compute device."""
+        return (self.state != self.compute) | (self.params != self.compute)
+
+    @property
+    def state_apart(self) -> np.ndarray:
+        """[L] whether the layer's optimizer state lives off its compute device."""
         return self.state != self.compute
+
+    @property
+    def params_apart(self) -> np.ndarray:
+        """[L] whether the layer's parameters live off its compute device (its
+        weights come in each step and its new parameters go back)."""
+        return self.params != self.compute
 
     @property
     def host_update(self) -> np.ndarray:
         """[L] whether the layer's update runs on its state device, apart from compute."""
-        return self.apart & (self.update == self.state)
+        return self.state_apart & (self.update == self.state)
 
     @property
     def streamed(self) -> np.ndarray:
-        """[L] whether the layer's state is streamed to its compute device for the update."""
+        """[L] whether the layer's update runs on its compute device with something apart."""
         return self.apart & (self.update == self.compute)
 
     @property
@@ -355,17 +398,25 @@ class Placed:
 def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     """[D] each device's peak bytes over a step under `placed`.
 
-    - A layer whose state stays with its compute holds its `memory_bytes`
-      there (2 x parameters: values and gradients, optimizer state, saved
-      activations).
-    - A layer whose state lives on a host holds on its compute device its
-      weight copy, its gradient and its activations: `memory_bytes` less its
-      optimizer state. Streamed (update on the compute device), its optimizer
-      state also visits the compute device during its update; updates run one
-      at a time, so the device adds the largest such state.
-    - The host holds an offloaded layer's parameters and optimizer state
-      HOST_STATE_COPIES times (old and new coexist: nothing is donated), plus
-      its gradient when the host runs its update.
+    - A layer whose state and parameters stay with its compute holds its
+      `memory_bytes` there (2 x parameters: values and gradients, optimizer
+      state, saved activations).
+    - A layer whose optimizer state lives elsewhere (a host CPU device or a
+      memory place) holds on its compute device its weights (a copy, when
+      the parameters live elsewhere too), its gradient and its activations:
+      `memory_bytes` less its optimizer state. Streamed (update on the
+      compute device), its optimizer state also visits the compute device
+      during its update; updates run one at a time, so the device adds the
+      largest such state.
+    - Where its optimizer state lives: HOST_STATE_COPIES x the state (old
+      and new coexist: nothing is donated), plus its gradient when the
+      update runs there. Where its parameters live, when not on the compute
+      device: HOST_STATE_COPIES x the parameters. Streaming only the state
+      (parameters resident, JAX's host offload) halves neither copy but
+      leaves the host the optimizer state alone.
+
+    A memory place shares its host's RAM with the CPU device (`Arrays.ram`);
+    `violations` checks the two together, not this figure.
 
     Everything counted can be alive at once (weights are copied in from the
     step's start, activations live until the backward), so this bounds the
@@ -373,18 +424,27 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     """
     L, D = arr.mem.shape
     rows = np.arange(L)
-    c, s = placed.compute, placed.state
-    apart = placed.apart
+    c, s, w = placed.compute, placed.state, placed.params
+    state_apart, params_apart = placed.state_apart, placed.params_apart
     mem_c = arr.mem[rows, c]
     o = np.nan_to_num(arr.opt[rows, c])
     p = np.nan_to_num(arr.param)
     out = np.zeros(D)
-    np.add.at(out, c, np.where(apart, np.maximum(mem_c - o, 0.0), mem_c))
-    host = HOST_STATE_COPIES * (p + o) + np.where(placed.host_update, p, 0.0)
-    np.add.at(out, s[apart], host[apart])
-    streamed = placed.streamed
-    for j in np.unique(c[streamed]):
-        out[j] += float(o[streamed & (c == j)].max())
+    np.add.at(out, c, np.where(state_apart, np.maximum(mem_c - o, 0.0), mem_c))
+    home = HOST_STATE_COPIES * o + np.where(placed.host_update, p, 0.0)
+    np.add.at(out, s[state_apart], home[state_apart])
+    np.add.at(out, w[params_apart], HOST_STATE_COPIES * p[params_apart])
+    visiting = placed.streamed & state_apart
+    for j in np.unique(c[visiting]):
+        out[j] += float(o[visiting & (c == j)].max())
+    return out
+
+
+def ram_bytes(arr: Arrays, held: np.ndarray) -> np.ndarray:
+    """[D] bytes drawn from each memory (`Arrays.ram`): a memory place's count with
+    its host CPU device's, 0 at the place itself."""
+    out = np.zeros(len(held))
+    np.add.at(out, arr.ram, held)
     return out
 
 
@@ -392,14 +452,21 @@ def placement_obstacles(arr: Arrays, placed: Placed) -> list[str]:
     """Why layers' state or update cannot be where `placed` puts them, in words."""
     out = []
     for i in np.nonzero(placed.apart)[0]:
-        n, c, s = arr.layers[i], placed.compute[i], placed.state[i]
-        dc, ds = arr.devices[c], arr.devices[s]
+        n, c, s, w = arr.layers[i], placed.compute[i], placed.state[i], placed.params[i]
+        dc = arr.devices[c]
         if np.isnan(arr.opt[i, c]):
             out.append(f"{n}'s state cannot leave {dc}: the table lacks its param_bytes")
-        if arr.bw[c, s] <= 0 or arr.bw[s, c] <= 0:
-            out.append(f"{n}'s state on {ds} needs links {dc} <-> {ds} both ways")
-        if placed.update[i] == s and not np.isfinite(arr.upd[i, s]):
-            out.append(f"{n}'s update has no time on {ds} (update_s)")
+        for what, j in (("state", s), ("parameters", w)):
+            if j != c and (arr.bw[c, j] <= 0 or arr.bw[j, c] <= 0):
+                out.append(f"{n}'s {what} on {arr.devices[j]} needs links {dc} <-> "
+                           f"{arr.devices[j]} both ways")
+        if placed.host_update[i]:
+            ds = arr.devices[s]
+            if not np.isfinite(arr.upd[i, s]):
+                out.append(f"{n}'s update has no time on {ds} (update_s)")
+            if w != s:
+                out.append(f"{n}'s update on {ds} needs its parameters there too, not on "
+                           f"{arr.devices[w]}")
     return out
 
 
@@ -428,6 +495,13 @@ def violations(table: CostTable, assignment: Mapping[str, Any], *, contiguous: b
     for j, d in enumerate(arr.devices):
         if used[j] > arr.cap[j] * (1 + 1e-9):
             out.append(f"{d} memory exceeded: needs {nbytes(used[j])}, holds {nbytes(arr.cap[j])}")
+    ram = ram_bytes(arr, used)
+    for j in np.unique(arr.ram[arr.place & (used > 0)]):
+        if ram[j] > arr.cap[j] * (1 + 1e-9) and used[j] <= arr.cap[j] * (1 + 1e-9):
+            places = " + ".join(arr.devices[k] for k in np.nonzero(
+                (arr.ram == j) & arr.place & (used > 0))[0])
+            out.append(f"host memory exceeded: {arr.devices[j]} + {places} share it and need "
+                       f"{nbytes(ram[j])}, {arr.devices[j]} holds {nbytes(arr.cap[j])}")
     for k, e in enumerate(table.edges):
         if not arr.pair_ok[k, a[arr.eu[k]], a[arr.ev[k]]]:
             out.append(f"edge {e.src} -> {e.dst} crosses {arr.devices[a[arr.eu[k]]]} -> "

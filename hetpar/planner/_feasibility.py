@@ -38,10 +38,13 @@ def memory_shortfall(arr: Arrays) -> str | None:
                     f"({nbytes(arr.mem[i, j] - arr.cap[j])} missing); raise memory_bytes of "
                     f"{arr.devices[j]}, allow the layer on a larger device, or split it")
     masks = (arr.ok * (1 << np.arange(D))).sum(axis=1)
-    if D <= _MAX_SUBSET_DEVICES:
-        subsets = [s for r in range(1, D + 1) for s in itertools.combinations(range(D), r)]
+    # Devices no layer may use (memory places) hold no layer: leave them out.
+    usable = [int(j) for j in np.nonzero(arr.ok.any(axis=0))[0]]
+    if len(usable) <= _MAX_SUBSET_DEVICES:
+        subsets = [s for r in range(1, len(usable) + 1)
+                   for s in itertools.combinations(usable, r)]
     else:
-        subsets = [(j,) for j in range(D)] + [tuple(range(D))]
+        subsets = [(j,) for j in usable] + [tuple(usable)]
     for s in subsets:
         smask = sum(1 << j for j in s)
         inside = (masks & ~smask) == 0
@@ -54,7 +57,7 @@ def memory_shortfall(arr: Arrays) -> str | None:
             ratio = [demand[j] / max(arr.cap[j], 1.0) for j in s]
             tight = arr.devices[s[int(np.argmax(ratio))]]
             names = " + ".join(arr.devices[j] for j in s)
-            who = "layers" if len(s) == D else f"layers that may only run on {names}"
+            who = "layers" if len(s) == len(usable) else f"layers that may only run on {names}"
             holds = "holds" if len(s) == 1 else "hold"
             return (f"{who} need at least {nbytes(need)} but {names} {holds} {nbytes(hold)} "
                     f"({nbytes(missing)} missing); raise memory_bytes of {tight} by "

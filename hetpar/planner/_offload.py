@@ -6,12 +6,18 @@ computing on an accelerator has three ways to hold its state (`Placement`):
 
 - resident: parameters and optimizer state on the compute device, update
   there (every plan before offload);
-- host: state on a host CPU device linked both ways, update on that CPU
-  (ZeRO-Offload's rule, here per layer): weights go to the accelerator each
-  step, gradients come back;
-- streamed: state on the host, update on the accelerator: weights go in for
-  the forward, the optimizer state before the update, the new parameters
-  and state come back.
+- host: parameters and optimizer state on a host CPU device linked both
+  ways, update on that CPU (ZeRO-Offload's rule, here per layer): weights go
+  to the accelerator each step, gradients come back;
+- streamed: parameters on the accelerator, optimizer state on a host CPU
+  device or in a memory place linked both ways (the accelerator's pinned
+  host memory, `gpu:0:pinned_host`), update on the accelerator: the
+  optimizer state goes in before the update and the new state comes back;
+  the new parameters stay (JAX's own host offload). A memory place cannot
+  compute, so it only ever holds streamed state. Measured on an H100 host,
+  copies between the GPU and its pinned host memory run ~50 GB/s each way,
+  between the GPU and the CPU device ~7 GB/s: the same host RAM, reached
+  faster through the place.
 
 The search is one small ILP (pulp) over layer x compute device x way, built
 on the placement ILP's variables (`_ilp`: x[l, d] and the edges' marginal
@@ -19,19 +25,22 @@ z): a binary y per offload option, at most x[l, c] of them per layer.
 
 Memory (`hetpar.planner._evaluate.held_bytes`, linear but for one max): a
 resident layer holds its `memory_bytes`; an offloaded layer holds on its
-compute device its weights copy, gradient and activations (memory_bytes less
-its optimizer state), plus, streamed, the largest optimizer state visiting
-for its update (S_c >= o_l y_l); its host holds HOST_STATE_COPIES x
-(parameters + optimizer state), plus the gradient when the host updates.
+compute device its weights, gradient and activations (memory_bytes less its
+optimizer state), plus, streamed, the largest optimizer state visiting for
+its update (S_c >= o_l y_l); its host holds HOST_STATE_COPIES x its
+optimizer state, plus, host way, HOST_STATE_COPIES x its parameters and its
+gradient. A memory place and its host's CPU device draw on one RAM: their
+sum is capped by the CPU device's memory too.
 
 Time: the replay overlaps transfers with compute, which no linear form
 captures; the ILP minimises T under lower bounds of the replayed step:
 
 - the chain: layer times (less the update a host runs) + crossing edges;
-- each link direction host -> accelerator: the weights and streamed
-  states it carries (copies start at the step's start);
+- each link direction host -> accelerator: the weights (host way) and
+  streamed states it carries (copies start at the step's start);
 - accelerator -> host: the forward share of the accelerator's work (no
-  gradient leaves before the backward) + the gradients and streamed states;
+  gradient leaves before the backward) + the gradients and new streamed
+  states;
 - each host: the forward share of the accelerators' work + the host's own
   layers + its updates.
 
@@ -52,11 +61,12 @@ import pulp
 
 from hetpar.core import CostTable, InfeasibleError, Placement, nbytes, seconds
 from hetpar.planner import _ilp
-from hetpar.planner._evaluate import HOST_STATE_COPIES, Arrays, Placed, held_bytes
+from hetpar.planner._evaluate import HOST_STATE_COPIES, Arrays, Placed, held_bytes, ram_bytes
 
 WAYS = ("resident", "host", "streamed")
-#: The baseline's name in plans.
+#: The baselines' names in plans.
 ZERO_OFFLOAD = "zero_offload"
+JAX_OFFLOAD = "jax_offload"
 #: The search's defaults when `plan` is given no gap or time limit. Its time
 #: is a linear bound that the replay corrects, so a 1% gap loses nothing
 #: the replay would keep; identical blocks make proofs slow (a 36-layer
@@ -76,6 +86,12 @@ class Option:
 
     @property
     def update(self) -> int:
+        return self.state if self.way == "host" else self.compute
+
+    @property
+    def params(self) -> int:
+        """Where its parameters live: with the state on the host that updates
+        them, else on the compute device (only the optimizer state streams)."""
         return self.state if self.way == "host" else self.compute
 
 
@@ -109,9 +125,20 @@ class Search:
 
 def hosts(arr: Arrays, c: int) -> list[int]:
     """The CPU devices that can hold accelerator c's offloaded state (linked both ways)."""
-    if arr.cpu[c]:
+    return [h for h in homes(arr, c) if arr.cpu[h]]
+
+
+def places(arr: Arrays, c: int) -> list[int]:
+    """The memory places that can hold accelerator c's optimizer state (linked both ways)."""
+    return [h for h in homes(arr, c) if arr.place[h]]
+
+
+def homes(arr: Arrays, c: int) -> list[int]:
+    """Where accelerator c's offloaded state may live: CPU devices and memory
+    places linked both ways to it."""
+    if arr.cpu[c] or arr.place[c]:
         return []
-    return [h for h in np.nonzero(arr.cpu)[0] if h != c and arr.bw[c, h] > 0
+    return [int(h) for h in np.nonzero(arr.cpu | arr.place)[0] if h != c and arr.bw[c, h] > 0
             and arr.bw[h, c] > 0]
 
 
@@ -120,7 +147,8 @@ def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Optio
 
     A layer may offload from an accelerator it may run on (or the one
     `compute` gives) when its parameter bytes are known and it has optimizer
-    state to move; the host way also needs its update's time on the host.
+    state to move. Streamed, to any home (`homes`); the host way, to a CPU
+    device with its update's time there.
     """
     out = []
     for i, n in enumerate(arr.layers):
@@ -128,9 +156,9 @@ def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Optio
         for c in devs:
             if np.isnan(arr.opt[i, c]) or arr.opt[i, c] <= 0:
                 continue
-            for h in hosts(arr, c):
+            for h in homes(arr, c):
                 out.append(Option(i, int(c), int(h), "streamed"))
-                if np.isfinite(arr.upd[i, h]):
+                if arr.cpu[h] and np.isfinite(arr.upd[i, h]):
                     out.append(Option(i, int(c), int(h), "host"))
     return out
 
@@ -149,7 +177,7 @@ def placements_of(arr: Arrays, compute: np.ndarray, chosen: Mapping[int, Option]
         o = chosen.get(i)
         c = arr.devices[compute[i]]
         out[n] = Placement(c) if o is None else Placement(
-            c, arr.devices[o.state], arr.devices[o.update])
+            c, arr.devices[o.state], arr.devices[o.update], params=arr.devices[o.params])
     return out
 
 
@@ -186,7 +214,7 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
     minimising the total overflow: the error names each device that
     overflows and its footprint there.
     """
-    for elastic in (arr.cpu, np.ones(len(arr.devices), bool)):
+    for elastic in (arr.cpu | arr.place, np.ones(len(arr.devices), bool)):
         if not elastic.any():
             continue
         m, y, slack = _model(arr, None, microbatches, slack=elastic)
@@ -203,6 +231,7 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
     chosen = {o.layer: o for o, v in y.items()
               if (v.varValue or 0.0) > 0.5 and compute[o.layer] == o.compute}
     held = held_bytes(arr, _placed(arr, compute, chosen))
+    ram = ram_bytes(arr, held)
     parts = []
     for j in sorted(over, key=lambda j: -over[j]):
         if over[j] <= arr.cap[j] * 1e-6:
@@ -210,11 +239,23 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
         d = arr.devices[j]
         holds = f"{d} holds {nbytes(arr.cap[j])}"
         n = sum(o.state == j for o in chosen.values())
-        if arr.cpu[j]:
+        sharing = [k for k in np.nonzero((arr.ram == j) & arr.place)[0] if held[k] > 0]
+        if arr.place[j]:
+            parts.append(f"the state does not fit host memory: {d} would need at least "
+                         f"{nbytes(held[j])} ({n} layers' optimizer state "
+                         f"x{HOST_STATE_COPIES}), {holds}")
+        elif arr.cpu[j] and sharing and ram[j] > held[j]:
+            names = " + ".join(arr.devices[k] for k in sharing)
+            parts.append(f"the state does not fit host memory: {d} and {names} share it and "
+                         f"would need at least {nbytes(ram[j])} (offloaded optimizer state "
+                         f"x{HOST_STATE_COPIES}, and {nbytes(held[j])} of it on {d}), {holds}")
+        elif arr.cpu[j]:
             ups = sum(o.state == j and o.way == "host" for o in chosen.values())
             grads = f", and the gradients of its {ups} updates" if ups else ""
-            what = [f"{n} layers' offloaded state: parameters and optimizer state "
-                    f"x{HOST_STATE_COPIES}{grads}"] if n else []
+            params = sum(o.state == j and o.params == j for o in chosen.values())
+            kept = ("parameters and optimizer state" if params == n else "optimizer state"
+                    if not params else f"optimizer state, and {params} of them parameters,")
+            what = [f"{n} layers' offloaded state: {kept} x{HOST_STATE_COPIES}{grads}"] if n else []
             k = int((compute == j).sum())
             what += [f"the {k} layers it computes"] if k else []
             lead = "the state does not fit host memory: " if n else ""
@@ -236,10 +277,10 @@ _GB = 1e9  # slack variables count gigabytes, so solver tolerances stay meaningf
 
 
 def _placed(arr: Arrays, compute: np.ndarray, chosen: Mapping[int, Option]) -> Placed:
-    state, update = compute.copy(), compute.copy()
+    state, update, params = compute.copy(), compute.copy(), compute.copy()
     for i, o in chosen.items():
-        state[i], update[i] = o.state, o.update
-    return Placed(np.asarray(compute), state, update)
+        state[i], update[i], params[i] = o.state, o.update, o.params
+    return Placed(np.asarray(compute), state, update, params)
 
 
 def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
@@ -274,7 +315,8 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     for o, v in y.items():
         opt = float(arr.opt[o.layer, o.compute])
         use[o.compute].append((v, -opt / _GB))
-        host = HOST_STATE_COPIES * (p[o.layer] + opt) + (p[o.layer] if o.way == "host" else 0.0)
+        host = HOST_STATE_COPIES * opt + (
+            (HOST_STATE_COPIES + 1) * p[o.layer] if o.way == "host" else 0.0)
         use[o.state].append((v, host / _GB))
         if o.way == "streamed":
             transient.setdefault(o.compute, []).append((v, opt / _GB))
@@ -292,6 +334,14 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
             slacks[j] = prob.add_variable(f"over{j}", lowBound=0)
             terms.append((slacks[j], -1.0))
         prob.addConstraint(_ilp._affine(terms) <= float(arr.cap[j]) / _GB, f"mem{j}")
+    for j in np.unique(arr.ram[arr.place]):  # a host CPU device and its memory places: one RAM
+        sharing = np.nonzero((arr.ram == j) & arr.place)[0]
+        if arr.place[j] or not any(use[k] for k in sharing):
+            continue  # a place without a CPU device in the table has its own cap only
+        shared = [t for k in (j, *sharing) for t in use[k]]
+        if elastic[j]:
+            shared.append((slacks.setdefault(j, prob.add_variable(f"over{j}", lowBound=0)), -1.0))
+        prob.addConstraint(_ilp._affine(shared) <= float(arr.cap[j]) / _GB, f"ram{j}")
     if slack:
         _ilp._add_transfers(m, [])  # only links: two unlinked neighbours stay apart
         prob.setObjective(_ilp._affine([(v, 1.0) for v in slacks.values()]))
@@ -303,30 +353,37 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     fwd_on: dict[int, list] = {}
     for (i, j), v in x.items():
         fwd_on.setdefault(j, []).append((v, _FORWARD_SHARE * float(m.t_s[i, j])))
-    links: dict[tuple[int, int], list] = {}
+    links: dict[tuple[int, int], list] = {}  # by bus: a memory place's is its host CPU's
     host_work: dict[int, list] = {}
+    slower: list = []
     for o, v in y.items():
         i, c, h = o.layer, o.compute, o.state
         opt = float(arr.opt[i, c])
+        bus_in, bus_out = (int(arr.ram[h]), c), (c, int(arr.ram[h]))
 
         def move(a, b, nbytes, v=v):
             return (v, (float(arr.lat[a, b]) + nbytes / float(arr.bw[a, b])) / scale)
 
-        weights = move(h, c, p[i])
-        links.setdefault((h, c), []).append(weights)
         if o.way == "host":
+            links.setdefault(bus_in, []).append(move(h, c, p[i]))  # the weights
             u_here = min(float(np.nan_to_num(arr.upd[i, c])), float(arr.t[i, c]))
             chain.append((v, -u_here / scale))
             v_, t_ = move(c, h, p[i])
-            links.setdefault((c, h), []).append((v_, M * t_))
+            links.setdefault(bus_out, []).append((v_, M * t_))
             host_work.setdefault(h, []).append((v, float(arr.upd[i, h]) / scale))
-        else:
-            links.setdefault((h, c), []).append(move(h, c, opt))
-            links.setdefault((c, h), []).append(move(c, h, p[i] + opt))
+        else:  # parameters stay on c: only the optimizer state goes and comes back
+            links.setdefault(bus_in, []).append(move(h, c, opt))
+            links.setdefault(bus_out, []).append(move(c, h, opt))
+            if arr.cpu[h] and places(arr, c):
+                # At equal figures prefer the memory place: a spec sheet gives both
+                # the bus's speed, but on an H100 host the CPU device's path
+                # measured ~7 GB/s against ~50 GB/s through pinned host memory.
+                slower.append(move(h, c, opt))
     step = prob.add_variable("T", lowBound=0)
     prob.addConstraint(_ilp._affine(chain + [(step, -1.0)]) <= 0, "chain")
     for (a, b), terms in links.items():
-        lead = fwd_on.get(a, []) if arr.cpu[b] else []  # gradients leave after the forward
+        # gradients leave after the forward
+        lead = fwd_on.get(a, []) if arr.cpu[b] or arr.place[b] else []
         prob.addConstraint(_ilp._affine(terms + lead + [(step, -1.0)]) <= 0, f"link{a}_{b}")
     for h, terms in host_work.items():
         own = [(v, float(m.t_s[i, j])) for (i, j), v in x.items() if j == h]
@@ -336,7 +393,8 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     # keeps the rest from growing where it costs the replay (an activation
     # queued behind the weight copies) but not the bound.
     tie = [(v, _TIE * c) for v, c in chain] + [
-        (v, _TIE * c) for terms in links.values() for v, c in terms]
+        (v, _TIE * c) for terms in links.values() for v, c in terms] + [
+        (v, _TIE * c) for v, c in slower]
     prob.setObjective(_ilp._affine([(step, 1.0)] + tie))
     return m, y, step
 
@@ -368,22 +426,34 @@ def _solve(m, y: Mapping[Option, pulp.LpVariable], step, solver: str,
 
 def variants(arr: Arrays, placements: Mapping[str, Placement]
              ) -> list[tuple[str, dict[str, Placement]]]:
-    """The same offloaded layers with every update on the host, or every one streamed.
+    """The same offloaded layers with every update on the host, every one streamed,
+    or every one streamed from its compute device's memory place.
 
     The ILP's time is a linear bound; the replay, which overlaps the
-    transfers with compute, may prefer the other way for all of them.
+    transfers with compute, may prefer another way for all of them.
     """
     out = []
-    for way in ("host", "streamed"):
+    for way in ("host", "streamed", "pinned"):
         changed, new = False, dict(placements)
         for n, p in placements.items():
             if not p.offloaded:
                 continue
-            i, s = arr.lindex[n], arr.dindex[p.state]
-            upd = p.state if way == "host" else p.compute
-            if upd != p.update and (way == "streamed" or np.isfinite(arr.upd[i, s])):
-                new[n] = Placement(p.compute, p.state, upd)
-                changed = True
+            i, c = arr.lindex[n], arr.dindex[p.compute]
+            s = arr.dindex[p.state]
+            if way == "host":
+                host = s if arr.cpu[s] else next(iter(hosts(arr, c)), None)
+                if host is None or not np.isfinite(arr.upd[i, host]):
+                    continue
+                q = Placement(p.compute, arr.devices[host], arr.devices[host])
+            elif way == "streamed":
+                q = Placement(p.compute, p.state, p.compute, params=p.compute)
+            else:
+                home = next(iter(places(arr, c)), None)
+                if home is None:
+                    continue
+                q = Placement(p.compute, arr.devices[home], p.compute, params=p.compute)
+            if q != p:
+                new[n], changed = q, True
         if changed:
             out.append((f"all {way}", new))
     return out
@@ -403,7 +473,7 @@ def zero_offload(table: CostTable, *, arrays: Arrays | None = None
     arr = arrays or Arrays(table)
     best, best_t = None, np.inf
     for c in range(len(arr.devices)):
-        if arr.cpu[c] or not arr.ok[:, c].all() or not hosts(arr, c):
+        if arr.cpu[c] or arr.place[c] or not arr.ok[:, c].all() or not hosts(arr, c):
             continue
         total = float(arr.t[:, c].sum())
         if total < best_t:
@@ -425,6 +495,44 @@ def zero_offload(table: CostTable, *, arrays: Arrays | None = None
     return out, None
 
 
+def jax_offload(table: CostTable, *, arrays: Arrays | None = None
+                ) -> tuple[dict[str, Placement] | None, str | None]:
+    """JAX's own host offload, as its memory-kinds docs write it: every layer
+    computes and updates on one accelerator, its parameters stay there, its
+    optimizer state lives in the accelerator's pinned host memory (a memory
+    place) and streams in for the update.
+
+    The accelerator is the one every layer may run on with a memory place
+    linked both ways and the least total time.
+
+    Returns:
+      (placements, None), or (None, why the rule does not apply).
+    """
+    arr = arrays or Arrays(table)
+    best, best_t = None, np.inf
+    for c in range(len(arr.devices)):
+        if arr.cpu[c] or arr.place[c] or not arr.ok[:, c].all() or not places(arr, c):
+            continue
+        total = float(arr.t[:, c].sum())
+        if total < best_t:
+            best, best_t = c, total
+    if best is None:
+        return None, ("no accelerator runs every layer with a pinned_host memory place "
+                      "linked both ways")
+    h = arr.devices[places(arr, best)[0]]
+    c = arr.devices[best]
+    out, moved = {}, 0
+    for i, n in enumerate(arr.layers):
+        if np.isfinite(arr.opt[i, best]) and arr.opt[i, best] > 0:
+            out[n] = Placement(c, h, c, params=c)
+            moved += 1
+        else:
+            out[n] = Placement(c)
+    if not moved:
+        return None, "no layer's optimizer state can leave the accelerator (no param_bytes)"
+    return out, None
+
+
 def describe(arr: Arrays, placements: Mapping[str, Placement], step_s: float) -> str:
     """One line on a plan's offload: how many layers, where, the bytes moved."""
     apart = [(n, p) for n, p in placements.items() if p.offloaded]
@@ -432,7 +540,8 @@ def describe(arr: Arrays, placements: Mapping[str, Placement], step_s: float) ->
         return "no state offloaded"
     host = sum(p.update != p.compute for _, p in apart)
     states = sorted({p.state for _, p in apart})
-    moved = sum(float(np.nan_to_num(arr.param[arr.lindex[n]])) for n, _ in apart)
+    moved = sum(float(np.nan_to_num(arr.param[arr.lindex[n]])) for n, p in apart
+                if p.params != p.compute)
     return (f"{len(apart)} layers' state on {', '.join(states)} ({host} updated there, "
             f"{len(apart) - host} streamed to their compute device); weights in each step "
             f"{nbytes(moved)}; step {seconds(step_s)}")

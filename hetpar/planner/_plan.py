@@ -42,6 +42,7 @@ from hetpar.planner._evaluate import (
     evaluate,
     evaluate_data_parallel,
     held_bytes,
+    is_place,
     violations,
 )
 from hetpar.planner._simulate import evaluate_replayed
@@ -264,13 +265,14 @@ class Plan:
 
             t_here, x_here = t[i, here] / M, transfers(here)
             times = ", ".join(f"{d} {seconds(t[i, j] / M)}" if np.isfinite(t[i, j])
-                              else f"{d} -" for j, d in enumerate(arr.devices))
+                              else f"{d} -" for j, d in enumerate(arr.devices)
+                              if not arr.place[j])
             lines.append(f"{layer.name} -> {arr.devices[here]}  (time: {times}; transfers here "
                          f"{seconds(x_here)})")
             if layer.name in self.offloaded:
                 lines.append("    " + _why_apart(arr, i, self.offloaded[layer.name], memory, a))
             for j, d in enumerate(arr.devices):
-                if j == here:
+                if j == here or arr.place[j]:  # a memory place holds state, never a layer
                     continue
                 if layer.pinned is not None:
                     lines.append(f"    {d}: pinned to {layer.pinned}")
@@ -330,8 +332,9 @@ class Plan:
                              "device; an update on the host runs there instead)")
         else:
             for n, pl in self.placements.items():
+                params = f"params {pl.params}, " if pl.params != pl.state else ""
                 lines.append(f"{n}: {pl.compute}" + (
-                    f" (state {pl.state}, update {pl.update})" if pl.offloaded else ""))
+                    f" ({params}state {pl.state}, update {pl.update})" if pl.offloaded else ""))
         p = self.predicted
         lines += ["", "predicted per step: " + _costs(p)]
         if self.offloaded:
@@ -374,11 +377,13 @@ class Plan:
 def _offload_line(placements: Mapping[str, Placement], p: Predicted) -> str:
     """A line on a plan's state apart from compute."""
     apart = [pl for pl in placements.values() if pl.offloaded]
-    host = sum(pl.update == pl.state for pl in apart)
+    host = sum(pl.update == pl.state != pl.compute for pl in apart)
+    resident = sum(pl.update == pl.compute and pl.params == pl.compute for pl in apart)
     states = ", ".join(sorted({pl.state for pl in apart}))
+    kept = f", {resident} of them keeping their parameters there" if resident else ""
     return (f"state apart: {len(apart)} of {len(placements)} layers keep their state on "
             f"{states} ({host} updated there, {len(apart) - host} streamed to their compute "
-            f"device for the update); the step time replays their transfers "
+            f"device for the update{kept}); the step time replays their transfers "
             f"({seconds(p.transfer_s)} on the links) and host updates")
 
 
@@ -402,14 +407,18 @@ def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
            f"{nbytes(arr.cap[c])}")
     if need <= arr.cap[c] * (1 + 1e-9):
         why += " (the room serves another layer's state or compute, or the plan was given)"
-    if pl.update == pl.state:
+    w = arr.dindex[pl.params]
+    if pl.update == pl.state and s != c:
         cost = (f"host update {seconds(float(np.nan_to_num(arr.upd[i, s])))}, weights in "
                 f"{move(s, c, p)} overlapped with earlier layers' compute, gradient out "
                 f"{move(c, s, p)}")
+    elif w == c:
+        cost = (f"update on {pl.compute} with the optimizer state streamed, parameters "
+                f"resident: optimizer state in {move(s, c, o)}, new state out {move(c, s, o)}")
     else:
-        cost = (f"update on {pl.compute} with the state streamed: weights in {move(s, c, p)} "
-                f"overlapped, optimizer state in {move(s, c, o)}, new state out "
-                f"{move(c, s, p + o)}")
+        cost = (f"update on {pl.compute} with the state streamed: weights in {move(w, c, p)} "
+                f"overlapped, optimizer state in {move(s, c, o)}, new parameters and state "
+                f"out {move(c, s, p + o) if w == s else move(c, s, o) + ' + ' + move(c, w, p)}")
     return f"{why}; {cost}"
 
 
@@ -571,8 +580,9 @@ def _with_offload(table: CostTable, arr: Arrays, req: _Request, result: Plan | N
     """`result`, or the offload search's plan when its replayed objective is better.
 
     The candidates, all replayed: the offload ILP's placements, the same with
-    every offloaded layer's update moved to the host or streamed (where
-    memory allows), and ZeRO-Offload's rule. Returns (plan, error): the
+    every offloaded layer's update moved to the host, streamed, or streamed
+    from its accelerator's pinned host memory (where memory allows),
+    ZeRO-Offload's rule and JAX's host offload. Returns (plan, error): the
     error says why no candidate fits memory (`_offload.diagnose`), when none
     does.
     """
@@ -584,9 +594,10 @@ def _with_offload(table: CostTable, arr: Arrays, req: _Request, result: Plan | N
     candidates = []
     if found.placements is not None:
         candidates += [("ilp", found.placements), *_offload.variants(arr, found.placements)]
-    zero, _ = _offload.zero_offload(table, arrays=arr)
-    if zero is not None:
-        candidates.append(("zero_offload", zero))
+    for name, rule in _RULES.items():
+        placements, _ = rule(table, arrays=arr)
+        if placements is not None:
+            candidates.append((name, placements))
     best = None
     for name, placements in candidates:
         if violations(table, placements, arrays=arr, contiguous=req.contiguous):
@@ -610,7 +621,7 @@ def _with_offload(table: CostTable, arr: Arrays, req: _Request, result: Plan | N
             info["chosen"] = False
             return dataclasses.replace(result, solver={**result.solver, "offload": info}), None
     info["chosen"] = True
-    solver = {"name": req.solver, "status": found.status if name != "zero_offload" else "rule",
+    solver = {"name": req.solver, "status": "rule" if name in _RULES else found.status,
               "gap": found.gap, "solve_time_s": found.solve_time_s,
               "build_time_s": found.build_time_s, "objective": found.objective,
               "variables": found.variables, "constraints": found.constraints, "offload": info}
@@ -728,14 +739,19 @@ def _evaluated_baselines(table: CostTable, arr: Arrays, req: _Request, *,
                                            arrays=arr))
                 for k, r in base.items()}
     if _offload.options(arr):
-        base[_offload.ZERO_OFFLOAD] = _zero_offload_baseline(table, arr, req)
+        for name in _RULES:
+            base[name] = _rule_baseline(name, table, arr, req)
     return base
 
 
-def _zero_offload_baseline(table: CostTable, arr: Arrays, req: _Request) -> BaselineResult:
-    """ZeRO-Offload's rule (`_offload.zero_offload`), replayed on the plan's terms."""
-    name = _offload.ZERO_OFFLOAD
-    placements, why = _offload.zero_offload(table, arrays=arr)
+#: The offload baselines, by name: ZeRO-Offload's rule (state and update on the
+#: host CPU) and JAX's host offload (optimizer state in pinned host memory).
+_RULES = {_offload.ZERO_OFFLOAD: _offload.zero_offload, _offload.JAX_OFFLOAD: _offload.jax_offload}
+
+
+def _rule_baseline(name: str, table: CostTable, arr: Arrays, req: _Request) -> BaselineResult:
+    """An offload rule (`_RULES`), replayed on the plan's terms."""
+    placements, why = _RULES[name](table, arrays=arr)
     if placements is None:
         return BaselineResult(name, reason=why)
     broken = violations(table, placements, arrays=arr)
@@ -773,12 +789,14 @@ def _try_contiguous(arr: Arrays, req: _Request, assignment, predicted, solver_in
 
 def replica_groups(table: CostTable) -> list[tuple[str, ...]]:
     """The devices a data-parallel plan may replicate over: each kind of accelerator
-    with two or more devices (CPUs excluded: virtual CPU devices share one host's cores),
+    with two or more devices (CPUs excluded: virtual CPU devices share one host's cores;
+    memory places too: they compute nothing),
     at most one device per compute group (devices sharing one cannot speed each other up)."""
     by_kind: dict[str, list[str]] = {}
     groups: set[str] = set()
     for d in table.devices:
-        if d.kind != "cpu" and (d.compute_group is None or d.compute_group not in groups):
+        if d.kind != "cpu" and not is_place(d) and (
+                d.compute_group is None or d.compute_group not in groups):
             by_kind.setdefault(d.kind, []).append(d.name)
             if d.compute_group is not None:
                 groups.add(d.compute_group)

@@ -26,10 +26,11 @@ at layer granularity, with each layer's time from the table:
   runs on the others, so their work never overlaps.
 
 A layer whose state lives apart from its compute (a `Placement` with its
-state on a host CPU device) runs as the runtime runs it:
+state on a host CPU device or a memory place) runs as the runtime runs it:
 
 - its compute is stages of its own (a fourth part of the stage key, as the
-  split pass cuts them), so its weights' copy host -> compute device is
+  split pass cuts them), so its weights' copy host -> compute device (when
+  its parameters live on the host) is
   issued at the step's start, in stage order, one copy after another on the
   link direction, and overlaps earlier layers' compute;
 - host update: its gradient goes compute device -> host after its backward
@@ -37,9 +38,14 @@ state on a host CPU device) runs as the runtime runs it:
   own once the gradient is there; the host's work is serialised (it is one
   compute resource with whatever else runs there). Its update time leaves
   the compute device's share;
-- streamed: its optimizer state also goes host -> compute device (issued at
-  the start, after the weights, in stage order) for the update there, and
-  the new parameters and state go back after it;
+- streamed: its optimizer state goes host -> compute device (issued at the
+  start, after the weights, in stage order) for the update there, and the
+  new state goes back after it; its new parameters go back too only when
+  they live off the compute device (with its parameters resident, as JAX's
+  host offload keeps them, no weights move at all). The host is a CPU
+  device or a memory place (`gpu:0:pinned_host`), each over its own link;
+- copies to and from a memory place queue on one bus with its host CPU
+  device's copies (one PCIe link each way carries both);
 - the step ends when the last stage and the last transfer end.
 
 The replay's makespan is the predicted step time of pipelined plans and of
@@ -259,20 +265,26 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
     state_out: dict[int, list[tuple[str, float]]] = {}
     for i, item in upd_item.items():
         c, s = arr.devices[a[i]], arr.devices[placed.state[i]]
-        p, o = float(arr.param[i]), float(arr.opt[i, a[i]])
+        w = arr.devices[placed.params[i]]
+        p, o = float(np.nan_to_num(arr.param[i])), float(np.nan_to_num(arr.opt[i, a[i]]))
         host = bool(placed.host_update[i])
         dev = s if host else c
         keys[item] = key(dev, None, "main" if M == 1 else "post", i)
         dur[item] = float(np.nan_to_num(arr.upd[i, placed.update[i]]))
         layer_of[item] = i
-        state_in.setdefault(fwd(i, 0), []).append((s, p))  # the weights, once a step
+        if w != c:
+            state_in.setdefault(fwd(i, 0), []).append((w, p))  # the weights, once a step
         for m in range(M):
             deps[item].add(bwd(i, m))
             if host:
                 xbytes[item, bwd(i, m)] = p  # each microbatch's gradient
-        if not host:
-            state_in.setdefault(item, []).append((s, o))
-            state_out.setdefault(item, []).append((s, p + o))
+        if not host:  # the update on c: what lives apart comes in and its new value back
+            back = {s: o} if s != c else {}
+            if w != c:
+                back[w] = back.get(w, 0.0) + p  # one copy when they live together
+            if s != c:
+                state_in.setdefault(item, []).append((s, o))
+            state_out.setdefault(item, []).extend(back.items())
     return _Items(keys, dur, layer_of, deps, xbytes, state_in, state_out)
 
 
@@ -373,10 +385,12 @@ def _send(arr: Arrays, link_free: dict, stats: dict, src: str, dst: str, nbytes:
     i, j = arr.dindex[src], arr.dindex[dst]
     if arr.bw[i, j] <= 0:
         raise PlanError(f"no link {src} -> {dst} for a transfer the plan needs")
-    go = max(ready, link_free.get((src, dst), 0.0))
+    # A memory place's copies share the bus with its host CPU device's (`Arrays.ram`).
+    bus = (int(arr.ram[i]), int(arr.ram[j]))
+    go = max(ready, link_free.get(bus, 0.0))
     took = arr.lat[i, j] + nbytes / arr.bw[i, j]
     stats["transfer_s"] = stats.get("transfer_s", 0.0) + took
-    link_free[src, dst] = go + took
+    link_free[bus] = go + took
     return go + took
 
 
@@ -434,7 +448,7 @@ def _evaluate_apart(arr: Arrays, assignment: Mapping, placed: Placed, microbatch
     replay = simulate(arr.table, assignment, M, schedule, arrays=arr)
     D = len(arr.devices)
     used = np.zeros(D, bool)
-    for where in (placed.compute, placed.state, placed.update):
+    for where in (placed.compute, placed.state, placed.update, placed.params):
         used[where] = True
     busy = np.array([replay.busy_s.get(d, 0.0) for d in arr.devices])
     step = replay.step_time_s
@@ -443,6 +457,7 @@ def _evaluate_apart(arr: Arrays, assignment: Mapping, placed: Placed, microbatch
     return Predicted(
         step_time_s=step, cost_usd_per_step=step * arr.hourly_price(used) / 3600.0,
         energy_j_per_step=arr.joules(used, busy, step),
-        busy_s={arr.devices[j]: float(busy[j]) for j in range(D) if used[j]},
+        busy_s={arr.devices[j]: float(busy[j]) for j in range(D)
+                if used[j] and not arr.place[j]},  # a memory place never computes
         compute_s=float(busy.sum()), transfer_s=replay.transfer_s, memory_bytes=memory,
         schedule=replay.schedule if M > 1 else None, peak_memory_bytes=memory)

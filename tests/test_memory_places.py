@@ -1,0 +1,236 @@
+"""Memory places: an accelerator's pinned host memory as a home for optimizer state.
+
+Measured on an H100 host, copies between the GPU and its pinned host memory
+run ~50 GB/s each way, between the GPU and the CPU device ~7 GB/s. The
+tables here say so; the planner must then stream the optimizer state from
+the place (parameters resident, JAX's own host offload) rather than through
+the CPU device. JAX-free but for the cost-table tests (a small traced model).
+"""
+
+import functools
+
+import pytest
+
+from hetpar.core import InfeasibleError, Placement
+from hetpar.planner import (
+    CostTable,
+    Device,
+    Edge,
+    Layer,
+    Link,
+    Plan,
+    _offload,
+    evaluate,
+    held_bytes,
+    memory_fill,
+    plan,
+    replica_groups,
+    simulate,
+    violations,
+)
+from hetpar.planner._evaluate import Arrays
+
+GB = 1e9
+PARAM, OPT, ACT = 1 * GB, 2 * GB, 0.5 * GB
+RESIDENT = 2 * PARAM + OPT + ACT  # 4.5 GB a block holds with everything on its GPU
+PLACE = "gpu:0:pinned_host"
+CPU_BW, PLACE_BW, LAT = 7e9, 50e9, 3e-4
+
+
+def table(blocks: int = 6, *, gpu_gb: float = 100.0, host_gb: float = 200.0,
+          place: bool = True, cpu_compute: bool = True) -> CostTable:
+    """A chain of equal blocks on a slow CPU and a fast GPU, the GPU's pinned host
+    memory beside them (sharing the host's RAM)."""
+    devices = [Device("cpu:0", "cpu", host_gb * GB, 0.0, 270.0, 100.0, price_alone_per_hour=1.4),
+               Device("gpu:0", "h100", gpu_gb * GB, 6.9, 700.0, 70.0)]
+    links = [Link("cpu:0", "gpu:0", CPU_BW, LAT), Link("gpu:0", "cpu:0", CPU_BW, LAT)]
+    if place:
+        devices.append(Device(PLACE, "pinned_host", host_gb * GB))
+        links += [Link("gpu:0", PLACE, PLACE_BW, LAT), Link(PLACE, "gpu:0", PLACE_BW, LAT)]
+    names = [f"b{i}" for i in range(blocks)]
+    layers = tuple(
+        Layer(n, time_s={"cpu:0": 5.0, "gpu:0": 0.02},
+              memory_bytes={"cpu:0": RESIDENT, "gpu:0": RESIDENT},
+              allowed=None if cpu_compute else ("gpu:0",), activation_bytes=ACT,
+              param_bytes=PARAM, opt_state_bytes=OPT, update_s={"cpu:0": 0.3, "gpu:0": 0.008})
+        for n in names)
+    edges = tuple(Edge(u, v, 1e7, 1e7) for u, v in zip(names, names[1:], strict=False))
+    return CostTable(tuple(devices), tuple(links), layers, edges)
+
+
+JAX_OFFLOAD = Placement("gpu:0", PLACE, "gpu:0", params="gpu:0")
+
+
+# -- the planner ---------------------------------------------------------------
+
+
+def test_plan_streams_optimizer_state_from_pinned_host_not_the_cpu_device():
+    roomy = table()
+    p = plan(roomy, memory={"gpu:0": 20 * GB})  # 27 GB resident on a 20 GB GPU
+    assert set(p.assignment.values()) == {"gpu:0"}
+    assert p.offloaded and set(p.offloaded.values()) == {JAX_OFFLOAD}
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 20 * GB
+    assert PLACE not in p.predicted.busy_s
+    slow = plan(table(place=False), memory={"gpu:0": 20 * GB})
+    assert {pl.state for pl in slow.offloaded.values()} == {"cpu:0"}
+    assert p.predicted.step_time_s < slow.predicted.step_time_s
+    # The streamed way keeps parameters on the GPU, through the CPU device too.
+    assert all(pl.params == "gpu:0" for pl in slow.offloaded.values()
+               if pl.update == "gpu:0")
+
+
+def test_places_never_compute_in_plans_or_baselines():
+    t = table(gpu_gb=20)
+    for mode, mb in (("sequential", 1), ("pipelined", 2)):
+        p = plan(t, mode=mode, microbatches=mb)
+        assert PLACE not in p.assignment.values()
+        assert all(pl.update != PLACE for pl in p.placements.values())
+        assert not any(PLACE in name for name in p.baselines if name != "jax_offload")
+        for r in p.baselines.values():
+            if r.assignment is not None:
+                assert all(Placement.parse(v).compute != PLACE for v in r.assignment.values())
+    filled = memory_fill(table(gpu_gb=100))  # the place ranks nowhere
+    assert set(filled.assignment.values()) == {"gpu:0"}
+    text = plan(t).explain(t)
+    assert f"{PLACE}: no time" not in text and f"{PLACE} -" not in text
+    two = CostTable(
+        t.devices + (Device("gpu:1", "h100", 20 * GB), Device("gpu:1:pinned_host",
+                                                               "pinned_host", 200 * GB)),
+        t.links, t.layers, t.edges)
+    assert replica_groups(two) == [("gpu:0", "gpu:1")]
+    with pytest.raises(Exception, match="memory place"):
+        Placement(PLACE)
+
+
+def test_streamed_from_a_place_moves_only_the_optimizer_state():
+    t = table()
+    resident = {n: Placement("gpu:0") for n in t.layer_names}
+    base = simulate(t, resident).transfer_s
+    one = {**resident, "b2": JAX_OFFLOAD}
+    # Optimizer state in before the update, the new state back: 2 x 2 GB at 50 GB/s.
+    assert simulate(t, one).transfer_s == pytest.approx(base + 2 * (LAT + OPT / PLACE_BW),
+                                                        rel=1e-9)
+    via_cpu = {**resident, "b2": Placement("gpu:0", "cpu:0", "gpu:0", params="gpu:0")}
+    assert simulate(t, via_cpu).transfer_s == pytest.approx(
+        base + 2 * (LAT + OPT / CPU_BW), rel=1e-9)
+    # A given placement with the parameters on the host (they default to the
+    # state) still brings the weights in and the new parameters back.
+    user = {**resident, "b2": Placement("gpu:0", "cpu:0", "gpu:0")}
+    assert simulate(t, user).transfer_s == pytest.approx(
+        base + 3 * LAT + (PARAM + OPT + (PARAM + OPT)) / CPU_BW, rel=1e-9)
+    assert evaluate(t, user).step_time_s > evaluate(t, via_cpu).step_time_s
+
+
+def test_held_bytes_with_places_and_shared_host_ram():
+    t = table(host_gb=12)
+    arr = Arrays(t)
+    resident = {n: Placement("gpu:0") for n in t.layer_names}
+    two = {**resident, "b0": JAX_OFFLOAD, "b1": JAX_OFFLOAD}
+    held = dict(zip(arr.devices, held_bytes(arr, arr.placed(two)), strict=True))
+    assert held[PLACE] == pytest.approx(2 * 2 * OPT)  # old and new optimizer state
+    assert held["cpu:0"] == 0
+    assert held["gpu:0"] == pytest.approx(6 * RESIDENT - 2 * OPT + OPT)  # one visits
+    assert violations(t, two) == []
+    # The place and the CPU device draw on one 12 GB RAM.
+    host = Placement("gpu:0", "cpu:0", "gpu:0", params="gpu:0")
+    fits = {**two, "b2": host}  # 8 GB in the place + 4 GB on the CPU device
+    assert violations(t, fits) == []
+    over = {**fits, "b3": host}
+    broken = violations(t, over)
+    assert any("host memory exceeded" in b and PLACE in b for b in broken), broken
+    bad = {**resident, "b0": Placement("gpu:0", "cpu:0", "cpu:0", params="gpu:0")}
+    assert any("needs its parameters there too" in b for b in violations(t, bad))
+
+
+def test_jax_offload_baseline():
+    t = table(gpu_gb=20)
+    placements, why = _offload.jax_offload(t)
+    assert why is None and set(placements.values()) == {JAX_OFFLOAD}
+    p = plan(t)
+    base = p.baselines["jax_offload"]
+    assert base.feasible
+    assert base.predicted.step_time_s == pytest.approx(evaluate(t, placements).step_time_s)
+    assert "jax_offload" in p.summary(t)
+    placements, why = _offload.jax_offload(table(place=False))
+    assert placements is None and "pinned_host" in why
+    assert "jax_offload" in plan(table(gpu_gb=20, place=False)).baselines
+    assert not plan(table(gpu_gb=20, place=False)).baselines["jax_offload"].feasible
+
+
+def test_plan_json_round_trip_with_params_and_a_place(tmp_path):
+    t = table(gpu_gb=20)
+    p = plan(t)
+    obj = p.to_json()["assignment"][next(iter(p.offloaded))]
+    assert obj == {"compute": "gpu:0", "params": "gpu:0", "state": PLACE, "update": "gpu:0"}
+    p.save(tmp_path / "plan.json")
+    again = Plan.load(tmp_path / "plan.json")
+    assert again == p and again.placements == p.placements
+    again.check(t)
+    assert evaluate(t, again.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
+
+
+def test_state_beyond_host_ram_names_the_smallest_footprint():
+    with pytest.raises(InfeasibleError) as e:
+        plan(table(gpu_gb=20, host_gb=5, cpu_compute=False))
+    msg = str(e.value)
+    # Five blocks' optimizer state must leave the GPU: 4 GB each on the host.
+    assert "does not fit host memory" in msg and "20 GB" in msg and "5 GB" in msg
+
+
+# -- the cost table --------------------------------------------------------------
+
+
+@functools.cache
+def _graph():
+    from hetpar import zoo
+
+    return zoo.trace_model("lm_embed", small=True)[1]
+
+
+@pytest.fixture
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.mark.usefixtures("_cache")
+def test_cost_table_adds_the_pinned_host_place_of_each_accelerator():
+    from hetpar import cost_models
+
+    t = cost_models.cost_table(_graph(), ["cpu:0", "h100"])
+    place = t.device("h100:0:pinned_host")
+    assert place.kind == "pinned_host" and place.compute_group is None
+    assert place.memory_bytes == t.device("cpu:0").memory_bytes
+    assert place.price_per_hour == 0 and place.watts_busy == 0
+    h100 = cost_models.spec("h100").host_link
+    for a, b in (("h100:0", place.name), (place.name, "h100:0")):
+        assert t.link(a, b).bandwidth_bytes_per_s == h100.bandwidth_bytes_per_s
+    assert t.link("cpu:0", place.name) is None and t.link(place.name, "cpu:0") is None
+    for layer in t.layers:
+        assert place.name not in layer.time_s and place.name not in layer.memory_bytes
+        assert place.name not in (layer.update_s or {})
+    assert CostTable.from_json(t.to_json()).devices == t.devices
+    assert [d.name for d in cost_models.cost_table(_graph(), ["cpu:0"]).devices] == ["cpu:0"]
+    assert [d.name for d in cost_models.cost_table(_graph(), ["h100"]).devices] == ["h100:0"]
+    off = cost_models.cost_table(_graph(), ["cpu:0", "h100"], memory_places=False)
+    assert off.device_names == ("cpu:0", "h100:0")
+    # A plan's own devices rebuild the same names, CPU or not.
+    again = cost_models.cost_table(_graph(), ["h100", "h100:0:pinned_host"])
+    assert again.device_names == ("h100:0", "h100:0:pinned_host")
+
+
+@pytest.mark.usefixtures("_cache")
+def test_a_measured_staged_path_prices_the_place():
+    from hetpar import cost_models
+    from hetpar.cost_models import LinkProfile, ProfileSet, spec
+
+    devices = {"gpu:0": spec("h100").replace(name="gpu:0", origin="measured"),
+               "cpu:0": spec("cpu").replace(name="cpu:0", origin="measured")}
+    links = (LinkProfile("cpu:0", "gpu:0", "device_put", 1e-4, 7e9, "test"),
+             LinkProfile("gpu:0", "cpu:0", "device_put", 1e-4, 7e9, "test"),
+             LinkProfile("cpu:0", "gpu:0", "pinned_host_staged", 1e-5, 50e9, "test"),
+             LinkProfile("gpu:0", "cpu:0", "pinned_host_staged", 1e-5, 45e9, "test"))
+    t = cost_models.cost_table(_graph(), ["cpu:0", "gpu:0"],
+                               profiles=ProfileSet(devices, links))
+    assert t.link("gpu:0:pinned_host", "gpu:0").bandwidth_bytes_per_s == 50e9
+    assert t.link("gpu:0", "gpu:0:pinned_host").bandwidth_bytes_per_s == 45e9
+    assert t.link("cpu:0", "gpu:0").bandwidth_bytes_per_s == 7e9  # the CPU device's path
