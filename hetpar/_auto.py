@@ -38,8 +38,23 @@ import numpy as np
 from absl import logging
 
 from hetpar._grad import microbatched
-from hetpar.core import SCHEDULES, HetparError, Placement, PlanError, parse_placements
+from hetpar.core import (
+    SCHEDULES,
+    HetparError,
+    Placement,
+    PlanError,
+    is_memory_place,
+    memory_place,
+    parse_placements,
+)
 from hetpar.cost_models import ProfileSet, present_devices
+
+# The planner (and pulp) load with this module, not lazily inside a call:
+# pulp keeps a traceback from an optional solver it fails to load, and a
+# traceback's frames hold their callers' frames, so a first import under a
+# step's first call pinned that call's arguments (a 40 GB optimizer state on
+# the GPU) for the life of the process.
+import hetpar.planner  # noqa: E402,F401  isort: skip
 from hetpar.passes import (
     LayerGraph,
     StageGraph,
@@ -128,6 +143,21 @@ def _check_devices(devices) -> None:
                         f"{devices!r}")
     if len(set(devices)) != len(devices):
         raise PlanError(f"devices {list(devices)} name a device twice")
+
+
+def _check_places(names, present: Mapping[str, jax.Device]) -> None:
+    """Each memory place a plan names (`gpu:0:pinned_host`) is a memory its
+    present device has."""
+    for name in names:
+        device, kind = memory_place(name)
+        dev = present.get(device)
+        if kind is None or dev is None:
+            continue
+        kinds = sorted({m.kind for m in dev.addressable_memories()})
+        if kind not in kinds:
+            raise PlanError(f"the plan keeps state in {name!r}, but {device} has no "
+                            f"{kind!r} memory (its memories: {kinds}); keep the state on "
+                            f"a device instead, e.g. 'cpu:0'")
 
 
 def _check_present(devices: tuple[str, ...] | None, present: Mapping[str, jax.Device]) -> None:
@@ -241,7 +271,8 @@ class CompiledStep:
                                        for i in range(starts[k], ends[k]))
         else:
             self.stages = split(self.graph, self.placements, schedule=options.schedule)
-            self._executor = Executor(self.stages, {d: self.devices[d] for d in used},
+            self._executor = Executor(self.stages,
+                                      {d: self.devices[memory_place(d)[0]] for d in used},
                                       TransferEngine(), workers)
         logging.info("hetpar: %d layers on %s", len(self.graph), used)
 
@@ -264,7 +295,8 @@ class CompiledStep:
         assignment = dict(plan.placements if isinstance(plan, Plan) else parse_placements(plan))
         wanted = sorted({d for p in assignment.values() for d in p.devices}
                         | set(getattr(plan, "replicas", ())))
-        absent = [d for d in wanted if d not in self.devices]
+        _check_places(wanted, self.devices)
+        absent = [d for d in wanted if memory_place(d)[0] not in self.devices]
         if absent:
             if options.on_missing_device == "replan":
                 logging.warning("hetpar: plan names devices %s that are not present; replanning "
@@ -426,6 +458,22 @@ class CompiledStep:
             return UNKNOWN
         out = self._jit(*static.dynamic(self._batch_leaves_here(leaves)))
         return static.result_of(out)
+
+    def place(self, args: tuple) -> tuple:
+        """`args` moved to where the plan keeps them between steps (see `auto`'s `place`)."""
+        if self._executor is None:
+            if self._replicated is not None:
+                return args
+            return tuple(jax.device_put(args, self._sharding))
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        static = self._static.strip(args) if self._static is not None else None
+        if static is not None:
+            flat = jax.tree_util.tree_leaves(static)
+            placed = iter(self._executor.place_inputs(flat))
+            fixed = set(static_where(args))
+            leaves = [x if i in fixed else next(placed) for i, x in enumerate(leaves)]
+            return jax.tree_util.tree_unflatten(tree, leaves)
+        return jax.tree_util.tree_unflatten(tree, self._executor.place_inputs(leaves))
 
     def _run(self, args: tuple):
         if self._replicated is not None:
@@ -598,6 +646,22 @@ class AutoStep:
         """
         return self._step_for(args)[0]
 
+    def place(self, *args) -> tuple:
+        """The arguments moved to where the plan keeps them between steps.
+
+        Plans and compiles for them first, like `lower`. A model larger than
+        the accelerator, built on it or on the host, is moved once: its
+        parameters to their devices, its offloaded optimizer state to the
+        host (`gpu:0:pinned_host`); drop the old references so their memory
+        frees before the first step:
+
+            params, opt_state, batch = step.place(params, opt_state, batch)
+        """
+        step, nnx_args = self._step_for(args)
+        if nnx_args is not None:
+            raise HetparError("place() takes arrays, not Flax NNX objects")
+        return step.place(args)
+
     def _step_for(self, args: tuple) -> tuple[CompiledStep, _NnxArgs | None]:
         key = _signature(args)
         step = self._compiled.get(key)
@@ -659,8 +723,13 @@ class AutoStep:
 
     @property
     def state_assignment(self) -> dict[str, str]:
-        """{layer: the device whose memory holds its parameters and optimizer state}."""
+        """{layer: the device or memory place that holds its optimizer state}."""
         return {layer: p.state for layer, p in self.placements.items()}
+
+    @property
+    def params_assignment(self) -> dict[str, str]:
+        """{layer: the device or memory place that holds its parameters}."""
+        return {layer: p.params for layer, p in self.placements.items()}
 
     @property
     def update_assignment(self) -> dict[str, str]:
@@ -691,7 +760,8 @@ class AutoStep:
 def _describe(p: Placement) -> str:
     if not p.offloaded:
         return p.compute
-    return f"computes on {p.compute}, state on {p.state}, update on {p.update}"
+    params = "" if p.params == p.state else f", parameters on {p.params}"
+    return f"computes on {p.compute}, state on {p.state}{params}, update on {p.update}"
 
 
 def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = None,
@@ -716,8 +786,10 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         device, or with a placement `{"compute": "gpu:0", "state": "cpu:0",
         "update": "cpu:0"}` that keeps its parameters and optimizer state on
         another device between steps and runs its update there (or streams
-        the state to `compute` for the update: `"update": "gpu:0"`);
-        default: solve.
+        the state to `compute` for the update: `"update": "gpu:0"`). State
+        may live in a memory place, `"state": "gpu:0:pinned_host"` (the
+        GPU's pinned host memory), and parameters apart from it,
+        `"params": "gpu:0"`; default: solve.
       microbatches: a positive int. With M > 1 and a step that takes its gradient with
         `hetpar.value_and_grad`/`hetpar.grad`, the gradient part runs as M
         microbatches through the device pipeline and the update runs once.

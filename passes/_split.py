@@ -81,14 +81,16 @@ class StageGraph:
       assignment: layer -> compute device.
       stages: all stages, in one global topological order.
       device_order: device -> stage indices in the order that device runs them.
-      input_devices: for every flat program input, the device it should live on.
+      input_devices: for every flat program input, the device (or memory
+        place, `gpu:0:pinned_host`) it should live on.
       home: device of the shared group.
       schedule: "gpipe" or "1f1b" (what device_order realises).
       placements: layer -> Placement (compute, state and update devices).
-      output_devices: for every flat program output, the device it must be
-        returned on, or None where it stays where it was computed. A layer
-        whose update runs away from its state (streamed) returns its new
-        state to the state device, so the next step finds it there.
+      output_devices: for every flat program output, the device or memory
+        place it must be returned to, or None where it stays where it was
+        computed. A layer whose update runs away from its state (streamed)
+        returns its new state (and parameters) to their homes, so the next
+        step finds them there.
     """
 
     graph: LayerGraph
@@ -157,19 +159,36 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
 
 def _output_devices(graph: LayerGraph, placements: Mapping[str, Placement],
                     updating: list[bool]) -> tuple[str | None, ...]:
-    """Where each program output goes back to: a layer's state device for the
-    values its update computed elsewhere (the new parameters and optimizer
-    state of a streamed layer); None (where computed) for the rest."""
+    """Where each program output goes back to: for the values a layer's update
+    computed away from where they live (a streamed layer), the new parameters
+    to its `params` home and the new optimizer state to its `state` home;
+    None (where computed) for the rest.
+
+    A new value is the layer's parameters when the update work it comes from
+    reads one of the layer's parameter inputs (optax's `apply_updates`: p +
+    u); the optimizer state's new moments read only the old moments and the
+    gradients (which the backward made).
+    """
     jaxpr = graph.program.jaxpr.jaxpr
-    producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    params_in = {v for v, role in zip(jaxpr.invars, graph.input_roles) if role == PARAM}
+    reads_params: set = set(params_in)
+    producer = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for o in e.outvars:
+            producer[o] = i
+        if updating[i] and any(isinstance(a, jcore.Var) and a in reads_params
+                               for a in e.invars):
+            reads_params.update(e.outvars)
     out: list[str | None] = []
     for v in jaxpr.outvars:
         i = producer.get(v) if isinstance(v, jcore.Var) else None
         layer = graph.eqn_layers[i] if i is not None else None
         p = placements.get(layer) if layer is not None else None
         wanted = None
-        if p is not None and updating[i] and p.update != p.state:
-            wanted = p.state
+        if p is not None and updating[i]:
+            home = p.params if v in reads_params else p.state
+            if home != p.update:
+                wanted = home
         out.append(wanted)
     return tuple(out)
 
@@ -271,8 +290,9 @@ def _input_devices(graph: LayerGraph, placements: Mapping[str, Placement], devic
                    home: str) -> tuple[str, ...]:
     """The device every flat program input should live on.
 
-    Parameters and optimizer state live on their layer's state device, other
-    inputs (the batch) on its compute device. Shared inputs (the optimizer's
+    Parameters live in their layer's `params` home, optimizer state in its
+    `state` home (a device or a memory place), other inputs (the batch) on
+    its compute device. Shared inputs (the optimizer's
     step count) live where they are first read, like the shared equations:
     otherwise every step would pull the new count back from the accelerator
     to the home device and wait for it.
@@ -289,7 +309,8 @@ def _input_devices(graph: LayerGraph, placements: Mapping[str, Placement], devic
             out.append(first_read.get(v, home))
         else:
             p = placements[layer]
-            out.append(p.state if role in (PARAM, OPT_STATE) else p.compute)
+            out.append(p.params if role == PARAM else p.state if role == OPT_STATE
+                       else p.compute)
     return tuple(out)
 
 

@@ -67,3 +67,23 @@ def test_offload_plan_on_gpu_equals_jit(update):
               if isinstance(x, jax.Array) and x.size > 1]
     assert leaves and all(cpu in x.devices() for x in leaves), \
         "offloaded state must come back to the host"
+
+
+def test_state_in_gpu_pinned_host_memory_equals_jit():
+    # JAX's host offload, per layer: optimizer state in gpu:0's pinned host
+    # memory between steps, parameters on gpu:0, each update on gpu:0 with
+    # its state streamed in and the new state sent back (issue 15).
+    w = zoo.get("transformer", small=True, learning_rate=1e-4)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    plan = {n: {"compute": "gpu:0", "params": "gpu:0", "state": "gpu:0:pinned_host",
+                "update": "gpu:0"} for n in layers}
+    with jax.default_matmul_precision("highest"):
+        step = hetpar.auto(w.train_step, plan=plan)
+        args = step.place(*args)
+        check_steps(w.train_step, step, args, rtol=5e-4)
+    new_params, new_opt_state, _ = step(*args)
+    kinds = {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(new_opt_state)
+             if isinstance(x, jax.Array) and x.size > 1}
+    assert kinds == {"pinned_host"}, kinds
+    assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(new_params)} == {"device"}

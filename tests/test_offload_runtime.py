@@ -98,3 +98,89 @@ def test_caller_state_survives_a_failing_offload_step():
         auto_step(w, jnp.ones((2, 4)))
     for a, b in zip(w, before):  # the caller's host-resident state is intact
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+# JAX's own host offload, per layer: optimizer state in a memory place (the
+# CPU device's `pinned_host` memory here, a GPU's on the GPU machine),
+# parameters resident, the update on the compute device.
+PINNED = {"compute": "cpu:0", "params": "cpu:0", "state": "cpu:0:pinned_host",
+          "update": "cpu:0"}
+
+
+def _memory_kinds(tree) -> set:
+    return {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(tree)
+            if isinstance(x, jax.Array)}
+
+
+@pytest.mark.parametrize("model", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
+def test_state_in_pinned_host_memory_equals_jit(model):
+    w = zoo.get(model, small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    plan = {layer: PINNED for layer in graph.layers}
+    step = hetpar.auto(w.train_step, plan=plan)
+    new_params, new_opt, _ = check_steps(w.train_step, step, args)
+    assert step.state_assignment[graph.layers[0]] == "cpu:0:pinned_host"
+    assert step.params_assignment[graph.layers[0]] == "cpu:0"
+    # The new optimizer moments go back to pinned host memory, the parameters stay.
+    assert _memory_kinds(new_params) == {"device"}
+    kinds = {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(new_opt)
+             if isinstance(x, jax.Array) and x.ndim > 0}
+    assert kinds == {"pinned_host"}, kinds
+    # What the split sends home: the moments to the place, nothing to the device.
+    homes = {d for d in step._last.stages.output_devices if d is not None}
+    assert homes == {"cpu:0:pinned_host"}
+
+
+def test_params_apart_from_streamed_state():
+    """Parameters on cpu:1, optimizer state in cpu:0's pinned memory, update on cpu:0."""
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    plan = {layer: {**PINNED, "params": "cpu:1"} for layer in graph.layers}
+    step = hetpar.auto(w.train_step, plan=plan)
+    new_params, new_opt, _ = check_steps(w.train_step, step, args)
+    cpu1 = jax.devices("cpu")[1]
+    assert all(cpu1 in x.devices() for x in jax.tree_util.tree_leaves(new_params))
+    assert "pinned_host" in _memory_kinds(new_opt)
+
+
+def test_memory_place_errors_are_clear():
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    with pytest.raises(PlanError, match="memory place"):
+        split(graph, {layer: {"compute": "cpu:0:pinned_host"} for layer in graph.layers})
+    bad = {layer: {**PINNED, "state": "cpu:0:unpinned_host"} for layer in graph.layers}
+    cpu0 = jax.devices("cpu")[0]
+    if "unpinned_host" not in {m.kind for m in cpu0.addressable_memories()}:
+        with pytest.raises(PlanError, match="has no 'unpinned_host' memory"):
+            hetpar.auto(w.train_step, plan=bad)(*args)
+
+
+def test_place_moves_arguments_where_the_plan_keeps_them():
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan={layer: PINNED for layer in graph.layers})
+    params, opt_state, batch = step.place(*args)
+    assert _memory_kinds(params) == {"device"}
+    assert "pinned_host" in _memory_kinds(opt_state)
+    check_steps(w.train_step, step, (params, opt_state, batch))
+
+
+def test_place_frees_the_old_copies():
+    """After `place`, nothing of hetpar holds the caller's old arrays: a model
+    that fills the GPU frees its optimizer state there once it is on the host."""
+    import gc
+    import weakref
+
+    w = zoo.get("mlp", small=True)
+    params, opt_state, batch = w.example_args()
+    graph = hetpar.trace(w.train_step, params, opt_state, batch)
+    old = weakref.ref(jax.tree_util.tree_leaves(opt_state)[1])
+    step = hetpar.auto(w.train_step, plan={layer: PINNED for layer in graph.layers})
+    del graph
+    params, opt_state, batch = step.place(params, opt_state, batch)
+    gc.collect()
+    assert old() is None, "hetpar keeps a reference to the caller's old optimizer state"

@@ -21,7 +21,15 @@ from hetpar.core._fingerprint import fingerprint
 from hetpar.core._graph import FORMAT as GRAPH_FORMAT
 from hetpar.core._graph import VERSION as GRAPH_VERSION
 from hetpar.core._graph import CostTable, Device, Edge, Layer, Link
-from hetpar.core._placement import ACTIVATIONS, ACTIVATIONS_RUN, Placement, parse_placements
+from hetpar.core._placement import (
+    ACTIVATIONS,
+    ACTIVATIONS_RUN,
+    MEMORY_KINDS,
+    Placement,
+    is_memory_place,
+    memory_place,
+    parse_placements,
+)
 from hetpar.core._schedule import (
     PHASE_RANK,
     SCHEDULES,
@@ -49,6 +57,7 @@ __all__ = [
     "Layer",
     "Link",
     "PlanError",
+    "MEMORY_KINDS",
     "Placement",
     "ProfileError",
     "TraceError",
@@ -61,6 +70,8 @@ __all__ = [
     "load_json",
     "save_json",
     "nbytes",
+    "is_memory_place",
+    "memory_place",
     "parse_placements",
     "seconds",
     "signed_seconds",

@@ -5,17 +5,26 @@ RAM, what the host adds is memory, not FLOPs. So a layer has separate
 decisions:
 
 - `compute`: the device that runs its forward and backward;
-- `state`: the device whose memory holds its parameters and optimizer state
-  between steps (the host CPU device for an offloaded layer);
+- `state`: where its optimizer state lives between steps: a device (the
+  host CPU device for an offloaded layer) or a memory place, a device's
+  other memory: `gpu:0:pinned_host` is gpu:0's pinned host memory (JAX's
+  `pinned_host` memory kind), from which the GPU copies at PCIe speed;
+- `params`: where its parameters live between steps (default: with its
+  optimizer state). Streaming only the optimizer state to the compute
+  device for the update, parameters stay resident (JAX's own host offload
+  does this): half the traffic of streaming both;
 - `update`: the device that runs its optimizer update (the CPU on
   host-resident state, as ZeRO-Offload does, or the compute device with the
   state streamed in and the new state sent back);
 - `activations`: what happens to its saved activations ("keep" on the
   compute device; "offload" and "remat" are reserved names, not yet run).
 
-A plain device name is the placement of every plan so far: all four on one
+A plain device name is the placement of every plan so far: all on one
 device. Plans and `hetpar.auto(plan=...)` accept either form:
-`{"h0": "gpu:0", "h1": {"compute": "gpu:0", "state": "cpu:0", "update": "cpu:0"}}`.
+`{"h0": "gpu:0", "h1": {"compute": "gpu:0", "state": "cpu:0", "update": "cpu:0"},
+"h2": {"compute": "gpu:0", "params": "gpu:0", "state": "gpu:0:pinned_host"}}`.
+Compute and update run on devices; state and parameters may also live in a
+memory place.
 """
 
 from __future__ import annotations
@@ -29,23 +38,45 @@ from hetpar.core._errors import PlanError
 ACTIVATIONS = ("keep", "offload", "remat")
 #: Activation policies the runtime carries out today.
 ACTIVATIONS_RUN = ("keep",)
-_KEYS = ("compute", "state", "update", "activations")
+_KEYS = ("compute", "params", "state", "update", "activations")
+#: Memory kinds a memory place may name (JAX's names; "device" is the device itself).
+MEMORY_KINDS = ("pinned_host", "unpinned_host")
+
+
+def memory_place(name: str) -> tuple[str, str | None]:
+    """(device, memory kind or None) of a state home: `gpu:0:pinned_host` ->
+    ("gpu:0", "pinned_host"); a plain device name -> (name, None)."""
+    head, _, kind = name.rpartition(":")
+    if kind in MEMORY_KINDS and head:
+        return head, kind
+    return name, None
+
+
+def is_memory_place(name: str) -> bool:
+    """Whether `name` is a memory place (a device's other memory), not a device."""
+    return memory_place(name)[1] is not None
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """One layer's placement; `state` and `update` default to `compute`."""
+    """One layer's placement; `state` and `update` default to `compute`,
+    `params` to `state`."""
 
     compute: str
     state: str | None = None
     update: str | None = None
     activations: str = "keep"
+    params: str | None = None
 
     def __post_init__(self):
-        for key in ("compute", "state", "update"):
+        for key in ("compute", "state", "update", "params"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or not value):
                 raise PlanError(f"placement {key} must be a device name, got {value!r}")
+        for key in ("compute", "update"):
+            if getattr(self, key) is not None and is_memory_place(getattr(self, key)):
+                raise PlanError(f"placement {key} {getattr(self, key)!r} is a memory place; "
+                                f"{key} runs on a device (a memory place holds state only)")
         if self.activations not in ACTIVATIONS:
             raise PlanError(f"activations must be one of {ACTIVATIONS}, got "
                             f"{self.activations!r}")
@@ -53,22 +84,28 @@ class Placement:
             object.__setattr__(self, "state", self.compute)
         if self.update is None:
             object.__setattr__(self, "update", self.compute)
+        if self.params is None:
+            object.__setattr__(self, "params", self.state)
 
     @property
     def offloaded(self) -> bool:
         """Whether any part of the layer lives or runs away from its compute device."""
-        return self.state != self.compute or self.update != self.compute
+        return (self.state != self.compute or self.update != self.compute
+                or self.params != self.compute)
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys((self.compute, self.state, self.update)))
+        """The devices and memory places it uses."""
+        return tuple(dict.fromkeys((self.compute, self.params, self.state, self.update)))
 
     def to_json(self) -> str | dict:
         """The plan.json form: a device name when nothing is apart, else an object."""
         if not self.offloaded and self.activations == "keep":
             return self.compute
-        out: dict[str, str] = {"compute": self.compute, "state": self.state,
-                               "update": self.update}
+        out: dict[str, str] = {"compute": self.compute}
+        if self.params != self.state:
+            out["params"] = self.params
+        out.update(state=self.state, update=self.update)
         if self.activations != "keep":
             out["activations"] = self.activations
         return out
@@ -96,7 +133,7 @@ class Placement:
                                 f"(got {dict(value)!r})")
             try:
                 return cls(value["compute"], value.get("state"), value.get("update"),
-                           value.get("activations", "keep"))
+                           value.get("activations", "keep"), value.get("params"))
             except PlanError as e:
                 raise PlanError(f"layer {layer!r}: {e}") from None
         raise PlanError(f"layer {layer!r}: a placement is a device name or an object with "

@@ -35,7 +35,7 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import SingleDeviceSharding
 
-from hetpar.core import HetparError
+from hetpar.core import HetparError, memory_place
 from hetpar.passes import Stage, StageGraph
 from hetpar.runtime._transfer import TransferEngine
 
@@ -117,28 +117,87 @@ class Workers:
 class Executor:
     """Compiles the stages of a StageGraph and runs them, one thread per device.
 
+    State kept in a memory place (`gpu:0:pinned_host`, a layer's optimizer
+    state in its GPU's pinned host memory) comes to the device when the stage
+    that reads it is dispatched, and the new state goes back as soon as the
+    stage that computed it is dispatched, not at the step's end: the device
+    then holds a few layers' optimizer state at a time, not the model's.
+    Since dispatch runs ahead of the device, a worker lets at most
+    `prefetch` stages that read such state be in flight: before moving the
+    next one's, it waits for the oldest to finish.
+
     Args:
       stages: the split step.
-      devices: device name -> jax.Device, for every device the stages name.
+      devices: device name -> jax.Device, for every device the stages name
+        (a memory place maps to its device, or is derived from it).
       transfer: the transfer engine (default: a new one).
       workers: the per-device worker threads (default: the executor's own).
+      prefetch: stages reading streamed state in flight per device.
     """
 
+    #: Default stages reading streamed state in flight per device: one computing,
+    #: the next one's state arriving.
+    PREFETCH = 2
+
     def __init__(self, stages: StageGraph, devices: Mapping[str, jax.Device],
-                 transfer: TransferEngine | None = None, workers: Workers | None = None):
+                 transfer: TransferEngine | None = None, workers: Workers | None = None,
+                 prefetch: int = PREFETCH):
         self.stages = stages
         self.devices = dict(devices)
         self.transfer = transfer or TransferEngine()
         self.workers = workers or Workers()
+        self.prefetch = max(int(prefetch), 1)
         self.compiled = self._compile_all(stages.stages)
         jaxpr = stages.graph.program.jaxpr.jaxpr
         self._invars = list(jaxpr.invars)
         self._is_input = set(self._invars)
         self._outvars = list(jaxpr.outvars)
-        self._input_devices = [self.devices[d] for d in stages.input_devices]
+        self._input_devices = [self.target(d) for d in stages.input_devices]
         self._producer = {v: st.index for st in stages.stages for v in st.outputs}
+        # Program outputs sent to their memory place as soon as they are
+        # computed: {var: target}. A device_put into a memory place is
+        # asynchronous; the GPU -> CPU device path waits for the value, so
+        # state homed on a CPU device goes back at the step's end instead.
+        wanted = stages.output_devices or (None,) * len(self._outvars)
+        self._send_home = {v: self.target(d) for v, d in zip(self._outvars, wanted)
+                           if d is not None and isinstance(v, jcore.Var)
+                           and memory_place(d)[1] is not None}
+        # Stages that read state kept away from their device: an offloaded
+        # layer's parameters or optimizer state (streamed state).
+        homes = {d for p in stages.placements.values() if p.offloaded
+                 for d in (p.params, p.state) if d != p.compute}
+        home_of = {v: d for v, d in zip(self._invars, stages.input_devices) if d in homes}
+        self._streams = [any(home_of.get(v, st.device) != st.device for v in st.inputs)
+                         for st in stages.stages]
+        # Values are dropped once their last reader is dispatched (JAX keeps
+        # them alive until that reader ran): a step frees gradients and
+        # activations as it goes, as one jit program does.
+        readers: dict = {}
+        for st in stages.stages:
+            for v in st.inputs:
+                readers[v] = readers.get(v, 0) + 1
+        kept = set(self._outvars) | self._is_input
+        self._readers = {v: n for v, n in readers.items() if v not in kept}
+        # Step inputs read by several stages of one device move there once a
+        # step (a weight read by a layer's forward and backward); the rest
+        # (optimizer state streamed to its update) move per read and are freed after.
+        per_device: dict = {}
+        for st in stages.stages:
+            for v in st.inputs:
+                if v in self._is_input:
+                    per_device[v, st.device] = per_device.get((v, st.device), 0) + 1
+        self._cache_inputs = {k for k, n in per_device.items() if n > 1}
         self.last_events: list[StageEvent] = []
         self.record_events = False
+
+    def target(self, name: str):
+        """Where a device or memory place name puts arrays: a jax.Device, or
+        for a memory place a SingleDeviceSharding of its device's memory kind."""
+        device, kind = memory_place(name)
+        dev = self.devices.get(name) or self.devices[device]
+        if kind is None:
+            return dev
+        return SingleDeviceSharding(dev, memory_kind=kind)
 
     def _compile_all(self, stages: Sequence[Stage]) -> list:
         """One executable per stage, compiled in parallel threads.
@@ -206,7 +265,7 @@ class Executor:
                 by_device.setdefault(d, []).append(i)
         for d, idx in by_device.items():
             for i, y in zip(idx, self.transfer.move_many([outs[i] for i in idx],
-                                                         self.devices[d])):
+                                                         self.target(d))):
                 outs[i] = y
         return outs
 
@@ -230,6 +289,8 @@ class _Run:
         # step, not once per microbatch stage that reads them (a tied GPT-2
         # embedding is 154 MB). Keyed by device: each has one worker, no lock.
         self.moved_inputs: dict = {}
+        self.left: dict = {}  # readers not yet dispatched, per value
+        self.lock = threading.Lock()
 
     def inputs_on(self, st: Stage, name: str, dev) -> list:
         """The stage's inputs, moved onto its device."""
@@ -238,15 +299,26 @@ class _Run:
         todo = [k for k, v in enumerate(st.inputs) if (v, name) not in moved]
         for k, y in zip(todo, self.ex.transfer.move_many([args[k] for k in todo], dev)):
             args[k] = y
-            if st.inputs[k] in self.ex._is_input:
+            if (st.inputs[k], name) in self.ex._cache_inputs:
                 moved[st.inputs[k], name] = y
         return args
+
+    def release(self, st: Stage) -> None:
+        """Drops the values whose last reader `st` was (not the step's inputs or results)."""
+        readers = self.ex._readers
+        with self.lock:
+            for v in st.inputs:
+                if v in readers:
+                    left = self.left[v] = self.left.get(v, readers[v]) - 1
+                    if left == 0:
+                        self.env.pop(v, None)
 
     def device(self, name: str) -> None:
         """Runs the stages of device `name` in its order (on that device's worker)."""
         ex = self.ex
         dev = ex.devices[name]
         dispatched = []
+        streaming: list = []  # outputs of stages reading streamed state, in flight
         for idx in ex.stages.device_order[name]:
             st = ex.stages.stages[idx]
             for v in st.inputs:
@@ -256,11 +328,20 @@ class _Run:
             if self.failure:
                 return
             try:
+                if ex._streams[idx]:
+                    # Bounded prefetch: the state of at most `prefetch` stages on the device.
+                    if len(streaming) >= ex.prefetch:
+                        jax.block_until_ready(streaming.pop(0))
                 outs = self._stage(idx, st, name, dev)
+                if ex._streams[idx]:
+                    streaming.append(outs)
             except Exception as e:  # noqa: BLE001 - re-raised by the caller with context
                 self.fail(st, e)
                 return
-            dispatched.append((st, outs))
+            if dev.platform == "cpu":
+                dispatched.append((st, outs[:1]))  # one result names a failed execution
+            self.release(st)
+            del outs
             self.done[idx].set()
         # Execution is asynchronous: errors surface when results are awaited.
         # A CPU worker awaits its stages' results in order once all are
@@ -288,6 +369,11 @@ class _Run:
             self.events.append(StageEvent(idx, name, st.microbatch, st.phase,
                                           start - self.t0, time.perf_counter() - self.t0))
         self.env.update(zip(st.outputs, outs))
+        home = [(v, self.ex._send_home[v]) for v in st.outputs if v in self.ex._send_home]
+        for v, target in home:
+            # The new state leaves for its home now (asynchronously), so the
+            # device frees it as the step goes instead of at its end.
+            self.env[v] = self.ex.transfer.move(self.env[v], target)
         return outs
 
     def fail(self, st: Stage, e: Exception) -> None:
