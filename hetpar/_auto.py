@@ -43,7 +43,6 @@ from hetpar.core import (
     HetparError,
     Placement,
     PlanError,
-    is_memory_place,
     memory_place,
     parse_placements,
 )
