@@ -16,6 +16,7 @@ Variants:
   jax_offload    JAX's own host offload as its memory-kinds documentation
                  writes it: optimizer state in the GPU's `pinned_host`
                  memory, moved to the device inside the jitted step and back
+  jax_offload_donated  the same, donating the parameters and optimizer state
   zero_offload   ZeRO-Offload's rule under hetpar: compute on gpu:0,
                  parameters, optimizer state and update on the host CPU
   pinned         hetpar running JAX's rule per layer: parameters on gpu:0,
@@ -42,7 +43,8 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("fits", "ideal", "jax_offload", "pinned", "planned", "zero_offload")
+VARIANTS = ("fits", "ideal", "jax_offload", "jax_offload_donated", "pinned", "planned",
+            "zero_offload")
 
 
 def _model(args, num_layers=None):
@@ -80,6 +82,21 @@ def _train(step, params, opt_state, batch, steps, name):
 
 def _gb(n):
     return None if n is None else n / 1e9
+
+
+def _memory(gpu, what):
+    """GPU bytes in use and the live arrays by memory kind, to stderr."""
+    import jax
+
+    live: dict = {}
+    for a in jax.live_arrays():
+        k = a.sharding.memory_kind
+        live[k] = live.get(k, 0) + a.nbytes
+    stats = gpu.memory_stats() or {}
+    print(f"  memory {what}: GPU in use {_gb(stats.get('bytes_in_use')) or 0:.1f} GB of "
+          f"{_gb(stats.get('bytes_limit')) or 0:.1f}; live arrays "
+          + ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in live.items()),
+          file=sys.stderr, flush=True)
 
 
 def _bandwidth(gpu):
@@ -137,6 +154,7 @@ def run_variant(args) -> dict:
         return out
     w = _model(args)
     params, opt_state, batch, init_s = _build(w, gpu)
+    _memory(gpu, "built")
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     out.update({"params": int(n_params), "init_s": init_s,
                 "state_gb": sum(x.nbytes for x in jax.tree_util.tree_leaves(
@@ -154,7 +172,7 @@ def run_variant(args) -> dict:
                 out[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             print(f"  fits {name}: {out[name]}", file=sys.stderr, flush=True)
         return out
-    if args.variant == "jax_offload":
+    if args.variant.startswith("jax_offload"):
         dev = SingleDeviceSharding(gpu)
         host = SingleDeviceSharding(gpu, memory_kind="pinned_host")
         opt_state = jax.device_put(opt_state, host)
@@ -164,7 +182,8 @@ def run_variant(args) -> dict:
                                                      batch)
             return new_params, jax.device_put(new_opt, host), loss
 
-        step = jax.jit(offloaded, out_shardings=(dev, host, dev))
+        donate = (0, 1) if args.variant == "jax_offload_donated" else ()
+        step = jax.jit(offloaded, out_shardings=(dev, host, dev), donate_argnums=donate)
     else:
         layers = hetpar.trace(w.train_step, params, opt_state, batch).layers
         if args.variant == "zero_offload":
@@ -181,8 +200,13 @@ def run_variant(args) -> dict:
         params, opt_state, batch = step.place(params, opt_state, batch)
         jax.block_until_ready((params, opt_state))
         out["plan_and_place_s"] = time.perf_counter() - t0
-    params, opt_state, times, losses = _train(step, params, opt_state, batch, args.steps,
-                                              args.variant)
+    _memory(gpu, "placed")
+    try:
+        params, opt_state, times, losses = _train(step, params, opt_state, batch, args.steps,
+                                                  args.variant)
+    except Exception:
+        _memory(gpu, "at the failure")
+        raise
     if args.variant in ("zero_offload", "pinned", "planned"):
         plan = step.plan
         out["placements"] = {n: p.to_json() if hasattr(p, "to_json") else p

@@ -261,6 +261,13 @@ class Program:
         return out if self.static is None else self.static.result(out)
 
 
+def _abstract(x):
+    """An array's shape and dtype (weak type kept); anything else as it is."""
+    if isinstance(x, (jax.Array, np.ndarray)):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+    return x
+
+
 def trace_program(fn: Callable, *args) -> Program:
     """Traces `fn(*args)` to a flat `Program`.
 
@@ -277,9 +284,12 @@ def trace_program(fn: Callable, *args) -> Program:
     in_tree = jax.tree_util.tree_structure(static.pure_args)
     paths = [jax.tree_util.keystr(p)
              for p, _ in jax.tree_util.tree_flatten_with_path(static.pure_args)[0]]
+    # Traced on shapes, not the arrays: nothing JAX keeps from tracing can
+    # then hold the caller's arrays (a 40 GB optimizer state the step then
+    # moves to the host would stay on the GPU).
+    abstract = jax.tree_util.tree_map(_abstract, static.pure_args)
     try:
-        closed, out_shape = jax.make_jaxpr(static.pure_step, return_shape=True)(
-            *static.pure_args)
+        closed, out_shape = jax.make_jaxpr(static.pure_step, return_shape=True)(*abstract)
     except HetparError:
         raise  # already says what is wrong (e.g. microbatches that do not divide the batch)
     except Exception as e:  # JAX raises many types; all mean "this step does not trace"

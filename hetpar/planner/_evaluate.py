@@ -228,6 +228,13 @@ class Arrays:
         rest = np.maximum(self.mem - 2 * self.param[:, None] - self.act[:, None], 0.0)
         self.opt = np.where(np.isnan(given), rest, np.minimum(given, self.mem))
         self.opt[np.isnan(self.param)] = np.nan
+        # A layer updated on its device holds its new parameters and optimizer
+        # state there beside the caller's old ones until the step returns:
+        # the runtime donates nothing (as `jax.jit` without donate_argnums).
+        # So what a layer holds on d is its `memory_bytes` and that new state.
+        self.table_mem = self.mem
+        self.mem = self.mem + np.nan_to_num(self.param)[:, None] + np.nan_to_num(self.opt)
+        self.resident = self.mem
         self.upd = np.full((L, D), np.nan)
         for i, layer in enumerate(table.layers):
             for d, v in (layer.update_s or {}).items():
@@ -400,11 +407,13 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
 
     - A layer whose state and parameters stay with its compute holds its
       `memory_bytes` there (2 x parameters: values and gradients, optimizer
-      state, saved activations).
+      state, saved activations) and its new parameters and optimizer state
+      (`Arrays.resident`: nothing is donated, so the caller's old ones live
+      until the step returns).
     - A layer whose optimizer state lives elsewhere (a host CPU device or a
       memory place) holds on its compute device its weights (a copy, when
-      the parameters live elsewhere too), its gradient and its activations:
-      `memory_bytes` less its optimizer state. Streamed (update on the
+      the parameters live elsewhere too), its gradient, its activations and
+      its new parameters when they live there. Streamed (update on the
       compute device), its optimizer state also visits the compute device
       during its update; updates run one at a time, so the device adds the
       largest such state.
@@ -426,11 +435,14 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     rows = np.arange(L)
     c, s, w = placed.compute, placed.state, placed.params
     state_apart, params_apart = placed.state_apart, placed.params_apart
-    mem_c = arr.mem[rows, c]
+    mem_c = arr.resident[rows, c]
     o = np.nan_to_num(arr.opt[rows, c])
     p = np.nan_to_num(arr.param)
     out = np.zeros(D)
-    np.add.at(out, c, np.where(state_apart, np.maximum(mem_c - o, 0.0), mem_c))
+    # Apart, the old and new optimizer state leave the device (and the new
+    # parameters, when they live elsewhere too).
+    away = np.where(state_apart, 2 * o, 0.0) + np.where(params_apart, p, 0.0)
+    np.add.at(out, c, np.maximum(mem_c - away, 0.0))
     home = HOST_STATE_COPIES * o + np.where(placed.host_update, p, 0.0)
     np.add.at(out, s[state_apart], home[state_apart])
     np.add.at(out, w[params_apart], HOST_STATE_COPIES * p[params_apart])

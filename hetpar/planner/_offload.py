@@ -166,7 +166,7 @@ def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Optio
 def memory_tight(arr: Arrays) -> bool:
     """Whether some device with offload options could not hold every layer it may run."""
     devs = {o.compute for o in options(arr)}
-    return any(arr.mem[arr.ok[:, j], j].sum() > arr.cap[j] * (1 + 1e-9) for j in devs)
+    return any(arr.resident[arr.ok[:, j], j].sum() > arr.cap[j] * (1 + 1e-9) for j in devs)
 
 
 def placements_of(arr: Arrays, compute: np.ndarray, chosen: Mapping[int, Option]
@@ -310,11 +310,14 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     D = len(arr.devices)
     use: list[list] = [[] for _ in range(D)]
     for (i, j), v in x.items():
-        use[j].append((v, float(arr.mem[i, j]) / _GB))
+        use[j].append((v, float(arr.resident[i, j]) / _GB))
     transient: dict[int, list] = {}
     for o, v in y.items():
         opt = float(arr.opt[o.layer, o.compute])
-        use[o.compute].append((v, -opt / _GB))
+        # The old and new optimizer state leave the device (`held_bytes`), and
+        # the new parameters where the host updates them.
+        leaves = 2 * opt + (p[o.layer] if o.way == "host" else 0.0)
+        use[o.compute].append((v, -leaves / _GB))
         host = HOST_STATE_COPIES * opt + (
             (HOST_STATE_COPIES + 1) * p[o.layer] if o.way == "host" else 0.0)
         use[o.state].append((v, host / _GB))
