@@ -126,6 +126,51 @@ def _bandwidth(gpu):
     return out
 
 
+def _warm_up(acc):
+    """A tiny split step first, so every module hetpar and JAX import lazily
+    loads before the big model exists: a module that keeps a traceback from
+    an optional import it failed (pulp does) keeps the frames of the call
+    that imported it, and their arguments, alive."""
+    import jax
+
+    import hetpar
+    from hetpar import zoo
+
+    w = zoo.get("mlp", small=True)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    plan = {n: {"compute": acc, "params": acc, "state": f"{acc}:pinned_host"} for n in layers}
+    step = hetpar.auto(w.train_step, plan=plan)
+    jax.block_until_ready(step(*step.place(*args)))
+
+
+def _holders(ref):
+    """What keeps the array `ref` names alive, to stderr (a few levels of referrers)."""
+    import gc
+    import types
+
+    gc.collect()
+    x = ref()
+    if x is None:
+        return
+    seen = {id(x)}
+
+    def walk(o, depth):
+        for r in gc.get_referrers(o):
+            if id(r) in seen or depth > 5:
+                continue
+            seen.add(id(r))
+            if isinstance(r, types.FrameType):
+                print("  " * depth + f"frame {r.f_code.co_filename}:{r.f_lineno} "
+                      f"{r.f_code.co_name}", file=sys.stderr)
+                continue
+            print("  " * depth + type(r).__name__ + " " + repr(r)[:120].replace("\n", " "),
+                  file=sys.stderr)
+            walk(r, depth + 1)
+
+    walk(x, 0)
+
+
 def run_variant(args) -> dict:
     import jax
     from jax.sharding import SingleDeviceSharding
@@ -152,6 +197,8 @@ def run_variant(args) -> dict:
                     "ideal_s": rows[2] + (args.num_layers - 2) * per_block,
                     "pinned_gbps": _bandwidth(gpu)})
         return out
+    if args.variant in ("pinned", "planned", "zero_offload"):
+        _warm_up(acc)
     w = _model(args)
     params, opt_state, batch, init_s = _build(w, gpu)
     _memory(gpu, "built")
@@ -195,11 +242,15 @@ def run_variant(args) -> dict:
             step = hetpar.auto(w.train_step, plan=plan)
         else:
             step = hetpar.auto(w.train_step, devices=["cpu:0", acc])
+        import weakref
+
+        old = weakref.ref(max(jax.tree_util.tree_leaves(opt_state), key=lambda a: a.nbytes))
         t0 = time.perf_counter()
         # The state moves once to where the plan keeps it; the GPU copies free.
         params, opt_state, batch = step.place(params, opt_state, batch)
         jax.block_until_ready((params, opt_state))
         out["plan_and_place_s"] = time.perf_counter() - t0
+        _holders(old)
     _memory(gpu, "placed")
     try:
         params, opt_state, times, losses = _train(step, params, opt_state, batch, args.steps,
