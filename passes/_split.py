@@ -148,12 +148,13 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
         raise PlanError("internal error: the step's equations form a cycle") from None
     runs = cut_runs(order, cut_keys)
     stage_of = {i: s for s, run in enumerate(runs) for i in run}
-    stages = _stages(graph, runs, keys, stage_of)
+    input_devices = _input_devices(graph, placements, device, home)
+    stages = _stages(graph, runs, keys, stage_of,
+                     dict(zip(graph.program.jaxpr.jaxpr.invars, input_devices)))
     device_order, schedule = device_orders(
         [(st.device, st.microbatch, st.phase) for st in stages],
         stage_deps([stage_of[i] for i in range(len(eqns))], deps, len(stages)), schedule)
-    return StageGraph(graph, compute, tuple(stages), device_order,
-                      _input_devices(graph, placements, device, home), home, schedule,
+    return StageGraph(graph, compute, tuple(stages), device_order, input_devices, home, schedule,
                       placements, _output_devices(graph, placements, updating))
 
 
@@ -263,7 +264,8 @@ RECOMPUTABLE = frozenset({
 RECOMPUTE_DEPTH = 8
 
 
-def _recomputed(eqns, runs, stage_of: Mapping[int, int], program_inputs: set) -> list[list[int]]:
+def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: set,
+                input_home: Mapping) -> list[list[int]]:
     """Per stage, the equations of other stages it recomputes.
 
     Split at layer boundaries, a forward stage hands its backward every
@@ -274,7 +276,9 @@ def _recomputed(eqns, runs, stage_of: Mapping[int, int], program_inputs: set) ->
     jit ran out of it split. A stage therefore recomputes the cheap
     (`RECOMPUTABLE`) equations behind the values it reads from other stages,
     up to RECOMPUTE_DEPTH back, and reads their inputs instead: matmul and
-    reduction outputs, program inputs.
+    reduction outputs, program inputs. Never an equation that would read a
+    program input kept on another device or in a memory place (streamed
+    optimizer state): that would move it again.
     """
     producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
 
@@ -285,6 +289,7 @@ def _recomputed(eqns, runs, stage_of: Mapping[int, int], program_inputs: set) ->
     out = []
     for s, run in enumerate(runs):
         own = set(run)
+        here = keys[run[0]][0]
         extra: set[int] = set()
         frontier = [(a, 0) for i in run for a in eqns[i].invars
                     if isinstance(a, jcore.Var) and a not in program_inputs]
@@ -293,7 +298,9 @@ def _recomputed(eqns, runs, stage_of: Mapping[int, int], program_inputs: set) ->
             i = producer.get(a)
             if i is None or i in own or i in extra or stage_of[i] == s:
                 continue
-            if depth >= RECOMPUTE_DEPTH or not cheap(i):
+            if depth >= RECOMPUTE_DEPTH or not cheap(i) or any(
+                    b in program_inputs and input_home.get(b, here) != here
+                    for b in eqns[i].invars if isinstance(b, jcore.Var)):
                 continue
             extra.add(i)
             frontier.extend((b, depth + 1) for b in eqns[i].invars
@@ -302,7 +309,8 @@ def _recomputed(eqns, runs, stage_of: Mapping[int, int], program_inputs: set) ->
     return out
 
 
-def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int]) -> list[Stage]:
+def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int],
+            input_home: Mapping) -> list[Stage]:
     """One Stage per run of equations: its inputs, outputs and closed jaxpr.
 
     A stage's jaxpr also holds the cheap equations it recomputes from other
@@ -311,7 +319,7 @@ def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int]) -> list[
     jaxpr = graph.program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     consts = dict(zip(jaxpr.constvars, graph.program.jaxpr.consts))
-    extra = _recomputed(eqns, runs, stage_of, set(jaxpr.invars) | set(consts))
+    extra = _recomputed(eqns, runs, keys, stage_of, set(jaxpr.invars) | set(consts), input_home)
     members = [sorted(set(run) | set(more)) for run, more in zip(runs, extra)]
     readers: dict[jcore.Var, set[int]] = {}
     for s, ids in enumerate(members):

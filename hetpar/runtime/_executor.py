@@ -186,7 +186,11 @@ class Executor:
             for v in st.inputs:
                 if v in self._is_input:
                     per_device[v, st.device] = per_device.get((v, st.device), 0) + 1
-        self._cache_inputs = {k for k, n in per_device.items() if n > 1}
+        # Never state streamed from a memory place: cached, every layer's
+        # optimizer state would stay on the device until the step ends.
+        placed = {v for v, d in zip(self._invars, stages.input_devices)
+                  if memory_place(d)[1] is not None}
+        self._cache_inputs = {k for k, n in per_device.items() if n > 1 and k[0] not in placed}
         self.last_events: list[StageEvent] = []
         self.record_events = False
 
