@@ -64,9 +64,13 @@ def _build(w, device):
     return params, opt_state, batch, time.perf_counter() - t0
 
 
-def _train(step, params, opt_state, batch, steps, name):
+def _train(step, state, batch, steps, name):
+    """Trains `steps` steps from `state` ([params, opt_state], emptied: no
+    caller keeps the first step's state alive beside the new)."""
     import jax
 
+    params, opt_state = state
+    state.clear()
     times, losses = [], []
     for i in range(steps):
         t = time.perf_counter()
@@ -187,10 +191,9 @@ def run_variant(args) -> dict:
         for L in (2, 4):
             w = _model(args, L)
             params, opt_state, batch, _ = _build(w, gpu)
-            _, _, times, _ = _train(jax.jit(w.train_step), params, opt_state, batch, 6,
+            _, _, times, _ = _train(jax.jit(w.train_step), [params, opt_state], batch, 6,
                                     f"jit@{L}")
             rows[L] = statistics.median(times[2:])
-            del params, opt_state
         per_block = (rows[4] - rows[2]) / 2
         out.update({"jit_2_blocks_s": rows[2], "jit_4_blocks_s": rows[4],
                     "per_block_s": per_block,
@@ -252,9 +255,10 @@ def run_variant(args) -> dict:
         out["plan_and_place_s"] = time.perf_counter() - t0
         _holders(old)
     _memory(gpu, "placed")
+    state = [params, opt_state]
+    del params, opt_state
     try:
-        params, opt_state, times, losses = _train(step, params, opt_state, batch, args.steps,
-                                                  args.variant)
+        params, opt_state, times, losses = _train(step, state, batch, args.steps, args.variant)
     except Exception:
         _memory(gpu, "at the failure")
         raise
@@ -279,7 +283,9 @@ def run_variant(args) -> dict:
         ex = step._last._executor
         if ex is not None:
             ex.record_events = True
-            _train(step, params, opt_state, batch, 1, args.variant + " (timeline)")
+            state = [params, opt_state]
+            del params, opt_state
+            _train(step, state, batch, 1, args.variant + " (timeline)")
             ex.record_events = False
             out["timeline"] = [e.__dict__ for e in ex.last_events]
             out["bytes_moved_per_step"] = ex.transfer.bytes_moved / (args.steps + 1)
