@@ -460,19 +460,25 @@ class CompiledStep:
 
     def place(self, args: tuple) -> tuple:
         """`args` moved to where the plan keeps them between steps (see `auto`'s `place`)."""
-        if self._executor is None:
-            if self._replicated is not None:
-                return args
-            return tuple(jax.device_put(args, self._sharding))
+        # Arrays only: static leaves (an activation function) and Python
+        # numbers (a learning rate) stay as they are, so the step's
+        # signature does not change.
+        def is_array(x):
+            return isinstance(x, (jax.Array, np.ndarray))
+
         leaves, tree = jax.tree_util.tree_flatten(args)
-        static = self._static.strip(args) if self._static is not None else None
-        if static is not None:
-            flat = jax.tree_util.tree_leaves(static)
-            placed = iter(self._executor.place_inputs(flat))
-            fixed = set(static_where(args))
-            leaves = [x if i in fixed else next(placed) for i, x in enumerate(leaves)]
+        if self._executor is None:
+            if self._replicated is None:
+                leaves = [jax.device_put(x, self._sharding) if is_array(x) else x
+                          for x in leaves]
             return jax.tree_util.tree_unflatten(tree, leaves)
-        return jax.tree_util.tree_unflatten(tree, self._executor.place_inputs(leaves))
+        fixed = set(static_where(args)) if self._static is not None else set()
+        traced = [i for i in range(len(leaves)) if i not in fixed]
+        placed = self._executor.place_inputs([leaves[i] for i in traced])
+        for i, y in zip(traced, placed):
+            if is_array(leaves[i]):
+                leaves[i] = y
+        return jax.tree_util.tree_unflatten(tree, leaves)
 
     def _run(self, args: tuple):
         if self._replicated is not None:

@@ -165,20 +165,27 @@ def _output_devices(graph: LayerGraph, placements: Mapping[str, Placement],
     to its `params` home and the new optimizer state to its `state` home;
     None (where computed) for the rest.
 
-    A new value is the layer's parameters when the update work it comes from
-    reads one of the layer's parameter inputs (optax's `apply_updates`: p +
-    u); the optimizer state's new moments read only the old moments and the
-    gradients (which the backward made).
+    A new value is the layer's parameters when the equation that makes it
+    reads a parameter input itself (optax's `apply_updates`: p + u, then a
+    cast); the new moments read the old moments and a gradient, even where
+    weight decay folded the parameters into that gradient earlier.
     """
     jaxpr = graph.program.jaxpr.jaxpr
-    params_in = {v for v, role in zip(jaxpr.invars, graph.input_roles) if role == PARAM}
-    reads_params: set = set(params_in)
+    casts = ("convert_element_type", "copy")
+    # The parameter inputs and their casts; then what update equations make
+    # from them directly, and casts of that.
+    params = {v for v, role in zip(jaxpr.invars, graph.input_roles) if role == PARAM}
+    reads_params: set = set()
     producer = {}
     for i, e in enumerate(jaxpr.eqns):
         for o in e.outvars:
             producer[o] = i
-        if updating[i] and any(isinstance(a, jcore.Var) and a in reads_params
-                               for a in e.invars):
+        ins = [a for a in e.invars if isinstance(a, jcore.Var)]
+        if e.primitive.name in casts and ins and ins[0] in params:
+            params.update(e.outvars)
+        elif e.primitive.name in casts and ins and ins[0] in reads_params:
+            reads_params.update(e.outvars)
+        elif updating[i] and any(a in params for a in ins):
             reads_params.update(e.outvars)
     out: list[str | None] = []
     for v in jaxpr.outvars:
@@ -276,9 +283,10 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
     jit ran out of it split. A stage therefore recomputes the cheap
     (`RECOMPUTABLE`) equations behind the values it reads from other stages,
     up to RECOMPUTE_DEPTH back, and reads their inputs instead: matmul and
-    reduction outputs, program inputs. Never an equation that would read a
-    program input kept on another device or in a memory place (streamed
-    optimizer state): that would move it again.
+    reduction outputs, program inputs. Only equations of its own device and
+    microbatch whose inputs are on its device too: never one that would read
+    a value from another device or a program input kept elsewhere (streamed
+    optimizer state) again.
     """
     producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
 
@@ -290,6 +298,7 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
     for s, run in enumerate(runs):
         own = set(run)
         here = keys[run[0]][0]
+        where = keys[run[0]][:2]
         extra: set[int] = set()
         frontier = [(a, 0) for i in run for a in eqns[i].invars
                     if isinstance(a, jcore.Var) and a not in program_inputs]
@@ -298,8 +307,12 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
             i = producer.get(a)
             if i is None or i in own or i in extra or stage_of[i] == s:
                 continue
-            if depth >= RECOMPUTE_DEPTH or not cheap(i) or any(
-                    b in program_inputs and input_home.get(b, here) != here
+            # Only work of the same device and microbatch: recomputing another
+            # device's values would pull their inputs across instead (a host
+            # update re-summing every microbatch's gradient).
+            if depth >= RECOMPUTE_DEPTH or not cheap(i) or keys[i][:2] != where or any(
+                    (input_home.get(b, here) if b in program_inputs
+                     else keys[producer[b]][0] if b in producer else here) != here
                     for b in eqns[i].invars if isinstance(b, jcore.Var)):
                 continue
             extra.add(i)

@@ -213,3 +213,77 @@ def test_stages_recompute_cheap_residuals_instead_of_carrying_them(monkeypatch):
             if homes.get(v) == "cpu:0:pinned_host":
                 assert st.phase == "main" and any(
                     v in e.invars for e in st.jaxpr.jaxpr.eqns), "read by its update only"
+
+
+def test_new_state_goes_home_with_weight_decay_folded_into_the_gradient():
+    """optax.chain(add_decayed_weights, adam): the moments read a gradient that
+    read the parameters; they are still optimizer state, sent to its home."""
+    import flax.linen as nn
+    import optax
+
+    model = nn.Sequential([nn.Dense(8, name="first"), nn.Dense(2, name="second")])
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, name="second")(jax.nn.relu(nn.Dense(8, name="first")(x)))
+
+    del model
+    net, opt = Net(), optax.chain(optax.add_decayed_weights(1e-2), optax.adam(1e-2))
+    x = jnp.ones((4, 3))
+    params = net.init(jax.random.PRNGKey(0), x)["params"]
+
+    def train_step(params, opt_state, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(net.apply({"params": p}, x) ** 2))(params)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    args = (params, opt.init(params), x)
+    graph = hetpar.trace(train_step, *args)
+    plan = {layer: PINNED for layer in graph.layers}
+    stages = split(graph, plan)
+    homes = [d for d in stages.output_devices if d is not None]
+    assert homes and set(homes) == {"cpu:0:pinned_host"}  # the moments, not the parameters
+    step = hetpar.auto(train_step, plan=plan)
+    new_params, new_opt, _ = check_steps(train_step, step, args)
+    assert "pinned_host" in _memory_kinds(new_opt)
+    assert _memory_kinds(new_params) == {"device"}
+
+
+def test_microbatched_host_update_reads_the_summed_gradient_once():
+    """Recomputation stays within a device and microbatch: the host update reads
+    the accumulated gradient, not every microbatch's."""
+    from hetpar.passes import _split
+
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    step = hetpar.auto(w.train_step, plan={n: OFFLOAD for n in hetpar.trace(
+        w.train_step, *args).layers}, microbatches=4)
+    stages = step.lower(*args).stages
+
+    def into_host(sg):  # elements the host's stages receive from the compute device
+        made_on = {o: st.device for st in sg.stages for o in st.outputs}
+        made_on.update(zip(sg.graph.program.jaxpr.jaxpr.invars, sg.input_devices))
+        return sum(v.aval.size for st in sg.stages if st.device == "cpu:1"
+                   for v in st.inputs if made_on.get(v) == "cpu:0")
+
+    original = _split.RECOMPUTE_DEPTH
+    try:
+        _split.RECOMPUTE_DEPTH = 0
+        plain = split(stages.graph, stages.placements)
+    finally:
+        _split.RECOMPUTE_DEPTH = original
+    assert into_host(stages) == into_host(plain) > 0
+
+
+def test_place_leaves_python_numbers_alone():
+    w = zoo.get("mlp", small=True)
+    params, opt_state, batch = w.example_args()
+
+    def step_fn(params, opt_state, batch, lr):
+        return w.train_step(params, opt_state, batch)
+
+    graph = hetpar.trace(step_fn, params, opt_state, batch, 0.1)
+    step = hetpar.auto(step_fn, plan={n: PINNED for n in graph.layers}, batch_argnums=2)
+    placed = step.place(params, opt_state, batch, 0.1)
+    assert placed[3] == 0.1 and isinstance(placed[3], float)

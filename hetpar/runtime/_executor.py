@@ -188,8 +188,10 @@ class Executor:
                     per_device[v, st.device] = per_device.get((v, st.device), 0) + 1
         # Never state streamed from a memory place: cached, every layer's
         # optimizer state would stay on the device until the step ends.
-        placed = {v for v, d in zip(self._invars, stages.input_devices)
-                  if memory_place(d)[1] is not None}
+        # (Parameters kept there are read by every microbatch: cached, they move once.)
+        roles = stages.graph.input_roles
+        placed = {v for v, d, role in zip(self._invars, stages.input_devices, roles)
+                  if memory_place(d)[1] is not None and role == "opt_state"}
         self._cache_inputs = {k for k, n in per_device.items() if n > 1 and k[0] not in placed}
         self.last_events: list[StageEvent] = []
         self.record_events = False
@@ -335,15 +337,20 @@ class _Run:
                 if ex._streams[idx]:
                     # Bounded prefetch: the state of at most `prefetch` stages on the device.
                     if len(streaming) >= ex.prefetch:
-                        jax.block_until_ready(streaming.pop(0))
+                        earlier, arrays = streaming.pop(0)
+                        try:
+                            jax.block_until_ready(arrays)
+                        except Exception as e:  # noqa: BLE001 - an earlier stage failed
+                            self.fail(earlier, e)
+                            return
                 outs = self._stage(idx, st, name, dev)
                 if ex._streams[idx]:
                     # Waiting on the state sent home too: a device->host copy
                     # frees its device buffer only once done, and the copies
                     # back lag the compute (measured: ~28 GB of a 5B model's
                     # new optimizer state queued on an H100 without this).
-                    streaming.append([*outs, *(self.env[v] for v in st.outputs
-                                               if v in ex._send_home)])
+                    streaming.append((st, [*outs, *(self.env[v] for v in st.outputs
+                                                    if v in ex._send_home)]))
             except Exception as e:  # noqa: BLE001 - re-raised by the caller with context
                 self.fail(st, e)
                 return
