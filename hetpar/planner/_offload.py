@@ -462,6 +462,19 @@ def variants(arr: Arrays, placements: Mapping[str, Placement]
     return out
 
 
+def _fastest_accelerator(arr: Arrays, homes) -> int | None:
+    """The accelerator that runs every layer in the least total time and has
+    somewhere to put state (`homes(arr, c)`: its hosts or its memory places)."""
+    best, best_t = None, np.inf
+    for c in range(len(arr.devices)):
+        if arr.cpu[c] or arr.place[c] or not arr.ok[:, c].all() or not homes(arr, c):
+            continue
+        total = float(arr.t[:, c].sum())
+        if total < best_t:
+            best, best_t = c, total
+    return best
+
+
 def zero_offload(table: CostTable, *, arrays: Arrays | None = None
                  ) -> tuple[dict[str, Placement] | None, str | None]:
     """ZeRO-Offload's rule: all compute on one accelerator, every offloadable
@@ -474,13 +487,7 @@ def zero_offload(table: CostTable, *, arrays: Arrays | None = None
       (placements, None), or (None, why the rule does not apply).
     """
     arr = arrays or Arrays(table)
-    best, best_t = None, np.inf
-    for c in range(len(arr.devices)):
-        if arr.cpu[c] or arr.place[c] or not arr.ok[:, c].all() or not hosts(arr, c):
-            continue
-        total = float(arr.t[:, c].sum())
-        if total < best_t:
-            best, best_t = c, total
+    best = _fastest_accelerator(arr, hosts)
     if best is None:
         return None, "no accelerator runs every layer with a host CPU linked both ways"
     h = max(hosts(arr, best), key=lambda j: arr.cap[j])
@@ -512,13 +519,7 @@ def jax_offload(table: CostTable, *, arrays: Arrays | None = None
       (placements, None), or (None, why the rule does not apply).
     """
     arr = arrays or Arrays(table)
-    best, best_t = None, np.inf
-    for c in range(len(arr.devices)):
-        if arr.cpu[c] or arr.place[c] or not arr.ok[:, c].all() or not places(arr, c):
-            continue
-        total = float(arr.t[:, c].sum())
-        if total < best_t:
-            best, best_t = c, total
+    best = _fastest_accelerator(arr, places)
     if best is None:
         return None, ("no accelerator runs every layer with a pinned_host memory place "
                       "linked both ways")

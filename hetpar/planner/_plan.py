@@ -106,7 +106,7 @@ class Plan:
 
     @property
     def state_assignment(self) -> dict[str, str]:
-        """{layer: the device holding its parameters and optimizer state between steps}."""
+        """{layer: the device or memory place holding its optimizer state between steps}."""
         return {n: p.state for n, p in self.placements.items()}
 
     @property
