@@ -180,12 +180,15 @@ def run_variant(args) -> dict:
     from jax.sharding import SingleDeviceSharding
 
     import hetpar
+    from hetpar.runtime import Executor
 
+    if args.prefetch:
+        Executor.PREFETCH = args.prefetch
     try:
         gpu, acc = jax.devices("gpu")[0], "gpu:0"
     except RuntimeError:  # a smoke run on CPUs: XLA_FLAGS=--xla_force_host_platform_device_count=2
         gpu, acc = jax.devices("cpu")[1], "cpu:1"
-    out = {"variant": args.variant, "device": gpu.device_kind}
+    out = {"variant": args.variant, "device": gpu.device_kind, "prefetch": Executor.PREFETCH}
     if args.variant == "ideal":
         rows = {}
         for L in (2, 4):
@@ -204,7 +207,7 @@ def run_variant(args) -> dict:
         _warm_up(acc)
     w = _model(args)
     params, opt_state, batch, init_s = _build(w, gpu)
-    _memory(gpu, "built")
+    _memory(gpu, f"built ({init_s:.1f} s)")
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     out.update({"params": int(n_params), "init_s": init_s,
                 "state_gb": sum(x.nbytes for x in jax.tree_util.tree_leaves(
@@ -253,6 +256,8 @@ def run_variant(args) -> dict:
         params, opt_state, batch = step.place(params, opt_state, batch)
         jax.block_until_ready((params, opt_state))
         out["plan_and_place_s"] = time.perf_counter() - t0
+        print(f"  planned and placed in {out['plan_and_place_s']:.1f} s",
+              file=sys.stderr, flush=True)
         _holders(old)
     _memory(gpu, "placed")
     state = [params, opt_state]
@@ -312,6 +317,9 @@ def main(argv=None):
     p.add_argument("--variant", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--prefetch", type=int, default=None,
+                   help="stages reading streamed state in flight per device "
+                        "(default: hetpar's Executor.PREFETCH)")
     args = p.parse_args(argv)
     if args.variant:
         print(json.dumps(run_variant(args)))
@@ -320,7 +328,8 @@ def main(argv=None):
     for v in args.variants.split(","):
         cmd = [sys.executable, __file__, "--variant", v] + [
             f"--{k}={getattr(args, k)}" for k in
-            ("d_model", "num_layers", "num_heads", "batch", "steps")]
+            ("d_model", "num_layers", "num_heads", "batch", "steps", "prefetch")
+            if getattr(args, k) is not None]
         t0 = time.perf_counter()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,

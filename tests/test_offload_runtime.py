@@ -215,6 +215,28 @@ def test_stages_recompute_cheap_residuals_instead_of_carrying_them(monkeypatch):
                     v in e.invars for e in st.jaxpr.jaxpr.eqns), "read by its update only"
 
 
+def test_streamed_state_is_read_by_the_layers_backward_only():
+    """Adam's `b1 * mu` needs no gradient: left free, it ran in each layer's
+    forward stage, which pulled the layer's moments from pinned host memory
+    and handed them, scaled, to the backward across the whole step (on a 5B
+    model: 38 GB the GPU held at once). Every layer's optimizer state must be
+    read by one stage: the one that computes the layer's gradient."""
+    w = zoo.get("transformer", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    stages = split(graph, {layer: PINNED for layer in graph.layers})
+    invars = graph.program.jaxpr.jaxpr.invars
+    checked = 0
+    for v, layer, role in zip(invars, graph.input_layers, graph.input_roles):
+        if role != "opt_state" or not v.aval.shape:
+            continue  # the step count is a scalar the shared group reads
+        readers = [st for st in stages.stages if v in st.inputs]
+        own = [st for st in stages.stages if layer in st.layers]
+        assert [st.index for st in readers] == [own[-1].index], (layer, readers)
+        checked += 1
+    assert checked >= 2 * len(graph.layers) - 2  # mu and nu of (nearly) every layer
+
+
 def test_new_state_goes_home_with_weight_decay_folded_into_the_gradient():
     """optax.chain(add_decayed_weights, adam): the moments read a gradient that
     read the parameters; they are still optimizer state, sent to its home."""

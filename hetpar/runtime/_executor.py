@@ -132,7 +132,8 @@ class Executor:
         (a memory place maps to its device, or is derived from it).
       transfer: the transfer engine (default: a new one).
       workers: the per-device worker threads (default: the executor's own).
-      prefetch: stages reading streamed state in flight per device.
+      prefetch: stages reading streamed state in flight per device
+        (default: `Executor.PREFETCH`).
     """
 
     #: Default stages reading streamed state in flight per device: one computing,
@@ -141,12 +142,12 @@ class Executor:
 
     def __init__(self, stages: StageGraph, devices: Mapping[str, jax.Device],
                  transfer: TransferEngine | None = None, workers: Workers | None = None,
-                 prefetch: int = PREFETCH):
+                 prefetch: int | None = None):
         self.stages = stages
         self.devices = dict(devices)
         self.transfer = transfer or TransferEngine()
         self.workers = workers or Workers()
-        self.prefetch = max(int(prefetch), 1)
+        self.prefetch = max(int(prefetch or self.PREFETCH), 1)
         self.compiled = self._compile_all(stages.stages)
         jaxpr = stages.graph.program.jaxpr.jaxpr
         self._invars = list(jaxpr.invars)
