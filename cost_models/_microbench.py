@@ -18,6 +18,9 @@ path the runtime could use, fitted to `latency + bytes / bandwidth`:
 - `pinned_host_staged` (GPU <-> CPU): only the copy between pinned host
   memory and the GPU; a lower bound for when the producer writes (or the
   consumer reads) pinned memory directly.
+- `pinned_host_duplex` (GPU <-> CPU): the same copy with one of equal size
+  running the other way at once; each direction's rate under the load
+  streamed optimizer state puts on the bus (state in, new state out).
 
 Every repetition moves a freshly generated buffer: `np.asarray` keeps a host
 copy of an array, so timing the same array twice measures a cache.
@@ -364,7 +367,7 @@ def transfer_paths(src, dst) -> list[str]:
         gpu = src if src.platform == "gpu" else dst
 
         if has_pinned_host(gpu):
-            paths += ["pinned_host", "pinned_host_staged"]
+            paths += ["pinned_host", "pinned_host_staged", "pinned_host_duplex"]
     return paths
 
 
@@ -388,6 +391,14 @@ def _time_transfer(src, dst, path: str, size: int, fresh: _Fresh) -> float:
         y = _block(jax.device_put(x, pinned))
         if path == "pinned_host":
             _block(jax.device_put(np.asarray(y), dst))
+        return time.perf_counter() - t0
+    if path == "pinned_host_duplex":
+        # Both ways at once, `size` bytes each: what streamed optimizer state
+        # does (the next layer's state in, this layer's new state out).
+        x = fresh(gpu, size)
+        p = _block(jax.device_put(np.asarray(fresh(jax.devices("cpu")[0], size)), pinned))
+        t0 = time.perf_counter()
+        _block((jax.device_put(x, pinned), jax.device_put(p, on_device)))
         return time.perf_counter() - t0
     if path == "pinned_host":
         x = fresh(src, size)

@@ -115,6 +115,10 @@ class LinkProfile:
       bandwidth_bytes_per_s: sustained bandwidth.
       source: where the figures come from (spec + URL, or measured + date + host).
       samples: measured `(bytes, seconds)` pairs the fit came from (may be empty).
+      duplex_bandwidth_bytes_per_s: each direction's bandwidth while copies
+        run both ways at once, where known (a spec sheet's host link): lower
+        than one way alone on real PCIe hosts, and what streamed optimizer
+        state gets, since its copies in and out overlap. None: as one way.
     """
 
     src: str
@@ -124,6 +128,7 @@ class LinkProfile:
     bandwidth_bytes_per_s: float
     source: str
     samples: tuple[tuple[float, float], ...] = ()
+    duplex_bandwidth_bytes_per_s: float | None = None
 
     def time(self, nbytes: float) -> float:
         """Seconds to move `nbytes` over this path."""
@@ -141,6 +146,8 @@ class LinkProfile:
         }
         if self.samples:
             out["samples"] = [list(s) for s in self.samples]
+        if self.duplex_bandwidth_bytes_per_s is not None:
+            out["duplex_bandwidth_bytes_per_s"] = self.duplex_bandwidth_bytes_per_s
         return out
 
     @classmethod
@@ -169,7 +176,10 @@ class LinkProfile:
         )
         source = _require(where, data, "source", "where the figures come from")
         samples = tuple((float(b), float(t)) for b, t in data.get("samples", ()))
-        return cls(str(src), str(dst), str(path), lat, bw, str(source), samples)
+        duplex = data.get("duplex_bandwidth_bytes_per_s")
+        if duplex is not None:
+            duplex = _num(where, "duplex_bandwidth_bytes_per_s", duplex)
+        return cls(str(src), str(dst), str(path), lat, bw, str(source), samples, duplex)
 
 
 # Field name -> (hint for the error message) of the required numeric figures.

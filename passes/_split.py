@@ -461,7 +461,7 @@ def _update_after_backward(graph: LayerGraph, updating: list[bool],
     # gather's transpose scatters into) and so run in the forward too.
     last_backward: dict[str, int] = {}
     for i, (layer, s) in enumerate(zip(graph.eqn_layers, stacks)):
-        if is_backward(s):
+        if is_backward(s) and layer != SHARED:  # (shared scalars: the step count's)
             last_backward[layer] = i
     for i, layer in enumerate(graph.eqn_layers):
         b = last_backward.get(layer)

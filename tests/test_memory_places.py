@@ -7,6 +7,7 @@ the place (parameters resident, JAX's own host offload) rather than through
 the CPU device. JAX-free but for the cost-table tests (a small traced model).
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -176,6 +177,35 @@ def test_plan_json_round_trip_with_params_and_a_place(tmp_path):
     assert evaluate(t, again.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
 
 
+def test_no_streaming_from_the_cpu_device_beside_a_memory_place():
+    """The same RAM, but the runtime reaches the CPU device by device_put
+    (~6 GB/s into a GPU) and the place by DMA (~50 GB/s): even where the
+    table's links call them equal, state streams from the place."""
+    from hetpar.planner import Arrays
+    from hetpar.planner._offload import options
+
+    t = table()
+    even = dataclasses.replace(t, links=tuple(
+        dataclasses.replace(lk, bandwidth_bytes_per_s=PLACE_BW) for lk in t.links))
+    for tab in (t, even):
+        streamed = {tab.devices[o.state].name for o in options(Arrays(tab))
+                    if o.way == "streamed"}
+        assert streamed == {PLACE}, streamed
+    # Without a place, the CPU device is the home.
+    streamed = {o.state for o in options(Arrays(table(place=False))) if o.way == "streamed"}
+    assert streamed == {0}
+
+
+def test_link_profile_keeps_its_duplex_bandwidth():
+    from hetpar.cost_models import LinkProfile
+
+    lk = LinkProfile("gpu:0", "cpu:0", "pinned_host_duplex", 1e-4, 5e10, "measured",
+                     duplex_bandwidth_bytes_per_s=4e10)
+    assert LinkProfile.from_json(lk.to_json()) == lk
+    assert "duplex_bandwidth_bytes_per_s" not in LinkProfile.from_json(
+        {**lk.to_json(), "duplex_bandwidth_bytes_per_s": None}).to_json()
+
+
 def test_state_beyond_host_ram_names_the_smallest_footprint():
     with pytest.raises(InfeasibleError) as e:
         plan(table(gpu_gb=20, host_gb=5, cpu_compute=False))
@@ -212,8 +242,13 @@ def test_cost_table_adds_the_pinned_host_place_of_each_accelerator():
     assert place.memory_bytes == t.device("cpu:0").memory_bytes
     assert place.price_per_hour == 0 and place.watts_busy == 0
     h100 = cost_models.spec("h100").host_link
+    # Streamed state moves both ways at once: the place's links run at the
+    # sheet's duplex figure (46.5 GB/s each way measured on an H100 host,
+    # against 53.6 one way and 63 on paper), the CPU device's at the one-way one.
+    assert h100.duplex_bandwidth_bytes_per_s < h100.bandwidth_bytes_per_s
     for a, b in (("h100:0", place.name), (place.name, "h100:0")):
-        assert t.link(a, b).bandwidth_bytes_per_s == h100.bandwidth_bytes_per_s
+        assert t.link(a, b).bandwidth_bytes_per_s == h100.duplex_bandwidth_bytes_per_s
+    assert t.link("h100:0", "cpu:0").bandwidth_bytes_per_s == h100.bandwidth_bytes_per_s
     assert t.link("cpu:0", place.name) is None and t.link(place.name, "cpu:0") is None
     for layer in t.layers:
         assert place.name not in layer.time_s and place.name not in layer.memory_bytes

@@ -132,6 +132,38 @@ def test_state_in_pinned_host_memory_equals_jit(model):
     assert homes == {"cpu:0:pinned_host"}
 
 
+def test_next_layers_state_comes_in_before_this_layers_goes_out():
+    """Copies between a device and its memory places queue in issue order:
+    each streaming stage's successor must have its state copy in issued
+    before the stage's new state is sent out, or the two directions run one
+    after the other (measured on an H100: 1.19 s against 0.95 s a step)."""
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan={layer: PINNED for layer in graph.layers})
+    placed = step.place(*args)
+    jax.block_until_ready(step(*placed))
+    ex = step._last._executor
+    moves, real = [], ex.transfer.move_many
+
+    def logged(xs, dst):
+        kinds = {getattr(getattr(x, "sharding", None), "memory_kind", None) for x in xs}
+        if getattr(dst, "memory_kind", None) == "pinned_host":
+            if "device" in kinds:  # (placing the inputs moves nothing)
+                moves.append("out")
+        elif "pinned_host" in kinds:
+            moves.append("in")
+        return real(xs, dst)
+
+    ex.transfer.move_many = logged
+    jax.block_until_ready(step(*placed))
+    outs = [i for i, m in enumerate(moves) if m == "out"]
+    assert len(outs) >= 2 and moves.count("in") >= 2, moves
+    # When a layer's new state leaves, the next layer's has been asked for.
+    for j, i in enumerate(outs[:moves.count("in") - 1]):
+        assert moves[:i].count("in") >= j + 2, moves
+
+
 def test_params_apart_from_streamed_state():
     """Parameters on cpu:1, optimizer state in cpu:0's pinned memory, update on cpu:0."""
     w = zoo.get("mlp", small=True)

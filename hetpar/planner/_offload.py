@@ -147,8 +147,16 @@ def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Optio
 
     A layer may offload from an accelerator it may run on (or the one
     `compute` gives) when its parameter bytes are known and it has optimizer
-    state to move. Streamed, to any home (`homes`); the host way, to a CPU
+    state to move. Streamed, to its accelerator's memory place, or to a
+    CPU device where the accelerator has none; the host way, to a CPU
     device with its update's time there.
+
+    Why not stream from a CPU device beside a memory place: they are the
+    same host RAM, but the runtime reaches the CPU device by `device_put`
+    (~6 GB/s into an H200, against ~50 GB/s for the place's DMA), which a
+    spec sheet's single host link does not tell apart: planned on spec
+    sheets, the 5B offload plan chose the CPU device and predicted a step
+    several times shorter than it would run.
     """
     out = []
     for i, n in enumerate(arr.layers):
@@ -156,8 +164,10 @@ def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Optio
         for c in devs:
             if np.isnan(arr.opt[i, c]) or arr.opt[i, c] <= 0:
                 continue
+            has_place = bool(places(arr, c))
             for h in homes(arr, c):
-                out.append(Option(i, int(c), int(h), "streamed"))
+                if not (has_place and arr.cpu[h]):
+                    out.append(Option(i, int(c), int(h), "streamed"))
                 if arr.cpu[h] and np.isfinite(arr.upd[i, h]):
                     out.append(Option(i, int(c), int(h), "host"))
     return out
@@ -334,8 +344,13 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         if not terms:
             continue
         if elastic[j]:
-            slacks[j] = prob.add_variable(f"over{j}", lowBound=0)
-            terms.append((slacks[j], -1.0))
+            # A memory place overflows its host's RAM: one slack for both, or
+            # the objective would count the same missing gigabytes twice and
+            # the diagnosis would name a larger footprint than the smallest.
+            r = int(arr.ram[j])
+            k = r if arr.place[j] and r != j and elastic[r] else j
+            v = slacks.setdefault(k, prob.add_variable(f"over{k}", lowBound=0))
+            terms.append((v, -1.0))
         prob.addConstraint(_ilp._affine(terms) <= float(arr.cap[j]) / _GB, f"mem{j}")
     for j in np.unique(arr.ram[arr.place]):  # a host CPU device and its memory places: one RAM
         sharing = np.nonzero((arr.ram == j) & arr.place)[0]

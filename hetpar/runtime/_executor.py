@@ -168,8 +168,15 @@ class Executor:
         homes = {d for p in stages.placements.values() if p.offloaded
                  for d in (p.params, p.state) if d != p.compute}
         home_of = {v: d for v, d in zip(self._invars, stages.input_devices) if d in homes}
-        self._streams = [any(home_of.get(v, st.device) != st.device for v in st.inputs)
-                         for st in stages.stages]
+        streamed = [tuple(v for v in st.inputs if home_of.get(v, st.device) != st.device)
+                    for st in stages.stages]
+        self._streams = [bool(vs) for vs in streamed]
+        # Per streaming stage, the next one on its device: its state's copy in
+        # is issued before this stage's copy out (see _Run._stage).
+        self._next_stream: dict[int, int] = {}
+        for order in stages.device_order.values():
+            ids = [i for i in order if self._streams[i]]
+            self._next_stream.update(zip(ids, ids[1:]))
         # Values are dropped once their last reader is dispatched (JAX keeps
         # them alive until that reader ran): a step frees gradients and
         # activations as it goes, as one jit program does.
@@ -194,6 +201,10 @@ class Executor:
         placed = {v for v, d, role in zip(self._invars, stages.input_devices, roles)
                   if memory_place(d)[1] is not None and role == "opt_state"}
         self._cache_inputs = {k for k, n in per_device.items() if n > 1 and k[0] not in placed}
+        # What a streaming stage's state copy brings ahead: its streamed
+        # inputs, less those moved once a step and cached.
+        self._streamed = [tuple(v for v in vs if (v, st.device) not in self._cache_inputs)
+                          for vs, st in zip(streamed, stages.stages)]
         self.last_events: list[StageEvent] = []
         self.record_events = False
 
@@ -297,13 +308,16 @@ class _Run:
         # embedding is 154 MB). Keyed by device: each has one worker, no lock.
         self.moved_inputs: dict = {}
         self.left: dict = {}  # readers not yet dispatched, per value
+        # Streamed state already on its way to the stage that reads it: {stage: {var: array}}.
+        self.ahead: dict[int, dict] = {}
         self.lock = threading.Lock()
 
     def inputs_on(self, st: Stage, name: str, dev) -> list:
         """The stage's inputs, moved onto its device."""
         moved = self.moved_inputs
-        args = [moved.get((v, name), self.env[v]) for v in st.inputs]
-        todo = [k for k, v in enumerate(st.inputs) if (v, name) not in moved]
+        ahead = self.ahead.pop(st.index, {})
+        args = [moved.get((v, name), ahead.get(v, self.env[v])) for v in st.inputs]
+        todo = [k for k, v in enumerate(st.inputs) if (v, name) not in moved and v not in ahead]
         for k, y in zip(todo, self.ex.transfer.move_many([args[k] for k in todo], dev)):
             args[k] = y
             if (st.inputs[k], name) in self.ex._cache_inputs:
@@ -381,16 +395,34 @@ class _Run:
         """Dispatches one stage; its outputs join the values so far."""
         start = time.perf_counter()
         outs = self.ex.compiled[idx](*self.inputs_on(st, name, dev))
+        nxt = self.ex._next_stream.get(idx)
+        if nxt is not None:
+            # The next streaming stage's state starts coming in now, before
+            # this stage's new state is sent out: PJRT queues copies between
+            # a device and its memory places on a few streams in issue order,
+            # so a copy in issued after a copy out (which waits for this
+            # stage's compute) waited for it too, and the two directions ran
+            # one after the other. Measured on an H100, 24 layers of 1.6 GB:
+            # 1.19 s issued in that order, 0.95 s this way, against 0.94 s
+            # for the copies alone (experiments/results/offload_h100_5b).
+            vs = self.ex._streamed[nxt]
+            self.ahead[nxt] = dict(zip(vs, self.ex.transfer.move_many(
+                [self.env[v] for v in vs], dev)))
         if self.ex.record_events:
             jax.block_until_ready(outs)
             self.events.append(StageEvent(idx, name, st.microbatch, st.phase,
                                           start - self.t0, time.perf_counter() - self.t0))
         self.env.update(zip(st.outputs, outs))
-        home = [(v, self.ex._send_home[v]) for v in st.outputs if v in self.ex._send_home]
-        for v, target in home:
-            # The new state leaves for its home now (asynchronously), so the
-            # device frees it as the step goes instead of at its end.
-            self.env[v] = self.ex.transfer.move(self.env[v], target)
+        # The new state leaves for its home now (asynchronously), so the
+        # device frees it as the step goes instead of at its end; one
+        # batched copy per home, as a call costs a fixed ~0.2 ms.
+        homes: dict = {}
+        for v in st.outputs:
+            if v in self.ex._send_home:
+                homes.setdefault(self.ex._send_home[v], []).append(v)
+        for target, vs in homes.items():
+            self.env.update(zip(vs, self.ex.transfer.move_many([self.env[v] for v in vs],
+                                                               target)))
         return outs
 
     def fail(self, st: Stage, e: Exception) -> None:

@@ -1,0 +1,154 @@
+"""Multi-controller JAX: starting `jax.distributed`, and naming devices across processes.
+
+Groundwork for planning and running under `jax.distributed` (docs/distributed.md).
+Nothing else in hetpar uses this yet: the planner still plans over the devices
+of one process.
+
+- `initialize()` joins the job that `python -m hetpar.launch` (or a cluster
+  manager) started; it does nothing in a plain single-process run.
+- `abort(code)` leaves a multi-process job at once, without JAX's exit barrier.
+- `device_name(d)` / `parse_device_name(name)`: device names that stay unique
+  and stable across processes (`p1/cpu:0`), and are today's names (`cpu:0`,
+  see `hetpar.cost_models.device_name`) when there is one process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+# Set by hetpar.launch; kept in sync with the names there (not imported, so that
+# this module and the launcher stay independent of each other's imports).
+ENV_COORDINATOR = "HETPAR_COORDINATOR"
+ENV_NUM_PROCESSES = "HETPAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "HETPAR_PROCESS_ID"
+
+_NAME = re.compile(r"(?:p(?P<process>\d+)/)?(?P<platform>[A-Za-z][A-Za-z0-9_]*):(?P<index>\d+)")
+
+
+def initialize(*, from_cluster: bool = False, fail_fast: bool = True, **kwargs) -> bool:
+    """Join the multi-process JAX job this process belongs to, if any; True if one runs.
+
+    Call it first thing, before any JAX computation or `jax.devices()` (JAX
+    refuses to initialize later). Calling it again is harmless (idempotent).
+
+    - Under `python -m hetpar.launch`: reads HETPAR_COORDINATOR,
+      HETPAR_NUM_PROCESSES and HETPAR_PROCESS_ID and calls
+      `jax.distributed.initialize(coordinator_address=..., num_processes=...,
+      process_id=...)`.
+    - Else, with `from_cluster=True`: plain `jax.distributed.initialize()`,
+      which detects SLURM, Open MPI, Cloud TPU or Kubernetes by itself.
+    - Else: nothing; one process, as before (returns False).
+
+    Args:
+      from_cluster: let JAX detect a cluster manager when the HETPAR_* variables
+        are absent. Off by default: JAX's detection raises outside a cluster.
+      fail_fast: when a multi-process job starts, make an uncaught exception
+        end this process at once (see `abort`) instead of at JAX's exit
+        barrier, so that the launcher sees the failure and stops the others.
+      **kwargs: passed on to `jax.distributed.initialize` (e.g.
+        `initialization_timeout`, `heartbeat_timeout_seconds`).
+    """
+    import jax
+
+    if jax.distributed.is_initialized():
+        return True  # a second call, or the caller initialized JAX itself
+    env = os.environ
+    if ENV_COORDINATOR in env:
+        # CPU collectives across processes need an implementation; JAX 0.10
+        # defaults to gloo, older ones to none (each process would then compute
+        # its own, silently wrong, "all-reduce"). Keep a choice already made.
+        if jax.config.jax_cpu_collectives_implementation in (None, "none"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=env[ENV_COORDINATOR],
+                                   num_processes=int(env[ENV_NUM_PROCESSES]),
+                                   process_id=int(env[ENV_PROCESS_ID]), **kwargs)
+    elif from_cluster:
+        jax.distributed.initialize(**kwargs)
+    else:
+        return False
+    if fail_fast and jax.process_count() > 1:
+        _install_fail_fast()
+    return True
+
+
+def abort(code: int = 1) -> None:
+    """End this process now with exit status `code`, skipping JAX's exit barrier.
+
+    Why: at exit JAX calls `jax.distributed.shutdown()`, a barrier that waits
+    for every process (up to `shutdown_timeout_seconds`, 300 s by default). A
+    process that fails alone -- `sys.exit(3)` or an uncaught exception -- so
+    stays alive there, while the others block in their next collective; a
+    launcher sees nobody exit and cannot tell who failed. `abort` flushes the
+    standard streams and calls `os._exit`: no barrier, no atexit handlers.
+    Use it instead of `sys.exit(nonzero)` in multi-process scripts.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not stop the exit
+            pass
+    os._exit(code)
+
+
+def _install_fail_fast() -> None:
+    """Make an uncaught exception print its traceback as usual, then `abort(1)`.
+
+    Only the main thread's uncaught exceptions (sys.excepthook); `sys.exit(n)`
+    raises SystemExit, which never reaches the hook: hence `abort`.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_hetpar_fail_fast", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        try:
+            previous(exc_type, exc, tb)
+        finally:
+            abort(1)
+
+    hook._hetpar_fail_fast = True
+    sys.excepthook = hook
+
+
+def device_name(d) -> str:
+    """A device's name: `p{process}/{platform}:{local index}` across processes, else `cpu:0`.
+
+    With one process this is exactly `hetpar.cost_models.device_name`
+    (`{platform}:{id}`), so plans, cost tables and profiles keep their names.
+    With several, ids are global numbers that depend on how JAX numbers each
+    platform's devices (CPU ids jump by process), so the name says which process
+    owns the device and its place among that process's devices of the platform:
+    the same on every process, and the same as `jax.local_devices()` order there.
+    """
+    import jax
+
+    if jax.process_count() <= 1:
+        return f"{d.platform}:{d.id}"
+    return f"p{d.process_index}/{d.platform}:{_local_index(d)}"
+
+
+def _local_index(d) -> int:
+    """`d`'s position among its process's devices of its platform, by id."""
+    import jax
+
+    same = sorted((e for e in jax.devices(d.platform) if e.process_index == d.process_index),
+                  key=lambda e: e.id)
+    return next(i for i, e in enumerate(same) if e.id == d.id)
+
+
+def parse_device_name(name: str) -> tuple[int | None, str, int]:
+    """(process index or None, platform, index) of a name from `device_name`.
+
+    `p1/cpu:0` -> (1, "cpu", 0); `gpu:3` -> (None, "gpu", 3). For a name without
+    a process the number is the device id (single-process naming).
+
+    Raises:
+      ValueError: `name` is not such a name.
+    """
+    m = _NAME.fullmatch(name)
+    if m is None:
+        raise ValueError(f"not a device name: {name!r} (expected 'cpu:0' or 'p1/cpu:0')")
+    process = m.group("process")
+    return (None if process is None else int(process)), m.group("platform"), int(m.group("index"))

@@ -1,0 +1,224 @@
+"""Start N local copies of a script as one multi-process JAX job.
+
+    python -m hetpar.launch -n 2 --devices_per_process 2 script.py [args...]
+
+A tool for trying multi-controller JAX on one machine and for tests, not a
+cluster launcher: under SLURM or Open MPI use `srun`/`mpirun`, which JAX's
+own `jax.distributed.initialize()` detects. Each copy gets the environment
+`hetpar._distributed.initialize()` reads (see docs/distributed.md):
+
+  HETPAR_COORDINATOR    host:port of process 0's coordination service
+  HETPAR_NUM_PROCESSES  N
+  HETPAR_PROCESS_ID     0 .. N-1
+  JAX_CPU_COLLECTIVES_IMPLEMENTATION  gloo (unless already set), so CPU
+                        collectives cross processes
+  XLA_FLAGS             with --xla_force_host_platform_device_count=K when
+                        --devices_per_process K is given
+
+Every output line of copy i is printed as `[p{i}] line`. When a copy exits
+non-zero, the others get `--grace` seconds to finish (they usually hang in a
+collective waiting for the dead one), are then killed, and the launcher exits
+non-zero, naming the copy that failed first.
+
+This module never imports JAX: it only starts processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+# Our own variable names: JAX auto-detects only cluster managers (SLURM, Open
+# MPI, TPU, Kubernetes) and JAX_COORDINATOR_ADDRESS, never the process count or
+# id of a plain local launch.
+ENV_COORDINATOR = "HETPAR_COORDINATOR"
+ENV_NUM_PROCESSES = "HETPAR_NUM_PROCESSES"
+ENV_PROCESS_ID = "HETPAR_PROCESS_ID"
+
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now (another program may take it before we use it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(base: dict, *, process_id: int, num_processes: int, coordinator: str,
+              devices_per_process: int | None) -> dict:
+    """The environment of copy `process_id`: `base` plus the variables in the module doc."""
+    env = dict(base)
+    env[ENV_COORDINATOR] = coordinator
+    env[ENV_NUM_PROCESSES] = str(num_processes)
+    env[ENV_PROCESS_ID] = str(process_id)
+    # gloo is JAX 0.10's default already; set it anyway so that an older or newer
+    # default of "none" cannot silently give per-process collectives. A value the
+    # caller set is kept (e.g. "mpi").
+    env.setdefault("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")
+    if devices_per_process is not None:
+        # Replace, not append: the caller's XLA_FLAGS may carry its own count
+        # (tests/conftest.py forces 4 in the pytest process), and XLA would
+        # take the last one anyway; one clear flag is easier to read in logs.
+        flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+        flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
+        env["XLA_FLAGS"] = " ".join(flags)
+    # Lines should arrive as they are printed, not when a buffer fills.
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _pump(i: int, stream, out, lock: threading.Lock) -> None:
+    """Copy `stream` to `out` line by line, each prefixed `[p{i}] `."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        with lock:
+            out.write(f"[p{i}] {line}\n")
+            out.flush()
+    stream.close()
+
+
+def _kill(proc: subprocess.Popen, sig: int) -> None:
+    """Signal the process group we started for `proc` (it may have children of its own)."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)  # the child leads its own group: start_new_session
+    except ProcessLookupError:
+        pass
+
+
+def _exit_status(returncode: int) -> int:
+    """A shell-style exit status for a child's return code (128+N for signal N)."""
+    if returncode < 0:
+        return 128 - returncode
+    return returncode if 0 < returncode < 256 else 1
+
+
+def launch(argv: list[str], num_processes: int, *, devices_per_process: int | None = None,
+           port: int | None = None, grace: float = 30.0, python: str | None = None,
+           out=None) -> int:
+    """Run `python argv...` as `num_processes` copies; return the launcher's exit status.
+
+    0 when every copy exits 0. Otherwise the status of the copy that failed first
+    (killed copies do not count as failing first), after the others have had
+    `grace` seconds to finish and been killed.
+    """
+    out = out or sys.stdout
+    python = python or sys.executable
+    coordinator = f"localhost:{port or free_port()}"
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+
+    def note(msg: str) -> None:
+        with lock:
+            print(f"[launch] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        for i in range(num_processes):
+            env = child_env(os.environ, process_id=i, num_processes=num_processes,
+                            coordinator=coordinator, devices_per_process=devices_per_process)
+            p = subprocess.Popen([python, *argv], env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            procs.append(p)
+            t = threading.Thread(target=_pump, args=(i, p.stdout, out, lock), daemon=True)
+            t.start()
+            pumps.append(t)
+
+        first_failed: int | None = None
+        deadline: float | None = None
+        while True:
+            # Poll every copy (no any(): it would stop at the first live one and
+            # leave a later copy's exit unseen).
+            alive = [p.poll() is None for p in procs]
+            if not any(alive):
+                break
+            if first_failed is None:
+                for i, p in enumerate(procs):
+                    if p.returncode not in (None, 0):
+                        first_failed = i
+                        deadline = time.monotonic() + grace
+                        note(f"process {i} failed first (exit code {p.returncode}); "
+                             f"stopping the others in at most {grace:g} s")
+                        break
+            if deadline is not None and time.monotonic() >= deadline:
+                _stop(procs, note)
+                break
+            time.sleep(0.05)
+        for p in procs:
+            p.wait()
+        if first_failed is None:  # every copy finished before we looked
+            first_failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+            if first_failed is not None:
+                note(f"process {first_failed} failed first "
+                     f"(exit code {procs[first_failed].returncode})")
+    except KeyboardInterrupt:
+        note("interrupted; stopping all processes")
+        _stop(procs, note)
+        for p in procs:
+            p.wait()
+        return 130
+    finally:
+        for t in pumps:
+            t.join(timeout=5)
+
+    if first_failed is None:
+        return 0
+    return _exit_status(procs[first_failed].returncode)
+
+
+def _stop(procs: list[subprocess.Popen], note, term_wait: float = 5.0) -> None:
+    """SIGTERM every live copy, then SIGKILL what is still alive after `term_wait` s.
+
+    SIGTERM first so a copy can flush its output; SIGKILL because a copy blocked
+    inside a C++ collective or JAX's shutdown barrier may not act on SIGTERM.
+    """
+    live = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
+    if live:
+        note("killing process(es) " + ", ".join(str(i) for i, _ in live))
+    for _, p in live:
+        _kill(p, signal.SIGTERM)
+    end = time.monotonic() + term_wait
+    while time.monotonic() < end and any(p.poll() is None for _, p in live):
+        time.sleep(0.05)
+    for _, p in live:
+        _kill(p, signal.SIGKILL)
+
+
+def main(args: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m hetpar.launch",
+        description="Start N local copies of a script as one multi-process JAX job.")
+    ap.add_argument("-n", "--num_processes", type=int, required=True,
+                    help="how many copies to start")
+    ap.add_argument("--devices_per_process", type=int, default=None,
+                    help="virtual CPU devices per copy (sets XLA_FLAGS "
+                         "--xla_force_host_platform_device_count)")
+    ap.add_argument("--port", type=int, default=None,
+                    help="coordinator port on localhost (default: a free one)")
+    ap.add_argument("--grace", type=float, default=30.0,
+                    help="seconds the other copies get to finish after one fails, "
+                         "before they are killed (default 30)")
+    ap.add_argument("script", help="the Python script each copy runs")
+    ap.add_argument("script_args", nargs=argparse.REMAINDER,
+                    help="arguments passed to the script")
+    ns = ap.parse_args(args)
+    if ns.num_processes < 1:
+        ap.error("-n must be at least 1")
+    if ns.devices_per_process is not None and ns.devices_per_process < 1:
+        ap.error("--devices_per_process must be at least 1")
+    return launch([ns.script, *ns.script_args], ns.num_processes,
+                  devices_per_process=ns.devices_per_process, port=ns.port, grace=ns.grace)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
