@@ -56,9 +56,9 @@ def initialize(*, from_cluster: bool = False, fail_fast: bool = True, **kwargs) 
         return True  # a second call, or the caller initialized JAX itself
     env = os.environ
     if ENV_COORDINATOR in env:
-        # CPU collectives across processes need an implementation; JAX 0.10
-        # defaults to gloo, older ones to none (each process would then compute
-        # its own, silently wrong, "all-reduce"). Keep a choice already made.
+        # CPU collectives across processes need an implementation: JAX 0.10
+        # defaults to gloo, older releases had none (no cross-process CPU
+        # collectives at all). Keep a choice already made (e.g. "mpi").
         if jax.config.jax_cpu_collectives_implementation in (None, "none"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=env[ENV_COORDINATOR],

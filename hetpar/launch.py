@@ -85,6 +85,23 @@ def _pump(i: int, stream, out, lock: threading.Lock) -> None:
     stream.close()
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGKILL when the launcher dies (Linux only).
+
+    The copies lead their own sessions (so that we can signal each one's whole
+    group), hence a SIGKILL of the launcher -- e.g. by a test's subprocess
+    timeout -- would otherwise leave them hanging in a collective for minutes.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # best effort: without it the launcher's own cleanup still applies
+
+
 def _kill(proc: subprocess.Popen, sig: int) -> None:
     """Signal the process group we started for `proc` (it may have children of its own)."""
     if proc.poll() is not None:
@@ -126,10 +143,11 @@ def launch(argv: list[str], num_processes: int, *, devices_per_process: int | No
         for i in range(num_processes):
             env = child_env(os.environ, process_id=i, num_processes=num_processes,
                             coordinator=coordinator, devices_per_process=devices_per_process)
-            p = subprocess.Popen([python, *argv], env=env, stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-            procs.append(p)
+            procs.append(subprocess.Popen(
+                [python, *argv], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent))
+        # Threads only now: preexec_fn is unsafe while other threads run.
+        for i, p in enumerate(procs):
             t = threading.Thread(target=_pump, args=(i, p.stdout, out, lock), daemon=True)
             t.start()
             pumps.append(t)
@@ -161,12 +179,15 @@ def launch(argv: list[str], num_processes: int, *, devices_per_process: int | No
             if first_failed is not None:
                 note(f"process {first_failed} failed first "
                      f"(exit code {procs[first_failed].returncode})")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM via main()
         note("interrupted; stopping all processes")
         _stop(procs, note)
         for p in procs:
             p.wait()
         return 130
+    except BaseException:  # e.g. a copy failed to start: leave no orphans behind
+        _stop(procs, note)
+        raise
     finally:
         for t in pumps:
             t.join(timeout=5)
@@ -176,11 +197,13 @@ def launch(argv: list[str], num_processes: int, *, devices_per_process: int | No
     return _exit_status(procs[first_failed].returncode)
 
 
-def _stop(procs: list[subprocess.Popen], note, term_wait: float = 5.0) -> None:
+def _stop(procs: list[subprocess.Popen], note, term_wait: float = 2.0) -> None:
     """SIGTERM every live copy, then SIGKILL what is still alive after `term_wait` s.
 
-    SIGTERM first so a copy can flush its output; SIGKILL because a copy blocked
-    inside a C++ collective or JAX's shutdown barrier may not act on SIGTERM.
+    SIGTERM first so that a script's own handlers may run; SIGKILL because a
+    JAX process ignores SIGTERM once `jax.distributed` runs (its preemption
+    notifier takes the signal and only logs "SIGTERM caught"), and a copy
+    blocked inside a C++ collective would not act on it anyway.
     """
     live = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
     if live:
@@ -192,6 +215,10 @@ def _stop(procs: list[subprocess.Popen], note, term_wait: float = 5.0) -> None:
         time.sleep(0.05)
     for _, p in live:
         _kill(p, signal.SIGKILL)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def main(args: list[str] | None = None) -> int:
@@ -216,6 +243,8 @@ def main(args: list[str] | None = None) -> int:
         ap.error("-n must be at least 1")
     if ns.devices_per_process is not None and ns.devices_per_process < 1:
         ap.error("--devices_per_process must be at least 1")
+    # SIGTERM (e.g. from a batch system) stops the copies like Ctrl-C does.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     return launch([ns.script, *ns.script_args], ns.num_processes,
                   devices_per_process=ns.devices_per_process, port=ns.port, grace=ns.grace)
 
