@@ -284,14 +284,14 @@ def run_variant(args) -> dict:
                 out["no_offload_placement"] = dict(no_offload.assignment)
             except Exception as e:  # noqa: BLE001
                 out["no_offload_predicted_s"] = f"{type(e).__name__}: {e}"
-        # One step's stages, each timed to its end (this serialises the step).
+        # One step's compute and copies each way, watched as it runs.
         ex = step._last._executor
         if ex is not None:
-            ex.record_events = True
+            ex.watch_events = True
             state = [params, opt_state]
             del params, opt_state
             _train(step, state, batch, 1, args.variant + " (timeline)")
-            ex.record_events = False
+            ex.watch_events = False
             out["timeline"] = [e.__dict__ for e in ex.last_events]
             out["bytes_moved_per_step"] = ex.transfer.bytes_moved / (args.steps + 1)
     stats = gpu.memory_stats() or {}

@@ -1,7 +1,8 @@
 """Plots a runtime timeline (per-device busy intervals) from a benchmark's timelines JSON.
 
 Each bar is one stage run (forward, backward or update; shade by microbatch),
-from the executor's own events (`Executor.record_events`). Usage:
+from the executor's own events (`Executor.record_events`); watched timelines
+(`Executor.watch_events`) add rows for each device's copies in and out. Usage:
   python experiments/plot_timeline.py \
       --timelines experiments/results/two_gpus_h200x2_timelines.json \
       --key "transformer M=4 1f1b half/half" --out experiments/results/timeline.png
@@ -21,6 +22,7 @@ flags.DEFINE_multi_string("key", None, "which timeline(s) to draw (default: all)
 flags.DEFINE_string("out", "experiments/results/timeline.png", "PNG to write")
 flags.DEFINE_string("title", "", "figure title (say which card)")
 
+_WHAT = ("copy in", "compute", "copy out")
 _COLORS = {"forward": "tab:blue", "backward": "tab:orange", "post": "tab:green",
            "main": "tab:purple", "pre": "tab:gray"}
 
@@ -32,9 +34,12 @@ def main(argv):
     fig, axes = plt.subplots(len(keys), 1, figsize=(11, 1.6 + 1.1 * len(keys)), squeeze=False)
     for ax, key in zip(axes[:, 0], keys):
         events = data[key]
-        devices = sorted({e["device"] for e in events})
+        # One row per device and kind of work (compute, copy in, copy out).
+        rows = sorted({(e["device"], e.get("what", "compute")) for e in events},
+                      key=lambda r: (r[0], _WHAT.index(r[1]) if r[1] in _WHAT else 9))
+        devices = [d if w == "compute" else f"{d} {w}" for d, w in rows]
         for e in events:
-            y = devices.index(e["device"])
+            y = rows.index((e["device"], e.get("what", "compute")))
             alpha = 1.0 if e["microbatch"] is None else 0.45 + 0.55 * ((e["microbatch"] % 4) / 3)
             ax.barh(y, (e["end_s"] - e["start_s"]) * 1e3, left=e["start_s"] * 1e3,
                     color=_COLORS.get(e["phase"], "k"), alpha=alpha, edgecolor="k", lw=0.3)

@@ -164,6 +164,31 @@ def test_next_layers_state_comes_in_before_this_layers_goes_out():
         assert moves[:i].count("in") >= j + 2, moves
 
 
+def test_watched_timeline_shows_compute_and_copies_each_way():
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan={layer: PINNED for layer in graph.layers})
+    placed = step.place(*args)
+    expected = step(*placed)
+    ex = step._last._executor
+    ex.watch_events = True
+    got = step(*placed)
+    ex.watch_events = False
+    events = ex.last_events
+    kinds = {e.what for e in events}
+    assert kinds == {"copy in", "compute", "copy out"}, kinds
+    assert all(0 <= e.start_s <= e.end_s for e in events)
+    # Every stage computed once; every streamed layer's state came in and went out.
+    assert sorted(e.stage for e in events if e.what == "compute") == list(
+        range(len(ex.stages.stages)))
+    streaming = {i for i, s in enumerate(ex._streams) if s}
+    assert {e.stage for e in events if e.what == "copy out"} == streaming
+    assert streaming <= {e.stage for e in events if e.what == "copy in"}
+    for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_params_apart_from_streamed_state():
     """Parameters on cpu:1, optimizer state in cpu:0's pinned memory, update on cpu:0."""
     w = zoo.get("mlp", small=True)

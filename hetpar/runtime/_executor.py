@@ -46,7 +46,15 @@ class StageError(HetparError, RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class StageEvent:
-    """One stage run, for timelines: wall-clock seconds since the step began."""
+    """One stage run, for timelines: wall-clock seconds since the step began.
+
+    `what` is "compute" (the stage's executable), or, watched without
+    serialising the step (`Executor.watch_events`), "copy in" (its inputs,
+    or the state it streams, arriving) or "copy out" (its new state going
+    home). A watched event runs from when the work was issued, or when the
+    previous one of its kind on the device finished if later, to when its
+    arrays were ready: what the device's stream, or the link, spent on it.
+    """
 
     stage: int
     device: str
@@ -54,6 +62,7 @@ class StageEvent:
     phase: str
     start_s: float
     end_s: float
+    what: str = "compute"
 
 
 def _compile(stage: Stage, device: jax.Device):
@@ -206,7 +215,12 @@ class Executor:
         self._streamed = [tuple(v for v in vs if (v, st.device) not in self._cache_inputs)
                           for vs, st in zip(streamed, stages.stages)]
         self.last_events: list[StageEvent] = []
+        # Timelines: record_events times each stage to its end (which
+        # serialises the step); watch_events has threads wait for each
+        # stage's copies in, compute and copies out while the step runs as
+        # usual (no host sync added), each kind in issue order.
         self.record_events = False
+        self.watch_events = False
 
     def target(self, name: str):
         """Where a device or memory place name puts arrays: a jax.Device, or
@@ -256,8 +270,11 @@ class Executor:
 
     def __call__(self, flat_args: Sequence) -> list:
         run = _Run(self, dict(zip(self._invars, self.place_inputs(flat_args))))
-        self.workers.run({name: functools.partial(run.device, name)
-                          for name in self.stages.device_order})
+        try:
+            self.workers.run({name: functools.partial(run.device, name)
+                              for name in self.stages.device_order})
+        finally:
+            run.stop_watching()
         if run.failure:
             # A failed stage's results poison its consumers' inputs: blame the earliest.
             st, e = min(run.failure, key=lambda fe: fe[0].index)
@@ -310,18 +327,61 @@ class _Run:
         self.left: dict = {}  # readers not yet dispatched, per value
         # Streamed state already on its way to the stage that reads it: {stage: {var: array}}.
         self.ahead: dict[int, dict] = {}
+        # Event watchers (Executor.watch_events): one thread per kind, in issue order.
+        self.watchers: dict = {}
+        self.ready: dict = {}  # (device, kind) -> when its last watched work was ready
+        self.copied: dict = {}  # device -> what its stage being dispatched had copied in
+        if ex.watch_events:
+            self.watchers = {k: ThreadPoolExecutor(1, thread_name_prefix="hetpar-watch")
+                             for k in ("copy in", "compute", "copy out")}
         self.lock = threading.Lock()
 
+    def watch(self, what: str, st: Stage, name: str, arrays: list, after: list = ()) -> None:
+        """Records, from a watcher thread, when `arrays` (issued now) are ready.
+
+        The work began when issued, or once the previous work of its kind on
+        the device and the arrays it waits for (`after`: a copy out's values,
+        a stage's copied inputs) were ready, whichever came last.
+        """
+        if not arrays:
+            return
+        issued = time.perf_counter()
+
+        def wait():
+            try:
+                jax.block_until_ready(after)
+                deps = time.perf_counter() if after else issued
+                jax.block_until_ready(arrays)
+            except Exception:  # noqa: BLE001 - the step reports failures itself
+                return
+            end = time.perf_counter()
+            start = max(issued, deps, self.ready.get((name, what), issued))
+            self.ready[name, what] = end
+            self.events.append(StageEvent(st.index, name, st.microbatch, st.phase,
+                                          start - self.t0, end - self.t0, what))
+
+        self.watchers[what].submit(wait)
+
+    def stop_watching(self) -> None:
+        """Waits for the watchers to record the step's last events."""
+        for pool in self.watchers.values():
+            pool.shutdown(wait=True)
+
     def inputs_on(self, st: Stage, name: str, dev) -> list:
-        """The stage's inputs, moved onto its device."""
+        """The stage's inputs, moved onto its device (`self.moved`: those that moved)."""
         moved = self.moved_inputs
         ahead = self.ahead.pop(st.index, {})
         args = [moved.get((v, name), ahead.get(v, self.env[v])) for v in st.inputs]
         todo = [k for k, v in enumerate(st.inputs) if (v, name) not in moved and v not in ahead]
-        for k, y in zip(todo, self.ex.transfer.move_many([args[k] for k in todo], dev)):
+        fresh = self.ex.transfer.move_many([args[k] for k in todo], dev)
+        for k, y in zip(todo, fresh):
             args[k] = y
             if (st.inputs[k], name) in self.ex._cache_inputs:
                 moved[st.inputs[k], name] = y
+        if self.watchers:
+            copied = [y for k, y in zip(todo, fresh) if y is not self.env.get(st.inputs[k])]
+            self.watch("copy in", st, name, copied)
+            self.copied[name] = copied + list(ahead.values())
         return args
 
     def release(self, st: Stage) -> None:
@@ -395,6 +455,8 @@ class _Run:
         """Dispatches one stage; its outputs join the values so far."""
         start = time.perf_counter()
         outs = self.ex.compiled[idx](*self.inputs_on(st, name, dev))
+        if self.watchers:
+            self.watch("compute", st, name, list(outs), after=self.copied[name])
         nxt = self.ex._next_stream.get(idx)
         if nxt is not None:
             # The next streaming stage's state starts coming in now, before
@@ -408,6 +470,9 @@ class _Run:
             vs = self.ex._streamed[nxt]
             self.ahead[nxt] = dict(zip(vs, self.ex.transfer.move_many(
                 [self.env[v] for v in vs], dev)))
+            if self.watchers:
+                self.watch("copy in", self.ex.stages.stages[nxt], name,
+                           list(self.ahead[nxt].values()))
         if self.ex.record_events:
             jax.block_until_ready(outs)
             self.events.append(StageEvent(idx, name, st.microbatch, st.phase,
@@ -423,6 +488,8 @@ class _Run:
         for target, vs in homes.items():
             self.env.update(zip(vs, self.ex.transfer.move_many([self.env[v] for v in vs],
                                                                target)))
+            if self.watchers:
+                self.watch("copy out", st, name, [self.env[v] for v in vs], after=list(outs))
         return outs
 
     def fail(self, st: Stage, e: Exception) -> None:
