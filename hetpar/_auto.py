@@ -252,7 +252,9 @@ class CompiledStep:
             self._replicated = Replicated(fn, [self.devices[d] for d in replicas], args,
                                           self._batch_argnums)
             used = list(replicas)
-        elif len(used) == 1:
+        elif len(used) == 1 and all(p.activations == "keep" for p in self.placements.values()):
+            # (A layer that offloads or recomputes its activations needs its
+            # forward and backward in stages apart: the split path below.)
             self._device = self.devices[used[0]]
             sharding = jax.sharding.SingleDeviceSharding(self._device)
             # Explicit shardings in and out: fresh and resident arguments then hit

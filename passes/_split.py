@@ -150,8 +150,9 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
     runs = cut_runs(order, cut_keys)
     stage_of = {i: s for s, run in enumerate(runs) for i in run}
     input_devices = _input_devices(graph, placements, device, home)
+    remat = frozenset(la for la, p in placements.items() if p.activations == "remat")
     stages = _stages(graph, runs, keys, stage_of,
-                     dict(zip(graph.program.jaxpr.jaxpr.invars, input_devices)))
+                     dict(zip(graph.program.jaxpr.jaxpr.invars, input_devices)), remat)
     device_order, schedule = device_orders(
         [(st.device, st.microbatch, st.phase) for st in stages],
         stage_deps([stage_of[i] for i in range(len(eqns))], deps, len(stages)), schedule)
@@ -208,14 +209,20 @@ def _cut_keys(graph: LayerGraph, placements: Mapping[str, Placement], keys: list
     An offloaded layer's weights come from another device every step. As
     its own stage, its weights' copy starts while the layers before it
     compute, instead of every weight arriving before one big stage starts.
+    A layer whose activations are offloaded or recomputed gets stages of its
+    own too: its forward and backward must be apart for its residuals to
+    leave the device, or not be kept, in between.
     """
-    if not any(p.offloaded for p in placements.values()):
+    def own(p):
+        return p is not None and (p.offloaded or p.activations != "keep")
+
+    if not any(own(p) for p in placements.values()):
         return keys
     out = []
     for i, key in enumerate(keys):
         layer = graph.eqn_layers[i]
         p = placements.get(layer)
-        part = layer if p is not None and p.offloaded and key[0] == p.compute else None
+        part = layer if own(p) and key[0] == p.compute else None
         out.append((*key, part))
     return out
 
@@ -273,7 +280,8 @@ RECOMPUTE_DEPTH = 8
 
 
 def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: set,
-                input_home: Mapping) -> list[list[int]]:
+                input_home: Mapping, eqn_layers=(), remat: frozenset = frozenset()
+                ) -> list[list[int]]:
     """Per stage, the equations of other stages it recomputes.
 
     Split at layer boundaries, a forward stage hands its backward every
@@ -288,18 +296,27 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
     microbatch whose inputs are on its device too: never one that would read
     a value from another device or a program input kept elsewhere (streamed
     optimizer state) again.
+
+    A layer in `remat` (activations="remat") recomputes every equation of
+    its own forward that its later stages read, matmuls included, at any
+    depth: its forward stage then hands on only what other layers made (its
+    input, the checkpoint), as `jax.checkpoint` would at the layer's edge.
     """
     producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
 
-    def cheap(i: int) -> bool:
+    def cheap(i: int, layers) -> bool:
         e = eqns[i]
-        return e.primitive.name in RECOMPUTABLE and not e.effects
+        if e.effects:
+            return False
+        return e.primitive.name in RECOMPUTABLE or (
+            bool(remat) and eqn_layers[i] in remat and eqn_layers[i] in layers)
 
     out = []
     for s, run in enumerate(runs):
         own = set(run)
         here = keys[run[0]][0]
         where = keys[run[0]][:2]
+        layers = {eqn_layers[i] for i in run} if remat else set()
         extra: set[int] = set()
         frontier = [(a, 0) for i in run for a in eqns[i].invars
                     if isinstance(a, jcore.Var) and a not in program_inputs]
@@ -311,7 +328,9 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
             # Only work of the same device and microbatch: recomputing another
             # device's values would pull their inputs across instead (a host
             # update re-summing every microbatch's gradient).
-            if depth >= RECOMPUTE_DEPTH or not cheap(i) or keys[i][:2] != where or any(
+            whole = bool(remat) and eqn_layers[i] in remat and eqn_layers[i] in layers
+            too_deep = depth >= RECOMPUTE_DEPTH and not whole
+            if too_deep or not cheap(i, layers) or keys[i][:2] != where or any(
                     (input_home.get(b, here) if b in program_inputs
                      else keys[producer[b]][0] if b in producer else here) != here
                     for b in eqns[i].invars if isinstance(b, jcore.Var)):
@@ -324,7 +343,7 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
 
 
 def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int],
-            input_home: Mapping) -> list[Stage]:
+            input_home: Mapping, remat: frozenset = frozenset()) -> list[Stage]:
     """One Stage per run of equations: its inputs, outputs and closed jaxpr.
 
     A stage's jaxpr also holds the cheap equations it recomputes from other
@@ -333,7 +352,8 @@ def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int],
     jaxpr = graph.program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     consts = dict(zip(jaxpr.constvars, graph.program.jaxpr.consts))
-    extra = _recomputed(eqns, runs, keys, stage_of, set(jaxpr.invars) | set(consts), input_home)
+    extra = _recomputed(eqns, runs, keys, stage_of, set(jaxpr.invars) | set(consts), input_home,
+                        graph.eqn_layers, remat)
     members = [sorted(set(run) | set(more)) for run, more in zip(runs, extra)]
     readers: dict[jcore.Var, set[int]] = {}
     for s, ids in enumerate(members):

@@ -77,9 +77,6 @@ def test_bad_placements_are_refused():
         split(graph, {layer: {"compute": "cpu:0", "home": "cpu:1"} for layer in graph.layers})
     with pytest.raises(PlanError, match="needs 'compute'"):
         split(graph, {layer: {"state": "cpu:1"} for layer in graph.layers})
-    with pytest.raises(PlanError, match="not run yet"):
-        split(graph, {layer: {"compute": "cpu:0", "activations": "offload"}
-                      for layer in graph.layers})
     with pytest.raises(PlanError, match="activations must be one of"):
         split(graph, {layer: {"compute": "cpu:0", "activations": "drop"}
                       for layer in graph.layers})
@@ -292,6 +289,40 @@ def test_streamed_state_is_read_by_the_layers_backward_only():
         assert [st.index for st in readers] == [own[-1].index], (layer, readers)
         checked += 1
     assert checked >= 2 * len(graph.layers) - 2  # mu and nu of (nearly) every layer
+
+
+def _handed_on(stages, layer) -> int:
+    """Bytes the layer's first stage (its forward) hands to later stages."""
+    forward = min((st for st in stages.stages if st.layers == (layer,)), key=lambda st: st.index)
+    return sum(o.aval.size * o.aval.dtype.itemsize for o in forward.outputs)
+
+
+@pytest.mark.parametrize("policy", ["remat", "offload"])
+def test_activation_policies_equal_jit(policy):
+    """activations="remat": a block's forward hands on only its output and
+    the backward recomputes the rest; "offload": its residuals wait in pinned
+    host memory between forward and backward. Both equal jax.jit."""
+    w = zoo.get("transformer", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    blocks = [la for la in graph.layers if la.startswith("h")]
+    plan = {la: ({"compute": "cpu:0", "activations": policy} if la in blocks else "cpu:0")
+            for la in graph.layers}
+    step = hetpar.auto(w.train_step, plan=plan)
+    check_steps(w.train_step, step, args)
+    ours = step._last.stages
+    if policy == "remat":
+        # What the forward hands on: the block's output (read by the next
+        # block too) and little else, against the residuals it hands on when
+        # they are kept (offloaded: cut the same way, nothing recomputed).
+        kept = split(graph, {la: ({"compute": "cpu:0", "activations": "offload"}
+                                  if la in blocks else "cpu:0") for la in graph.layers})
+        assert _handed_on(ours, blocks[0]) < 0.5 * _handed_on(kept, blocks[0])
+    else:
+        ex = step._last._executor
+        assert any(ex._offload_out), "some forward stage sends residuals to pinned host"
+        kinds = {getattr(ex.target(d), "memory_kind", None) for d in ex._offload_out if d}
+        assert kinds == {"pinned_host"}
 
 
 def test_new_state_goes_home_with_weight_decay_folded_into_the_gradient():

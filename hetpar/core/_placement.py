@@ -16,8 +16,11 @@ decisions:
 - `update`: the device that runs its optimizer update (the CPU on
   host-resident state, as ZeRO-Offload does, or the compute device with the
   state streamed in and the new state sent back);
-- `activations`: what happens to its saved activations ("keep" on the
-  compute device; "offload" and "remat" are reserved names, not yet run).
+- `activations`: what happens to the values its backward reads from its
+  forward: "keep" them on the compute device; "offload" them to the
+  compute device's pinned host memory between the two; "remat": keep only
+  the layer's input and recompute the rest in the backward (the runtime
+  runs all three; the planner chooses only "keep" so far).
 
 A plain device name is the placement of every plan so far: all on one
 device. Plans and `hetpar.auto(plan=...)` accept either form:
@@ -37,7 +40,7 @@ from hetpar.core._errors import PlanError
 
 ACTIVATIONS = ("keep", "offload", "remat")
 #: Activation policies the runtime carries out today.
-ACTIVATIONS_RUN = ("keep",)
+ACTIVATIONS_RUN = ("keep", "remat", "offload")
 _KEYS = ("compute", "params", "state", "update", "activations")
 #: Memory kinds a memory place may name (JAX's names; "device" is the device itself).
 MEMORY_KINDS = ("pinned_host", "unpinned_host")

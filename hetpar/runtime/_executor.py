@@ -35,7 +35,8 @@ import numpy as np
 from jax.extend import core as jcore
 from jax.sharding import SingleDeviceSharding
 
-from hetpar.core import HetparError, memory_place
+from hetpar.core import HetparError, PlanError, memory_place
+from hetpar.cost_models import has_pinned_host
 from hetpar.passes import Stage, StageGraph
 from hetpar.runtime._transfer import TransferEngine
 
@@ -210,6 +211,7 @@ class Executor:
         placed = {v for v, d, role in zip(self._invars, stages.input_devices, roles)
                   if memory_place(d)[1] is not None and role == "opt_state"}
         self._cache_inputs = {k for k, n in per_device.items() if n > 1 and k[0] not in placed}
+        self._offload_out, self._offload_vars = self._activations_offloaded(stages)
         # What a streaming stage's state copy brings ahead: its streamed
         # inputs, less those moved once a step and cached.
         self._streamed = [tuple(v for v in vs if (v, st.device) not in self._cache_inputs)
@@ -221,6 +223,34 @@ class Executor:
         # usual (no host sync added), each kind in issue order.
         self.record_events = False
         self.watch_events = False
+
+    def _activations_offloaded(self, stages: StageGraph) -> tuple[list, list]:
+        """Per stage, the memory place its offloaded activations go to (or
+        None) and which outputs: a stage of one layer planned with
+        activations="offload" sends the values only that layer's later stages
+        on its device read (its residuals, read by its backward) to the
+        device's pinned host memory; the backward brings them back."""
+        readers: dict = {}
+        for st in stages.stages:
+            for v in st.inputs:
+                readers.setdefault(v, []).append(st)
+        results = set(self._outvars)
+        places: list = [None] * len(stages.stages)
+        outs: list = [()] * len(stages.stages)
+        for st in stages.stages:
+            p = stages.placements.get(st.layers[0]) if len(st.layers) == 1 else None
+            if p is None or p.activations != "offload":
+                continue
+            dev = self.devices[st.device]
+            if not has_pinned_host(dev):
+                raise PlanError(f"layer {st.layers[0]!r}: activations='offload' needs pinned "
+                                f"host memory on {st.device}, which has none; use 'remat'")
+            vs = tuple(v for v in st.outputs if v not in results and readers.get(v) and all(
+                r.layers == st.layers and r.device == st.device and r.index > st.index
+                for r in readers[v]))
+            if vs:
+                places[st.index], outs[st.index] = f"{st.device}:pinned_host", vs
+        return places, outs
 
     def target(self, name: str):
         """Where a device or memory place name puts arrays: a jax.Device, or
@@ -488,6 +518,14 @@ class _Run:
         for target, vs in homes.items():
             self.env.update(zip(vs, self.ex.transfer.move_many([self.env[v] for v in vs],
                                                                target)))
+            if self.watchers:
+                self.watch("copy out", st, name, [self.env[v] for v in vs], after=list(outs))
+        place = self.ex._offload_out[idx]
+        if place is not None:
+            # Offloaded activations wait in pinned host memory for the backward.
+            vs = self.ex._offload_vars[idx]
+            self.env.update(zip(vs, self.ex.transfer.move_many([self.env[v] for v in vs],
+                                                               self.ex.target(place))))
             if self.watchers:
                 self.watch("copy out", st, name, [self.env[v] for v in vs], after=list(outs))
         return outs
