@@ -73,12 +73,12 @@ def test_plan_streams_optimizer_state_from_pinned_host_not_the_cpu_device():
     # 45 GB held resident on a 25 GB GPU; streamed from the place, a block
     # holds 3.5 GB (its old and new optimizer state away) and one visits for
     # its update: six streamed hold 23 GB.
-    p = plan(roomy, memory={"gpu:0": 25 * GB})
+    p = plan(roomy, memory={"gpu:0": 25 * GB}, activations=False)  # the state search alone
     assert set(p.assignment.values()) == {"gpu:0"}
     assert p.offloaded and set(p.offloaded.values()) == {JAX_OFFLOAD}
     assert p.predicted.peak_memory_bytes["gpu:0"] <= 25 * GB
     assert PLACE not in p.predicted.busy_s
-    slow = plan(table(place=False), memory={"gpu:0": 25 * GB})
+    slow = plan(table(place=False), memory={"gpu:0": 25 * GB}, activations=False)
     assert {pl.state for pl in slow.offloaded.values()} == {"cpu:0"}
     assert p.predicted.step_time_s < slow.predicted.step_time_s
     # The streamed way keeps parameters on the GPU, through the CPU device too.
@@ -89,7 +89,7 @@ def test_plan_streams_optimizer_state_from_pinned_host_not_the_cpu_device():
 def test_places_never_compute_in_plans_or_baselines():
     t = table(gpu_gb=20)
     for mode, mb in (("sequential", 1), ("pipelined", 2)):
-        p = plan(t, mode=mode, microbatches=mb)
+        p = plan(t, mode=mode, microbatches=mb, activations=False)
         assert PLACE not in p.assignment.values()
         assert all(pl.update != PLACE for pl in p.placements.values())
         assert not any(PLACE in name for name in p.baselines if name != "jax_offload")
@@ -154,7 +154,7 @@ def test_jax_offload_baseline():
     t = table(gpu_gb=25)  # all six streamed from the place hold 23 GB
     placements, why = _offload.jax_offload(t)
     assert why is None and set(placements.values()) == {JAX_OFFLOAD}
-    p = plan(t)
+    p = plan(t, activations=False)
     base = p.baselines["jax_offload"]
     assert base.feasible
     assert base.predicted.step_time_s == pytest.approx(evaluate(t, placements).step_time_s)
@@ -167,7 +167,7 @@ def test_jax_offload_baseline():
 
 def test_plan_json_round_trip_with_params_and_a_place(tmp_path):
     t = table(gpu_gb=25)  # every block streamed from the place (23 GB held)
-    p = plan(t)
+    p = plan(t, activations=False)
     obj = p.to_json()["assignment"][next(iter(p.offloaded))]
     assert obj == {"compute": "gpu:0", "params": "gpu:0", "state": PLACE, "update": "gpu:0"}
     p.save(tmp_path / "plan.json")
@@ -204,6 +204,36 @@ def test_link_profile_keeps_its_duplex_bandwidth():
     assert LinkProfile.from_json(lk.to_json()) == lk
     assert "duplex_bandwidth_bytes_per_s" not in LinkProfile.from_json(
         {**lk.to_json(), "duplex_bandwidth_bytes_per_s": None}).to_json()
+
+
+def test_planner_recomputes_activations_when_that_keeps_state_on_the_gpu():
+    """Six blocks hold 6 x 7.5 = 45 GB resident; recomputed, 6 x 7 = 42 GB.
+    Under a 42 GB GPU the plan that keeps activations must stream some
+    blocks' state; recomputing them all keeps everything on the GPU for a
+    second forward each (20 ms x 1/3), far less than the state's copies."""
+    t = table()
+    keep = plan(t, memory={"gpu:0": 42 * GB}, activations=False)
+    assert keep.offloaded  # some state goes to the place
+    p = plan(t, memory={"gpu:0": 42 * GB})
+    acts = {pl.activations for pl in p.placements.values()}
+    assert acts == {"remat"}, p.placements
+    assert all(pl.state == "gpu:0" for pl in p.placements.values())
+    assert p.predicted.step_time_s < keep.predicted.step_time_s
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 42 * GB
+    # The table itself, told the layers recompute, agrees: it fits, same step.
+    from hetpar.planner import evaluate
+    from hetpar.planner._plan import with_memory
+    capped = with_memory(t, {"gpu:0": 42 * GB})
+    assert not violations(capped, p.placements)
+    assert violations(capped, {n: pl.compute for n, pl in p.placements.items()})
+    assert evaluate(capped, p.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
+    # Its plan.json says so, and loads back.
+    from hetpar.planner import Plan
+    again = Plan.from_json(p.to_json())
+    assert {pl.activations for pl in again.placements.values()} == {"remat"}
+    # Where memory is not tight, nothing is recomputed.
+    roomy = plan(t)
+    assert {pl.activations for pl in roomy.placements.values()} == {"keep"}
 
 
 def test_state_beyond_host_ram_names_the_smallest_footprint():

@@ -54,14 +54,14 @@ def _apart(p: Plan) -> set[str]:
 
 def test_state_that_does_not_fit_goes_to_the_host_and_compute_stays_on_the_gpu():
     tight = table(gpu_gb=20)  # 6 x 7.5 GB held resident = 45 GB
-    p = plan(tight)
+    p = plan(tight, activations=False)  # the state search alone
     assert set(p.assignment.values()) == {"gpu:0"}
     assert _apart(p) and all(pl.state == "cpu:0" for pl in p.offloaded.values())
     assert p.state_assignment["b0"] in ("cpu:0", "gpu:0")
     assert set(p.update_assignment.values()) <= {"cpu:0", "gpu:0"}
     assert p.predicted.peak_memory_bytes["gpu:0"] <= 20 * GB
     assert violations(tight, p.placements) == []
-    without = plan(tight, offload=False)  # some blocks must compute on the CPU
+    without = plan(tight, offload=False, activations=False)  # some blocks must compute on the CPU
     assert "cpu:0" in without.assignment.values()
     assert p.predicted.step_time_s < without.predicted.step_time_s / 3
     assert p.predicted.step_time_s < p.baselines["only cpu:0"].predicted.step_time_s / 10
@@ -83,7 +83,7 @@ def test_partial_offload_beats_offloading_everything():
     # optimizer state leave (4 GB), one visits for its update (2 GB), so three
     # blocks' state must go, not all six.
     tight = table(gpu_gb=35)
-    p = plan(tight)
+    p = plan(tight, activations=False)  # the state search alone
     assert 0 < len(p.offloaded) < 6
     assert p.predicted.peak_memory_bytes["gpu:0"] <= 35 * GB
     everything = {n: Placement("gpu:0", "cpu:0", "cpu:0") for n in tight.layer_names}
@@ -128,7 +128,7 @@ def test_cli_memory_caps(tmp_path):
 
 def test_plan_json_round_trip_with_placements_and_old_files(tmp_path):
     tight = table(gpu_gb=35)  # a partial plan: some blocks resident, some offloaded
-    p = plan(tight)
+    p = plan(tight, activations=False)  # the state search alone
     data = p.to_json()
     kinds = {type(v) for v in data["assignment"].values()}
     assert kinds == {str, dict}  # resident layers stay device names
@@ -236,7 +236,8 @@ def test_streamed_state_moves_both_ways():
 def test_pipelined_plans_offload_and_replay():
     tight = table(gpu_gb=20)
     for schedule in ("gpipe", "1f1b"):
-        p = plan(tight, mode="pipelined", microbatches=2, schedule=schedule)
+        p = plan(tight, mode="pipelined", microbatches=2, schedule=schedule,
+                 activations=False)
         assert p.offloaded and set(p.assignment.values()) == {"gpu:0"}
         assert p.predicted.step_time_s == pytest.approx(
             evaluate_replayed(tight, p.placements, 2, schedule).step_time_s)
@@ -244,7 +245,7 @@ def test_pipelined_plans_offload_and_replay():
 
 def test_explain_and_summary_say_why_state_is_on_the_host():
     tight = table(gpu_gb=20)
-    p = plan(tight)
+    p = plan(tight, activations=False)  # the state search alone
     text = p.explain(tight)
     name = next(iter(p.offloaded))
     block = text.split(f"\n{name} -> ")[1]

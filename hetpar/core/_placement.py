@@ -20,7 +20,8 @@ decisions:
   forward: "keep" them on the compute device; "offload" them to the
   compute device's pinned host memory between the two; "remat": keep only
   the layer's input and recompute the rest in the backward (the runtime
-  runs all three; the planner chooses only "keep" so far).
+  runs all three; the planner chooses "keep" or, where memory is tight,
+  "remat").
 
 A plain device name is the placement of every plan so far: all on one
 device. Plans and `hetpar.auto(plan=...)` accept either form:

@@ -280,11 +280,13 @@ class Arrays:
         """
         compute = self.indices(assignment)
         state, update, params = compute.copy(), compute.copy(), compute.copy()
+        remat = np.zeros(len(compute), bool)
         for i, n in enumerate(self.layers):
             v = assignment[n]
             if isinstance(v, str):
                 continue
             p = Placement.parse(v, n)
+            remat[i] = p.activations == "remat"
             for what, name in (("state", p.state), ("update", p.update), ("params", p.params)):
                 if name not in self.dindex:
                     raise PlanError(f"layer {n!r}: {what} device {name!r} is unknown; devices: "
@@ -298,7 +300,7 @@ class Arrays:
                 if self.place[j]:
                     raise PlanError(f"layer {n!r}: its {what} is on {self.devices[j]}, a "
                                     "memory place (it holds state, it cannot compute)")
-        return Placed(compute, state, update, params)
+        return Placed(compute, state, update, params, remat)
 
     def resource_load(self, busy: np.ndarray) -> np.ndarray:
         """[..., D] seconds per compute resource (at its first device's position; 0
@@ -366,10 +368,13 @@ class Placed:
     state: np.ndarray
     update: np.ndarray
     params: np.ndarray | None = None
+    remat: np.ndarray | None = None  # [L] bool: activations recomputed in the backward
 
     def __post_init__(self):
         if self.params is None:
             object.__setattr__(self, "params", np.array(self.state, copy=True))
+        if self.remat is None:
+            object.__setattr__(self, "remat", np.zeros(len(self.compute), bool))
 
     @property
     def apart(self) -> np.ndarray:
@@ -399,7 +404,8 @@ class Placed:
 
     @property
     def any_apart(self) -> bool:
-        return bool(self.apart.any())
+        """Whether the step needs the replay: state apart, or activations recomputed."""
+        return bool(self.apart.any() or self.remat.any())
 
 
 def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
@@ -441,7 +447,8 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     out = np.zeros(D)
     # Apart, the old and new optimizer state leave the device (and the new
     # parameters, when they live elsewhere too).
-    away = np.where(state_apart, 2 * o, 0.0) + np.where(params_apart, p, 0.0)
+    away = (np.where(state_apart, 2 * o, 0.0) + np.where(params_apart, p, 0.0)
+            + np.where(placed.remat, arr.act, 0.0))  # recomputed: not kept
     np.add.at(out, c, np.maximum(mem_c - away, 0.0))
     home = HOST_STATE_COPIES * o + np.where(placed.host_update, p, 0.0)
     np.add.at(out, s[state_apart], home[state_apart])

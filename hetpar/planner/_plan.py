@@ -433,7 +433,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
          time_limit: float | None = None, gap: float | None = None,
          pins: Mapping[str, str] | None = None, baselines: bool = True,
          data_parallel: bool = True, schedule: str = "gpipe",
-         memory: Mapping[str, float] | None = None, offload: bool = True) -> Plan:
+         memory: Mapping[str, float] | None = None, offload: bool = True,
+         activations: bool = True) -> Plan:
     """Places every layer of `table` on a device by solving the placement ILP.
 
     Where some accelerator cannot hold every layer it could run, the planner
@@ -468,6 +469,10 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
       pins: extra {layer: device} pins on top of the table's.
       baselines: also evaluate the baselines (single devices, greedy, memory
         fill, HEFT, exhaustive when small).
+      activations: where memory is tight, also plan with every accelerator
+        layer's activations recomputed in its backward (`activations="remat"`:
+        its activation bytes off the device, a second forward on its time)
+        and keep that plan when it predicts better (`_with_remat`).
       schedule: pipelined: the per-device order the plan will run under,
         "gpipe" or "1f1b" (as `hetpar.auto(schedule=...)`).
       data_parallel: also consider running the whole step data parallel over
@@ -526,6 +531,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         result, off_err = _with_offload(table, arr, req, result)
         if err is None or short:
             err = off_err
+    if search and activations:
+        result = _with_remat(table, arr, req, result, offload=offload)
     if result is None:
         err = err or InfeasibleError(short or "no plan meets the constraints")
         # No placement of layers meets the budgets; replicas still might.
@@ -542,6 +549,70 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     if data_parallel:
         result = _consider_data_parallel(result, table, arr, req)
     return result
+
+
+def _remat_table(table: CostTable, arr: Arrays) -> CostTable:
+    """`table` priced as if every layer recomputed its activations on its
+    accelerators: their bytes leave the layer's memory there, and its time
+    gains one more forward (the replay's FORWARD_SHARE of forward + backward).
+    CPU devices keep their figures (memory is not what they lack)."""
+    from hetpar.planner._simulate import FORWARD_SHARE
+
+    cpus = {d.name for d in table.devices if d.kind in ("cpu", "pinned_host")}
+    layers = []
+    for i, layer in enumerate(table.layers):
+        act = float(arr.act[i])
+        if act <= 0:
+            layers.append(layer)
+            continue
+        accs = [d for d in layer.time_s if d not in cpus]
+        layers.append(dataclasses.replace(
+            layer,
+            time_s={d: t * (1 + FORWARD_SHARE) if d in accs else t
+                    for d, t in layer.time_s.items()},
+            memory_bytes={d: max(m - act, 0.0) if d in accs else m
+                          for d, m in layer.memory_bytes.items()},
+            activation_bytes=0.0))
+    return dataclasses.replace(table, layers=tuple(layers))
+
+
+def _with_remat(table: CostTable, arr: Arrays, req: _Request, result: Plan | None, *,
+                offload: bool) -> Plan | None:
+    """The better of `result` and the plan with recomputed activations.
+
+    Recomputing a layer's activations in its backward (`activations="remat"`,
+    run by the split pass) frees their bytes on the accelerator for the
+    price of a second forward: where memory is what forces state off the
+    GPU or layers onto the CPU, that can win. Planned on the remat-priced
+    table (`_remat_table`), whose prediction is the remat plan's; kept when
+    it beats `result` on the objective, or when `result` is None.
+    """
+    try:
+        remat = plan(_remat_table(table, arr), objective=req.objective, mode=req.mode,
+                     microbatches=req.microbatches, contiguous=req.contiguous,
+                     max_cost=req.max_cost, max_step_time=req.max_step_time,
+                     solver=req.solver, time_limit=req.time_limit, gap=req.gap,
+                     schedule=req.schedule, baselines=False, data_parallel=False,
+                     offload=offload, activations=False)
+    except PlanError as e:
+        logging.info("no plan with recomputed activations: %s", e)
+        return result
+    if remat.replicas or remat.predicted is None:
+        return result
+    if result is not None and result.predicted is not None:
+        key = {"time": "step_time_s", "cost": "cost_usd_per_step",
+               "energy": "energy_j_per_step"}[req.objective]
+        if getattr(remat.predicted, key) >= getattr(result.predicted, key):
+            return result
+    cpus = {d.name for d in table.devices if d.kind == "cpu"}
+    assignment = {}
+    for n, p in remat.placements.items():
+        i = arr.lindex[n]
+        if p.compute in cpus or arr.act[i] <= 0:
+            assignment[n] = p.to_json()
+        else:
+            assignment[n] = dataclasses.replace(p, activations="remat").to_json()
+    return dataclasses.replace(remat, assignment=assignment, offloaded={})
 
 
 def with_memory(table: CostTable, memory: Mapping[str, float]) -> CostTable:

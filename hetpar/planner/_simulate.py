@@ -223,7 +223,9 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
     pos = np.empty(L, dtype=int)
     pos[arr.order] = np.arange(L)
     apart = np.zeros(L, bool) if placed is None else placed.apart
-    split_keys = bool(apart.any())
+    remat = np.zeros(L, bool) if placed is None else placed.remat
+    own = apart | remat  # cut into stages of their own, as the split pass does
+    split_keys = bool(own.any())
 
     def fwd(i, m):
         return m * 2 * L + pos[i]
@@ -243,7 +245,7 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
     def key(dev, mb, phase, i):
         if not split_keys:
             return (dev, mb, phase)
-        return (dev, mb, phase, arr.layers[i] if apart[i] else None)
+        return (dev, mb, phase, arr.layers[i] if own[i] else None)
 
     for m in range(M):
         mb, (pf, pb) = (None, ("main", "main")) if M == 1 else (m, ("forward", "backward"))
@@ -251,7 +253,8 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
             dev = arr.devices[a[i]]
             keys[fwd(i, m)], keys[bwd(i, m)] = key(dev, mb, pf, i), key(dev, mb, pb, i)
             dur[fwd(i, m)] = FORWARD_SHARE * per_mb[i]
-            dur[bwd(i, m)] = (1 - FORWARD_SHARE) * per_mb[i]
+            # Recomputed activations: the backward runs the forward again.
+            dur[bwd(i, m)] = (1 - FORWARD_SHARE + FORWARD_SHARE * remat[i]) * per_mb[i]
             layer_of[fwd(i, m)] = layer_of[bwd(i, m)] = i
             deps[bwd(i, m)].add(fwd(i, m))
         for k in range(len(arr.eu)):
