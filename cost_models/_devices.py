@@ -16,7 +16,14 @@ def device_name(device) -> str:
 
 
 def present_devices() -> dict:
-    """Every device JAX sees here by name: the default backend's first, then the CPU's."""
+    """Every device JAX sees here by name: the default backend's first, then the CPU's.
+
+    Under `jax.distributed` with several processes: every process's devices
+    (`jax.devices()` is global), named `p{process}/{platform}:{index}`
+    (`hetpar._distributed.device_name`), the same dict on every process. The
+    CPU devices are those `jax.devices("cpu")` lists: every process's where the
+    CPU backend is the distributed one (a CPU-only job), else this process's.
+    """
     import jax
 
     devs = list(jax.devices())
@@ -24,6 +31,10 @@ def present_devices() -> dict:
         devs += [d for d in jax.devices("cpu") if d not in devs]
     except RuntimeError:
         pass  # a build without a CPU backend
+    if jax.process_count() > 1:
+        from hetpar._distributed import device_names
+
+        return dict(zip(device_names(devs), devs))
     return {device_name(d): d for d in devs}
 
 

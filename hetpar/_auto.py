@@ -69,6 +69,7 @@ from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
 
 _OBJECTIVES = ("time", "cost", "energy")
 _ON_MISSING_DEVICE = ("error", "replan")
+_BATCH = ("global", "local")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,9 +92,11 @@ class Options:
     on_missing_device: str = "error"
     data_parallel: bool = True
     memory: Mapping[str, float] | None = None
+    batch: str = "global"
 
     def __post_init__(self):
         _check_choice("objective", self.objective, _OBJECTIVES)
+        _check_choice("batch", self.batch, _BATCH)
         _check_choice("schedule", self.schedule, SCHEDULES)
         _check_choice("on_missing_device", self.on_missing_device, _ON_MISSING_DEVICE)
         if not _is_int(self.microbatches) or self.microbatches < 1:
@@ -208,6 +211,10 @@ class CompiledStep:
         self.options = options
         self.devices = present_devices()
         _check_present(options.devices, self.devices)
+        self.plan_fingerprint: str | None = None
+        if jax.process_count() > 1:
+            self._init_across_processes(fn, args, options)
+            return
         m = options.microbatches
         self._nargs = len(args)
         self._batch_argnums = _batch_positions(options.batch_argnums, len(args))
@@ -276,6 +283,118 @@ class CompiledStep:
                                       {d: self.devices[memory_place(d)[0]] for d in used},
                                       TransferEngine(), workers)
         logging.info("hetpar: %d layers on %s", len(self.graph), used)
+
+    def _init_across_processes(self, fn: Callable, args: tuple, options: Options) -> None:
+        """Several processes (`jax.distributed`): the whole step data parallel over
+        devices of every process, the one plan kind supported there so far.
+
+        Every process runs this at its first call with these shapes, with the
+        same arguments' shapes, options and devices; the plan is built without
+        the ILP, and its fingerprint is compared across the processes
+        (a collective: all of them must get here).
+        """
+        self._nargs = len(args)
+        self._batch_argnums = _batch_positions(options.batch_argnums, len(args))
+        self._one_device_prediction = None
+        self.stages = None
+        self._executor = None
+        self._jit = None
+        replicas = self._replicas_across_processes(options)
+        static = StaticLeaves(fn, args)
+        self._static = static if static.any else None
+        self._step = fn if self._static is None else static.pure_step
+        self._replicated = Replicated(self._step, [self.devices[d] for d in replicas],
+                                      static.pure_args, self._batch_argnums, batch=options.batch)
+        # Traced on the global shapes (batch="local": each process holds 1/P of the batch).
+        self.graph: LayerGraph = trace(self._step,
+                                       *self._replicated.global_shapes(static.pure_args),
+                                       depth=options.depth, batch_argnums=options.batch_argnums)
+        self._out_tree = self.graph.program.out_tree
+        self.table = self._cost_table(list(replicas), options)
+        if isinstance(options.plan, (str, os.PathLike)) or hasattr(options.plan, "replicas"):
+            from hetpar.planner import Plan
+
+            plan = options.plan if hasattr(options.plan, "replicas") else Plan.load(options.plan)
+            plan.check(self.table)
+        else:
+            plan = self._data_parallel_plan(replicas, options)
+        self.plan = plan
+        self.placements = dict(plan.placements)
+        self.assignment = {layer: p.compute for layer, p in self.placements.items()}
+        self.plan_fingerprint = _plan_fingerprint(plan, self.graph)
+        from hetpar._distributed import check_same_on_all_processes
+
+        check_same_on_all_processes(
+            self.plan_fingerprint, "the plan",
+            hint="every process must run the same step on arguments of the same shapes, with "
+                 "the same hetpar.auto options, plan and profiles")
+        logging.info("hetpar: %d layers data parallel over %s (%d processes)", len(self.graph),
+                     list(replicas), jax.process_count())
+
+    def _replicas_across_processes(self, options: Options) -> tuple[str, ...]:
+        """The replicas of a multi-process step: the plan's, `devices`, or every
+        device of the default backend on every process (`jax.devices()`)."""
+        n = jax.process_count()
+        plan = options.plan
+        if plan is not None:
+            from hetpar.planner import Plan
+
+            if isinstance(plan, (str, os.PathLike)):
+                plan = Plan.load(plan)
+            if not isinstance(plan, Plan) or not plan.replicas:
+                raise PlanError(
+                    f"under several processes ({n}) hetpar.auto runs only data-parallel plans "
+                    "(the whole step replicated over devices of the processes, batch split); "
+                    "this plan places layers on devices, which needs cross-process pipelines "
+                    "that are not supported yet. Pass no plan (data_parallel=True, the "
+                    "default) or a hetpar.Plan whose `replicas` name the devices "
+                    "('p0/gpu:0', 'p1/gpu:0', ...).")
+            replicas = tuple(plan.replicas)
+        else:
+            if not options.data_parallel:
+                raise HetparError(
+                    f"under several processes ({n}) hetpar.auto runs only data-parallel plans "
+                    "(the whole step replicated over the devices of every process, batch "
+                    "split); planning layer placements across processes (the ILP, pipelines, "
+                    "offload) is not supported yet. Pass data_parallel=True (the default), or "
+                    "a hetpar.Plan with `replicas`.")
+            from hetpar._distributed import device_names
+
+            replicas = (tuple(options.devices) if options.devices
+                        else tuple(device_names(jax.devices())))
+        absent = [d for d in replicas if d not in self.devices]
+        if absent:
+            raise PlanError(f"the plan replicates the step over {absent}, which are not "
+                            f"present (present: {sorted(self.devices)})")
+        if len(replicas) < 2:
+            raise PlanError(f"under several processes ({n}) hetpar.auto replicates the step over "
+                            f"two or more devices; got {list(replicas)}")
+        idle = sorted(set(range(n)) - {self.devices[d].process_index for d in replicas})
+        if idle:
+            raise PlanError(f"the replicas {list(replicas)} leave processes {idle} without a "
+                            "device; every process runs the step, so each must hold at least "
+                            "one replica")
+        from hetpar.cost_models import spec_kind_of
+
+        kinds = sorted({spec_kind_of(self.devices[d]) for d in replicas})
+        if len(kinds) > 1:
+            raise PlanError(f"data parallel across processes needs devices of one kind; "
+                            f"{list(replicas)} are of kinds {kinds}")
+        return replicas
+
+    def _data_parallel_plan(self, replicas: tuple[str, ...], options: Options):
+        """The Plan running the whole step data parallel over `replicas`, predicted
+        on `self.table` (no ILP)."""
+        from hetpar.planner import Plan, evaluate_data_parallel
+
+        predicted = evaluate_data_parallel(self.table, replicas)
+        return Plan(fingerprint=self.table.fingerprint(), mode="sequential",
+                    objective=options.objective, microbatches=1,
+                    assignment=dict.fromkeys(self.graph.layers, replicas[0]),
+                    predicted=predicted,
+                    solver={"name": "none", "status": "given",
+                            "chosen": "data parallel " + "+".join(replicas)},
+                    replicas=replicas)
 
     # -- planning ---------------------------------------------------------
 
@@ -468,6 +587,9 @@ class CompiledStep:
         def is_array(x):
             return isinstance(x, (jax.Array, np.ndarray))
 
+        if (self._replicated is not None and self._replicated.multi_process
+                and self._static is None):
+            return self._replicated.global_args(args)
         leaves, tree = jax.tree_util.tree_flatten(args)
         if self._executor is None:
             if self._replicated is None:
@@ -514,6 +636,20 @@ def _traced_when_known(step: Callable) -> Callable:
         return step(*args)
 
     return traced
+
+
+def _plan_fingerprint(plan, graph: LayerGraph) -> str:
+    """What every process must agree on: the plan's graph and devices, where each
+    layer runs, the replicas, and the step's (global) argument shapes and dtypes.
+    Not the predicted figures (measured profiles may differ a little by process)."""
+    from hetpar.core import fingerprint
+
+    return fingerprint({
+        "graph": plan.fingerprint, "mode": plan.mode, "microbatches": plan.microbatches,
+        "assignment": {n: p.to_json() for n, p in plan.placements.items()},
+        "replicas": list(plan.replicas),
+        "inputs": [a.str_short() for a in graph.program.jaxpr.in_avals],
+    })
 
 
 def _batch_positions(batch_argnums: tuple[int, ...] | None, n: int) -> tuple[int, ...]:
@@ -719,6 +855,12 @@ class AutoStep:
         return self._need_last().plan
 
     @property
+    def plan_fingerprint(self) -> str | None:
+        """Under several processes, the hash every process checked it shares (the
+        plan, its replicas and the global argument shapes); None with one process."""
+        return self._need_last().plan_fingerprint
+
+    @property
     def assignment(self) -> dict[str, str]:
         """{layer: the device that computes it} of the last compiled signature."""
         return dict(self._need_last().assignment)
@@ -776,7 +918,7 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
          batch_argnums: Sequence[int] | int | None = None, schedule: str = "gpipe",
          profile: Any = "auto", depth: int | None = None,
          on_missing_device: str = "error", data_parallel: bool = True,
-         memory: Mapping[str, float] | None = None):
+         memory: Mapping[str, float] | None = None, batch: str = "global"):
     """Runs a training step across the devices present, placed by hetpar's planner.
 
     Usable as `@hetpar.auto` or `hetpar.auto(step, devices=[...], ...)`.
@@ -815,6 +957,16 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
       memory: {device: bytes} caps on devices' memory for planning (e.g.
         `{"gpu:0": 40e9}`), so the planner keeps state off a device (offload)
         as if it were that small.
+      batch: under `jax.distributed` with several processes, what each process
+        passes as the batch arguments: "global" (the whole batch, the same on
+        every process; each process uses its devices' share) or "local" (only
+        its own share: leading axis = global batch / process count, process i
+        holding rows [i B/P, (i+1) B/P)); parameters and optimizer state are
+        passed whole either way. With one process both mean the same. Across
+        processes hetpar.auto runs the step data parallel over every
+        process's devices of the default backend (or `devices`, or a Plan's
+        `replicas`), and returns global jax.Arrays, replicated (read one with
+        `np.asarray`); see docs/distributed.md.
 
     Returns:
       An `AutoStep`: call it like `fn`; it has `.plan`, `.report()`,
@@ -841,7 +993,7 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
                       schedule=schedule, profile=profile, depth=depth,
                       on_missing_device=on_missing_device, data_parallel=bool(data_parallel),
                       memory=None if memory is None else dict(memory)
-                      if isinstance(memory, Mapping) else memory)
+                      if isinstance(memory, Mapping) else memory, batch=batch)
     if fn is None:
         return functools.partial(_wrap, options=options)
     return _wrap(fn, options)

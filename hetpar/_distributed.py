@@ -1,8 +1,9 @@
 """Multi-controller JAX: starting `jax.distributed`, and naming devices across processes.
 
-Groundwork for planning and running under `jax.distributed` (docs/distributed.md).
-Nothing else in hetpar uses this yet: the planner still plans over the devices
-of one process.
+Used by `hetpar.auto` under `jax.distributed` (docs/distributed.md): device
+names across processes (`present_devices`), and the check that every process
+ends with the same plan. The planner itself still plans over one process's
+devices; across processes `hetpar.auto` runs data-parallel plans only.
 
 - `initialize()` joins the job that `python -m hetpar.launch` (or a cluster
   manager) started; it does nothing in a plain single-process run.
@@ -112,6 +113,46 @@ def _install_fail_fast() -> None:
     sys.excepthook = hook
 
 
+def check_same_on_all_processes(value: str, what: str, *, hint: str = "") -> None:
+    """Raise HetparError on every process unless `value` is the same string on all.
+
+    A collective (`multihost_utils.process_allgather` of 64 bits: those of a
+    fingerprint `sha256:<16 hex digits>` itself, else of `value`'s SHA-256):
+    every process must call it, in the same order as its other collectives.
+    Does nothing with one process.
+
+    Raises:
+      HetparError: the processes hold different values; the message lists
+        each process's (fingerprint) and says which one this process has.
+    """
+    import hashlib
+
+    import jax
+    import numpy as np
+
+    if jax.process_count() <= 1:
+        return
+    from jax.experimental import multihost_utils
+
+    own = _FINGERPRINT.fullmatch(value)
+    digest = bytes.fromhex(own.group(1)) if own else hashlib.sha256(value.encode()).digest()[:8]
+    mine = np.frombuffer(digest, np.uint8).astype(np.int32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 8)
+    if (every == every[0]).all():
+        return
+    from hetpar.core import HetparError
+
+    prefix = "sha256:" if own else "hash "
+    listed = ", ".join(f"process {i}: {prefix}{bytes(row.astype(np.uint8).tolist()).hex()}"
+                       for i, row in enumerate(every))
+    raise HetparError(
+        f"{what} differs between processes ({listed}); this is process "
+        f"{jax.process_index()}" + (f". {hint[0].upper()}{hint[1:]}" if hint else ""))
+
+
+_FINGERPRINT = re.compile(r"sha256:([0-9a-f]{16})")
+
+
 def device_name(d) -> str:
     """A device's name: `p{process}/{platform}:{local index}` across processes, else `cpu:0`.
 
@@ -127,6 +168,25 @@ def device_name(d) -> str:
     if jax.process_count() <= 1:
         return f"{d.platform}:{d.id}"
     return f"p{d.process_index}/{d.platform}:{_local_index(d)}"
+
+
+def device_names(devices) -> list[str]:
+    """`device_name` of each of `devices`, in one pass (not one scan of
+    `jax.devices()` per device)."""
+    import jax
+
+    if jax.process_count() <= 1:
+        return [device_name(d) for d in devices]
+    index: dict[tuple[str, int], dict[int, int]] = {}
+    out = []
+    for d in devices:
+        key = (d.platform, d.process_index)
+        if key not in index:
+            same = sorted(e.id for e in jax.devices(d.platform)
+                          if e.process_index == d.process_index)
+            index[key] = {i: k for k, i in enumerate(same)}
+        out.append(f"p{d.process_index}/{d.platform}:{index[key][d.id]}")
+    return out
 
 
 def _local_index(d) -> int:

@@ -1,4 +1,5 @@
-"""Multi-controller groundwork: `python -m hetpar.launch` and `hetpar._distributed`.
+"""Multi-controller JAX: `python -m hetpar.launch`, `hetpar._distributed`, and
+`hetpar.auto` data parallel across processes.
 
 The end-to-end tests start 2 processes x 2 virtual CPU devices, joined by
 `jax.distributed` with gloo CPU collectives (docs/distributed.md). They run in
@@ -110,9 +111,104 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def run_launcher(tmp_path, mode, *launcher_args, timeout=90):
+# Run by every process: hetpar.auto on the zoo MLP (batch 8) over the global
+# 4-device mesh, (a) with global arguments, (b) with batch="local", each for 3
+# steps, checked against jax.jit on one device; (c) the plan fingerprint; and
+# what is refused under several processes. One launch for all: each costs
+# ~10 s of the 2 cores.
+AUTO_SCRIPT = """import json
+import sys
+import time
+
+from hetpar._distributed import initialize
+
+assert initialize(), "not started by hetpar.launch"
+
+import jax
+import numpy as np
+
+import hetpar
+from hetpar import zoo
+
+t0 = time.monotonic()
+pid, n = jax.process_index(), jax.process_count()
+B = 8
+w = zoo.get("mlp", small=True, batch=B)
+# The same seed on every process: the same variables, optimizer state and batch.
+variables, opt_state, batch = jax.tree.map(np.asarray, w.example_args())
+
+
+def run(step, batch, steps=3):
+    v, o, losses = variables, opt_state, []
+    for _ in range(steps):
+        v, o, loss = step(v, o, batch)
+        losses.append(np.asarray(loss))
+    return v, losses
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+
+
+def errors(got, want):
+    (gv, gl), (wv, wl) = got, want
+    return [rel_err(a, b) for a, b in zip(gl, wl)] + [
+        rel_err(a, b) for a, b in zip(jax.tree.leaves(gv), jax.tree.leaves(wv))]
+
+
+# Under several processes only data-parallel plans run: say so before any collective.
+for kwargs in ({"data_parallel": False}, {"plan": {"fc1": "p0/cpu:0"}}):
+    try:
+        hetpar.auto(w.train_step, **kwargs)(variables, opt_state, batch)
+    except hetpar.HetparError as e:
+        print(f"REFUSED {sorted(kwargs)[0]}: {type(e).__name__}: {e}")
+
+# (a) global arguments: every process passes the whole batch.
+step = hetpar.auto(w.train_step, data_parallel=True)
+got_global = run(step, batch)
+print("PLAN " + step.plan_fingerprint)
+print("REPLICAS " + json.dumps(list(step.plan.replicas)))
+print("OUT " + type(got_global[0]["params"]["fc1"]["kernel"]).__name__ + " "
+      + str(got_global[0]["params"]["fc1"]["kernel"].sharding.is_fully_replicated))
+
+# The same plan given explicitly (a hetpar.Plan with replicas) runs the same step.
+_, _, loss = hetpar.auto(w.train_step, plan=step.plan)(variables, opt_state, batch)
+assert float(np.asarray(loss)) == float(got_global[1][0]), (loss, got_global[1][0])
+print("EXPLICIT PLAN ok")
+
+# (b) local arguments: each process passes its rows of the batch.
+local = jax.tree.map(lambda a: a[pid * B // n:(pid + 1) * B // n], batch)
+step_local = hetpar.auto(w.train_step, batch="local")
+got_local = run(step_local, local)
+print("PLAN_LOCAL " + step_local.plan_fingerprint)
+
+# The reference: the whole step under jax.jit on this process's first device alone.
+dev = jax.local_devices()[0]
+ref_step = jax.jit(w.train_step)
+want = run(lambda v, o, b: ref_step(*jax.device_put((v, o, b), dev)), batch)
+
+err_global, err_local = max(errors(got_global, want)), max(errors(got_local, want))
+err_between = max(errors(got_local, got_global))
+print(f"ERR global {err_global:.2e} local {err_local:.2e} between {err_between:.2e}")
+assert err_global <= 1e-5 and err_local <= 1e-5, (err_global, err_local)
+assert want[1][-1] < want[1][0], want[1]  # it trains
+print(f"LOSSES {[float(v) for v in got_global[1]]}")
+
+# (c) processes that disagree (different batch sizes) are told so, on every process.
+odd = jax.tree.map(lambda a: np.concatenate([a] * (1 + pid)), batch)
+try:
+    hetpar.auto(w.train_step)(variables, opt_state, odd)
+    print("MISMATCH not detected")
+except hetpar.HetparError as e:
+    print(f"MISMATCH {e}")
+print(f"OK process {pid} in {time.monotonic() - t0:.1f} s")
+"""
+
+
+def run_launcher(tmp_path, mode, *launcher_args, timeout=90, script_text=SCRIPT):
     script = tmp_path / "job.py"
-    script.write_text(SCRIPT)
+    script.write_text(script_text)
     # CPU even where a GPU is present: the script expects cpu devices and gloo.
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     start = time.monotonic()
@@ -141,6 +237,43 @@ def test_data_parallel_training_across_two_processes(tmp_path):
     # Both processes saw the same (replicated) losses.
     losses = [next(ln for ln in lines_of(proc, i) if ln.startswith("LOSSES ")) for i in range(2)]
     assert losses[0] == losses[1]
+
+
+def test_auto_data_parallel_across_two_processes(tmp_path):
+    proc, seconds = run_launcher(tmp_path, "auto", script_text=AUTO_SCRIPT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    out = [lines_of(proc, i) for i in range(2)]
+
+    def line(i, prefix):
+        return next(ln for ln in out[i] if ln.startswith(prefix + " "))[len(prefix) + 1:]
+
+    for i in range(2):
+        assert any(ln.startswith(f"OK process {i}") for ln in out[i]), out[i][-20:]
+        # (a) and (b): the script asserted both within 1e-5 of one device's jax.jit.
+        errs = line(i, "ERR").split()
+        assert float(errs[1]) <= 1e-5 and float(errs[3]) <= 1e-5, errs
+        assert float(errs[5]) <= 1e-6, errs  # (b) local batch == global arguments
+        assert line(i, "REPLICAS") == str(EXPECTED_NAMES).replace("'", '"')
+        assert line(i, "OUT") == "ArrayImpl True"  # global arrays, replicated
+        assert line(i, "EXPLICIT") == "PLAN ok"
+        refused = [ln for ln in out[i] if ln.startswith("REFUSED ")]
+        assert len(refused) == 2, refused
+        assert "hetpar.auto runs only data-parallel plans" in refused[0]
+        assert refused[1].startswith("REFUSED plan: PlanError:"), refused[1]
+        # (c) processes that disagree are told so, each of them.
+        assert line(i, "MISMATCH").startswith("the plan differs between processes"), out[i]
+    # (c) every process ended with the same plan, for global and local arguments.
+    plans = {line(i, key) for i in range(2) for key in ("PLAN", "PLAN_LOCAL")}
+    assert len(plans) == 1 and plans.pop().startswith("sha256:"), out
+    assert line(0, "LOSSES") == line(1, "LOSSES")
+    assert seconds < 40, seconds
+
+
+def test_auto_batch_option():
+    import hetpar
+
+    with pytest.raises(hetpar.HetparError, match="batch must be one of"):
+        hetpar.auto(lambda p, b: p, batch="per_process")
 
 
 @pytest.mark.parametrize("mode, status", [("raise", 1), ("abort", 3)])

@@ -5,6 +5,17 @@ parameters, the optimizer state) is replicated; XLA's SPMD partitioner turns
 the batch mean inside the loss into an all-reduce of the gradients, so every
 replica applies the same update and the results equal one device's `jax.jit`
 (up to the order of the reduction).
+
+Across processes (`jax.distributed`, docs/distributed.md) the replicas may
+belong to several processes: the mesh is then global, and every argument is
+made a global `jax.Array` before the call (`global_args`). By default each
+process passes the same, whole arguments (`batch="global"`), and each keeps
+only its devices' part; with `batch="local"` each process passes only its
+share of the batch arguments (leading axis = global batch / process count,
+process i's share being rows [i B/P, (i+1) B/P) in the replicas' order),
+while parameters and optimizer state are still passed whole. Results are
+global arrays, replicated on every replica: `np.asarray(out)` reads one on
+any process, and passing them back in costs no copy.
 """
 
 from __future__ import annotations
@@ -26,23 +37,37 @@ class Replicated:
       devices: the replicas (jax devices).
       args: example arguments (shapes decide how each batch leaf is split).
       batch_argnums: which arguments are batch data (None: the last).
+      batch: "global" (every process passes the whole batch) or "local"
+        (each process passes its share: see the module docstring). The same
+        with one process.
 
     Raises:
-      HetparError: a batch leaf whose leading axis does not split evenly.
+      HetparError: a batch leaf whose leading axis does not split evenly, or,
+        with `batch="local"`, replicas that do not give each process an
+        equal, contiguous share of the batch.
     """
 
     def __init__(self, fn: Callable, devices: Sequence[jax.Device], args: tuple,
-                 batch_argnums: Sequence[int] | None):
+                 batch_argnums: Sequence[int] | None, *, batch: str = "global"):
         n = len(devices)
         mesh = Mesh(np.array(devices), ("replica",))
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.split = NamedSharding(mesh, PartitionSpec("replica"))
         nums = (len(args) - 1,) if batch_argnums is None else tuple(batch_argnums)
+        self._nums = frozenset(nums)
+        # Replicas on other processes: arguments must become global arrays.
+        self.multi_process = not self.replicated.is_fully_addressable
+        self.local_batch = batch == "local" and jax.process_count() > 1
+        procs = jax.process_count() if self.local_batch else 1
+        if self.local_batch:
+            _check_local_batch(devices)
 
         def batch_sharding(x):
             shape = np.shape(x)
             if not shape:  # a scalar (a step count, an rng): every replica gets it
                 return self.replicated
+            if self.local_batch:  # this process's share: the global batch is P of them
+                shape = (shape[0] * procs, *shape[1:])
             if shape[0] % n:
                 raise HetparError(
                     f"a batch array of shape {shape} does not split over {n} replicas: its "
@@ -77,5 +102,78 @@ class Replicated:
                 out[i] = jax.device_put(a, self.shardings[i])
         return args if out is None else tuple(out)
 
+    def global_shapes(self, args: tuple) -> tuple:
+        """`args` with each local batch leaf replaced by its global shape
+        (`jax.ShapeDtypeStruct`) under `batch="local"`; else `args` as they are."""
+        if not self.local_batch:
+            return args
+        procs = jax.process_count()
+
+        def whole(x, s):
+            shape = np.shape(x)
+            if s is self.replicated or not shape:
+                return x
+            return jax.ShapeDtypeStruct((shape[0] * procs, *shape[1:]), np.result_type(x),
+                                        weak_type=getattr(x, "weak_type", False))
+
+        return tuple(
+            jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(a),
+                [whole(x, s) for x, s in zip(jax.tree_util.tree_leaves(a), want)])
+            if i in self._nums else a
+            for i, (a, want) in enumerate(zip(args, self._leaf_shardings)))
+
+    def global_args(self, args: tuple) -> tuple:
+        """`args` as global jax.Arrays laid out as the step wants (several processes).
+
+        A jax.Array already laid out so (last step's result) passes as it is;
+        a global one laid out otherwise is resharded (`jax.device_put`); host
+        data (numpy, a Python number, an array of this process alone) becomes
+        a global array of which this process fills its devices' parts: from
+        the whole value (`jax.make_array_from_callback`), or, for a batch leaf
+        under `batch="local"`, from this process's share
+        (`jax.make_array_from_process_local_data`).
+        """
+        out = []
+        for i, (a, want) in enumerate(zip(args, self._leaf_shardings)):
+            leaves, tree = jax.tree_util.tree_flatten(a)
+            local = self.local_batch and i in self._nums
+            out.append(jax.tree_util.tree_unflatten(
+                tree, [_global(x, s, local and s is self.split) for x, s in zip(leaves, want)]))
+        return tuple(out)
+
     def __call__(self, *args):
+        if self.multi_process:
+            return self._jit(*self.global_args(args))
         return self._jit(*self._placed(args))
+
+
+def _global(x, sharding, local: bool):
+    """One leaf as a global jax.Array with `sharding` (see `Replicated.global_args`)."""
+    if isinstance(x, jax.Array):
+        if x.sharding == sharding:
+            return x
+        if not x.is_fully_addressable:  # global already, laid out otherwise
+            return jax.device_put(x, sharding)
+    if local:
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+    if isinstance(x, (bool, int, float, complex)):
+        return x  # a Python number: jit takes it as every process's same value (weak type kept)
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
+
+
+def _check_local_batch(devices: Sequence[jax.Device]) -> None:
+    """Under batch="local" process i's share must be one contiguous run of the
+    batch: the replicas grouped by process, in process order, equally many each."""
+    procs = [d.process_index for d in devices]
+    counts = {p: procs.count(p) for p in procs}
+    grouped = procs == sorted(procs)
+    if not grouped or set(counts) != set(range(jax.process_count())) or len(
+            set(counts.values())) != 1:
+        raise HetparError(
+            "batch='local' needs the replicas to give every process an equal, contiguous "
+            f"share of the batch: as many replicas on each of the {jax.process_count()} "
+            f"processes, listed process by process; these replicas are on processes {procs}. "
+            "Pass the whole batch on every process (batch='global'), or replicate over "
+            "every process's devices.")
