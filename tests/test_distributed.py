@@ -224,6 +224,7 @@ def lines_of(proc, i):
             if ln.startswith(f"[p{i}] ")]
 
 
+@pytest.mark.slow  # hetpar.auto's own data-parallel run covers the fast tier
 def test_data_parallel_training_across_two_processes(tmp_path):
     proc, _ = run_launcher(tmp_path, "train")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -276,7 +277,8 @@ def test_auto_batch_option():
         hetpar.auto(lambda p, b: p, batch="per_process")
 
 
-@pytest.mark.parametrize("mode, status", [("raise", 1), ("abort", 3)])
+@pytest.mark.parametrize("mode, status", [pytest.param("raise", 1, marks=pytest.mark.slow),
+                                          ("abort", 3)])
 def test_one_process_failing_stops_the_job(tmp_path, mode, status):
     # Process 0 blocks in its next collective, waiting for process 1, which is
     # gone: only the launcher's kill ends it (after --grace seconds).

@@ -297,7 +297,7 @@ def _handed_on(stages, layer) -> int:
     return sum(o.aval.size * o.aval.dtype.itemsize for o in forward.outputs)
 
 
-@pytest.mark.parametrize("policy", ["remat", "offload"])
+@pytest.mark.parametrize("policy", ["remat", pytest.param("offload", marks=pytest.mark.slow)])
 def test_activation_policies_equal_jit(policy):
     """activations="remat": a block's forward hands on only its output and
     the backward recomputes the rest; "offload": its residuals wait in pinned
