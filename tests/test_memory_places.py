@@ -227,6 +227,10 @@ def test_planner_recomputes_activations_when_that_keeps_state_on_the_gpu():
     assert not violations(capped, p.placements)
     assert violations(capped, {n: pl.compute for n, pl in p.placements.items()})
     assert evaluate(capped, p.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
+    # Its summary says so, with each layer's second forward in its time.
+    text = p.summary(capped)
+    assert "6 of 6 layers recompute their forward" in text and " remat " in text
+    assert "26.7 ms" in text  # 20 ms x (1 + 1/3)
     # Its plan.json says so, and loads back.
     from hetpar.planner import Plan
     again = Plan.from_json(p.to_json())

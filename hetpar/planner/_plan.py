@@ -45,7 +45,7 @@ from hetpar.planner._evaluate import (
     is_place,
     violations,
 )
-from hetpar.planner._simulate import evaluate_replayed
+from hetpar.planner._simulate import FORWARD_SHARE, evaluate_replayed
 
 FORMAT = "hetpar.plan"
 VERSION = 1
@@ -319,26 +319,39 @@ class Plan:
                 xfer[e.dst] += f[k, a[e.src], a[e.dst]] + b[k, a[e.src], a[e.dst]]
             w = max(5, *(len(n) for n in arr.layers))
             apart = bool(self.offloaded)
+            acts = any(pl.activations != "keep" for pl in self.placements.values())
             extra = f" {'state':<10} {'update':<10}" if apart else ""
+            extra += f" {'activations':<11}" if acts else ""
             lines.append(f"{'layer':<{w}}  {'device':<10}{extra} {'time':>10} "
                          f"{'transfers in':>13}")
             for n in arr.layers:
                 d, pl = a[n], self.placements[n]
                 extra = f" {pl.state:<10} {pl.update:<10}" if apart else ""
+                extra += f" {pl.activations:<11}" if acts else ""
+                # A recomputed layer runs its forward twice.
+                again = 1 + FORWARD_SHARE if pl.activations == "remat" else 1.0
                 lines.append(f"{n:<{w}}  {arr.devices[d]:<10}{extra} "
-                             f"{seconds(t[arr.lindex[n], d] / M):>10} {seconds(xfer[n]):>13}")
+                             f"{seconds(again * t[arr.lindex[n], d] / M):>10} "
+                             f"{seconds(xfer[n]):>13}")
             if apart:
                 lines.append("(time: the layer's forward + backward + update on its compute "
-                             "device; an update on the host runs there instead)")
+                             "device, a recomputed layer's second forward included; an update "
+                             "on the host runs there instead)")
         else:
             for n, pl in self.placements.items():
                 params = f"params {pl.params}, " if pl.params != pl.state else ""
-                lines.append(f"{n}: {pl.compute}" + (
-                    f" ({params}state {pl.state}, update {pl.update})" if pl.offloaded else ""))
+                parts = [f"{params}state {pl.state}, update {pl.update}"] if pl.offloaded else []
+                parts += [f"activations {pl.activations}"] if pl.activations != "keep" else []
+                lines.append(f"{n}: {pl.compute}" + (f" ({'; '.join(parts)})" if parts else ""))
         p = self.predicted
         lines += ["", "predicted per step: " + _costs(p)]
-        if self.offloaded:
+        if any(pl.offloaded for pl in self.placements.values()):
             lines.append(_offload_line(self.placements, p))
+        remat = sum(pl.activations == "remat" for pl in self.placements.values())
+        if remat:
+            lines.append(f"activations: {remat} of {len(self.placements)} layers recompute "
+                         "their forward in the backward instead of keeping its activations "
+                         "(the memory that frees keeps state on the accelerator)")
         if p.schedule is not None and p.closed_form_s is not None:
             lines.append(f"step time replays the {p.schedule} schedule (the ILP's closed form: "
                          f"{seconds(p.closed_form_s)})")
@@ -556,8 +569,6 @@ def _remat_table(table: CostTable, arr: Arrays) -> CostTable:
     accelerators: their bytes leave the layer's memory there, and its time
     gains one more forward (the replay's FORWARD_SHARE of forward + backward).
     CPU devices keep their figures (memory is not what they lack)."""
-    from hetpar.planner._simulate import FORWARD_SHARE
-
     cpus = {d.name for d in table.devices if d.kind in ("cpu", "pinned_host")}
     layers = []
     for i, layer in enumerate(table.layers):
