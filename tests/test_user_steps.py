@@ -209,3 +209,26 @@ def test_cond_tied_by_one_tensor_stays_whole_and_says_why():
     one = hetpar.auto(train_step, devices=["cpu:0"])
     one(*args)
     assert f"not cut per layer: {g.notes[0]}" in one.explain()
+
+
+@pytest.mark.parametrize("activations", [pytest.param("remat", marks=pytest.mark.slow),
+                                         "offload"])
+def test_optax_chain_with_state_in_pinned_memory_and_activation_policies_equals_jit(activations):
+    """A Flax step with a clipped AdamW chain, written as users write it, with
+    every layer's optimizer state in pinned host memory and its activations
+    recomputed or offloaded: three steps equal jax.jit."""
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    step, args = make_step(tx)
+    layers = hetpar.trace(step, *args).layers
+    plan = {la: {"compute": "cpu:0", "params": "cpu:0", "state": "cpu:0:pinned_host",
+                 "activations": activations} for la in layers}
+    auto_step, jit_step = hetpar.auto(step, plan=plan), jax.jit(step)
+    *state, batch = auto_step.place(*args)
+    ref = args[:-1]
+    for _ in range(3):
+        *state, loss = auto_step(*state, batch)
+        *ref, ref_loss = jit_step(*ref, batch)
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ref)):
+        if jnp.issubdtype(jnp.asarray(b).dtype, jnp.floating):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
