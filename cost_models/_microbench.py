@@ -385,20 +385,22 @@ def _time_transfer(src, dst, path: str, size: int, fresh: _Fresh) -> float:
     gpu = src if gpu_to_cpu else dst
     pinned = SingleDeviceSharding(gpu, memory_kind="pinned_host")
     on_device = SingleDeviceSharding(gpu, memory_kind="device")
+    if path == "pinned_host_duplex":
+        # Both ways at once, `size` bytes each, whichever pair asked: what
+        # streamed optimizer state does (the next layer's state in, this
+        # layer's new state out).
+        cpu = dst if gpu_to_cpu else src
+        x = fresh(gpu, size)
+        p = _block(jax.device_put(np.asarray(fresh(cpu, size)), pinned))
+        t0 = time.perf_counter()
+        _block((jax.device_put(x, pinned), jax.device_put(p, on_device)))
+        return time.perf_counter() - t0
     if gpu_to_cpu:
         x = fresh(src, size)
         t0 = time.perf_counter()
         y = _block(jax.device_put(x, pinned))
         if path == "pinned_host":
             _block(jax.device_put(np.asarray(y), dst))
-        return time.perf_counter() - t0
-    if path == "pinned_host_duplex":
-        # Both ways at once, `size` bytes each: what streamed optimizer state
-        # does (the next layer's state in, this layer's new state out).
-        x = fresh(gpu, size)
-        p = _block(jax.device_put(np.asarray(fresh(jax.devices("cpu")[0], size)), pinned))
-        t0 = time.perf_counter()
-        _block((jax.device_put(x, pinned), jax.device_put(p, on_device)))
         return time.perf_counter() - t0
     if path == "pinned_host":
         x = fresh(src, size)

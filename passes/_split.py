@@ -303,14 +303,6 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
     input, the checkpoint), as `jax.checkpoint` would at the layer's edge.
     """
     producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
-
-    def cheap(i: int, layers) -> bool:
-        e = eqns[i]
-        if e.effects:
-            return False
-        return e.primitive.name in RECOMPUTABLE or (
-            bool(remat) and eqn_layers[i] in remat and eqn_layers[i] in layers)
-
     out = []
     for s, run in enumerate(runs):
         own = set(run)
@@ -328,9 +320,11 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
             # Only work of the same device and microbatch: recomputing another
             # device's values would pull their inputs across instead (a host
             # update re-summing every microbatch's gradient).
+            # A remat layer's own forward is recomputed whole; else only cheap
+            # equations, not too far back.
             whole = bool(remat) and eqn_layers[i] in remat and eqn_layers[i] in layers
-            too_deep = depth >= RECOMPUTE_DEPTH and not whole
-            if too_deep or not cheap(i, layers) or keys[i][:2] != where or any(
+            cheap = eqns[i].primitive.name in RECOMPUTABLE and depth < RECOMPUTE_DEPTH
+            if eqns[i].effects or not (whole or cheap) or keys[i][:2] != where or any(
                     (input_home.get(b, here) if b in program_inputs
                      else keys[producer[b]][0] if b in producer else here) != here
                     for b in eqns[i].invars if isinstance(b, jcore.Var)):

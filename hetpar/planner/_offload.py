@@ -349,8 +349,9 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
             # the diagnosis would name a larger footprint than the smallest.
             r = int(arr.ram[j])
             k = r if arr.place[j] and r != j and elastic[r] else j
-            v = slacks.setdefault(k, prob.add_variable(f"over{k}", lowBound=0))
-            terms.append((v, -1.0))
+            if k not in slacks:
+                slacks[k] = prob.add_variable(f"over{k}", lowBound=0)
+            terms.append((slacks[k], -1.0))
         prob.addConstraint(_ilp._affine(terms) <= float(arr.cap[j]) / _GB, f"mem{j}")
     for j in np.unique(arr.ram[arr.place]):  # a host CPU device and its memory places: one RAM
         sharing = np.nonzero((arr.ram == j) & arr.place)[0]
@@ -358,7 +359,9 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
             continue  # a place without a CPU device in the table has its own cap only
         shared = [t for k in (j, *sharing) for t in use[k]]
         if elastic[j]:
-            shared.append((slacks.setdefault(j, prob.add_variable(f"over{j}", lowBound=0)), -1.0))
+            if j not in slacks:
+                slacks[j] = prob.add_variable(f"over{j}", lowBound=0)
+            shared.append((slacks[j], -1.0))
         prob.addConstraint(_ilp._affine(shared) <= float(arr.cap[j]) / _GB, f"ram{j}")
     if slack:
         _ilp._add_transfers(m, [])  # only links: two unlinked neighbours stay apart

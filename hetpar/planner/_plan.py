@@ -610,11 +610,10 @@ def _with_remat(table: CostTable, arr: Arrays, req: _Request, result: Plan | Non
         return result
     if remat.replicas or remat.predicted is None:
         return result
-    if result is not None and result.predicted is not None:
-        key = {"time": "step_time_s", "cost": "cost_usd_per_step",
-               "energy": "energy_j_per_step"}[req.objective]
-        if getattr(remat.predicted, key) >= getattr(result.predicted, key):
-            return result
+    if result is not None and result.predicted is not None and (
+            remat.predicted.objective(req.objective)
+            >= result.predicted.objective(req.objective)):
+        return result
     cpus = {d.name for d in table.devices if d.kind == "cpu"}
     assignment = {}
     for n, p in remat.placements.items():

@@ -128,13 +128,14 @@ class Executor:
     """Compiles the stages of a StageGraph and runs them, one thread per device.
 
     State kept in a memory place (`gpu:0:pinned_host`, a layer's optimizer
-    state in its GPU's pinned host memory) comes to the device when the stage
-    that reads it is dispatched, and the new state goes back as soon as the
-    stage that computed it is dispatched, not at the step's end: the device
-    then holds a few layers' optimizer state at a time, not the model's.
-    Since dispatch runs ahead of the device, a worker lets at most
-    `prefetch` stages that read such state be in flight: before moving the
-    next one's, it waits for the oldest to finish.
+    state in its GPU's pinned host memory) comes to the device when the
+    streaming stage before the one that reads it is dispatched (`_Run._stage`
+    says why), and the new state goes back as soon as the stage that computed
+    it is dispatched, not at the step's end: the device then holds a few
+    layers' optimizer state at a time, not the model's. Since dispatch runs
+    ahead of the device, a worker lets at most `prefetch` stages that read
+    such state be in flight, and the next one's state arrive meanwhile:
+    before dispatching another, it waits for the oldest to finish.
 
     Args:
       stages: the split step.
@@ -146,8 +147,8 @@ class Executor:
         (default: `Executor.PREFETCH`).
     """
 
-    #: Default stages reading streamed state in flight per device: one computing,
-    #: the next one's state arriving.
+    #: Default stages reading streamed state in flight per device (one
+    #: computing, one queued), besides the next one's state arriving.
     PREFETCH = 2
 
     def __init__(self, stages: StageGraph, devices: Mapping[str, jax.Device],
@@ -357,12 +358,15 @@ class _Run:
         self.left: dict = {}  # readers not yet dispatched, per value
         # Streamed state already on its way to the stage that reads it: {stage: {var: array}}.
         self.ahead: dict[int, dict] = {}
-        # Event watchers (Executor.watch_events): one thread per kind, in issue order.
+        # Event watchers (Executor.watch_events): one thread per device and
+        # kind, in issue order (one per kind alone would read a device's end
+        # late while it waits on another's).
         self.watchers: dict = {}
         self.ready: dict = {}  # (device, kind) -> when its last watched work was ready
         self.copied: dict = {}  # device -> what its stage being dispatched had copied in
         if ex.watch_events:
-            self.watchers = {k: ThreadPoolExecutor(1, thread_name_prefix="hetpar-watch")
+            self.watchers = {(d, k): ThreadPoolExecutor(1, thread_name_prefix="hetpar-watch")
+                             for d in ex.stages.device_order
                              for k in ("copy in", "compute", "copy out")}
         self.lock = threading.Lock()
 
@@ -390,7 +394,7 @@ class _Run:
             self.events.append(StageEvent(st.index, name, st.microbatch, st.phase,
                                           start - self.t0, end - self.t0, what))
 
-        self.watchers[what].submit(wait)
+        self.watchers[name, what].submit(wait)
 
     def stop_watching(self) -> None:
         """Waits for the watchers to record the step's last events."""
@@ -398,7 +402,7 @@ class _Run:
             pool.shutdown(wait=True)
 
     def inputs_on(self, st: Stage, name: str, dev) -> list:
-        """The stage's inputs, moved onto its device (`self.moved`: those that moved)."""
+        """The stage's inputs, moved onto its device."""
         moved = self.moved_inputs
         ahead = self.ahead.pop(st.index, {})
         args = [moved.get((v, name), ahead.get(v, self.env[v])) for v in st.inputs]
