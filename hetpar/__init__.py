@@ -37,6 +37,7 @@ _LAZY = {
     "Plan": "hetpar.planner",
     "plan": "hetpar.planner",
     "StageError": "hetpar.runtime",
+    "gather": "hetpar.runtime",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
@@ -45,7 +46,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from hetpar._report import CostReport, report
     from hetpar.passes import LayerGraph, layer, trace
     from hetpar.planner import Plan, plan
-    from hetpar.runtime import StageError
+    from hetpar.runtime import StageError, gather
 
 
 # Sub-packages reachable as attributes (`hetpar.zoo.get(...)` after `import hetpar`).
@@ -76,6 +77,7 @@ __all__ = [
     "CostTable",
     "Plan",
     "StageError",
+    "gather",
     "plan",
     "LayerGraph",
     "layer",

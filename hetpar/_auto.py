@@ -90,7 +90,7 @@ class Options:
     profile: Any = "auto"
     depth: int | None = None
     on_missing_device: str = "error"
-    data_parallel: bool = True
+    data_parallel: bool | str = True
     memory: Mapping[str, float] | None = None
     batch: str = "global"
 
@@ -107,8 +107,9 @@ class Options:
                 isinstance(self.batch_argnums, tuple) and all(map(_is_int, self.batch_argnums))):
             raise HetparError("batch_argnums must be an int, a sequence of ints or None, got "
                               f"{self.batch_argnums!r}")
-        if not isinstance(self.data_parallel, bool):
-            raise HetparError(f"data_parallel must be a bool, got {self.data_parallel!r}")
+        if not (isinstance(self.data_parallel, bool) or self.data_parallel == "always"):
+            raise HetparError(f"data_parallel must be True, False or 'always', got "
+                              f"{self.data_parallel!r}")
         if not (self.profile in (None, "auto")
                 or isinstance(self.profile, (str, os.PathLike, ProfileSet))):
             raise HetparError("profile must be 'auto', None, a path to a `hetpar profile` file or "
@@ -212,7 +213,10 @@ class CompiledStep:
         self.devices = present_devices()
         _check_present(options.devices, self.devices)
         self.plan_fingerprint: str | None = None
-        if jax.process_count() > 1:
+        multi = jax.process_count() > 1
+        if multi and (options.batch == "local" or _replicates(options.plan)
+                      or (options.data_parallel == "always" and options.plan is None)):
+            # Each process passes its share of the batch: only data parallel takes that.
             self._init_across_processes(fn, args, options)
             return
         m = options.microbatches
@@ -238,6 +242,10 @@ class CompiledStep:
         self.plan = None
         self._one_device_prediction = None
         self.placements: dict[str, Placement] = parse_placements(self._assign(options))
+        if multi and self.plan is not None and self.plan.replicas:
+            # The planner chose data parallel across processes: its own path.
+            self._init_across_processes(fn, user_args, options, plan=self.plan)
+            return
         self.assignment = {layer: p.compute for layer, p in self.placements.items()}
         used = sorted({d for p in self.placements.values() for d in p.devices})
         self.stages: StageGraph | None = None
@@ -259,7 +267,8 @@ class CompiledStep:
             self._replicated = Replicated(fn, [self.devices[d] for d in replicas], args,
                                           self._batch_argnums)
             used = list(replicas)
-        elif len(used) == 1 and all(p.activations == "keep" for p in self.placements.values()):
+        elif (len(used) == 1 and not multi
+              and all(p.activations == "keep" for p in self.placements.values())):
             # (A layer that offloads or recomputes its activations needs its
             # forward and backward in stages apart: the split path below.)
             self._device = self.devices[used[0]]
@@ -278,20 +287,49 @@ class CompiledStep:
             self._batch_leaves = tuple(i for k in self._batch_argnums
                                        for i in range(starts[k], ends[k]))
         else:
+            if multi:
+                self._check_placements_across()
             self.stages = split(self.graph, self.placements, schedule=options.schedule)
             self._executor = Executor(self.stages,
                                       {d: self.devices[memory_place(d)[0]] for d in used},
                                       TransferEngine(), workers)
+        if multi:
+            self._check_across_processes()
         logging.info("hetpar: %d layers on %s", len(self.graph), used)
 
-    def _init_across_processes(self, fn: Callable, args: tuple, options: Options) -> None:
-        """Several processes (`jax.distributed`): the whole step data parallel over
-        devices of every process, the one plan kind supported there so far.
+    def _check_across_processes(self) -> None:
+        """A layer plan under several processes: each process runs its devices'
+        stages, and values cross by collectives (hetpar.runtime._network). Every
+        process must have planned the same (a collective compares fingerprints)."""
+        self.plan_fingerprint = _plan_fingerprint(self.plan, self.graph, self.placements,
+                                                  self.options.microbatches)
+        from hetpar._distributed import check_same_on_all_processes
+
+        check_same_on_all_processes(
+            self.plan_fingerprint, "the plan",
+            hint="every process must run the same step on arguments of the same shapes, with "
+                 "the same hetpar.auto options, plan and profiles")
+
+    def _check_placements_across(self) -> None:
+        """Each layer's devices belong to one process (its state is not sent
+        between processes every step)."""
+        for layer, p in self.placements.items():
+            owners = {self.devices[memory_place(d)[0]].process_index for d in p.devices}
+            if len(owners) > 1:
+                raise PlanError(f"layer {layer!r} computes on {p.compute} and keeps its state "
+                                f"on {p.state}: devices of different processes. Across "
+                                "processes a layer's state stays on its compute device's "
+                                "process")
+
+    def _init_across_processes(self, fn: Callable, args: tuple, options: Options,
+                               plan=None) -> None:
+        """Several processes (`jax.distributed`), data parallel: the whole step
+        over devices of every process (the planner's `plan`, a plan given with
+        `replicas`, or with `batch="local"` every device of the default backend).
 
         Every process runs this at its first call with these shapes, with the
-        same arguments' shapes, options and devices; the plan is built without
-        the ILP, and its fingerprint is compared across the processes
-        (a collective: all of them must get here).
+        same arguments' shapes, options and devices; the plan's fingerprint is
+        compared across the processes (a collective: all of them must get here).
         """
         self._nargs = len(args)
         self._batch_argnums = _batch_positions(options.batch_argnums, len(args))
@@ -299,6 +337,9 @@ class CompiledStep:
         self.stages = None
         self._executor = None
         self._jit = None
+        chosen, table = plan, self.table if plan is not None else None
+        if plan is not None:
+            options = dataclasses.replace(options, plan=plan)
         replicas = self._replicas_across_processes(options)
         static = StaticLeaves(fn, args)
         self._static = static if static.any else None
@@ -310,13 +351,16 @@ class CompiledStep:
                                        *self._replicated.global_shapes(static.pure_args),
                                        depth=options.depth, batch_argnums=options.batch_argnums)
         self._out_tree = self.graph.program.out_tree
-        self.table = self._cost_table(list(replicas), options)
-        if isinstance(options.plan, (str, os.PathLike)) or hasattr(options.plan, "replicas"):
+        if chosen is not None:  # the planner's, on the table it saw
+            self.table, plan = table, chosen
+        elif isinstance(options.plan, (str, os.PathLike)) or hasattr(options.plan, "replicas"):
+            self.table = self._cost_table(list(replicas), options)
             from hetpar.planner import Plan
 
             plan = options.plan if hasattr(options.plan, "replicas") else Plan.load(options.plan)
             plan.check(self.table)
         else:
+            self.table = self._cost_table(list(replicas), options)
             plan = self._data_parallel_plan(replicas, options)
         self.plan = plan
         self.placements = dict(plan.placements)
@@ -343,21 +387,18 @@ class CompiledStep:
                 plan = Plan.load(plan)
             if not isinstance(plan, Plan) or not plan.replicas:
                 raise PlanError(
-                    f"under several processes ({n}) hetpar.auto runs only data-parallel plans "
-                    "(the whole step replicated over devices of the processes, batch split); "
-                    "this plan places layers on devices, which needs cross-process pipelines "
-                    "that are not supported yet. Pass no plan (data_parallel=True, the "
-                    "default) or a hetpar.Plan whose `replicas` name the devices "
-                    "('p0/gpu:0', 'p1/gpu:0', ...).")
+                    "with batch='local' each process passes its share of the batch, which "
+                    "only a data-parallel plan takes (a pipeline's first stage reads the "
+                    "whole batch); this plan places layers. Pass the whole batch on every "
+                    "process (batch='global', the default), or a plan with `replicas`.")
             replicas = tuple(plan.replicas)
         else:
             if not options.data_parallel:
                 raise HetparError(
-                    f"under several processes ({n}) hetpar.auto runs only data-parallel plans "
-                    "(the whole step replicated over the devices of every process, batch "
-                    "split); planning layer placements across processes (the ILP, pipelines, "
-                    "offload) is not supported yet. Pass data_parallel=True (the default), or "
-                    "a hetpar.Plan with `replicas`.")
+                    "with batch='local' each process passes its share of the batch, which "
+                    "only data parallel takes (a pipeline's first stage reads the whole "
+                    "batch); data_parallel=False asks for layer placements. Pass the whole "
+                    "batch on every process (batch='global', the default).")
             from hetpar._distributed import device_names
 
             replicas = (tuple(options.devices) if options.devices
@@ -400,7 +441,15 @@ class CompiledStep:
 
     def _candidate_devices(self, options: Options) -> list[str]:
         # Options checked that the devices given are present.
-        return list(options.devices) if options.devices else list(self.devices)
+        if options.devices:
+            return list(options.devices)
+        if jax.process_count() > 1:
+            # Every process's devices of the default backend: the same list on
+            # every process (a GPU process lists only its own CPU device).
+            from hetpar._distributed import device_names
+
+            return device_names(jax.devices())
+        return list(self.devices)
 
     def _assign(self, options: Options) -> Mapping[str, str | Placement]:
         plan = options.plan
@@ -453,6 +502,14 @@ class CompiledStep:
     def _solve(self, options: Options, devices: list[str]) -> dict[str, Placement]:
         from hetpar.planner import plan as solve
 
+        if options.data_parallel == "always":
+            if not options.devices:
+                from hetpar._distributed import device_names
+
+                devices = device_names(jax.devices())  # the default backend's
+            self.table = self._cost_table(devices, options)
+            self.plan = self._data_parallel_plan(tuple(devices), options)
+            return dict(self.plan.placements)
         if len(devices) == 1:
             return dict.fromkeys(self.graph.layers, devices[0])
         self.table = self._cost_table(devices, options)
@@ -600,7 +657,7 @@ class CompiledStep:
         traced = [i for i in range(len(leaves)) if i not in fixed]
         placed = self._executor.place_inputs([leaves[i] for i in traced])
         for i, y in zip(traced, placed):
-            if is_array(leaves[i]):
+            if is_array(leaves[i]) and y is not None:  # None: another process keeps it
                 leaves[i] = y
         return jax.tree_util.tree_unflatten(tree, leaves)
 
@@ -638,18 +695,33 @@ def _traced_when_known(step: Callable) -> Callable:
     return traced
 
 
-def _plan_fingerprint(plan, graph: LayerGraph) -> str:
+def _plan_fingerprint(plan, graph: LayerGraph, placements=None, microbatches=None) -> str:
     """What every process must agree on: the plan's graph and devices, where each
     layer runs, the replicas, and the step's (global) argument shapes and dtypes.
-    Not the predicted figures (measured profiles may differ a little by process)."""
+    Not the predicted figures (measured profiles may differ a little by process).
+    A plan given as a dict has only its `placements`."""
     from hetpar.core import fingerprint
 
+    placements = plan.placements if plan is not None else placements
     return fingerprint({
-        "graph": plan.fingerprint, "mode": plan.mode, "microbatches": plan.microbatches,
-        "assignment": {n: p.to_json() for n, p in plan.placements.items()},
-        "replicas": list(plan.replicas),
+        "graph": plan.fingerprint if plan is not None else graph.fingerprint(),
+        "mode": plan.mode if plan is not None else None,
+        "microbatches": plan.microbatches if plan is not None else microbatches,
+        "assignment": {n: p.to_json() for n, p in placements.items()},
+        "replicas": list(plan.replicas) if plan is not None else [],
         "inputs": [a.str_short() for a in graph.program.jaxpr.in_avals],
     })
+
+
+def _replicates(plan) -> bool:
+    """Whether `plan` (a Plan, a plan.json path, a dict or None) runs data parallel."""
+    if plan is None or isinstance(plan, Mapping):
+        return False
+    if isinstance(plan, (str, os.PathLike)):
+        from hetpar.planner import Plan
+
+        plan = Plan.load(plan)
+    return bool(getattr(plan, "replicas", ()))
 
 
 def _batch_positions(batch_argnums: tuple[int, ...] | None, n: int) -> tuple[int, ...]:
@@ -954,6 +1026,8 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         parallel over two or more accelerators of one kind (batch split, state
         replicated, `Plan.replicas`) when it predicts that faster (or cheaper)
         than any placement of layers. False: layer placements only.
+        "always": no ILP; the step runs data parallel over `devices` (default:
+        the default backend's devices, of every process under jax.distributed).
       memory: {device: bytes} caps on devices' memory for planning (e.g.
         `{"gpu:0": 40e9}`), so the planner keeps state off a device (offload)
         as if it were that small.
@@ -991,7 +1065,9 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
                       plan=plan, microbatches=microbatches,
                       batch_argnums=None if batch_argnums is None else tuple(batch_argnums),
                       schedule=schedule, profile=profile, depth=depth,
-                      on_missing_device=on_missing_device, data_parallel=bool(data_parallel),
+                      on_missing_device=on_missing_device,
+                      data_parallel=data_parallel if data_parallel == "always"
+                      else bool(data_parallel),
                       memory=None if memory is None else dict(memory)
                       if isinstance(memory, Mapping) else memory, batch=batch)
     if fn is None:

@@ -1,7 +1,9 @@
 """Running plans: the transfer engine, the per-device executor, data-parallel replicas."""
 
 from hetpar.runtime._executor import Executor, StageError, StageEvent, Workers
+from hetpar.runtime._network import gather
 from hetpar.runtime._replicated import Replicated
 from hetpar.runtime._transfer import TransferEngine
 
-__all__ = ["Executor", "Replicated", "StageError", "StageEvent", "TransferEngine", "Workers"]
+__all__ = ["Executor", "Replicated", "StageError", "StageEvent", "TransferEngine", "Workers",
+           "gather"]

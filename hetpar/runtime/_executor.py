@@ -38,6 +38,7 @@ from jax.sharding import SingleDeviceSharding
 from hetpar.core import HetparError, PlanError, memory_place
 from hetpar.cost_models import has_pinned_host
 from hetpar.passes import Stage, StageGraph
+from hetpar.runtime._network import Network, crossings, local_part
 from hetpar.runtime._transfer import TransferEngine
 
 
@@ -159,6 +160,13 @@ class Executor:
         self.transfer = transfer or TransferEngine()
         self.workers = workers or Workers()
         self.prefetch = max(int(prefetch or self.PREFETCH), 1)
+        # Under several processes (jax.distributed) this process runs the
+        # stages of its own devices; values cross to others' devices as
+        # collectives (hetpar.runtime._network).
+        self.multi_process = jax.process_count() > 1
+        me = jax.process_index()
+        self.local = [d for d in stages.device_order
+                      if self._process_of(d) == me or not self.multi_process]
         self.compiled = self._compile_all(stages.stages)
         jaxpr = stages.graph.program.jaxpr.jaxpr
         self._invars = list(jaxpr.invars)
@@ -193,8 +201,16 @@ class Executor:
         # activations as it goes, as one jit program does.
         readers: dict = {}
         for st in stages.stages:
-            for v in st.inputs:
-                readers[v] = readers.get(v, 0) + 1
+            if st.device in self.local:
+                for v in st.inputs:
+                    readers[v] = readers.get(v, 0) + 1
+        self._crossings: list = []
+        if self.multi_process:
+            self._init_crossings(stages)
+            for c in self._crossings:
+                if self._process_of(c.src) == me:  # sent: the network thread reads it
+                    for v in c.vars:
+                        readers[v] = readers.get(v, 0) + 1
         kept = set(self._outvars) | self._is_input
         self._readers = {v: n for v, n in readers.items() if v not in kept}
         # Step inputs read by several stages of one device move there once a
@@ -224,6 +240,49 @@ class Executor:
         # usual (no host sync added), each kind in issue order.
         self.record_events = False
         self.watch_events = False
+
+    def _process_of(self, name: str) -> int:
+        """The process owning a device (or memory place) name."""
+        dev = self.devices.get(name) or self.devices[memory_place(name)[0]]
+        return dev.process_index
+
+    def _init_crossings(self, stages: StageGraph) -> None:
+        """What crosses processes in a step, and each output's owner (see
+        `_outputs_across`): scalar results (the loss) go to every process, on
+        an anchor device of each (its first device in the plan, else its first
+        device)."""
+        me = jax.process_index()
+        self.network = Network()
+        anchors: dict[int, str] = {}
+        for name in stages.device_order:
+            anchors.setdefault(self._process_of(name), name)
+        for q in range(jax.process_count()):
+            if q not in anchors:
+                dev = jax.local_devices(process_index=q)[0]
+                anchors[q] = name = f"p{q}/anchor"
+                self.devices[name] = dev
+        self._anchors = anchors
+        producer = {v: st for st in stages.stages for v in st.outputs}
+        home = dict(zip(self._invars, stages.input_devices))
+        wanted = stages.output_devices or (None,) * len(self._outvars)
+        self._owner: list = []  # per output: (device or place it ends on, its device)
+        for v, d in zip(self._outvars, wanted):
+            if not isinstance(v, jcore.Var):
+                self._owner.append(None)
+                continue
+            made = producer[v].device if v in producer else home[v]
+            d = d or made
+            if self._process_of(d) != self._process_of(made):
+                raise PlanError(f"an output computed on {made} is kept on {d}, another "
+                                "process's device; across processes a layer's state stays "
+                                "on its compute device's process")
+            self._owner.append((d, memory_place(d)[0]))
+        broadcast = [v for v in self._outvars if isinstance(v, jcore.Var) and not v.aval.shape]
+        self._crossings = crossings(stages, self._process_of, broadcast=broadcast,
+                                    anchors=anchors)
+        self._received = {(v, c.dst) for c in self._crossings
+                          if self._process_of(c.dst) == me for v in c.vars}
+        self._broadcast = set(broadcast)
 
     def _activations_offloaded(self, stages: StageGraph) -> tuple[list, list]:
         """Per stage, the memory place its offloaded activations go to (or
@@ -274,11 +333,14 @@ class Executor:
         compilation, not their sum, where cores allow.
         """
         keys = [(str(st.jaxpr.jaxpr), tuple(id(c) for c in st.jaxpr.consts), st.device)
-                for st in stages]
+                if st.device in self.local else None for st in stages]
         first = {}
         for key, st in zip(keys, stages):
-            first.setdefault(key, st)
+            if key is not None:  # another process runs it
+                first.setdefault(key, st)
         threads = min(len(first), _cores())
+        if not first:
+            return [None] * len(keys)
         if threads <= 1:
             done = {k: _compile(st, self.devices[st.device]) for k, st in first.items()}
         else:
@@ -286,24 +348,38 @@ class Executor:
                 futures = {k: pool.submit(_compile, st, self.devices[st.device])
                            for k, st in first.items()}
                 done = {k: f.result() for k, f in futures.items()}
-        return [done[k] for k in keys]
+        return [None if k is None else done[k] for k in keys]
 
     def place_inputs(self, flat_args: Sequence) -> list:
         """Each input on its planned device (a no-op for state already resident)."""
         by_device: dict = {}
-        for i, d in enumerate(self._input_devices):
-            by_device.setdefault(d, []).append(i)
         out = list(flat_args)
+        me = jax.process_index()
+        for i, d in enumerate(self._input_devices):
+            if self.multi_process:
+                # Another process keeps this input (and sends it where read here).
+                if self._process_of(self.stages.input_devices[i]) != me:
+                    out[i] = None
+                    continue
+                out[i] = local_part(out[i])
+                if out[i] is None:
+                    raise HetparError(
+                        f"step input {i} is an array held by another process, but the plan "
+                        f"keeps it on {self.stages.input_devices[i]}, a device of this one "
+                        f"(process {me}); pass the step's own results back, or host arrays")
+            by_device.setdefault(d, []).append(i)
         for d, idx in by_device.items():
-            for i, y in zip(idx, self.transfer.move_many([flat_args[i] for i in idx], d)):
+            for i, y in zip(idx, self.transfer.move_many([out[i] for i in idx], d)):
                 out[i] = y
         return out
 
     def __call__(self, flat_args: Sequence) -> list:
         run = _Run(self, dict(zip(self._invars, self.place_inputs(flat_args))))
+        calls = {name: functools.partial(run.device, name) for name in self.local}
+        if self._crossings:
+            calls["network"] = run.network
         try:
-            self.workers.run({name: functools.partial(run.device, name)
-                              for name in self.stages.device_order})
+            self.workers.run(calls)
         finally:
             run.stop_watching()
         if run.failure:
@@ -315,8 +391,62 @@ class Executor:
                 f"{st.device} failed, running layers {list(st.layers)}: "
                 f"{type(e).__name__}: {e}. The inputs you passed are unchanged.") from e
         self.last_events = sorted(run.events, key=lambda ev: ev.start_s)
+        if self.multi_process:
+            return self._outputs_across(run)
         outs = [self._read(run.env, v) for v in self._outvars]
         return self._return_state(outs)
+
+    def _outputs_across(self, run: _Run) -> list:
+        """The step's results under several processes, the same on every process:
+
+        - a scalar (the loss) as a global array replicated on one device of
+          every process, so each reads it with `np.asarray`;
+        - anything else as a global array on the one device that holds it:
+          the owning process can read it, the others pass it back into the
+          next step (or `hetpar.gather` it).
+        """
+        me = jax.process_index()
+        outs = []
+        mine = [i for i, o in enumerate(self._owner)
+                if o is not None and self._process_of(o[1]) == me]
+        local = dict(zip(mine, self._return_state_of(
+            [self._read(run.env, self._outvars[i]) for i in mine],
+            [self._owner[i][0] for i in mine])))
+        for i, v in enumerate(self._outvars):
+            if self._owner[i] is None:
+                outs.append(self._read(run.env, v))
+                continue
+            place, device = self._owner[i]
+            owner = self._process_of(device)
+            if v in self._broadcast:
+                devs = [self.devices[device] if q == owner else self.devices[self._anchors[q]]
+                        for q in range(jax.process_count())]
+                x = (self.transfer.move(local[i], devs[me]) if owner == me
+                     else run.moved_inputs[v, self._anchors[me]])
+                sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array(devs), ("p",)),
+                                                      jax.sharding.PartitionSpec())
+                outs.append(jax.make_array_from_single_device_arrays((), sharding, [x]))
+            elif owner == me:
+                outs.append(local[i])
+            else:
+                dev = self.devices[device]
+                sharding = jax.sharding.NamedSharding(jax.sharding.Mesh(np.array([dev]), ("p",)),
+                                                      jax.sharding.PartitionSpec())
+                outs.append(jax.make_array_from_single_device_arrays(
+                    v.aval.shape, sharding, [], dtype=v.aval.dtype))
+        return outs
+
+    def _return_state_of(self, outs: list, where: list) -> list:
+        """`outs[i]` moved to `where[i]` (a device or memory place name)."""
+        by_device: dict = {}
+        for i, d in enumerate(where):
+            by_device.setdefault(d, []).append(i)
+        outs = list(outs)
+        for d, idx in by_device.items():
+            for i, y in zip(idx, self.transfer.move_many([outs[i] for i in idx],
+                                                         self.target(d))):
+                outs[i] = y
+        return outs
 
     def _return_state(self, outs: list) -> list:
         """Outputs moved to where the plan keeps them: the new state of a layer
@@ -366,9 +496,11 @@ class _Run:
         self.copied: dict = {}  # device -> what its stage being dispatched had copied in
         if ex.watch_events:
             self.watchers = {(d, k): ThreadPoolExecutor(1, thread_name_prefix="hetpar-watch")
-                             for d in ex.stages.device_order
+                             for d in ex.local
                              for k in ("copy in", "compute", "copy out")}
         self.lock = threading.Lock()
+        # Values from other processes, set once the collective bringing each is issued.
+        self.arrived = {key: threading.Event() for key in ex._received} if ex._crossings else {}
 
     def watch(self, what: str, st: Stage, name: str, arrays: list, after: list = ()) -> None:
         """Records, from a watcher thread, when `arrays` (issued now) are ready.
@@ -405,7 +537,8 @@ class _Run:
         """The stage's inputs, moved onto its device."""
         moved = self.moved_inputs
         ahead = self.ahead.pop(st.index, {})
-        args = [moved.get((v, name), ahead.get(v, self.env[v])) for v in st.inputs]
+        args = [moved[v, name] if (v, name) in moved else ahead[v] if v in ahead else self.env[v]
+                for v in st.inputs]
         todo = [k for k, v in enumerate(st.inputs) if (v, name) not in moved and v not in ahead]
         fresh = self.ex.transfer.move_many([args[k] for k in todo], dev)
         for k, y in zip(todo, fresh):
@@ -437,6 +570,9 @@ class _Run:
         for idx in ex.stages.device_order[name]:
             st = ex.stages.stages[idx]
             for v in st.inputs:
+                if (v, name) in self.arrived:
+                    self.arrived[v, name].wait()
+                    continue
                 p = ex._producer.get(v)
                 if p is not None:
                     self.done[p].wait()
@@ -536,5 +672,44 @@ class _Run:
 
     def fail(self, st: Stage, e: Exception) -> None:
         self.failure.append((st, e))
-        for ev in self.done:
+        for ev in (*self.done, *self.arrived.values()):
             ev.set()
+
+    def network(self) -> None:
+        """Issues this process's crossings, in the order every process issues
+        them (hetpar.runtime._network says why that cannot deadlock)."""
+        ex = self.ex
+        me = jax.process_index()
+        for c in ex._crossings:
+            src, dst = ex._process_of(c.src), ex._process_of(c.dst)
+            if me not in (src, dst):
+                continue
+            st = ex.stages.stages[c.producer] if c.producer is not None else ex.stages.stages[0]
+            try:
+                if me == src:
+                    if c.producer is not None:
+                        self.done[c.producer].wait()
+                    if self.failure:
+                        return
+                    ex.network.cross([self.env[v] for v in c.vars], [v.aval for v in c.vars],
+                                     ex.devices[memory_place(c.src)[0]], ex.devices[c.dst])
+                    self.release_sent(c.vars)
+                else:
+                    got = ex.network.cross(None, [v.aval for v in c.vars],
+                                           ex.devices[memory_place(c.src)[0]], ex.devices[c.dst])
+                    for v, y in zip(c.vars, got):
+                        self.moved_inputs[v, c.dst] = y
+                        self.arrived[v, c.dst].set()
+            except Exception as e:  # noqa: BLE001 - re-raised by the caller with context
+                self.fail(st, e)
+                return
+
+    def release_sent(self, vs) -> None:
+        """Drops values sent to another process once nothing here reads them."""
+        readers = self.ex._readers
+        with self.lock:
+            for v in vs:
+                if v in readers:
+                    left = self.left[v] = self.left.get(v, readers[v]) - 1
+                    if left == 0:
+                        self.env.pop(v, None)
