@@ -23,8 +23,11 @@ measured, traced or fitted. One idea per module, lower ones first:
 
 from hetpar.cost_models._devices import (
     device_name,
+    global_device_name,
     has_pinned_host,
+    local_name,
     present_devices,
+    process_of,
     resolve_device,
     spec_kind_of,
 )
@@ -51,37 +54,52 @@ from hetpar.cost_models._microbench import (
     profile_device,
     profile_devices,
     profile_link,
+    profile_network,
     summary_table,
     transfer_paths,
 )
 from hetpar.cost_models._profile import (
+    DEFAULT_NETWORK_BANDWIDTH,
+    DEFAULT_NETWORK_LATENCY_S,
     DTYPES,
     FORMAT,
+    NETWORK_PATH,
     OP_CLASSES,
     ROOFLINE_CLASS,
     VERSION,
     DeviceProfile,
     LinkProfile,
+    default_network_link,
     device_class,
 )
 from hetpar.cost_models._profiles import (
+    NetworkLink,
     ProfileSet,
     load_profiles,
     nearest_sibling,
+    parse_network_link,
     save_profiles,
     transfer_calibration,
 )
 from hetpar.cost_models._report import per_sample
-from hetpar.cost_models._resolve import ResolvedDevice, resolve_devices, resolve_links
+from hetpar.cost_models._resolve import (
+    ResolvedDevice,
+    override_network_links,
+    resolve_devices,
+    resolve_links,
+)
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
 from hetpar.cost_models._table import FUSED_BYTES_CLASSES, cost_table, scale_to_step
 
 __all__ = [
+    "DEFAULT_NETWORK_BANDWIDTH",
+    "DEFAULT_NETWORK_LATENCY_S",
     "DTYPES",
     "FORMAT",
     "FULL",
     "FUSED_BYTES_CLASSES",
+    "NETWORK_PATH",
     "OP_CLASSES",
     "QUICK",
     "ROOFLINE_CLASS",
@@ -90,15 +108,18 @@ __all__ = [
     "DeviceProfile",
     "LayerWork",
     "LinkProfile",
+    "NetworkLink",
     "ProfileSet",
     "ResolvedDevice",
     "Timing",
     "cache_dir",
     "calibrate",
     "cost_table",
+    "default_network_link",
     "device_class",
     "device_name",
     "fit_link",
+    "global_device_name",
     "graph_layer_work",
     "has_pinned_host",
     "layer_fused_bytes",
@@ -106,17 +127,22 @@ __all__ = [
     "layer_work",
     "layer_xla_cost",
     "load_profiles",
+    "local_name",
     "measure",
     "measure_cached",
     "measure_layer",
     "nearest_sibling",
+    "override_network_links",
+    "parse_network_link",
     "per_sample",
     "plan_prices",
     "predict",
     "present_devices",
+    "process_of",
     "profile_device",
     "profile_devices",
     "profile_link",
+    "profile_network",
     "random_inputs",
     "resolve_device",
     "resolve_devices",

@@ -7,12 +7,43 @@ device's spec-sheet kind (`h100`, `cpu`), which picks its built-in profile.
 
 from __future__ import annotations
 
+import re
+
 from hetpar.core import ProfileError
+
+# `p1/cpu:0`, `p0/h100:1`, `p2/gpu:0:pinned_host`: a process, then a name of one process.
+_PROCESS_PREFIX = re.compile(r"^p(\d+)/(.+)$")
 
 
 def device_name(device) -> str:
     """`platform:id` of a JAX device, e.g. `cpu:0`, `gpu:0`."""
     return f"{device.platform}:{device.id}"
+
+
+def process_of(name: str) -> int | None:
+    """The process a device name belongs to: `p1/cpu:0` -> 1, `p0/h100:0` -> 0.
+
+    None for a name without a process (`cpu:0`, `h100:0`: one process's
+    naming, or a what-if device placed on no process in particular). Works on
+    any name with the prefix (spec kinds, memory places), unlike
+    `hetpar._distributed.parse_device_name`, which takes only JAX names.
+    """
+    m = _PROCESS_PREFIX.match(name)
+    return int(m.group(1)) if m else None
+
+
+def local_name(name: str) -> str:
+    """`name` without its process: `p1/cpu:0` -> `cpu:0`; `cpu:0` as it is."""
+    m = _PROCESS_PREFIX.match(name)
+    return m.group(2) if m else name
+
+
+def global_device_name(device) -> str:
+    """The name `present_devices` gives a JAX device: `cpu:0` with one process,
+    `p1/cpu:0` under several (`hetpar._distributed.device_name`)."""
+    from hetpar._distributed import device_name as distributed_name
+
+    return distributed_name(device)
 
 
 def present_devices() -> dict:

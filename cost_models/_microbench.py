@@ -24,34 +24,48 @@ path the runtime could use, fitted to `latency + bytes / bandwidth`:
 
 Every repetition moves a freshly generated buffer: `np.asarray` keeps a host
 copy of an array, so timing the same array twice measures a cache.
+
+Under `jax.distributed` with several processes (`profile_devices`): each
+process measures its own devices and the paths between them (names
+`p{process}/cpu:0`), and every pair of processes the `network` link between
+them (`profile_network`): a `jax.lax.ppermute` from one device of the one to
+one of the other, timed on the receiver. Every process ends with the same
+ProfileSet (shared through the job's key-value store).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
+import json
 import math
 import os
 import platform
 import socket
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from absl import logging
 
-from hetpar.core import nbytes, seconds
+from hetpar.core import ProfileError, nbytes, seconds
 from hetpar.cost_models._devices import (
-    device_name,
+    global_device_name,
     has_pinned_host,
     present_devices,
     resolve_device,
     spec_kind_of,
 )
 from hetpar.cost_models._measure import measure
-from hetpar.cost_models._profile import DeviceProfile, LinkProfile
+from hetpar.cost_models._profile import (
+    NETWORK_PATH,
+    DeviceProfile,
+    LinkProfile,
+    process_link_name,
+)
 from hetpar.cost_models._profiles import ProfileSet
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 from hetpar.cost_models._specs import spec, spec_kinds
@@ -212,7 +226,7 @@ def profile_device(
       ProfileError: the device is not present.
     """
     dev = resolve_device(device)
-    name = device_name(dev)
+    name = global_device_name(dev)
     say = progress or (lambda m: None)
     kind = spec_kind_of(dev)
     say(f"{name}: {dev.device_kind} (spec sheet: {kind if kind in spec_kinds() else 'none'})")
@@ -349,7 +363,7 @@ class _Fresh:
         import jax.numpy as jnp
         from jax.sharding import SingleDeviceSharding
 
-        key = (device_name(dev), size)
+        key = (dev.platform, dev.id, size)
         if key not in self._fns:
             n = size // 4
             self._fns[key] = jax.jit(
@@ -432,13 +446,14 @@ def profile_link(
     lat, bw = fit_link(samples)
     big_b, big_t = samples[-1]
     say(
-        f"  {device_name(src)} -> {device_name(dst)} [{path}]: latency {seconds(lat)}, "
+        f"  {global_device_name(src)} -> {global_device_name(dst)} [{path}]: "
+        f"latency {seconds(lat)}, "
         f"fit {bw / 1e9:.2f} GB/s; {nbytes(big_b)} at {big_b / big_t / 1e9:.2f} GB/s"
     )
     today = datetime.date.today().isoformat()
     return LinkProfile(
-        src=device_name(src),
-        dst=device_name(dst),
+        src=global_device_name(src),
+        dst=global_device_name(dst),
         path=path,
         latency_s=lat,
         bandwidth_bytes_per_s=bw,
@@ -458,12 +473,19 @@ def profile_devices(
 ) -> ProfileSet:
     """Measures the devices present (or `devices`) and every path between them.
 
+    Under `jax.distributed` with several processes, every process must call
+    it (with the same arguments): each measures its own devices among
+    `devices` and the paths between them, then (with `transfers`) every pair
+    of processes measures its `network` link (`profile_network`); every
+    process returns the same ProfileSet, its devices named `p{process}/cpu:0`.
+
     Args:
-      devices: JAX devices or names (`cpu:0`); default: every device present
-        (`jax.devices()` plus `jax.devices("cpu")`).
+      devices: JAX devices or names (`cpu:0`, `p1/cpu:0`); default: every
+        device present (`jax.devices()` plus `jax.devices("cpu")`).
       quick: small sizes and few repetitions (transfers up to 16 MB).
       config: explicit sizes (overrides `quick`).
-      transfers: also measure every ordered device pair.
+      transfers: also measure every ordered device pair (and, across
+        processes, every network link).
       progress: called with one line per step (the CLI prints them).
 
     Returns:
@@ -472,8 +494,13 @@ def profile_devices(
     Raises:
       ProfileError: a named device is not present.
     """
+    import jax
+
     cfg = config or (QUICK if quick else FULL)
     devs = [resolve_device(d) for d in devices] if devices else list(present_devices().values())
+    multi = jax.process_count() > 1
+    me = jax.process_index()
+    mine = [d for d in devs if d.process_index == me] if multi else devs
     say = progress or (lambda m: None)
 
     def log(msg: str) -> None:
@@ -484,28 +511,226 @@ def profile_devices(
 
     t0 = time.perf_counter()
     profiles = {}
-    for d in devs:
+    for d in mine:
         p = profile_device(d, cfg, log)
         profiles[p.name] = p
     links = []
-    if transfers and len(devs) > 1:
+    if transfers and len(mine) > 1:
         fresh = _Fresh()
         log("transfers:")
-        for s in devs:
-            for t in devs:
+        for s in mine:
+            for t in mine:
                 if s is t:
                     continue
                 for path in transfer_paths(s, t):
                     links.append(profile_link(s, t, path, cfg, log, fresh))
-    log(f"profiled {len(profiles)} device(s), {len(links)} path(s) in "
-        f"{time.perf_counter() - t0:.1f} s")
+    mode = "quick" if cfg is QUICK else ("full" if cfg is FULL else "custom")
     meta = {
         "host": _host_id(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "jax_version": _jax_version(),
-        "mode": "quick" if cfg is QUICK else ("full" if cfg is FULL else "custom"),
+        "mode": mode,
     }
+    if multi:
+        ends = {}
+        for d in devs:
+            ends.setdefault(d.process_index, d)
+        network = profile_network(cfg, log, endpoints=ends) if transfers else []
+        shared = _share("devices", json.dumps({
+            "host": _host_id(), "devices": [p.to_json() for p in profiles.values()],
+            "links": [lk.to_json() for lk in links]}))
+        profiles, links = {}, []
+        for part in map(json.loads, shared):
+            for d in part["devices"]:
+                p = DeviceProfile.from_json(d)
+                profiles[p.name] = p
+            links += [LinkProfile.from_json(lk) for lk in part["links"]]
+        links += network
+        meta["host"] = json.loads(shared[0])["host"]
+        meta["processes"] = jax.process_count()
+        meta["hosts"] = {process_link_name(i): json.loads(t)["host"]
+                         for i, t in enumerate(shared)}
+    log(f"profiled {len(profiles)} device(s), {len(links)} path(s) in "
+        f"{time.perf_counter() - t0:.1f} s")
     return ProfileSet(profiles, tuple(links), meta)
+
+
+# -- across processes ---------------------------------------------------------------
+
+#: How long a process waits for the others (at a barrier, or for their
+#: results): they may still be measuring their devices.
+_WAIT_MS = 3600 * 1000
+_calls = itertools.count()
+
+
+def _client():
+    """The `jax.distributed` coordination client (barriers, key-value store).
+
+    Raises:
+      ProfileError: JAX runs one process, or this JAX hides the client.
+    """
+    try:
+        from jax._src import distributed
+        client = distributed.global_state.client
+    except (ImportError, AttributeError):
+        client = None
+    if client is None:
+        raise ProfileError("measuring across processes needs jax.distributed: start the job "
+                           "with `python -m hetpar.launch` (or call "
+                           "hetpar._distributed.initialize() first)")
+    return client
+
+
+def _share(what: str, text: str) -> list[str]:
+    """Every process's `text`, by process index: a collective (each process
+    must call it, in the same order), through the job's key-value store."""
+    import jax
+
+    client = _client()
+    key = f"hetpar/profile/{next(_calls)}/{what}"
+    client.key_value_set(f"{key}/{jax.process_index()}", text)
+    return [client.blocking_key_value_get(f"{key}/{i}", _WAIT_MS)
+            for i in range(jax.process_count())]
+
+
+def _shard_map():
+    import jax
+
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map
+    from jax.experimental.shard_map import shard_map  # JAX before 0.7
+
+    return shard_map
+
+
+def _collectives(dev) -> str:
+    """What carries a collective between processes on `dev`'s platform."""
+    import jax
+
+    if dev.platform == "cpu":
+        return f"{jax.config.jax_cpu_collectives_implementation or 'default'} CPU collectives"
+    return {"gpu": "NCCL"}.get(dev.platform, f"{dev.platform} collectives")
+
+
+def _network_samples(ends: Sequence, sender: int, cfg: BenchConfig) -> list[tuple[float, float]]:
+    """(bytes, seconds) of `jax.lax.ppermute` from `ends[sender]` to the other
+    end at every size of `cfg`, as the receiver timed it (empty on the sender).
+
+    Both ends' processes must call it together. Before every timed transfer
+    a 4-byte exchange both ways lines the two processes up (each leaves it
+    within one latency of the other); the receiver then times its call to
+    the arrival of the payload (block_until_ready), the median of `cfg.k`.
+    """
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    me = jax.process_index()
+    pos = next(i for i, d in enumerate(ends) if d.process_index == me)
+    mesh = Mesh(np.array(list(ends)), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    shard_map = _shard_map()
+
+    def permute(perm):
+        return jax.jit(shard_map(lambda x: jax.lax.ppermute(x, "x", perm), mesh=mesh,
+                                 in_specs=P("x"), out_specs=P("x")))
+
+    send = permute([(sender, 1 - sender)])
+    sync = permute([(0, 1), (1, 0)])
+
+    def global_array(local: np.ndarray):
+        return jax.make_array_from_single_device_arrays(
+            (2 * local.shape[0],), sharding, [jax.device_put(local, ends[pos])])
+
+    tick = global_array(np.zeros(1, np.float32))
+    samples = []
+    for size in cfg.transfer_bytes:
+        n = max(1, size // 4)
+        x = global_array(np.full(n, 1.0, np.float32) if pos == sender
+                         else np.zeros(n, np.float32))
+        _block(sync(tick))
+        _block(send(x))  # warm-up: compiles, allocates
+        k = cfg.k if size <= 16 * _MB else max(3, cfg.k - 2)
+        times = []
+        for _ in range(k):
+            _block(sync(tick))
+            t0 = time.perf_counter()
+            _block(send(x))
+            times.append(time.perf_counter() - t0)
+        samples.append((float(4 * n), statistics.median(times)))
+    return samples if pos != sender else []
+
+
+def profile_network(
+    cfg: BenchConfig = FULL,
+    progress: Callable[[str], None] | None = None,
+    *,
+    endpoints: Mapping[int, Any] | None = None,
+) -> list[LinkProfile]:
+    """Measures the `network` link between every pair of processes, both ways.
+
+    Under `jax.distributed` with several processes; every process must call
+    it, in the same order as its other collectives. The pairs take turns (a
+    barrier of the two opens each; processes outside the pair do not take
+    part), each direction timed by `_network_samples` on its receiver and
+    fitted with `fit_link`. The links are between whole processes (`p0` ->
+    `p1`, path `network`): cost tables apply them to every pair of devices
+    of the two processes (`ProfileSet.network_link`); `source` names the two
+    devices measured.
+
+    Args:
+      cfg: the transfer sizes (`cfg.transfer_bytes`) and repetitions.
+      progress: called with one line per measured direction.
+      endpoints: process index -> the JAX device that sends and receives for
+        it; default: each process's first device of the default backend.
+
+    Returns:
+      Every process's measured links (the same list on every process);
+      empty with one process.
+    """
+    import jax
+
+    n = jax.process_count()
+    if n <= 1:
+        return []
+    say = progress or (lambda m: None)
+    ends = dict(endpoints or {})
+    for d in jax.devices():
+        ends.setdefault(d.process_index, d)
+    me = jax.process_index()
+    client = _client()
+    run = next(_calls)
+    today = datetime.date.today().isoformat()
+    mine = []
+    for a in range(n):
+        for b in range(a + 1, n):
+            if me not in (a, b):
+                continue
+            client.wait_at_barrier(f"hetpar/profile/{run}/network/{a}-{b}", _WAIT_MS,
+                                   process_ids=[a, b])
+            pair = (ends[a], ends[b])
+            for sender in (0, 1):
+                src, dst = pair[sender], pair[1 - sender]
+                samples = _network_samples(pair, sender, cfg)
+                if not samples:
+                    continue
+                lat, bw = fit_link(samples)
+                big_b, big_t = samples[-1]
+                s_name, d_name = global_device_name(src), global_device_name(dst)
+                say(f"  {s_name} -> {d_name} [{NETWORK_PATH}]: latency {seconds(lat)}, fit "
+                    f"{bw / 1e9:.2f} GB/s; {nbytes(big_b)} at {big_b / big_t / 1e9:.2f} GB/s")
+                mine.append(LinkProfile(
+                    src=process_link_name(src.process_index),
+                    dst=process_link_name(dst.process_index),
+                    path=NETWORK_PATH, latency_s=lat, bandwidth_bytes_per_s=bw,
+                    source=f"measured {today} on {_host_id()} (the receiver), jax "
+                    f"{_jax_version()}: jax.lax.ppermute from {s_name} to {d_name} over "
+                    f"{_collectives(src)}, timed on the receiver after a 4-byte exchange; "
+                    f"median at {len(samples)} sizes, least squares on relative error; "
+                    "for every device pair of the two processes",
+                    samples=tuple(samples)))
+    shared = _share("network", json.dumps([lk.to_json() for lk in mine]))
+    return [LinkProfile.from_json(lk) for text in shared for lk in json.loads(text)]
 
 
 def summary_table(profiles: ProfileSet) -> str:

@@ -104,13 +104,17 @@ class LinkProfile:
     """One transfer path from `src` to `dst`: `time(bytes) = latency + bytes / bandwidth`.
 
     Attributes:
-      src: source device name (`cpu:0`) or, for a spec sheet's host link, its kind.
-      dst: destination device name.
+      src: source device name (`cpu:0`, `p0/cpu:0`); for a spec sheet's host
+        link, its kind; for a `network` link between whole processes, the
+        process (`p0`).
+      dst: destination device name (or process, `p1`).
       path: how the bytes move: `device_put` (plain `jax.device_put`),
         `pinned_host` (through the GPU's pinned host memory),
         `pinned_host_staged` (only the pinned-host -> device copy: a lower
-        bound when the producer already wrote into pinned memory), or a bus
-        name for spec-sheet links (`pcie4x16`).
+        bound when the producer already wrote into pinned memory),
+        `network` (between processes: a collective transfer across
+        `jax.distributed`, see `network_link`), or a bus name for spec-sheet
+        links (`pcie4x16`).
       latency_s: fixed cost of one transfer in seconds.
       bandwidth_bytes_per_s: sustained bandwidth.
       source: where the figures come from (spec + URL, or measured + date + host).
@@ -180,6 +184,40 @@ class LinkProfile:
         if duplex is not None:
             duplex = _num(where, "duplex_bandwidth_bytes_per_s", duplex)
         return cls(str(src), str(dst), str(path), lat, bw, str(source), samples, duplex)
+
+
+#: The path name of links between devices of different processes (docs/formats.md).
+NETWORK_PATH = "network"
+
+#: Default bandwidth of a link between two processes, when neither `hetpar
+#: profile` under `jax.distributed` measured it nor `--link` declared it: one
+#: 100 Gb/s Ethernet port (IEEE 802.3ba line rate, 12.5 GB/s). GPU clusters
+#: often have more (400 Gb/s InfiniBand per GPU); two processes on one machine
+#: over loopback TCP (gloo) get far less: ~1 GB/s measured on a 2-core VM.
+DEFAULT_NETWORK_BANDWIDTH = 12.5e9
+#: Default latency of one transfer between two processes: an estimate for one
+#: message through a NIC, one switch and the collective library's stack (NCCL
+#: or gloo). Loopback gloo on a 2-core VM measured ~0.3 ms per transfer.
+DEFAULT_NETWORK_LATENCY_S = 20e-6
+_DEFAULT_NETWORK_SOURCE = (
+    "default network link (docs/formats.md): estimate, one 100 Gb/s Ethernet port "
+    "(IEEE 802.3ba line rate) and 20 us per transfer; not measured: run `hetpar profile` "
+    "under `python -m hetpar.launch` (or your cluster's launcher) to measure it, or "
+    "declare it with --link pA-pB=GBps[@LATENCY_us]")
+
+
+def process_link_name(process: int) -> str:
+    """The `src`/`dst` of a link between whole processes: `p0`, `p1`, ..."""
+    return f"p{int(process)}"
+
+
+def default_network_link(src: str, dst: str) -> LinkProfile:
+    """The documented default `network` link from `src` to `dst` (processes or devices):
+    `DEFAULT_NETWORK_BANDWIDTH` and `DEFAULT_NETWORK_LATENCY_S`."""
+    return LinkProfile(src=src, dst=dst, path=NETWORK_PATH,
+                       latency_s=DEFAULT_NETWORK_LATENCY_S,
+                       bandwidth_bytes_per_s=DEFAULT_NETWORK_BANDWIDTH,
+                       source=_DEFAULT_NETWORK_SOURCE)
 
 
 # Field name -> (hint for the error message) of the required numeric figures.

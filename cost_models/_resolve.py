@@ -15,6 +15,11 @@ A device list mixes two kinds of entries:
   written out. They are always predicted, never measured: no JAX device
   stands behind them.
 
+- under `jax.distributed`, names carry their process: `p1/cpu:0` (present
+  or profiled), and `p1/h100` / `p1/h100:0` for a spec-sheet device placed on
+  process 1 (what-if planning across hosts). A name without `p<i>/` belongs
+  to no process in particular.
+
 Links
 -----
 Measured links from the profile set, the fastest path per ordered pair over
@@ -24,6 +29,15 @@ transfer). CPU devices of one host share its memory: between them a copy
 runs at the host's memory bandwidth. An accelerator without a measured path
 to a CPU uses its spec sheet's host link, and two accelerators without a
 measured path go through the host (two hops in series).
+
+Two devices of different processes (`p0/...` and `p1/...`) without a link of
+their own are joined by the network link between their processes,
+`ProfileSet.network_link`: measured by `hetpar profile` under
+`jax.distributed`, declared (`ProfileSet.with_network_link`, `--link
+p0-p1=GBps`), else the documented default (12.5 GB/s, 20 us; docs/formats.md).
+Within one process (or between names without a process) links are as above.
+`override_network_links` sets the network links of a table already built
+(`hetpar plan --graph ... --link`).
 
 Memory places
 -------------
@@ -47,22 +61,31 @@ profile), so a table rebuilt for a plan's devices has the same names.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 
 from absl import logging
 
-from hetpar.core import Link, ProfileError, memory_place
-from hetpar.cost_models._devices import has_pinned_host, present_devices, spec_kind_of
-from hetpar.cost_models._profile import DeviceProfile, LinkProfile
-from hetpar.cost_models._profiles import ProfileSet
+from hetpar.core import CostTable, Link, ProfileError, memory_place
+from hetpar.cost_models._devices import (
+    has_pinned_host,
+    local_name,
+    present_devices,
+    process_of,
+    spec_kind_of,
+)
+from hetpar.cost_models._profile import DEFAULT_NETWORK_LATENCY_S, DeviceProfile, LinkProfile
+from hetpar.cost_models._profiles import NetworkLink, ProfileSet, parse_network_link
 from hetpar.cost_models._specs import spec_kinds
 
 # Not whole transfer paths: they time only the copy between pinned host memory
 # and the device (see LinkProfile), one way or both at once.
 _PARTIAL_PATHS = frozenset({"pinned_host_staged", "pinned_host_duplex"})
 
-_NAME = re.compile(r"^([A-Za-z0-9_.\-]+):(\d+)$")
+# `cpu:0`, `h100:1`, `p1/cpu:0`; and a bare kind, `h100`, `p1/h100`.
+_NAME = re.compile(r"^(?:p(\d+)/)?([A-Za-z0-9_.\-]+):(\d+)$")
+_KIND = re.compile(r"^(?:p(\d+)/)?([A-Za-z0-9_.\-]+)$")
 #: The kind (and memory kind) of the memory places a table gets.
 PLACE_KIND = "pinned_host"
 
@@ -87,7 +110,7 @@ def _profile_for_present(name: str, dev, profiles: ProfileSet) -> DeviceProfile:
     """A present device's profile: measured by name, else a measured one of its kind, else spec."""
     if name in profiles.devices:
         return profiles.device(name)
-    kind = spec_kind_of(dev) if dev is not None else name.split(":")[0]
+    kind = spec_kind_of(dev) if dev is not None else local_name(name).split(":")[0]
     # Virtual devices of one host (cpu:1 beside a measured cpu:0) are the same silicon.
     for p in profiles.devices.values():
         if p.origin == "measured" and p.kind == kind:
@@ -114,7 +137,7 @@ def resolve_devices(
     present = present_devices()
     out: list[ResolvedDevice] = []
     taken: set[str] = set(present)
-    spec_entries: list[tuple[str, int | None]] = []
+    spec_entries: list[tuple[int | None, str, int | None]] = []
     for raw in devices:
         entry = raw.strip()
         m = _NAME.match(entry)
@@ -131,9 +154,13 @@ def resolve_devices(
             prof = _profile_for_present(entry, jd, profiles).replace(name=entry)
             out.append(ResolvedDevice(entry, prof, jd))
             continue
-        kind, idx = (m.group(1), int(m.group(2))) if m else (entry, None)
+        if m:
+            proc, kind, idx = m.group(1), m.group(2), int(m.group(3))
+        else:
+            k = _KIND.match(entry)
+            proc, kind, idx = (k.group(1), k.group(2), None) if k else (None, entry, None)
         if kind in spec_kinds():
-            spec_entries.append((kind, idx))
+            spec_entries.append((None if proc is None else int(proc), kind, idx))
             continue
         if m and kind in ("cpu", "gpu", "tpu", "cuda", "rocm"):
             raise ProfileError(
@@ -147,12 +174,13 @@ def resolve_devices(
             f"present devices: {', '.join(present)}"
         )
     taken |= {d.name for d in out}
-    for kind, idx in spec_entries:
+    for proc, kind, idx in spec_entries:
+        prefix = "" if proc is None else f"p{proc}/"
         if idx is None:
             idx = 0
-            while f"{kind}:{idx}" in taken:
+            while f"{prefix}{kind}:{idx}" in taken:
                 idx += 1
-        name = f"{kind}:{idx}"
+        name = f"{prefix}{kind}:{idx}"
         if name in taken:
             raise ProfileError(f"device {name!r} is listed twice or names a present device")
         taken.add(name)
@@ -181,6 +209,10 @@ def _link(src: ResolvedDevice, dst: ResolvedDevice, profiles: ProfileSet,
     lk = measured(src.name, dst.name)
     if lk is not None:
         return lk.latency_s, lk.bandwidth_bytes_per_s
+    s_proc, d_proc = process_of(src.name), process_of(dst.name)
+    if s_proc is not None and d_proc is not None and s_proc != d_proc:
+        net = profiles.network_link(s_proc, d_proc, sizes)
+        return net.latency_s, net.bandwidth_bytes_per_s
     s_cpu, d_cpu = src.profile.device_class == "cpu", dst.profile.device_class == "cpu"
     if s_cpu and d_cpu:
         host = src.profile
@@ -292,16 +324,18 @@ def memory_places(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
         for d in devs:
             if d.profile.device_class != "cpu":
                 wanted.setdefault(d.name, f"{d.name}:{PLACE_KIND}")
-    if cpus:
-        memory, host = float(cpus[0].profile.memory_bytes), cpus[0].name
-    else:
-        memory, host = float(profiles.device("cpu").memory_bytes), None
     cpu_names = [d.name for d in cpus] + [n for n, p in profiles.devices.items()
                                           if p.origin == "measured" and p.device_class == "cpu"]
     out = []
     for d in devs:
         if d.name not in wanted or d.profile.device_class == "cpu":
             continue
+        # The host is a CPU of the accelerator's process where the list has one.
+        mine = [c for c in cpus if process_of(c.name) == process_of(d.name)] or cpus
+        if mine:
+            memory, host = float(mine[0].profile.memory_bytes), mine[0].name
+        else:
+            memory, host = float(profiles.device("cpu").memory_bytes), None
         jd = d.jax_device
         if jd is not None and (jd.platform == "cpu" or not has_pinned_host(jd)):
             continue  # no pinned host memory behind it (or a CPU standing in for a GPU)
@@ -339,3 +373,49 @@ def _staged(acc: ResolvedDevice, profiles: ProfileSet, cpu_names: Sequence[str],
     if hl is None:
         return None
     return hl.latency_s, hl.duplex_bandwidth_bytes_per_s or hl.bandwidth_bytes_per_s
+
+
+# -- network links of a built table ---------------------------------------------
+
+
+def override_network_links(table: CostTable,
+                           links: Sequence[NetworkLink | str]) -> CostTable:
+    """`table` with the links between the devices of two processes set to `links`.
+
+    For each link (a `NetworkLink`, or `--link` text such as
+    `"p0-p1=12.5@20"`, see `parse_network_link`), every ordered pair of a
+    device of process A (named `pA/...`) and one of process B, both ways,
+    gets its bandwidth, and its latency when given (else the pair keeps the
+    latency it had, or the default's 20 us where it had no link). Memory
+    places keep their links. Later links win. No JAX is imported: `hetpar
+    plan --graph` uses this.
+
+    Raises:
+      ProfileError: a malformed text, or a process with no device in `table`.
+    """
+    parsed = [parse_network_link(lk) if isinstance(lk, str) else lk for lk in links]
+    if not parsed:
+        return table
+    names = [d.name for d in table.devices if memory_place(d.name)[1] is None]
+    by_pair = {(lk.src, lk.dst): lk for lk in table.links}
+    for net in parsed:
+        ends = {}
+        for p in (net.a, net.b):
+            ends[p] = [n for n in names if process_of(n) == p]
+            if not ends[p]:
+                what = f"--link {net.text}" if net.text else f"network link p{net.a}-p{net.b}"
+                raise ProfileError(
+                    f"{what}: the table has no device of process {p} (its devices: "
+                    f"{', '.join(names)}); devices of several processes are named "
+                    "p0/cpu:0, p1/cpu:0, ...")
+        for x, y in ((net.a, net.b), (net.b, net.a)):
+            for s in ends[x]:
+                for d in ends[y]:
+                    old = by_pair.get((s, d))
+                    lat = net.latency_s if net.latency_s is not None else (
+                        old.latency_s if old is not None else DEFAULT_NETWORK_LATENCY_S)
+                    by_pair[(s, d)] = Link(s, d, bandwidth_bytes_per_s=net.bandwidth_bytes_per_s,
+                                           latency_s=lat)
+    meta = dict(table.meta)
+    meta["network_links"] = [net.source() for net in parsed]
+    return dataclasses.replace(table, links=tuple(by_pair.values()), meta=meta)

@@ -93,6 +93,7 @@ class Options:
     data_parallel: bool | str = True
     memory: Mapping[str, float] | None = None
     batch: str = "global"
+    hierarchical: bool = False
 
     def __post_init__(self):
         _check_choice("objective", self.objective, _OBJECTIVES)
@@ -214,8 +215,13 @@ class CompiledStep:
         _check_present(options.devices, self.devices)
         self.plan_fingerprint: str | None = None
         multi = jax.process_count() > 1
-        if multi and (options.batch == "local" or _replicates(options.plan)
-                      or (options.data_parallel == "always" and options.plan is None)):
+        self._share = None
+        if multi and options.hierarchical:
+            # Each process runs the per-host plan on its rows of the batch.
+            self._share = _BatchShare(args, options)
+            args = self._share(args)
+        elif multi and (options.batch == "local" or _replicates(options.plan)
+                        or (options.data_parallel == "always" and options.plan is None)):
             # Each process passes its share of the batch: only data parallel takes that.
             self._init_across_processes(fn, args, options)
             return
@@ -242,6 +248,10 @@ class CompiledStep:
         self.plan = None
         self._one_device_prediction = None
         self.placements: dict[str, Placement] = parse_placements(self._assign(options))
+        if self._share is not None and self.plan is not None and self.plan.replicas:
+            raise PlanError("a hierarchical plan places layers within each process; this plan "
+                            "replicates the step (data parallel), which hierarchical=False "
+                            "runs across every process's devices")
         if multi and self.plan is not None and self.plan.replicas:
             # The planner chose data parallel across processes: its own path.
             self._init_across_processes(fn, user_args, options, plan=self.plan)
@@ -286,6 +296,12 @@ class CompiledStep:
             starts = [0, *ends[:-1]]
             self._batch_leaves = tuple(i for k in self._batch_argnums
                                        for i in range(starts[k], ends[k]))
+        elif self._share is not None:
+            self.stages = split(self.graph, self.placements, schedule=options.schedule,
+                                update_apart=True)
+            mine, across = _hierarchical_devices(used, self.devices)
+            self._executor = Executor(self.stages, mine, TransferEngine(), workers,
+                                      across=across)
         else:
             if multi:
                 self._check_placements_across()
@@ -445,10 +461,14 @@ class CompiledStep:
             return list(options.devices)
         if jax.process_count() > 1:
             # Every process's devices of the default backend: the same list on
-            # every process (a GPU process lists only its own CPU device).
+            # every process (a GPU process lists only its own CPU device); a
+            # hierarchical plan's are process 0's (each process maps them to its own).
             from hetpar._distributed import device_names
 
-            return device_names(jax.devices())
+            names = device_names(jax.devices())
+            if options.hierarchical:
+                names = [n for n in names if n.startswith("p0/")]
+            return names
         return list(self.devices)
 
     def _assign(self, options: Options) -> Mapping[str, str | Placement]:
@@ -516,8 +536,8 @@ class CompiledStep:
         m = options.microbatches
         self.plan = solve(self.table, objective=options.objective,
                           mode="pipelined" if m > 1 else "sequential", microbatches=m,
-                          data_parallel=options.data_parallel, schedule=options.schedule,
-                          memory=options.memory)
+                          data_parallel=bool(options.data_parallel) and self._share is None,
+                          schedule=options.schedule, memory=options.memory)
         return dict(self.plan.placements)
 
     def predicted(self):
@@ -664,6 +684,8 @@ class CompiledStep:
     def _run(self, args: tuple):
         if self._replicated is not None:
             return self._replicated(*args)
+        if self._share is not None:
+            args = self._share(args)
         flat = jax.tree_util.tree_leaves(args)
         return jax.tree_util.tree_unflatten(self._out_tree, self._executor(flat))
 
@@ -711,6 +733,58 @@ def _plan_fingerprint(plan, graph: LayerGraph, placements=None, microbatches=Non
         "replicas": list(plan.replicas) if plan is not None else [],
         "inputs": [a.str_short() for a in graph.program.jaxpr.in_avals],
     })
+
+
+class _BatchShare:
+    """A hierarchical plan's batch: this process's rows of it.
+
+    With `batch="global"` every process passes the whole batch and keeps rows
+    [i B/P, (i+1) B/P); with `batch="local"` it passes those rows itself.
+    """
+
+    def __init__(self, args: tuple, options: Options):
+        self.nums = _batch_positions(options.batch_argnums, len(args))
+        self.whole = options.batch == "global"
+        self.i, self.n = jax.process_index(), jax.process_count()
+        for k in self.nums:
+            for x in jax.tree_util.tree_leaves(args[k]):
+                rows = np.shape(x)[0] if np.ndim(x) else None
+                if self.whole and rows is not None and rows % self.n:
+                    raise HetparError(
+                        f"a batch array of shape {np.shape(x)} does not split over "
+                        f"{self.n} processes: its leading axis must be a multiple of {self.n}")
+
+    def __call__(self, args: tuple) -> tuple:
+        if not self.whole:
+            return args
+
+        def rows(x):
+            if not np.ndim(x):
+                return x
+            b = np.shape(x)[0] // self.n
+            return x[self.i * b:(self.i + 1) * b]
+
+        return tuple(jax.tree_util.tree_map(rows, a) if k in self.nums else a
+                     for k, a in enumerate(args))
+
+
+def _hierarchical_devices(used, present) -> tuple[dict, dict]:
+    """A per-host plan's devices (process 0's names) on this process, and each
+    one's counterpart on every process, in process order."""
+    from hetpar._distributed import parse_device_name
+
+    me, n = jax.process_index(), jax.process_count()
+    mine, across = {}, {}
+    for name in used:
+        device, _ = memory_place(name)
+        _, platform, index = parse_device_name(device)
+        peers = [present.get(f"p{q}/{platform}:{index}") for q in range(n)]
+        if any(d is None for d in peers):
+            raise PlanError(f"a hierarchical plan runs on {device} of every process, but "
+                            f"process {peers.index(None)} has no {platform}:{index}")
+        mine[name] = peers[me]
+        across[name] = peers
+    return mine, across
 
 
 def _replicates(plan) -> bool:
@@ -990,7 +1064,8 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
          batch_argnums: Sequence[int] | int | None = None, schedule: str = "gpipe",
          profile: Any = "auto", depth: int | None = None,
          on_missing_device: str = "error", data_parallel: bool = True,
-         memory: Mapping[str, float] | None = None, batch: str = "global"):
+         memory: Mapping[str, float] | None = None, batch: str = "global",
+         hierarchical: bool = False):
     """Runs a training step across the devices present, placed by hetpar's planner.
 
     Usable as `@hetpar.auto` or `hetpar.auto(step, devices=[...], ...)`.
@@ -1041,6 +1116,12 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         process's devices of the default backend (or `devices`, or a Plan's
         `replicas`), and returns global jax.Arrays, replicated (read one with
         `np.asarray`); see docs/distributed.md.
+      hierarchical: under several processes, plan the step over one
+        process's devices (process 0's names, `p0/gpu:0`) and run that plan
+        on every process, each on its share of the batch, averaging the
+        gradients (and the loss) across the processes before the update:
+        data parallel across processes (hosts), the planner's placement or
+        pipeline within each. Ignored with one process.
 
     Returns:
       An `AutoStep`: call it like `fn`; it has `.plan`, `.report()`,
@@ -1069,7 +1150,8 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
                       data_parallel=data_parallel if data_parallel == "always"
                       else bool(data_parallel),
                       memory=None if memory is None else dict(memory)
-                      if isinstance(memory, Mapping) else memory, batch=batch)
+                      if isinstance(memory, Mapping) else memory, batch=batch,
+                      hierarchical=bool(hierarchical))
     if fn is None:
         return functools.partial(_wrap, options=options)
     return _wrap(fn, options)

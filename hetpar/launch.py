@@ -14,6 +14,9 @@ own `jax.distributed.initialize()` detects. Each copy gets the environment
                         collectives cross processes
   XLA_FLAGS             with --xla_force_host_platform_device_count=K when
                         --devices_per_process K is given
+  CUDA_VISIBLE_DEVICES  GPUs [i*G, (i+1)*G) of those visible, for copy i,
+                        when --gpus_per_process G is given (each process
+                        then drives its own GPUs, as on separate hosts)
 
 Every output line of copy i is printed as `[p{i}] line`. When a copy exits
 non-zero, the others get `--grace` seconds to finish (they usually hang in a
@@ -53,7 +56,7 @@ def free_port() -> int:
 
 
 def child_env(base: dict, *, process_id: int, num_processes: int, coordinator: str,
-              devices_per_process: int | None) -> dict:
+              devices_per_process: int | None, gpus_per_process: int | None = None) -> dict:
     """The environment of copy `process_id`: `base` plus the variables in the module doc."""
     env = dict(base)
     env[ENV_COORDINATOR] = coordinator
@@ -70,6 +73,17 @@ def child_env(base: dict, *, process_id: int, num_processes: int, coordinator: s
         flags = _DEVICE_COUNT_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
         flags.append(f"--xla_force_host_platform_device_count={devices_per_process}")
         env["XLA_FLAGS"] = " ".join(flags)
+    if gpus_per_process is not None:
+        # Without it every process would take every GPU of the host.
+        visible = base.get("CUDA_VISIBLE_DEVICES")
+        ids = (visible.split(",") if visible else
+               [str(i) for i in range(num_processes * gpus_per_process)])
+        mine = ids[process_id * gpus_per_process:(process_id + 1) * gpus_per_process]
+        if len(mine) < gpus_per_process:
+            raise ValueError(f"--gpus_per_process {gpus_per_process} x {num_processes} "
+                             f"processes needs {num_processes * gpus_per_process} GPUs; "
+                             f"CUDA_VISIBLE_DEVICES lists {len(ids)}")
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
     # Lines should arrive as they are printed, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"
     return env
@@ -120,8 +134,8 @@ def _exit_status(returncode: int) -> int:
 
 
 def launch(argv: list[str], num_processes: int, *, devices_per_process: int | None = None,
-           port: int | None = None, grace: float = 30.0, python: str | None = None,
-           out=None) -> int:
+           gpus_per_process: int | None = None, port: int | None = None, grace: float = 30.0,
+           python: str | None = None, out=None) -> int:
     """Run `python argv...` as `num_processes` copies; return the launcher's exit status.
 
     0 when every copy exits 0. Otherwise the status of the copy that failed first
@@ -142,7 +156,8 @@ def launch(argv: list[str], num_processes: int, *, devices_per_process: int | No
     try:
         for i in range(num_processes):
             env = child_env(os.environ, process_id=i, num_processes=num_processes,
-                            coordinator=coordinator, devices_per_process=devices_per_process)
+                            coordinator=coordinator, devices_per_process=devices_per_process,
+                            gpus_per_process=gpus_per_process)
             procs.append(subprocess.Popen(
                 [python, *argv], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent))
@@ -230,6 +245,9 @@ def main(args: list[str] | None = None) -> int:
     ap.add_argument("--devices_per_process", type=int, default=None,
                     help="virtual CPU devices per copy (sets XLA_FLAGS "
                          "--xla_force_host_platform_device_count)")
+    ap.add_argument("--gpus_per_process", type=int, default=None,
+                    help="GPUs per copy: copy i sees GPUs [i*G, (i+1)*G) of those visible "
+                         "(sets CUDA_VISIBLE_DEVICES)")
     ap.add_argument("--port", type=int, default=None,
                     help="coordinator port on localhost (default: a free one)")
     ap.add_argument("--grace", type=float, default=30.0,
@@ -243,10 +261,13 @@ def main(args: list[str] | None = None) -> int:
         ap.error("-n must be at least 1")
     if ns.devices_per_process is not None and ns.devices_per_process < 1:
         ap.error("--devices_per_process must be at least 1")
+    if ns.gpus_per_process is not None and ns.gpus_per_process < 1:
+        ap.error("--gpus_per_process must be at least 1")
     # SIGTERM (e.g. from a batch system) stops the copies like Ctrl-C does.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     return launch([ns.script, *ns.script_args], ns.num_processes,
-                  devices_per_process=ns.devices_per_process, port=ns.port, grace=ns.grace)
+                  devices_per_process=ns.devices_per_process,
+                  gpus_per_process=ns.gpus_per_process, port=ns.port, grace=ns.grace)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,8 @@ class Stage:
       device: device name (`cpu:0`, `gpu:0`).
       eqns: program equation indices, in program order.
       microbatch: the microbatch it works on, or None.
-      phase: "pre", "forward", "backward", "post" (with microbatches) or "main".
+      phase: "pre", "forward", "backward", "post" (with microbatches) or "main"
+        (and "update", see `split`'s update_apart).
       layers: the layers its equations belong to.
       inputs: program variables it reads (defined by other stages or program inputs).
       outputs: program variables it defines that other stages or the result read.
@@ -112,7 +113,7 @@ class StageGraph:
 
 
 def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping], *,
-          schedule: str = "gpipe") -> StageGraph:
+          schedule: str = "gpipe", update_apart: bool = False) -> StageGraph:
     """Cuts `graph`'s program into per-device stages under `assignment`.
 
     Args:
@@ -121,6 +122,11 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
         form) for a layer whose state and update live apart from its compute
         (docs/architecture.md, "State apart from compute"). Covers every layer.
       schedule: "gpipe" or "1f1b": each device's stage order when microbatched.
+      update_apart: without microbatches, put the update (the optimizer) in
+        stages of its own, phase "update", so that what it reads from the
+        forward and backward (the gradients) can be changed in between: a
+        hierarchical plan averages them across processes. (With microbatches
+        the update is apart already: phase "post".)
 
     Raises:
       PlanError: the assignment misses layers or names unknown ones, or asks
@@ -140,6 +146,9 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
     updating = _updating(eqns)
     device = _eqn_devices(graph, placements, home, updating)
     keys = _stage_keys(eqns, device)
+    if update_apart:
+        keys = [(d, mb, "update") if ph == "main" and up else (d, mb, ph)
+                for (d, mb, ph), up in zip(keys, updating)]
     deps = _eqn_deps(eqns)
     _update_after_backward(graph, updating, deps)
     cut_keys = _cut_keys(graph, placements, keys)
@@ -324,7 +333,10 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
             # equations, not too far back.
             whole = bool(remat) and eqn_layers[i] in remat and eqn_layers[i] in layers
             cheap = eqns[i].primitive.name in RECOMPUTABLE and depth < RECOMPUTE_DEPTH
-            if eqns[i].effects or not (whole or cheap) or keys[i][:2] != where or any(
+            # Nor into an update kept apart from the work it reads (update_apart):
+            # what crosses there is what a hierarchical plan averages.
+            apart = (keys[i][2] == "update") != (keys[run[0]][2] == "update")
+            if eqns[i].effects or not (whole or cheap) or keys[i][:2] != where or apart or any(
                     (input_home.get(b, here) if b in program_inputs
                      else keys[producer[b]][0] if b in producer else here) != here
                     for b in eqns[i].invars if isinstance(b, jcore.Var)):

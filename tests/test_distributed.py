@@ -354,3 +354,16 @@ def test_child_env():
     kept = launch.child_env({"JAX_CPU_COLLECTIVES_IMPLEMENTATION": "mpi"}, process_id=0,
                             num_processes=1, coordinator="localhost:1", devices_per_process=None)
     assert kept["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "mpi" and "XLA_FLAGS" not in kept
+
+
+def test_child_env_gpus_per_process():
+    env = launch.child_env({}, process_id=1, num_processes=2, coordinator="localhost:1",
+                           devices_per_process=None, gpus_per_process=2)
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    env = launch.child_env({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, process_id=1, num_processes=2,
+                           coordinator="localhost:1", devices_per_process=None,
+                           gpus_per_process=1)
+    assert env["CUDA_VISIBLE_DEVICES"] == "5"
+    with pytest.raises(ValueError, match="needs 4 GPUs"):
+        launch.child_env({"CUDA_VISIBLE_DEVICES": "0,1"}, process_id=1, num_processes=2,
+                         coordinator="localhost:1", devices_per_process=None, gpus_per_process=2)

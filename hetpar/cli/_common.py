@@ -32,6 +32,31 @@ def parse_config(model: str, items: list[str]) -> dict:
     return parse(model, text)
 
 
+LINK_HELP = ("the network link between processes A and B, both ways, for every pair of "
+             "their devices (named pA/..., pB/...): GB/s (1e9 bytes), optionally @latency in "
+             "microseconds, e.g. --link p0-p1=12.5 or --link p0-p1=12.5@20 (repeatable; "
+             "default: measured by `hetpar profile` under jax.distributed, else 12.5 GB/s, "
+             "20 us)")
+
+
+def add_link_arg(parser) -> None:
+    """--link pA-pB=GBps[@LATENCY_us] (repeatable)."""
+    parser.add_argument("--link", action="append", default=[], metavar="pA-pB=GBps[@US]",
+                        help=LINK_HELP)
+
+
+def parse_links(items: list[str]) -> list:
+    """['p0-p1=12.5@20'] -> [NetworkLink(0, 1, 12.5e9, 2e-5)], checked before any work.
+
+    Raises:
+      HetparError: an item not of the form pA-pB=GBps[@LATENCY_us] (the
+        message gives the form).
+    """
+    from hetpar.cost_models import parse_network_link  # no JAX
+
+    return [parse_network_link(item) for item in items]
+
+
 # Flags that count something: a positive int wherever a command takes them.
 _COUNTS = ("batch", "steps", "microbatches", "depth", "k")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from hetpar.cli._common import parse_config
+from hetpar.cli._common import add_link_arg, parse_config, parse_links
 from hetpar.core import CostTable, HetparError
 
 
@@ -43,6 +43,7 @@ def register(subparsers) -> None:
     p.add_argument("--memory", action="append", default=[], metavar="DEVICE=GB",
                    help="cap a device's memory for planning, in GB (1e9 bytes), e.g. "
                         "--memory gpu:0=40 (repeatable)")
+    add_link_arg(p)
     p.add_argument("--no-offload", dest="offload", action="store_false",
                    help="never keep layers' state apart from their compute device")
     p.add_argument("--explain", action="store_true", help="say why each layer sits where it does")
@@ -92,7 +93,12 @@ def _run(args: argparse.Namespace) -> int:
     from hetpar.planner import plan
 
     memory = parse_memory(args.memory)  # checked before any model is traced
+    links = parse_links(args.link)
     table = _table(args)
+    if links:
+        from hetpar.cost_models import override_network_links  # no JAX
+
+        table = override_network_links(table, links)
     microbatches = args.microbatches
     if microbatches is None:
         microbatches = 4 if args.mode == "pipelined" else 1

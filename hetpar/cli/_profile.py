@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from hetpar.cli._common import add_link_arg, parse_links
+from hetpar.core import HetparError
+
 
 def register(subparsers) -> None:
     """Adds the `profile` sub-command."""
@@ -13,7 +16,10 @@ def register(subparsers) -> None:
         description=(
             "Measure every device present (jax.devices() plus the CPU): matmul FLOP/s, "
             "memory bandwidth, dispatch overhead, and transfer time for every ordered "
-            "device pair and path. The file written overrides the built-in spec sheets."
+            "device pair and path. The file written overrides the built-in spec sheets. "
+            "Run under several JAX processes (python -m hetpar.launch -n 2 \"$(which hetpar)\" "
+            "profile, or a cluster launcher), it also times a transfer between every pair of "
+            "processes (the network link); process 0 writes the file."
         ),
     )
     p.add_argument("--out", default="profiles.json", help="file to write (default %(default)s)")
@@ -23,13 +29,38 @@ def register(subparsers) -> None:
     p.add_argument(
         "--devices",
         default=None,
-        help="comma-separated devices to measure (e.g. cpu:0,gpu:0); default: all present",
+        help="comma-separated devices to measure (e.g. cpu:0,gpu:0; p0/gpu:0,p1/gpu:0 under "
+             "several processes, each measuring its own); default: all present",
     )
-    p.add_argument("--no-transfers", action="store_true", help="skip the device-pair transfers")
+    p.add_argument("--no-transfers", action="store_true",
+                   help="skip the device-pair transfers (and, across processes, the network)")
+    add_link_arg(p)
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
+    links = parse_links(args.link)  # checked before anything is measured
+
+    # Join the job when started by hetpar.launch (or with a cluster's
+    # variables); a plain run stays one process. Before any other JAX call.
+    from hetpar._distributed import abort, initialize
+
+    initialize()
+    import jax
+
+    try:
+        return _measure(args, links, jax.process_index())
+    except HetparError as e:
+        if jax.process_count() <= 1:
+            raise
+        # sys.exit would wait at JAX's exit barrier while the other processes
+        # wait for this one: leave at once (docs/distributed.md, `abort`).
+        print(f"hetpar profile: error (process {jax.process_index()}): {e}", file=sys.stderr)
+        abort(2)
+        raise  # not reached
+
+
+def _measure(args, links, process: int) -> int:
     from hetpar.cost_models import profile_devices, save_profiles, summary_table
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
@@ -40,6 +71,12 @@ def _run(args) -> int:
     profiles = profile_devices(
         devices, quick=args.quick, transfers=not args.no_transfers, progress=progress
     )
+    if links:
+        profiles = profiles.with_network_links(links)
+    if process != 0:
+        # Every process holds the same profiles; one file is enough.
+        print(f"process {process}: done; process 0 writes {args.out}")
+        return 0
     save_profiles(args.out, profiles)
     print(summary_table(profiles))
     print(f"wrote {args.out}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Collection, Mapping, Sequence
 
-PHASE_RANK = {"pre": 0, "forward": 1, "main": 1, "backward": 2, "post": 3}
+PHASE_RANK = {"pre": 0, "forward": 1, "main": 1, "backward": 2, "post": 3, "update": 3}
 SCHEDULES = ("gpipe", "1f1b")
 
 Key = tuple  # (device, microbatch or None, phase)

@@ -38,7 +38,7 @@ from jax.sharding import SingleDeviceSharding
 from hetpar.core import HetparError, PlanError, memory_place
 from hetpar.cost_models import has_pinned_host
 from hetpar.passes import Stage, StageGraph
-from hetpar.runtime._network import Network, crossings, local_part
+from hetpar.runtime._network import Crossing, Network, crossings, global_order, local_part
 from hetpar.runtime._transfer import TransferEngine
 
 
@@ -146,6 +146,14 @@ class Executor:
       workers: the per-device worker threads (default: the executor's own).
       prefetch: stages reading streamed state in flight per device
         (default: `Executor.PREFETCH`).
+      across: a hierarchical plan under several processes: every process
+        runs all the stages on its own devices (`devices`), on its share of
+        the batch, and `across[name]` lists device `name`'s counterpart on
+        every process, in process order. What the update reads from the
+        forward and backward (the gradients), and the floating-point results
+        they make (the loss), are averaged over the processes first, so
+        every process applies the same update (the split needs
+        `update_apart=True`).
     """
 
     #: Default stages reading streamed state in flight per device (one
@@ -154,7 +162,8 @@ class Executor:
 
     def __init__(self, stages: StageGraph, devices: Mapping[str, jax.Device],
                  transfer: TransferEngine | None = None, workers: Workers | None = None,
-                 prefetch: int | None = None):
+                 prefetch: int | None = None,
+                 across: Mapping[str, Sequence[jax.Device]] | None = None):
         self.stages = stages
         self.devices = dict(devices)
         self.transfer = transfer or TransferEngine()
@@ -163,7 +172,8 @@ class Executor:
         # Under several processes (jax.distributed) this process runs the
         # stages of its own devices; values cross to others' devices as
         # collectives (hetpar.runtime._network).
-        self.multi_process = jax.process_count() > 1
+        self.across = dict(across) if across else None
+        self.multi_process = jax.process_count() > 1 and self.across is None
         me = jax.process_index()
         self.local = [d for d in stages.device_order
                       if self._process_of(d) == me or not self.multi_process]
@@ -205,12 +215,16 @@ class Executor:
                 for v in st.inputs:
                     readers[v] = readers.get(v, 0) + 1
         self._crossings: list = []
+        self._reductions: list = []
+        self._received: set = set()
         if self.multi_process:
             self._init_crossings(stages)
-            for c in self._crossings:
-                if self._process_of(c.src) == me:  # sent: the network thread reads it
-                    for v in c.vars:
-                        readers[v] = readers.get(v, 0) + 1
+        if self.across:
+            self._reductions = self._init_reductions(stages)
+        for c in (*self._crossings, *self._reductions):
+            if self._process_of(c.src) == me:  # sent: the network thread reads it
+                for v in c.vars:
+                    readers[v] = readers.get(v, 0) + 1
         kept = set(self._outvars) | self._is_input
         self._readers = {v: n for v, n in readers.items() if v not in kept}
         # Step inputs read by several stages of one device move there once a
@@ -283,6 +297,37 @@ class Executor:
         self._received = {(v, c.dst) for c in self._crossings
                           if self._process_of(c.dst) == me for v in c.vars}
         self._broadcast = set(broadcast)
+
+    def _init_reductions(self, stages: StageGraph) -> list:
+        """A hierarchical plan's averages: floating-point values the update
+        stages read from the others, and results the others make, grouped by
+        the stage that makes them, in the order every process issues them."""
+        made = {v: st for st in stages.stages for v in st.outputs}
+        updating = ("update", "post")
+
+        def averaged(v):
+            return (isinstance(v, jcore.Var) and v in made
+                    and made[v].phase not in updating
+                    and jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact))
+
+        wanted = [v for st in stages.stages if st.phase in updating for v in st.inputs]
+        groups: dict = {}
+        for v in (*wanted, *self._outvars):
+            if averaged(v):
+                vs = groups.setdefault(made[v].index, [])
+                if v not in vs:
+                    vs.append(v)
+        if not any(st.phase in updating for st in stages.stages):
+            raise PlanError("a hierarchical plan needs the update in stages of its own "
+                            "(split(..., update_apart=True))")
+        position = {s: k for k, s in enumerate(global_order(stages.device_order,
+                                                            stages.stages))}
+        out = [Crossing(tuple(vs), stages.stages[i].device, stages.stages[i].device, i)
+               for i, vs in groups.items()]
+        out.sort(key=lambda c: position[c.producer])
+        self._received = {(v, "*") for c in out for v in c.vars}
+        self.network = Network()
+        return out
 
     def _activations_offloaded(self, stages: StageGraph) -> tuple[list, list]:
         """Per stage, the memory place its offloaded activations go to (or
@@ -378,6 +423,8 @@ class Executor:
         calls = {name: functools.partial(run.device, name) for name in self.local}
         if self._crossings:
             calls["network"] = run.network
+        if self._reductions:
+            calls["network"] = run.reduce
         try:
             self.workers.run(calls)
         finally:
@@ -500,7 +547,7 @@ class _Run:
                              for k in ("copy in", "compute", "copy out")}
         self.lock = threading.Lock()
         # Values from other processes, set once the collective bringing each is issued.
-        self.arrived = {key: threading.Event() for key in ex._received} if ex._crossings else {}
+        self.arrived = {key: threading.Event() for key in ex._received}
 
     def watch(self, what: str, st: Stage, name: str, arrays: list, after: list = ()) -> None:
         """Records, from a watcher thread, when `arrays` (issued now) are ready.
@@ -572,6 +619,9 @@ class _Run:
             for v in st.inputs:
                 if (v, name) in self.arrived:
                     self.arrived[v, name].wait()
+                    continue
+                if (v, "*") in self.arrived:  # averaged over the processes
+                    self.arrived[v, "*"].wait()
                     continue
                 p = ex._producer.get(v)
                 if p is not None:
@@ -703,6 +753,25 @@ class _Run:
             except Exception as e:  # noqa: BLE001 - re-raised by the caller with context
                 self.fail(st, e)
                 return
+
+    def reduce(self) -> None:
+        """Averages a hierarchical plan's values over the processes as they are
+        made, in the order every process issues them; readers wait for the means."""
+        ex = self.ex
+        for c in ex._reductions:
+            self.done[c.producer].wait()
+            if self.failure:
+                return
+            try:
+                means = ex.network.mean([self.env[v] for v in c.vars], [v.aval for v in c.vars],
+                                        ex.across[c.src])
+            except Exception as e:  # noqa: BLE001 - re-raised by the caller with context
+                self.fail(ex.stages.stages[c.producer], e)
+                return
+            self.env.update(zip(c.vars, means))
+            self.release_sent(c.vars)
+            for v in c.vars:
+                self.arrived[v, "*"].set()
 
     def release_sent(self, vs) -> None:
         """Drops values sent to another process once nothing here reads them."""

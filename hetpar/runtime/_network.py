@@ -164,6 +164,34 @@ class Network:
             return None
         return [_from_shard(y.addressable_data(0), a) for y, a in zip(out, avals)]
 
+    def mean(self, values: Sequence, avals: Sequence, devices: Sequence[jax.Device]) -> list:
+        """The elementwise mean of `values` over every process (a hierarchical
+        plan's gradients): `devices` holds one device per process, in process
+        order, this process's value being on its own. Returns the means there."""
+        me = next(d for d in devices if d.process_index == jax.process_index())
+        raw = [_raw_aval(a) for a in avals]
+        mesh = Mesh(np.array(devices), ("proc",))
+        sharding = NamedSharding(mesh, PartitionSpec("proc"))
+        key = ("mean", tuple(d.id for d in devices), len(raw))
+        with self._lock:
+            fn = self._fns.get(key)
+            if fn is None:
+                spec = (PartitionSpec("proc"),) * len(raw)
+
+                def average(*xs):
+                    return tuple(jax.lax.pmean(x, "proc") for x in xs)
+
+                fn = self._fns[key] = jax.jit(
+                    jax.shard_map(average, mesh=mesh, in_specs=spec, out_specs=spec),
+                    out_shardings=(sharding,) * len(raw))
+        arrays = [jax.make_array_from_single_device_arrays(
+            (len(devices) * shape[0], *shape[1:]), sharding, [_as_shard(x, a, me)])
+            for x, a, (shape, _) in zip(values, avals, raw)]
+        out = fn(*arrays)
+        if me.platform == "cpu":  # one at a time, as in `cross`
+            jax.block_until_ready(out)
+        return [_from_shard(y.addressable_data(0), a) for y, a in zip(out, avals)]
+
     def _fn(self, mesh, sharding, n: int):
         key = (mesh.devices[0].id, mesh.devices[1].id, n)
         with self._lock:
