@@ -89,10 +89,9 @@ def _workload(args):
     return zoo.get("transformer", batch=args.batch or 256)
 
 
-def _pipeline(layers, first: str, second: str) -> dict:
-    """The first half of the layers (graph order) on `first`, the rest on `second`."""
-    half = len(layers) // 2
-    return {name: first if i < half else second for i, name in enumerate(layers)}
+def _pipeline(layers, devices) -> dict:
+    """The layers (graph order) cut into len(devices) runs of equal count, in order."""
+    return {name: devices[i * len(devices) // len(layers)] for i, name in enumerate(layers)}
 
 
 def _row(name, seconds, losses, ref, batch, **extra):
@@ -108,7 +107,7 @@ def _predicted(step) -> float | None:
 
 def in_process(args, w, state, batch) -> list[dict]:
     kind = "cpu" if args.quick else "gpu"
-    devs = jax.devices(kind)[:2]
+    devs = jax.devices(kind)
     names = [f"{kind}:{d.id}" for d in devs]
     n = w.config["batch_size"]
     rows = []
@@ -124,7 +123,7 @@ def in_process(args, w, state, batch) -> list[dict]:
         lambda x: jax.device_put(x, split if getattr(x, "ndim", 0) and x.shape[0] == n else rep),
         batch)
     t, losses = _timed(one, jax.device_put(state, rep), sharded_batch, args.steps)
-    rows.append(_row("jax.jit, batch sharded over 2 devices", t, losses, ref, n))
+    rows.append(_row(f"jax.jit, batch sharded over {len(devs)} devices", t, losses, ref, n))
     print(f"jit sharded: {t * 1e3:.2f} ms", flush=True)
 
     step = hetpar.auto(w.train_step, data_parallel="always", devices=names)
@@ -133,7 +132,7 @@ def in_process(args, w, state, batch) -> list[dict]:
     print(f"hetpar dp: {t * 1e3:.2f} ms", flush=True)
 
     layers = list(hetpar.trace(w.train_step, *state, batch).layers)
-    plan = _pipeline(layers, names[0], names[1])
+    plan = _pipeline(layers, names)
     step = hetpar.auto(w.train_step, plan=plan, microbatches=args.microbatches, schedule="1f1b")
     t, losses = _timed(step, state, batch, args.steps)
     rows.append(_row(f"hetpar pipeline M={args.microbatches} 1f1b", t, losses, ref, n,
@@ -178,7 +177,18 @@ def across_processes(args, w, state, batch, ref) -> list[dict]:
     print(f"hetpar hierarchical across: {t * 1e3:.2f} ms", flush=True)
 
     layers = list(hetpar.trace(w.train_step, *state, batch).layers)
-    plan = _pipeline(layers, names[0], names[1])
+    local = [nm for nm in names if nm.startswith("p0/")]
+    if len(local) > 1:  # within each process a pipeline, data parallel across them
+        half = jax.tree_util.tree_map(lambda x: x[:n // jax.process_count()], batch)
+        host = _pipeline(list(hetpar.trace(w.train_step, *state, half).layers), local)
+        step = hetpar.auto(w.train_step, hierarchical=True, plan=host,
+                           microbatches=args.microbatches, schedule="1f1b")
+        t, losses = _timed(step, state, batch, args.steps)
+        rows.append(_row(f"hetpar hierarchical across processes (pipeline of {len(local)} "
+                         f"M={args.microbatches} in each)", t, losses, ref, n))
+        print(f"hetpar hierarchical pipeline across: {t * 1e3:.2f} ms", flush=True)
+
+    plan = _pipeline(layers, names)
     step = hetpar.auto(w.train_step, plan=plan, microbatches=args.microbatches, schedule="1f1b")
     t, losses = _timed(step, state, batch, args.steps)
     rows.append(_row(f"hetpar pipeline M={args.microbatches} 1f1b across processes", t, losses,
@@ -204,7 +214,7 @@ def report(out: pathlib.Path) -> str:
         rows.append(dict(slowest, processes=len(procs)))
     by = {r["variant"]: r for r in rows}
     one = by["jax.jit, one device"]["step_s"]
-    lines = [f"# Two devices as one process or two ({inproc['device']}, {inproc['model']}, "
+    lines = [f"# GPUs as one process or two ({inproc['device']}, {inproc['model']}, "
              f"batch {inproc['batch']})", "",
              f"JAX {inproc['jax']}; medians of {inproc['steps']} steps; across processes the "
              "slower process's median. Loss error: max relative difference of the first 3 "
@@ -218,7 +228,8 @@ def report(out: pathlib.Path) -> str:
                      f"{one / r['step_s']:.2f} | {'' if pred is None else f'{pred * 1e3:.2f}'} | "
                      f"{r['loss_rel_err_vs_one_device']:.1e} |")
     ratios = []
-    pairs = [("hetpar data parallel across processes", "jax.jit, batch sharded over 2 devices"),
+    sharded = next(r["variant"] for r in rows if r["variant"].startswith("jax.jit, batch sharded"))
+    pairs = [("hetpar data parallel across processes", sharded),
              ("hetpar data parallel across processes", "jax.jit, global mesh over the processes"),
              (f"hetpar pipeline M={inproc['microbatches']} 1f1b across processes",
               f"hetpar pipeline M={inproc['microbatches']} 1f1b")]

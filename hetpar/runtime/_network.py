@@ -147,9 +147,12 @@ class Network:
         """
         sending = src.process_index == jax.process_index()
         raw = [_raw_aval(a) for a in avals]
-        mesh = Mesh(np.array([src, dst]), ("pair",))
+        # Devices in id order: XLA:GPU wants an iota device assignment (it logs
+        # an error for [1, 0]); the permutation says which way the values go.
+        pair = sorted([src, dst], key=lambda d: d.id)
+        mesh = Mesh(np.array(pair), ("pair",))
         sharding = NamedSharding(mesh, PartitionSpec("pair"))
-        fn = self._fn(mesh, sharding, len(raw))
+        fn = self._fn(mesh, sharding, len(raw), pair.index(src))
         shards = ([_as_shard(x, a, src) for x, a in zip(values, avals)] if sending
                   else [self._zero(shape, dtype, dst) for shape, dtype in raw])
         arrays = [jax.make_array_from_single_device_arrays((2 * shape[0], *shape[1:]),
@@ -170,6 +173,7 @@ class Network:
         order, this process's value being on its own. Returns the means there."""
         me = next(d for d in devices if d.process_index == jax.process_index())
         raw = [_raw_aval(a) for a in avals]
+        devices = sorted(devices, key=lambda d: d.id)  # an iota assignment, as in `cross`
         mesh = Mesh(np.array(devices), ("proc",))
         sharding = NamedSharding(mesh, PartitionSpec("proc"))
         key = ("mean", tuple(d.id for d in devices), len(raw))
@@ -192,15 +196,16 @@ class Network:
             jax.block_until_ready(out)
         return [_from_shard(y.addressable_data(0), a) for y, a in zip(out, avals)]
 
-    def _fn(self, mesh, sharding, n: int):
-        key = (mesh.devices[0].id, mesh.devices[1].id, n)
+    def _fn(self, mesh, sharding, n: int, sender: int):
+        key = (mesh.devices[0].id, mesh.devices[1].id, n, sender)
         with self._lock:
             fn = self._fns.get(key)
             if fn is None:
                 spec = (PartitionSpec("pair"),) * n
 
                 def send(*xs):
-                    return tuple(jax.lax.ppermute(x, "pair", [(0, 1)]) for x in xs)
+                    return tuple(jax.lax.ppermute(x, "pair", [(sender, 1 - sender)])
+                                 for x in xs)
 
                 fn = self._fns[key] = jax.jit(
                     jax.shard_map(send, mesh=mesh, in_specs=spec, out_specs=spec),
