@@ -93,9 +93,12 @@ class Options:
     data_parallel: bool | str = True
     memory: Mapping[str, float] | None = None
     batch: str = "global"
-    hierarchical: bool = False
+    hierarchical: bool | str = "auto"
 
     def __post_init__(self):
+        if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
+            raise HetparError(f"hierarchical must be True, False or 'auto', got "
+                              f"{self.hierarchical!r}")
         _check_choice("objective", self.objective, _OBJECTIVES)
         _check_choice("batch", self.batch, _BATCH)
         _check_choice("schedule", self.schedule, SCHEDULES)
@@ -216,7 +219,7 @@ class CompiledStep:
         self.plan_fingerprint: str | None = None
         multi = jax.process_count() > 1
         self._share = None
-        if multi and options.hierarchical:
+        if multi and options.hierarchical is True:
             # Each process runs the per-host plan on its rows of the batch.
             self._share = _BatchShare(args, options)
             args = self._share(args)
@@ -248,10 +251,22 @@ class CompiledStep:
         self.plan = None
         self._one_device_prediction = None
         self.placements: dict[str, Placement] = parse_placements(self._assign(options))
-        if self._share is not None and self.plan is not None and self.plan.replicas:
-            raise PlanError("a hierarchical plan places layers within each process; this plan "
-                            "replicates the step (data parallel), which hierarchical=False "
-                            "runs across every process's devices")
+        if self._share is not None and self.plan is not None:
+            if self.plan.replicas:
+                raise PlanError("a hierarchical plan places layers within each process; this "
+                                "plan replicates the step (data parallel), which "
+                                "hierarchical=False runs across every process's devices")
+            self.plan = self._with_allreduce(self.plan, options)
+        elif (multi and options.hierarchical == "auto" and options.plan is None
+              and options.objective == "time" and self.plan is not None):
+            alternative = self._hierarchical_step_s(fn, user_args, options)
+            if alternative is not None and alternative < self.plan.predicted.step_time_s:
+                logging.info("hetpar: a hierarchical plan (predicted %.3g s) beats the plan over "
+                             "every process's devices (%.3g s)", alternative,
+                             self.plan.predicted.step_time_s)
+                self.__init__(fn, user_args, dataclasses.replace(options, hierarchical=True),
+                              workers)
+                return
         if multi and self.plan is not None and self.plan.replicas:
             # The planner chose data parallel across processes: its own path.
             self._init_across_processes(fn, user_args, options, plan=self.plan)
@@ -507,17 +522,52 @@ class CompiledStep:
         self.table, self.plan = table, plan
         return dict(plan.placements)
 
-    def _cost_table(self, devices: list[str], options: Options):
-        from hetpar.cost_models import cost_table, load_profiles
+    def _cost_table(self, devices: list[str], options: Options, graph: LayerGraph | None = None):
+        from hetpar.cost_models import cost_table
 
-        profiles = options.profile
-        if profiles in (None, "auto"):
-            # A profile file `hetpar profile` wrote, named by the environment;
-            # else the spec sheets of the devices' kinds.
-            profiles = os.environ.get("HETPAR_PROFILES") or None
-        if isinstance(profiles, (str, os.PathLike)):
-            profiles = load_profiles(profiles)
-        return cost_table(self.graph, devices, profiles=profiles)
+        return cost_table(graph or self.graph, devices, profiles=_profiles(options))
+
+    def _hierarchical_step_s(self, fn: Callable, args: tuple, options: Options) -> float | None:
+        """The predicted step of a hierarchical plan (see `auto`'s `hierarchical`):
+        the planner's plan over process 0's devices for one process's share of
+        the batch, plus the gradients' all-reduce across the processes. None
+        where the batch does not split over the processes."""
+        from hetpar.planner import plan as solve
+
+        try:
+            share = _BatchShare(args, options)
+        except HetparError:
+            return None
+        local = share(args)
+        m = options.microbatches
+        static = StaticLeaves(microbatched(fn, m, _batch_positions(options.batch_argnums,
+                                                                   len(local))), local)
+        graph = trace(static.pure_step, *static.pure_args, depth=options.depth,
+                      batch_argnums=options.batch_argnums)
+        hier = dataclasses.replace(options, hierarchical=True)
+        devices = self._candidate_devices(hier)
+        if len(devices) == 1:
+            table = self._cost_table(devices, hier, graph)
+            from hetpar.planner import evaluate
+
+            step = evaluate(table, dict.fromkeys(graph.layers, devices[0])).step_time_s
+        else:
+            table = self._cost_table(devices, hier, graph)
+            step = solve(table, objective="time", mode="pipelined" if m > 1 else "sequential",
+                         microbatches=m, data_parallel=False, schedule=options.schedule,
+                         memory=options.memory).predicted.step_time_s
+        return step + _allreduce_across_processes_s(table, options)
+
+    def _with_allreduce(self, plan, options: Options):
+        """A hierarchical plan with the gradients' all-reduce across processes
+        added to its predicted step (and so named in `solver`)."""
+        extra = _allreduce_across_processes_s(self.table, options)
+        p = plan.predicted
+        return dataclasses.replace(
+            plan, predicted=dataclasses.replace(p, step_time_s=p.step_time_s + extra,
+                                                transfer_s=p.transfer_s + extra),
+            solver={**plan.solver, "chosen": f"hierarchical over {jax.process_count()} "
+                    f"processes (gradients all-reduced: {extra:.3g} s)"})
 
     def _solve(self, options: Options, devices: list[str]) -> dict[str, Placement]:
         from hetpar.planner import plan as solve
@@ -785,6 +835,35 @@ def _hierarchical_devices(used, present) -> tuple[dict, dict]:
         mine[name] = peers[me]
         across[name] = peers
     return mine, across
+
+
+def _profiles(options: Options):
+    """The ProfileSet (or None: spec sheets) a step's cost tables come from."""
+    from hetpar.cost_models import load_profiles
+
+    profiles = options.profile
+    if profiles in (None, "auto"):
+        # A profile file `hetpar profile` wrote, named by the environment;
+        # else the spec sheets of the devices' kinds.
+        profiles = os.environ.get("HETPAR_PROFILES") or None
+    if isinstance(profiles, (str, os.PathLike)):
+        profiles = load_profiles(profiles)
+    return profiles
+
+
+def _allreduce_across_processes_s(table, options: Options) -> float:
+    """Seconds to all-reduce a step's gradients (the table's parameter bytes)
+    around a ring of the processes, on the slowest network link of the ring
+    (measured by `hetpar profile` under jax.distributed, else the default)."""
+    from hetpar.cost_models import load_profiles
+    from hetpar.planner._evaluate import ring_allreduce_s
+
+    n = jax.process_count()
+    profiles = _profiles(options) or load_profiles()
+    links = [profiles.network_link(q, (q + 1) % n) for q in range(n)]
+    grads = sum(layer.param_bytes or 0.0 for layer in table.layers)
+    return ring_allreduce_s(grads, n, min(ln.bandwidth_bytes_per_s for ln in links),
+                            max(ln.latency_s for ln in links))
 
 
 def _replicates(plan) -> bool:
@@ -1065,7 +1144,7 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
          profile: Any = "auto", depth: int | None = None,
          on_missing_device: str = "error", data_parallel: bool = True,
          memory: Mapping[str, float] | None = None, batch: str = "global",
-         hierarchical: bool = False):
+         hierarchical: bool | str = "auto"):
     """Runs a training step across the devices present, placed by hetpar's planner.
 
     Usable as `@hetpar.auto` or `hetpar.auto(step, devices=[...], ...)`.
@@ -1116,12 +1195,15 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         process's devices of the default backend (or `devices`, or a Plan's
         `replicas`), and returns global jax.Arrays, replicated (read one with
         `np.asarray`); see docs/distributed.md.
-      hierarchical: under several processes, plan the step over one
-        process's devices (process 0's names, `p0/gpu:0`) and run that plan
+      hierarchical: under several processes, True plans the step over one
+        process's devices (process 0's names, `p0/gpu:0`) and runs that plan
         on every process, each on its share of the batch, averaging the
         gradients (and the loss) across the processes before the update:
         data parallel across processes (hosts), the planner's placement or
-        pipeline within each. Ignored with one process.
+        pipeline within each. "auto" (the default): the planner weighs that
+        against its plan over every process's devices and runs the faster
+        (objective "time", no plan given). False: never. Ignored with one
+        process.
 
     Returns:
       An `AutoStep`: call it like `fn`; it has `.plan`, `.report()`,
@@ -1151,7 +1233,7 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
                       else bool(data_parallel),
                       memory=None if memory is None else dict(memory)
                       if isinstance(memory, Mapping) else memory, batch=batch,
-                      hierarchical=bool(hierarchical))
+                      hierarchical=hierarchical)
     if fn is None:
         return functools.partial(_wrap, options=options)
     return _wrap(fn, options)

@@ -401,7 +401,9 @@ class Executor:
         out = list(flat_args)
         me = jax.process_index()
         for i, d in enumerate(self._input_devices):
-            if self.multi_process:
+            if self.across:  # a replicated result of the last step: this process's copy
+                out[i] = local_part(out[i])
+            elif self.multi_process:
                 # Another process keeps this input (and sends it where read here).
                 if self._process_of(self.stages.input_devices[i]) != me:
                     out[i] = None
@@ -440,8 +442,26 @@ class Executor:
         self.last_events = sorted(run.events, key=lambda ev: ev.start_s)
         if self.multi_process:
             return self._outputs_across(run)
-        outs = [self._read(run.env, v) for v in self._outvars]
-        return self._return_state(outs)
+        outs = self._return_state([self._read(run.env, v) for v in self._outvars])
+        return self._replicated_across(outs) if self.across else outs
+
+    def _replicated_across(self, outs: list) -> list:
+        """A hierarchical plan's results as global arrays, replicated over the
+        processes: every process computed the same (the update read averaged
+        gradients), so each holds a copy that `np.asarray` reads, and
+        `hetpar.gather` and the next step treat alike on every process."""
+        peers = {dev.id: self.across[name] for name, dev in self.devices.items()
+                 if name in self.across}
+        done = []
+        for x in outs:
+            if isinstance(x, jax.Array) and len(x.devices()) == 1:
+                (dev,) = x.devices()
+                mesh = jax.sharding.Mesh(np.array(peers[dev.id]), ("p",))
+                sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(),
+                                                      memory_kind=x.sharding.memory_kind)
+                x = jax.make_array_from_single_device_arrays(x.shape, sharding, [x])
+            done.append(x)
+        return done
 
     def _outputs_across(self, run: _Run) -> list:
         """The step's results under several processes, the same on every process:
