@@ -217,6 +217,10 @@ class CompiledStep:
         self.devices = present_devices()
         _check_present(options.devices, self.devices)
         self.plan_fingerprint: str | None = None
+        if isinstance(options.plan, (str, os.PathLike)):  # read once, not per check
+            from hetpar.planner import Plan
+
+            options = dataclasses.replace(options, plan=Plan.load(options.plan))
         multi = jax.process_count() > 1
         self._share = None
         if multi and options.hierarchical is True:

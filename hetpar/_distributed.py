@@ -2,8 +2,9 @@
 
 Used by `hetpar.auto` under `jax.distributed` (docs/distributed.md): device
 names across processes (`present_devices`), and the check that every process
-ends with the same plan. The planner itself still plans over one process's
-devices; across processes `hetpar.auto` runs data-parallel plans only.
+ends with the same plan (data parallel, placements and pipelines across
+processes, or hierarchical; the collectives that run them live in
+`hetpar.runtime._network`).
 
 - `initialize()` joins the job that `python -m hetpar.launch` (or a cluster
   manager) started; it does nothing in a plain single-process run.
@@ -163,11 +164,7 @@ def device_name(d) -> str:
     owns the device and its place among that process's devices of the platform:
     the same on every process, and the same as `jax.local_devices()` order there.
     """
-    import jax
-
-    if jax.process_count() <= 1:
-        return f"{d.platform}:{d.id}"
-    return f"p{d.process_index}/{d.platform}:{_local_index(d)}"
+    return device_names([d])[0]
 
 
 def device_names(devices) -> list[str]:
@@ -176,7 +173,7 @@ def device_names(devices) -> list[str]:
     import jax
 
     if jax.process_count() <= 1:
-        return [device_name(d) for d in devices]
+        return [f"{d.platform}:{d.id}" for d in devices]
     index: dict[tuple[str, int], dict[int, int]] = {}
     out = []
     for d in devices:
@@ -187,15 +184,6 @@ def device_names(devices) -> list[str]:
             index[key] = {i: k for k, i in enumerate(same)}
         out.append(f"p{d.process_index}/{d.platform}:{index[key][d.id]}")
     return out
-
-
-def _local_index(d) -> int:
-    """`d`'s position among its process's devices of its platform, by id."""
-    import jax
-
-    same = sorted((e for e in jax.devices(d.platform) if e.process_index == d.process_index),
-                  key=lambda e: e.id)
-    return next(i for i, e in enumerate(same) if e.id == d.id)
 
 
 def parse_device_name(name: str) -> tuple[int | None, str, int]:

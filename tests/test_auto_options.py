@@ -83,8 +83,12 @@ def test_options_are_keyword_only_and_checked():
     Options = type(hetpar.auto(step).options)
     with pytest.raises(TypeError):
         Options(("cpu:0",))  # positional arguments fail
-    with pytest.raises(hetpar.HetparError, match="data_parallel must be a bool, got 1"):
+    with pytest.raises(hetpar.HetparError,
+                       match="data_parallel must be True, False or 'always', got 1"):
         Options(data_parallel=1)
+    with pytest.raises(hetpar.HetparError,
+                       match="hierarchical must be True, False or 'auto', got 'yes'"):
+        Options(hierarchical="yes")
     opts = Options(devices=("cpu:1",), microbatches=np.int64(2))
     assert dataclasses.replace(opts, devices=None).devices is None
 

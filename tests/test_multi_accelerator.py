@@ -129,3 +129,13 @@ def test_data_parallel_plan_round_trips_and_runs_from_file(tmp_path):
     assert loaded.replicas == GPUS and loaded == plan
     again = hetpar.auto(w.train_step, plan=tmp_path / "plan.json", profile=two_gpu_profiles())
     check_steps(w.train_step, again, args, steps=2)
+
+
+def test_data_parallel_always_skips_the_ilp_and_equals_jit():
+    w = zoo.get("mlp", small=True, batch=8)
+    args = w.example_args()
+    step = hetpar.auto(w.train_step, devices=list(GPUS), data_parallel="always")
+    compiled = step.lower(*args)
+    assert compiled.plan.replicas == GPUS
+    assert compiled.plan.solver["name"] == "none"  # no ILP ran
+    check_steps(w.train_step, step, args)
