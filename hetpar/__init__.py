@@ -37,11 +37,12 @@ _LAZY = {
     "Plan": "hetpar.planner",
     "plan": "hetpar.planner",
     "StageError": "hetpar.runtime",
+    "PredictionWarning": "hetpar._auto",
     "gather": "hetpar.runtime",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
-    from hetpar._auto import AutoStep, auto
+    from hetpar._auto import AutoStep, PredictionWarning, auto
     from hetpar._grad import grad, value_and_grad
     from hetpar._report import CostReport, report
     from hetpar.passes import LayerGraph, layer, trace
@@ -70,6 +71,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AutoStep",
+    "PredictionWarning",
     "auto",
     "grad",
     "value_and_grad",

@@ -30,6 +30,8 @@ import numbers
 import os
 import sys
 import threading
+import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -200,6 +202,74 @@ def _check_plan(plan) -> None:
                         f"{{layer: device}}, got {type(plan).__name__}")
 
 
+class StepClock:
+    """Times a compiled step's first calls, to set the measured step beside the predicted.
+
+    The first call compiles; the next `STEPS` are timed from the call to its
+    results being ready (this process's part of them): those calls wait for
+    their results, as a training loop that reads its loss does, so each is
+    timed alone. Later calls are not timed and do not wait. Once timed, a
+    measured step more than `TOLERANCE` away from the planner's prediction
+    gives one warning.
+    """
+
+    STEPS = 5
+    TOLERANCE = 0.25
+
+    def __init__(self):
+        self.calls = 0
+        self.samples: list[float] = []
+        self.done = False
+
+    @property
+    def measured_s(self) -> float | None:
+        if len(self.samples) < self.STEPS:
+            return None
+        return float(np.median(self.samples))
+
+    def observe(self, start: float, out, step) -> None:
+        for x in jax.tree_util.tree_leaves(out):
+            if isinstance(x, jax.Array):
+                for shard in x.addressable_shards:
+                    shard.data.block_until_ready()
+        self.calls += 1
+        if self.calls > 1:  # the first one compiled
+            self.samples.append(time.perf_counter() - start)
+        if len(self.samples) >= self.STEPS:
+            self.done = True
+            gap = self.summary(step)
+            if gap.get("warning"):
+                warnings.warn(gap["warning"], PredictionWarning, stacklevel=3)
+
+    def summary(self, step) -> dict:
+        """{"predicted_s", "measured_s", "steps", "ratio", "warning"} (None where unknown)."""
+        predicted = step.predicted()
+        p = None if predicted is None else predicted.step_time_s
+        m = self.measured_s
+        out = {"predicted_s": p, "measured_s": m, "steps": len(self.samples),
+               "ratio": None, "warning": None}
+        if p and m:
+            out["ratio"] = m / p
+            if abs(m / p - 1) > self.TOLERANCE:
+                from hetpar.core import seconds
+
+                given = step.options.profile not in (None, "auto") or os.environ.get(
+                    "HETPAR_PROFILES")
+                source = ("the profiles given" if given else "spec sheets (no profile given)")
+                out["warning"] = (
+                    f"hetpar: the measured step ({seconds(m)}, median of {len(self.samples)}) "
+                    f"is {m / p:.2f}x the planner's prediction ({seconds(p)}), off by more "
+                    f"than {self.TOLERANCE:.0%}. The prediction comes from {source}; run "
+                    "`hetpar profile --out profiles.json` on this machine and pass "
+                    "profile='profiles.json' (or set HETPAR_PROFILES) so plans are priced on "
+                    "what was measured here")
+        return out
+
+
+class PredictionWarning(UserWarning):
+    """A step's measured time is far from what the planner predicted."""
+
+
 class CompiledStep:
     """A step traced, planned and compiled for one signature of arguments.
 
@@ -214,6 +284,7 @@ class CompiledStep:
     def __init__(self, fn: Callable, args: tuple, options: Options,
                  workers: Workers | None = None):
         self.options = options
+        self.clock = StepClock()
         self.devices = present_devices()
         _check_present(options.devices, self.devices)
         self.plan_fingerprint: str | None = None
@@ -1057,20 +1128,23 @@ class AutoStep:
 
     def __call__(self, *args):
         direct = self._direct
-        if direct is not None:
+        if direct is not None and direct.clock.done:
             # A one-device plan: straight to its jit, which checks the
             # arguments as jax.jit does; only arguments it has not run go on.
             out = direct.call_known(args)
             if out is not UNKNOWN:
                 return out
+        start = time.perf_counter()
         step, nnx_args = self._step_for(args)
         if nnx_args is None:
             out = step(*args)
             self._direct = step if step.direct else None
-            return out
-        self._direct = None
-        out, state = step(*nnx_args.pure_args)
-        nnx_args.update(state)
+        else:
+            self._direct = None
+            out, state = step(*nnx_args.pure_args)
+            nnx_args.update(state)
+        if not step.clock.done:
+            step.clock.observe(start, out, step)
         return out
 
     def _need_last(self) -> CompiledStep:
@@ -1115,10 +1189,21 @@ class AutoStep:
         return {layer: p.update for layer, p in self.placements.items()}
 
     def report(self):
-        """The cost report of the last compiled signature's step."""
+        """The cost report of the last compiled signature's step, with its
+        predicted step beside the measured one (`step` in the report: after
+        `StepClock.STEPS` steps; a warning when they differ by more than 25%)."""
+        import dataclasses as dc
+
         from hetpar._report import report_graph
 
-        return report_graph(self._need_last().graph, xla=False)
+        step = self._need_last()
+        return dc.replace(report_graph(step.graph, xla=False), step=step.clock.summary(step))
+
+    @property
+    def measured_step_s(self) -> float | None:
+        """The last compiled signature's measured step (median seconds of its
+        first timed steps, see `StepClock`), or None before enough steps."""
+        return self._need_last().clock.measured_s
 
     def explain(self) -> str:
         """Why each layer is where it is (the planner's explanation)."""

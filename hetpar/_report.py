@@ -27,6 +27,9 @@ class CostReport:
       totals: whole-step figures; the `xla_*` totals come from compiling the
         whole step at once (so fusion across layers is included).
       model, batch, mode, backend, by: what was reported.
+      step: for a `hetpar.auto` step (`AutoStep.report()`), its predicted and
+        measured step: {"predicted_s", "measured_s", "steps", "ratio",
+        "warning"}; None for a report of a traced function.
     """
 
     rows: tuple[dict, ...]
@@ -36,11 +39,15 @@ class CostReport:
     mode: str = "train"
     backend: str = "cpu"
     by: str = "layer"
+    step: dict | None = None
 
     def to_json(self) -> dict:
-        return {"model": self.model, "batch": self.batch, "mode": self.mode,
-                "backend": self.backend, "by": self.by,
-                "layers": [dict(r) for r in self.rows], "totals": dict(self.totals)}
+        out = {"model": self.model, "batch": self.batch, "mode": self.mode,
+               "backend": self.backend, "by": self.by,
+               "layers": [dict(r) for r in self.rows], "totals": dict(self.totals)}
+        if self.step is not None:
+            out["step"] = dict(self.step)
+        return out
 
     def to_csv(self) -> str:
         buf = io.StringIO()
@@ -79,10 +86,28 @@ class CostReport:
         out = [title, line(heads), line(["-" * w for w in widths])]
         out += [line(b) for b in body[:-1]]
         out += [line(["-" * w for w in widths]), line(body[-1])]
+        if self.step is not None:
+            out.append(step_line(self.step))
         return "\n".join(out)
 
     def __str__(self) -> str:
         return self.table()
+
+
+def step_line(step: dict) -> str:
+    """`predicted step: ..., measured ...` (and the warning) of a report's `step`."""
+    from hetpar.core import seconds
+
+    p, m = step.get("predicted_s"), step.get("measured_s")
+    text = ("predicted step: " + ("none (the plan was given as a dict)" if p is None
+                                  else seconds(p))
+            + "; measured: " + (f"not yet ({step.get('steps', 0)} steps timed)" if m is None
+                                else f"{seconds(m)} (median of {step['steps']} steps)"))
+    if p and m:
+        text += f"; measured / predicted {m / p:.2f}"
+    if step.get("warning"):
+        text += "\nWARNING: " + step["warning"]
+    return text
 
 
 def report_graph(graph: LayerGraph, *, backend: str = "cpu", xla: bool = True,

@@ -143,3 +143,34 @@ def test_a_compiled_step_predicts_its_step_time():
     assert planned.predicted() is planned.plan.predicted
     given = hetpar.auto(step, plan={"first": "cpu:0", "second": "cpu:1"}).lower(W, X)
     assert given.predicted() is None  # a plan dict: nothing costed it
+
+
+def test_report_sets_the_measured_step_beside_the_predicted(monkeypatch):
+    from hetpar._auto import StepClock
+
+    auto = hetpar.auto(step)
+    auto(W, X)
+    early = auto.report()
+    assert early.step["measured_s"] is None and early.step["predicted_s"] > 0
+    assert "measured: not yet" in str(early)
+    monkeypatch.setattr(StepClock, "TOLERANCE", 0.0)  # any difference warns
+    with pytest.warns(hetpar.PredictionWarning, match="the planner's prediction"):
+        for _ in range(StepClock.STEPS):
+            auto(W, X)
+    rep = auto.report()
+    assert rep.step["steps"] == StepClock.STEPS and rep.step["measured_s"] > 0
+    assert rep.step["ratio"] == pytest.approx(rep.step["measured_s"] / rep.step["predicted_s"])
+    assert "hetpar profile" in rep.step["warning"]
+    assert rep.to_json()["step"]["measured_s"] == auto.measured_step_s
+    assert "WARNING:" in str(rep)
+
+
+def test_no_prediction_warning_within_tolerance(monkeypatch, recwarn):
+    from hetpar._auto import StepClock
+
+    monkeypatch.setattr(StepClock, "TOLERANCE", float("inf"))
+    auto = hetpar.auto(step)
+    for _ in range(StepClock.STEPS + 2):
+        auto(W, X)
+    assert auto.report().step["warning"] is None
+    assert not [w for w in recwarn if issubclass(w.category, hetpar.PredictionWarning)]

@@ -192,10 +192,13 @@ pipelines = {
     "hier1": hetpar.auto(w.train_step, hierarchical=True,
                          plan={"fc1": "p0/cpu:0", "fc2": "p0/cpu:1", "fc3": "p0/cpu:1"}),
     "hier2": hetpar.auto(w.train_step, hierarchical=True, microbatches=2),
+    # each process passing only its rows of the batch
+    "hier_local": hetpar.auto(w.train_step, hierarchical=True, batch="local"),
 }
+rows = jax.tree.map(lambda a: a[pid * B // n:(pid + 1) * B // n], batch)
 got_pipe = {}
 for key, s in pipelines.items():
-    v, losses = run(s, batch)
+    v, losses = run(s, rows if key == "hier_local" else batch)
     got_pipe[key] = (hetpar.gather(v), losses)
     print(f"PIPE {key} {s.plan_fingerprint} {json.dumps(s.assignment, sort_keys=True)}")
 # A layer's new parameters live on its device's process; the others hold a
@@ -291,7 +294,7 @@ def test_auto_data_parallel_across_two_processes(tmp_path):
         assert refused[1].startswith("REFUSED plan: PlanError: with batch='local'"), refused[1]
         assert "devices of different processes" in refused[2], refused[2]
         # (d) pipelines across the processes equal jit; each process holds its layers.
-        for key in ("pipe1", "pipe2", "planned", "hier1", "hier2"):
+        for key in ("pipe1", "pipe2", "planned", "hier1", "hier2", "hier_local"):
             assert float(line(i, f"ERR_PIPE {key}")) <= 1e-5, out[i]
         assert line(i, "FC2 addressable") == str(i == 1)
         # (c) processes that disagree are told so, each of them.
@@ -299,7 +302,7 @@ def test_auto_data_parallel_across_two_processes(tmp_path):
     # (c) every process ended with the same plan, for global and local arguments.
     plans = {line(i, key) for i in range(2) for key in ("PLAN", "PLAN_LOCAL")}
     assert len(plans) == 1 and plans.pop().startswith("sha256:"), out
-    for key in ("pipe1", "pipe2", "planned", "hier1", "hier2"):  # one plan on both
+    for key in ("pipe1", "pipe2", "planned", "hier1", "hier2", "hier_local"):  # one plan
         assert line(0, f"PIPE {key}") == line(1, f"PIPE {key}")
     assert line(0, "LOSSES") == line(1, "LOSSES")
 

@@ -132,6 +132,12 @@ def _run(args) -> int:
         p = predicted.step_time_s
         print(f"   predicted step (planner): {seconds(p)}; measured hetpar.auto "
               f"{seconds(steady)}: measured / predicted {steady / p:.3g}")
+        from hetpar._auto import StepClock
+
+        if abs(steady / p - 1) > StepClock.TOLERANCE:
+            print(f"   WARNING: measured and predicted differ by more than "
+                  f"{StepClock.TOLERANCE:.0%}; calibrate with `hetpar profile --out "
+                  "profiles.json` on this machine, then set HETPAR_PROFILES=profiles.json")
 
     accelerators = [d for d in jax.devices() if d.platform != "cpu"]
     if not accelerators and not args.no_what_if:
