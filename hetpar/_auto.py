@@ -116,10 +116,10 @@ class Options:
         if not (isinstance(self.data_parallel, bool) or self.data_parallel == "always"):
             raise HetparError(f"data_parallel must be True, False or 'always', got "
                               f"{self.data_parallel!r}")
-        if not (self.profile in (None, "auto")
+        if not (self.profile in (None, "auto", "measure")
                 or isinstance(self.profile, (str, os.PathLike, ProfileSet))):
-            raise HetparError("profile must be 'auto', None, a path to a `hetpar profile` file or "
-                              f"a ProfileSet, got {type(self.profile).__name__}")
+            raise HetparError("profile must be 'auto', 'measure', None, a path to a `hetpar "
+                              f"profile` file or a ProfileSet, got {type(self.profile).__name__}")
         _check_devices(self.devices)
         _check_plan(self.plan)
         _check_memory(self.memory)
@@ -253,16 +253,23 @@ class StepClock:
             if abs(m / p - 1) > self.TOLERANCE:
                 from hetpar.core import seconds
 
-                given = step.options.profile not in (None, "auto") or os.environ.get(
-                    "HETPAR_PROFILES")
-                source = ("the profiles given" if given else "spec sheets (no profile given)")
-                out["warning"] = (
-                    f"hetpar: the measured step ({seconds(m)}, median of {len(self.samples)}) "
-                    f"is {m / p:.2f}x the planner's prediction ({seconds(p)}), off by more "
-                    f"than {self.TOLERANCE:.0%}. The prediction comes from {source}; run "
-                    "`hetpar profile --out profiles.json` on this machine and pass "
-                    "profile='profiles.json' (or set HETPAR_PROFILES) so plans are priced on "
-                    "what was measured here")
+                head = (f"hetpar: the measured step ({seconds(m)}, median of "
+                        f"{len(self.samples)}) is {m / p:.2f}x the planner's prediction "
+                        f"({seconds(p)}), off by more than {self.TOLERANCE:.0%}. ")
+                if step.options.profile == "measure":
+                    out["warning"] = head + (
+                        "The layers were calibrated to the whole step measured here "
+                        "(profile='measure'): the gap is time the plan spends outside them "
+                        "(transfers, dispatch of its stages)")
+                else:
+                    given = step.options.profile not in (None, "auto") or os.environ.get(
+                        "HETPAR_PROFILES")
+                    source = "the profiles given" if given else "spec sheets (no profile given)"
+                    out["warning"] = head + (
+                        f"The prediction comes from {source}; pass profile='measure' to "
+                        "calibrate on this machine at the first call, or run `hetpar profile "
+                        "--out profiles.json` here and pass profile='profiles.json' (or set "
+                        "HETPAR_PROFILES)")
         return out
 
 
@@ -316,6 +323,7 @@ class CompiledStep:
         self._static = static if static.any else None
         self._step = step if self._static is None else static.pure_step
         user_args, args = args, static.pure_args
+        self._calibration_args = args  # profile="measure" times the step on these
         if m > 1 and not any(microbatch_of(str(e.source_info.name_stack)) is not None
                              for e in self.graph.program.eqns):
             raise HetparError(
@@ -600,7 +608,34 @@ class CompiledStep:
     def _cost_table(self, devices: list[str], options: Options, graph: LayerGraph | None = None):
         from hetpar.cost_models import cost_table
 
-        return cost_table(graph or self.graph, devices, profiles=_profiles(options))
+        table = cost_table(graph or self.graph, devices, profiles=_profiles(options))
+        if options.profile == "measure" and graph is None:
+            table = self._calibrated(table)
+        return table
+
+    def _calibrated(self, table):
+        """`table` scaled to the whole step measured under `jax.jit` on one
+        present device of each kind it has (`profile="measure"`)."""
+        from hetpar.cost_models import scale_to_step
+
+        if jax.process_count() > 1:
+            raise HetparError("profile='measure' calibrates in one process; under "
+                              "jax.distributed run `hetpar profile` there and pass its file")
+        step_s: dict[str, float] = {}
+        by_kind: dict[str, float | None] = {}
+        for name in table.device_names:
+            dev = self.devices.get(name)
+            if dev is None:  # a memory place, or a device that is not here
+                continue
+            kind = table.device(name).kind
+            if kind not in by_kind:
+                by_kind[kind] = _whole_step_s(self._step, self._calibration_args, dev)
+            if by_kind[kind] is not None:
+                step_s[name] = by_kind[kind]
+        if not step_s:
+            return table
+        logging.info("hetpar: calibrated to whole steps measured here: %s", step_s)
+        return scale_to_step(table, step_s)
 
     def _hierarchical_step_s(self, fn: Callable, args: tuple, options: Options) -> float | None:
         """The predicted step of a hierarchical plan (see `auto`'s `hierarchical`):
@@ -912,12 +947,32 @@ def _hierarchical_devices(used, present) -> tuple[dict, dict]:
     return mine, across
 
 
+def _whole_step_s(step: Callable, args: tuple, dev, runs: int = 3) -> float | None:
+    """Median seconds of `step` under `jax.jit` on `dev` (after one compiling
+    run), or None where it does not run there (out of memory)."""
+    try:
+        fn = jax.jit(step)
+        placed = jax.device_put(args, dev)
+        jax.block_until_ready(fn(*placed))
+        times = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*placed))
+            times.append(time.perf_counter() - t0)
+    except Exception as e:  # noqa: BLE001 - an accelerator too small: keep its predictions
+        logging.warning("hetpar: profile='measure' could not time the step on %s (%s: %s); "
+                        "its layers keep their predicted times", dev, type(e).__name__,
+                        str(e).splitlines()[0][:200])
+        return None
+    return float(np.median(times))
+
+
 def _profiles(options: Options):
     """The ProfileSet (or None: spec sheets) a step's cost tables come from."""
     from hetpar.cost_models import load_profiles
 
     profiles = options.profile
-    if profiles in (None, "auto"):
+    if profiles in (None, "auto", "measure"):
         # A profile file `hetpar profile` wrote, named by the environment;
         # else the spec sheets of the devices' kinds.
         profiles = os.environ.get("HETPAR_PROFILES") or None
@@ -1128,13 +1183,15 @@ class AutoStep:
 
     def __call__(self, *args):
         direct = self._direct
-        if direct is not None and direct.clock.done:
+        start = time.perf_counter()
+        if direct is not None:
             # A one-device plan: straight to its jit, which checks the
             # arguments as jax.jit does; only arguments it has not run go on.
             out = direct.call_known(args)
             if out is not UNKNOWN:
+                if not direct.clock.done:
+                    direct.clock.observe(start, out, direct)
                 return out
-        start = time.perf_counter()
         step, nnx_args = self._step_for(args)
         if nnx_args is None:
             out = step(*args)
@@ -1262,6 +1319,11 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
       schedule: "gpipe" or "1f1b".
       profile: "auto" (the profile file named by $HETPAR_PROFILES, else spec
         sheets), a path to a `hetpar profile` file, or a ProfileSet.
+        "measure": as "auto", then calibrated here at the first call: the
+        whole step runs under `jax.jit` on one device of each kind planned
+        for, and each device's layer times are scaled to sum to it
+        (`scale_to_step`), so a one-device plan predicts what it measures
+        and the others are priced on this machine's figures. One process only.
       depth: module-path depth naming layers (see `hetpar.trace`).
       on_missing_device: "error", or "replan" to plan afresh when a loaded
         plan names devices that are not present.

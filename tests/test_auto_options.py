@@ -174,3 +174,15 @@ def test_no_prediction_warning_within_tolerance(monkeypatch, recwarn):
         auto(W, X)
     assert auto.report().step["warning"] is None
     assert not [w for w in recwarn if issubclass(w.category, hetpar.PredictionWarning)]
+
+
+def test_profile_measure_scales_layers_to_the_step_measured_here():
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure")
+    compiled = auto.lower(W, X)
+    timed = compiled.table.meta["step_s"]
+    assert set(timed) == {"cpu:0", "cpu:1"}
+    assert timed["cpu:0"] > 0 and timed["cpu:1"] == timed["cpu:0"]  # one kind: timed once
+    total = sum(layer.time_s["cpu:0"] for layer in compiled.table.layers)
+    assert total == pytest.approx(timed["cpu:0"])
+    with pytest.raises(hetpar.HetparError, match="profile must be 'auto', 'measure'"):
+        hetpar.auto(step, profile=3)

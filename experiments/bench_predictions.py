@@ -1,0 +1,116 @@
+"""Predicted against measured, as a user gets them (issue 17): spec sheets
+(`profile="auto"`) against the first-call calibration (`profile="measure"`).
+
+    python experiments/bench_predictions.py --out DIR [--quick]
+
+For the zoo transformer (GPT-2 small) at batch 256 on the GPUs present (two
+or more): one GPU, data parallel over two, and the two-GPU pipeline (first
+half of the layers on one GPU, the rest on the other) at M = 1, 2, 4, 8
+(1F1B). Each plan runs under `hetpar.auto` with each profile; the prediction
+is the planner's for that plan (`step.predicted()`, or for a pipeline given
+as a dict, `hetpar.planner.simulate` on the step's own cost table, as the
+planner prices it), the measurement the median of --steps steps, each timed
+to its results being ready. Writes predictions.json and predictions.md.
+`--quick`: the small transformer on 2 CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+import jax
+import numpy as np
+
+import hetpar
+from hetpar import zoo
+
+
+def _measure(step, args, steps: int) -> float:
+    state, batch = tuple(args[:-1]), args[-1]
+    for _ in range(3):
+        *state, loss = step(*state, batch)
+        jax.block_until_ready((state, loss))
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        *state, loss = step(*state, batch)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _predicted(step, args, plan, microbatches, profile) -> float:
+    compiled = step.lower(*args)
+    if not isinstance(plan, dict):
+        return compiled.predicted().step_time_s
+    from hetpar.planner import simulate
+
+    devices = sorted(set(plan.values()))
+    table = compiled._cost_table(devices, compiled.options)
+    return simulate(table, plan, microbatches, "1f1b").step_time_s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kind = "cpu" if args.quick else "gpu"
+    names = [f"{kind}:{d.id}" for d in jax.devices(kind)[:2]]
+    w = (zoo.get("transformer", small=True, batch=8) if args.quick
+         else zoo.get("transformer", batch=256))
+    example = jax.tree_util.tree_map(np.asarray, w.example_args())
+    layers = list(hetpar.trace(w.train_step, *example).layers)
+    pipe = {name: names[i * 2 // len(layers)] for i, name in enumerate(layers)}
+    plans = [("one device", dict(devices=names[:1]), None, 1),
+             ("data parallel x2", dict(devices=names, data_parallel="always"), None, 1)]
+    plans += [(f"pipeline x2 M={m} 1f1b", dict(plan=pipe, microbatches=m, schedule="1f1b"),
+               pipe, m) for m in (1, 2, 4, 8)]
+    rows = []
+    for name, kwargs, plan, m in plans:
+        row = {"plan": name}
+        for profile in ("auto", "measure"):
+            step = hetpar.auto(w.train_step, profile=profile, **kwargs)
+            t0 = time.perf_counter()
+            predicted = _predicted(step, example, plan, m, profile)
+            row[f"predicted_{profile}_s"] = predicted
+            row[f"plan_time_{profile}_s"] = time.perf_counter() - t0
+            measured = _measure(step, example, args.steps)
+            row.setdefault("measured_s", []).append(measured)
+            print(f"{name:<24} {profile:<8} predicted {predicted * 1e3:9.2f} ms  "
+                  f"measured {measured * 1e3:9.2f} ms", flush=True)
+        row["measured_s"] = float(np.median(row["measured_s"]))
+        for profile in ("auto", "measure"):
+            row[f"error_{profile}"] = row[f"predicted_{profile}_s"] / row["measured_s"] - 1
+        rows.append(row)
+    meta = dict(model=w.name, batch=w.config["batch_size"], steps=args.steps,
+                device=jax.devices(kind)[0].device_kind, jax=jax.__version__)
+    (out / "predictions.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+    lines = [f"# Predicted against measured ({meta['device']}, {meta['model']}, "
+             f"batch {meta['batch']})", "",
+             "Measured: median of the two runs' medians of "
+             f"{args.steps} steps. Error: predicted / measured - 1.", "",
+             "| plan | measured ms | spec sheets ms | error | profile='measure' ms | error |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['plan']} | {r['measured_s'] * 1e3:.2f} | "
+                     f"{r['predicted_auto_s'] * 1e3:.2f} | {r['error_auto']:+.0%} | "
+                     f"{r['predicted_measure_s'] * 1e3:.2f} | {r['error_measure']:+.0%} |")
+    errs = {p: statistics.median(abs(r[f"error_{p}"]) for r in rows) for p in ("auto", "measure")}
+    lines += ["", f"Median |error|: spec sheets {errs['auto']:.0%}, profile='measure' "
+              f"{errs['measure']:.0%}."]
+    text = "\n".join(lines) + "\n"
+    (out / "predictions.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
