@@ -323,7 +323,9 @@ class CompiledStep:
         self._static = static if static.any else None
         self._step = step if self._static is None else static.pure_step
         user_args, args = args, static.pure_args
-        self._calibration_args = args  # profile="measure" times the step on these
+        # profile="measure" times the step on these, while planning only (kept,
+        # they would hold the caller's old state alive).
+        self._calibration_args = args if options.profile == "measure" else None
         if m > 1 and not any(microbatch_of(str(e.source_info.name_stack)) is not None
                              for e in self.graph.program.eqns):
             raise HetparError(
@@ -409,6 +411,9 @@ class CompiledStep:
                                       TransferEngine(), workers)
         if multi:
             self._check_across_processes()
+        if self._calibration_args is not None:
+            self.predicted()  # a one-device plan is costed now, while the arguments are here
+            self._calibration_args = None
         logging.info("hetpar: %d layers on %s", len(self.graph), used)
 
     def _check_across_processes(self) -> None:
@@ -621,6 +626,8 @@ class CompiledStep:
         if jax.process_count() > 1:
             raise HetparError("profile='measure' calibrates in one process; under "
                               "jax.distributed run `hetpar profile` there and pass its file")
+        if self._calibration_args is None:  # only while planning
+            return table
         step_s: dict[str, float] = {}
         by_kind: dict[str, float | None] = {}
         for name in table.device_names:

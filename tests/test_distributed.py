@@ -186,15 +186,18 @@ print("EXPLICIT PLAN ok")
 pipe = {"fc1": "p0/cpu:0", "fc2": "p1/cpu:0", "fc3": "p1/cpu:1"}
 pipelines = {
     "pipe1": hetpar.auto(w.train_step, plan=pipe),
-    "pipe2": hetpar.auto(w.train_step, plan=pipe, microbatches=2, schedule="1f1b"),
-    "planned": hetpar.auto(w.train_step, data_parallel=False),
     # (e) hierarchical: the same per-host plan on each process, gradients averaged.
     "hier1": hetpar.auto(w.train_step, hierarchical=True,
                          plan={"fc1": "p0/cpu:0", "fc2": "p0/cpu:1", "fc3": "p0/cpu:1"}),
-    "hier2": hetpar.auto(w.train_step, hierarchical=True, microbatches=2),
-    # each process passing only its rows of the batch
-    "hier_local": hetpar.auto(w.train_step, hierarchical=True, batch="local"),
 }
+if sys.argv[1] == "auto_full":  # the slow tier's run
+    pipelines.update({
+        "pipe2": hetpar.auto(w.train_step, plan=pipe, microbatches=2, schedule="1f1b"),
+        "planned": hetpar.auto(w.train_step, data_parallel=False),
+        "hier2": hetpar.auto(w.train_step, hierarchical=True, microbatches=2),
+        # each process passing only its rows of the batch
+        "hier_local": hetpar.auto(w.train_step, hierarchical=True, batch="local"),
+    })
 rows = jax.tree.map(lambda a: a[pid * B // n:(pid + 1) * B // n], batch)
 got_pipe = {}
 for key, s in pipelines.items():
@@ -271,8 +274,14 @@ def test_data_parallel_training_across_two_processes(tmp_path):
     assert losses[0] == losses[1]
 
 
-def test_auto_data_parallel_across_two_processes(tmp_path):
-    proc, _ = run_launcher(tmp_path, "auto", script_text=AUTO_SCRIPT, timeout=240)
+FAST_KINDS = ("pipe1", "hier1")
+ALL_KINDS = (*FAST_KINDS, "pipe2", "planned", "hier2", "hier_local")
+
+
+@pytest.mark.parametrize("mode, kinds", [
+    ("auto", FAST_KINDS), pytest.param("auto_full", ALL_KINDS, marks=pytest.mark.slow)])
+def test_auto_across_two_processes(tmp_path, mode, kinds):
+    proc, _ = run_launcher(tmp_path, mode, script_text=AUTO_SCRIPT, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     out = [lines_of(proc, i) for i in range(2)]
 
@@ -294,7 +303,7 @@ def test_auto_data_parallel_across_two_processes(tmp_path):
         assert refused[1].startswith("REFUSED plan: PlanError: with batch='local'"), refused[1]
         assert "devices of different processes" in refused[2], refused[2]
         # (d) pipelines across the processes equal jit; each process holds its layers.
-        for key in ("pipe1", "pipe2", "planned", "hier1", "hier2", "hier_local"):
+        for key in kinds:
             assert float(line(i, f"ERR_PIPE {key}")) <= 1e-5, out[i]
         assert line(i, "FC2 addressable") == str(i == 1)
         # (c) processes that disagree are told so, each of them.
@@ -302,7 +311,7 @@ def test_auto_data_parallel_across_two_processes(tmp_path):
     # (c) every process ended with the same plan, for global and local arguments.
     plans = {line(i, key) for i in range(2) for key in ("PLAN", "PLAN_LOCAL")}
     assert len(plans) == 1 and plans.pop().startswith("sha256:"), out
-    for key in ("pipe1", "pipe2", "planned", "hier1", "hier2", "hier_local"):  # one plan
+    for key in kinds:  # one plan on both processes
         assert line(0, f"PIPE {key}") == line(1, f"PIPE {key}")
     assert line(0, "LOSSES") == line(1, "LOSSES")
 

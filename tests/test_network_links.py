@@ -215,6 +215,7 @@ def test_cli_plan_link_error_exit_status(tmp_path):
            "of GB/s (expected pA-pB=GBps or pA-pB=GBps@LATENCY_us" in proc.stderr
 
 
+@pytest.mark.slow  # two processes profiling: ~12 s; the link model is tested fast above
 def test_hetpar_profile_measures_the_network_across_two_processes(tmp_path):
     out = tmp_path / "profiles.json"
     hetpar = os.path.join(os.path.dirname(sys.executable), "hetpar")
