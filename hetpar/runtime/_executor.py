@@ -522,14 +522,10 @@ class Executor:
         wanted = self.stages.output_devices
         if not any(wanted):
             return outs
-        by_device: dict = {}
-        for i, d in enumerate(wanted):
-            if d is not None:
-                by_device.setdefault(d, []).append(i)
-        for d, idx in by_device.items():
-            for i, y in zip(idx, self.transfer.move_many([outs[i] for i in idx],
-                                                         self.target(d))):
-                outs[i] = y
+        idx = [i for i, d in enumerate(wanted) if d is not None]
+        for i, y in zip(idx, self._return_state_of([outs[i] for i in idx],
+                                                   [wanted[i] for i in idx])):
+            outs[i] = y
         return outs
 
     def _read(self, env, v):
