@@ -46,7 +46,8 @@ X = np.ones((5, 3), np.float32)
     (dict(on_missing_device="ignore"), hetpar.HetparError,
      r"on_missing_device must be one of \('error', 'replan'\), got 'ignore'"),
     (dict(depth=0), hetpar.HetparError, "depth must be a positive int or None, got 0"),
-    (dict(profile=3), hetpar.HetparError, "profile must be 'auto', 'measure', None, a path .* got int"),
+    (dict(profile=3), hetpar.HetparError,
+     "profile must be 'auto', 'measure', None, a path .* got int"),
     (dict(plan=42), hetpar.PlanError,
      r"plan must be a path to plan.json, a hetpar.Plan or a dict \{layer: device\}, got int"),
     (dict(plan={"first": 1}), hetpar.PlanError,
@@ -148,7 +149,7 @@ def test_a_compiled_step_predicts_its_step_time():
 def test_report_sets_the_measured_step_beside_the_predicted(monkeypatch):
     from hetpar._auto import StepClock
 
-    auto = hetpar.auto(step)
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"])  # planned: the warning fires
     auto(W, X)
     early = auto.report()
     assert early.step["measured_s"] is None and early.step["predicted_s"] > 0
