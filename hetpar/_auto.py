@@ -959,23 +959,17 @@ def _hierarchical_devices(used, present) -> tuple[dict, dict]:
 
 
 def _whole_step_s(step: Callable, args: tuple, dev, runs: int = 3) -> float | None:
-    """Median seconds of `step` under `jax.jit` on `dev` (after one compiling
-    run), or None where it does not run there (out of memory)."""
+    """Median seconds of `step` under `jax.jit` on `dev` (`cost_models.measure`,
+    after one compiling run), or None where it does not run there (out of memory)."""
+    from hetpar.cost_models import measure
+
     try:
-        fn = jax.jit(step)
-        placed = jax.device_put(args, dev)
-        jax.block_until_ready(fn(*placed))
-        times = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*placed))
-            times.append(time.perf_counter() - t0)
+        return measure(step, args, dev, k=runs, warmup=1).median_s
     except Exception as e:  # noqa: BLE001 - an accelerator too small: keep its predictions
         logging.warning("hetpar: profile='measure' could not time the step on %s (%s: %s); "
                         "its layers keep their predicted times", dev, type(e).__name__,
                         str(e).splitlines()[0][:200])
         return None
-    return float(np.median(times))
 
 
 def _profiles(options: Options):

@@ -616,13 +616,7 @@ class _Run:
 
     def release(self, st: Stage) -> None:
         """Drops the values whose last reader `st` was (not the step's inputs or results)."""
-        readers = self.ex._readers
-        with self.lock:
-            for v in st.inputs:
-                if v in readers:
-                    left = self.left[v] = self.left.get(v, readers[v]) - 1
-                    if left == 0:
-                        self.env.pop(v, None)
+        self.release_sent(st.inputs)
 
     def device(self, name: str) -> None:
         """Runs the stages of device `name` in its order (on that device's worker)."""
@@ -790,7 +784,8 @@ class _Run:
                 self.arrived[v, "*"].set()
 
     def release_sent(self, vs) -> None:
-        """Drops values sent to another process once nothing here reads them."""
+        """Counts one read of each of `vs` (a stage's, or a collective's that sent or
+        averaged them) and drops those nothing here reads any more."""
         readers = self.ex._readers
         with self.lock:
             for v in vs:
