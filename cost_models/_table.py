@@ -96,7 +96,9 @@ def cost_table(
       profiles: measured profiles (`load_profiles(path)`); default: spec
         sheets alone.
       measure: measure every layer on the present devices instead of
-        predicting it (spec-sheet devices stay predicted). The predictions
+        predicting it. A spec-sheet device of a measured device's class
+        (`h100` beside a present H200) takes that device's measured time x
+        their predicted ratio; other spec-sheet devices stay predicted. The predictions
         kept in `meta` then use XLA's after-fusion bytes of each layer
         (`_fused_works`); without `measure` they use the unfused count.
       k: timed runs per measurement.
@@ -204,9 +206,11 @@ def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, m
     times.predicted[name] = {d.name: predict(d.profile, works[d.name]) for d in devs}
     row = dict(times.predicted[name])
     if measure:
-        row.update(_measure_present(graph, name, devs, times, k=k,
+        measured = _measure_present(graph, name, devs, times, k=k,
                                     microbatch_graph=microbatch_graph,
-                                    microbatches=microbatches, say=say))
+                                    microbatches=microbatches, say=say)
+        row.update(measured)
+        row.update(_from_siblings(devs, measured, times.predicted[name]))
     mem = float(info.memory_bytes)
     upd = update_work(graph, name)
     return Layer(name=name, time_s=row, memory_bytes={d.name: mem for d in devs},
@@ -244,6 +248,24 @@ def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
             say(f"{name} on {d.name}: {seconds(t.median_s)}"
                 f" (predicted {seconds(times.predicted[name][d.name])})"
                 + (" cached" if t.cached else ""))
+    return out
+
+
+def _from_siblings(devs: Sequence[ResolvedDevice], measured: Mapping[str, float],
+                   predicted: Mapping[str, float]) -> dict[str, float]:
+    """Times of the devices not measured, from a measured device of their class:
+    its time x the two devices' predicted ratio for this layer (Habitat's way
+    of predicting one GPU from another; checked H200 <-> H100 in
+    experiments/cross_card.py)."""
+    by_class: dict[str, str] = {}
+    for d in devs:
+        if d.name in measured:
+            by_class.setdefault(d.profile.device_class, d.name)
+    out = {}
+    for d in devs:
+        src = by_class.get(d.profile.device_class)
+        if d.name not in measured and src is not None and predicted[src] > 0:
+            out[d.name] = measured[src] * predicted[d.name] / predicted[src]
     return out
 
 
@@ -330,7 +352,7 @@ def _edge_sizes(graph) -> list[float]:
     return sizes or [1e6]
 
 
-def scale_to_step(table, step_s: Mapping[str, float]):
+def scale_to_step(table, step_s: Mapping[str, float], *, siblings: bool = False):
     """`table` with each device's layer times scaled to sum to its whole-step time.
 
     A layer measured alone pays one executable launch and loses fusion with
@@ -341,12 +363,21 @@ def scale_to_step(table, step_s: Mapping[str, float]):
     predict what they measure; mixed plans, which run one executable per
     stage, are predicted from the scaled layers.
 
+    With `siblings`, a device that was not measured (a spec-sheet `h100`
+    planned for from an H200 host) takes the factor of a measured device of
+    its class (cpu, gpu, tpu): its predicted layer times are then the
+    measured card's, each scaled by the two cards' predicted ratio for that
+    layer (how Habitat predicts one GPU from another). Checked H200 <-> H100
+    in experiments/cross_card.py.
+
     Args:
       table: a CostTable.
       step_s: {device name: measured seconds of the whole step there}.
+      siblings: carry each class's factor to its devices not in `step_s`.
 
     Returns:
-      The scaled CostTable; `meta["step_scale"]` holds the factor per device.
+      The scaled CostTable; `meta["step_scale"]` holds the factor per device
+      (`meta["step_scale_from"]` the measured device a sibling's came from).
     """
     unknown = sorted(set(step_s) - set(table.device_names))
     if unknown:
@@ -358,6 +389,8 @@ def scale_to_step(table, step_s: Mapping[str, float]):
                            "pass the median step time measured on each device")
     totals = {d: sum(layer.time_s.get(d, 0.0) for layer in table.layers) for d in step_s}
     factor = {d: step_s[d] / totals[d] for d in step_s if totals[d] > 0}
+    borrowed = _sibling_factors(table, factor) if siblings else {}
+    factor.update({d: f for d, (f, _) in borrowed.items()})
     layers = tuple(dataclasses.replace(
         layer,
         time_s={d: t * factor.get(d, 1.0) for d, t in layer.time_s.items()},
@@ -367,4 +400,26 @@ def scale_to_step(table, step_s: Mapping[str, float]):
             d: u * factor.get(d, 1.0) for d, u in layer.update_s.items()})
         for layer in table.layers)
     meta = {**table.meta, "step_scale": factor, "step_s": dict(step_s)}
+    if borrowed:
+        meta["step_scale_from"] = {d: src for d, (_, src) in borrowed.items()}
     return dataclasses.replace(table, layers=layers, meta=meta)
+
+
+def _sibling_factors(table, factor: Mapping[str, float]) -> dict[str, tuple[float, str]]:
+    """{unmeasured device: (factor, measured device)}, the first measured
+    device of its class lending its factor; memory places and devices of a
+    class nothing measured keep theirs."""
+    from hetpar.cost_models._profile import device_class
+
+    def cls(name: str) -> str | None:
+        try:
+            return device_class(table.device(name).kind)
+        except ProfileError:  # a memory place (kind pinned_host)
+            return None
+
+    measured: dict[str, str] = {}
+    for d in factor:
+        measured.setdefault(cls(d), d)
+    return {d: (factor[measured[cls(d)]], measured[cls(d)])
+            for d in table.device_names
+            if d not in factor and cls(d) is not None and cls(d) in measured}

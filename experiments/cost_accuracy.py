@@ -64,6 +64,8 @@ _BUDGET = flags.DEFINE_float("budget_s", 300.0, "stop starting new models after 
 _K = flags.DEFINE_integer("k", 10, "timed runs per layer")
 _CPU_BATCH = flags.DEFINE_integer("cpu_batch", 32, "batch of the small configs on the CPU")
 _MODELS = flags.DEFINE_list("models", None, "zoo models (default: all)")
+_PLATFORMS = flags.DEFINE_list("platforms", None,
+                               "measure only these platforms, e.g. gpu (default: every present)")
 _REFRESH = flags.DEFINE_bool("refresh_work", True,
                              "recount the work of saved records that lack buffer counts")
 _REFRESH_FUSED = flags.DEFINE_bool("refresh_fused", True,
@@ -278,7 +280,8 @@ def _base_profiles(records):
 
 def _measure_all(models, deadline):
     records, skipped = [], []
-    devices = list(present_devices().values())
+    devices = [d for d in present_devices().values()
+               if not _PLATFORMS.value or d.platform in _PLATFORMS.value]
     for i, model in enumerate(models):
         if time.time() > deadline:
             skipped += models[i:]

@@ -31,6 +31,9 @@ one GPU (the card and its host CPU):
   overhead            overhead probe (hetpar vs jax.jit, interleaved); VGG16 baselines row
   rows                VGG16 baselines row; lm_embed, cnn_preprocess with spec-sheet links
   dispatch            does a jitted GPU call block its caller? (probe_dispatch.py)
+  cross-card          plan for elsewhere (issue 17): hetpar profile, every zoo model's step
+                      (cross_card.py measure), every layer on the GPU (cost_accuracy.py)
+                      (env: SKIP_LAYERS=1, BUDGET=170)
   hetpar ARGS...      any hetpar command, e.g. `hetpar run resnet18 --steps 8`
                       (output in run_resnet18_<card>.txt)
 
@@ -102,7 +105,7 @@ job=${1:-help}
 [ $# -gt 0 ] && shift
 case "$job" in
 help|-h|--help) usage; exit 0 ;;
-profile|costs|runtime|baselines|launch|overhead|rows|dispatch|hetpar) TWO_GPUS= ;;
+profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
 two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
@@ -179,6 +182,23 @@ costs)
     timeout 200 python3 experiments/layer_figures.py --out_dir "$OUT" --k 5 2>&1 | tail -20 \
       || echo "figures run failed or timed out"
     echo "figures took $(( $(date +%s) - t0 )) s"
+  fi
+  ;;
+cross-card)
+  # This card's side of experiments/cross_card.py: its profile, every model's
+  # whole step with what it predicts for the other GPU kinds, every layer timed
+  # alone. `cross_card.py compare` then sets two cards' runs side by side.
+  export HETPAR_CACHE_DIR=/tmp/hetpar_cache
+  timeout 150 python3 -m hetpar profile --devices gpu:0 --no-transfers \
+    --out "$OUT/profile_gpu_$CARD.json" 2>&1 | tail -3
+  timeout 280 python3 experiments/cross_card.py measure --profiles "$OUT/profile_gpu_$CARD.json" \
+    --out "$OUT" 2>&1 | quiet
+  echo "steps took $(( $(date +%s) - start )) s"
+  if [ -z "${SKIP_LAYERS:-}" ]; then
+    MODELS="${MODELS:-mlp,lm_embed,conv6,rnn,cnn_preprocess,mobilenet_v1,resnet18,transformer,alexnet,cyclegan_generator,resnet50,vgg16}"
+    timeout "${ACC_TIMEOUT:-260}" python3 experiments/cost_accuracy.py --out_dir "$OUT" \
+      --platforms gpu --models "$MODELS" --budget_s "${BUDGET:-170}" --k 10 --tag "gpu_$CARD" \
+      2>&1 | grep -vE "^I.* on gpu:0: " | tail -25 || echo "accuracy run failed or timed out"
   fi
   ;;
 runtime)

@@ -646,7 +646,7 @@ class CompiledStep:
         if not step_s:
             return table
         logging.info("hetpar: calibrated to whole steps measured here: %s", step_s)
-        return scale_to_step(table, step_s)
+        return scale_to_step(table, step_s, siblings=True)
 
     def _hierarchical_step_s(self, fn: Callable, args: tuple, options: Options) -> float | None:
         """The predicted step of a hierarchical plan (see `auto`'s `hierarchical`):

@@ -165,3 +165,44 @@ def test_scale_to_step_scales_the_fixed_part_too():
     scaled = scale_to_step(table, {"cpu:0": total / 4})  # validated on the way
     for layer in scaled.layers:
         assert layer.fixed_s["cpu:0"] == pytest.approx(0.5 * layer.time_s["cpu:0"])
+
+
+def test_scale_to_step_carries_a_measured_factor_to_siblings():
+    # Plan for an H100 from an H200 host: the H200's measured step scales the
+    # H100's layers too (their per-layer ratio kept); the CPU is left alone.
+    from hetpar.cost_models import scale_to_step
+
+    table = zoo.cost_table("mlp", ["cpu:0", "h100", "h200"], small=True)
+    total = {d: sum(layer.time_s[d] for layer in table.layers) for d in ("h100:0", "h200:0")}
+    alone = scale_to_step(table, {"h200:0": 2 * total["h200:0"]})
+    assert alone.layers[0].time_s["h100:0"] == table.layers[0].time_s["h100:0"]
+    scaled = scale_to_step(table, {"h200:0": 2 * total["h200:0"]}, siblings=True)
+    assert scaled.meta["step_scale_from"] == {"h100:0": "h200:0"}
+    for before, after in zip(table.layers, scaled.layers):
+        assert after.time_s["h100:0"] == pytest.approx(2 * before.time_s["h100:0"])
+        assert after.time_s["cpu:0"] == before.time_s["cpu:0"]
+        assert after.time_s["h100:0"] / after.time_s["h200:0"] == pytest.approx(
+            before.time_s["h100:0"] / before.time_s["h200:0"])
+
+
+def test_measured_layers_carry_to_a_spec_sheet_sibling():
+    # With measure=True, a spec-sheet GPU beside a measured one gets the measured
+    # time x their predicted ratio; a class nothing measured keeps its roofline.
+    from hetpar.cost_models import spec
+    from hetpar.cost_models._resolve import ResolvedDevice
+    from hetpar.cost_models._table import _from_siblings
+
+    devs = [ResolvedDevice(n, spec(k).replace(name=n), None)
+            for n, k in (("cpu:0", "cpu"), ("gpu:0", "h200"), ("h100:0", "h100"))]
+    predicted = {"cpu:0": 9.0, "gpu:0": 1.0, "h100:0": 1.5}
+    assert _from_siblings(devs, {"gpu:0": 4.0}, predicted) == {"h100:0": 6.0}
+    assert _from_siblings(devs, {"cpu:0": 4.0}, predicted) == {}
+
+
+def test_calibrate_times_the_whole_step_on_present_devices():
+    table = zoo.cost_table("mlp", ["cpu:0", "h100"], small=True, calibrate=True, k=2)
+    step = table.meta["step_s"]["cpu:0"]
+    assert sum(layer.time_s["cpu:0"] for layer in table.layers) == pytest.approx(step)
+    assert "h100:0" not in table.meta["step_scale"]  # no measured GPU to follow
+    with pytest.raises(ProfileError, match="none of .* is present"):
+        zoo.cost_table("mlp", ["h100"], small=True, calibrate=True, k=2)

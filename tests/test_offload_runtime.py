@@ -24,8 +24,11 @@ OFFLOAD = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:1"}
 STREAMED = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:0"}
 
 
-@pytest.mark.parametrize("model", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("how", ["host_update", "streamed", "partial"])
+# The transformer's "partial" case offloads every layer but the first, as
+# "host_update" does for the MLP (CI time: 20 s a transformer case).
+@pytest.mark.parametrize("model, how", [
+    ("mlp", "host_update"), ("mlp", "streamed"), ("mlp", "partial"),
+    *(pytest.param("transformer", how, marks=pytest.mark.slow) for how in ("streamed", "partial"))])
 def test_offload_plan_equals_jit(model, how):
     w = zoo.get(model, small=True)
     args = tuple(w.example_args())
@@ -297,7 +300,10 @@ def _handed_on(stages, layer) -> int:
     return sum(o.aval.size * o.aval.dtype.itemsize for o in forward.outputs)
 
 
-@pytest.mark.parametrize("policy", ["remat", pytest.param("offload", marks=pytest.mark.slow)])
+# Slow (35 s of compiles for remat on 2 cores); the fast tier checks both
+# policies on an MLP in test_user_steps.
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["remat", "offload"])
 def test_activation_policies_equal_jit(policy):
     """activations="remat": a block's forward hands on only its output and
     the backward recomputes the rest; "offload": its residuals wait in pinned

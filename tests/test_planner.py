@@ -413,8 +413,9 @@ def test_price_alone_holds_when_only_one_device_can_run_anything():
 # -- data parallel --------------------------------------------------------------
 
 
-def _two_gpus(link_bw=100e9, cap=1e12, param=4e8, fixed=0.0):
-    """Two equal GPUs and a host CPU; three layers, 1 s of GPU time in all."""
+def _two_gpus(link_bw=100e9, cap=1e12, param=4e8, fixed=0.0, update=None):
+    """Two equal GPUs and a host CPU; three layers, 1 s of GPU time in all
+    (`update` of each layer's time its optimizer update, when given)."""
     devices = (Device("cpu:0", "cpu", 1e12, 0.0, 200.0, 60.0, price_alone_per_hour=1.0),
                Device("gpu:0", "h100", cap, 3.0, 700.0, 80.0),
                Device("gpu:1", "h100", cap, 3.0, 700.0, 80.0))
@@ -425,7 +426,10 @@ def _two_gpus(link_bw=100e9, cap=1e12, param=4e8, fixed=0.0):
     layers = tuple(Layer(f"l{i}", {"cpu:0": 50 * t, "gpu:0": t, "gpu:1": t},
                          dict.fromkeys(("cpu:0", "gpu:0", "gpu:1"), 3e9),
                          activation_bytes=1e9, param_bytes=param / 3,
-                         fixed_s={"gpu:0": fixed * t, "gpu:1": fixed * t})
+                         fixed_s={"gpu:0": fixed * t, "gpu:1": fixed * t},
+                         update_s=None if update is None else {
+                             "cpu:0": 50 * update * t, "gpu:0": update * t,
+                             "gpu:1": update * t})
                    for i, t in enumerate(times))
     edges = (Edge("l0", "l1", 1e8, 1e8), Edge("l1", "l2", 1e8, 1e8))
     return CostTable(devices, links, layers, edges)
@@ -445,6 +449,16 @@ def test_data_parallel_prediction_by_hand():
     # optimizer state (memory_bytes less 2 x parameters and activations: 6e9 - 8e8).
     assert p.memory_bytes["gpu:0"] == pytest.approx(3 * (2e9 + 0.5e9) + 4e8 + (6e9 - 8e8))
     assert p.cost_usd_per_step == pytest.approx(p.step_time_s * 6.0 / 3600)
+
+
+def test_data_parallel_replicas_each_run_the_whole_update():
+    # Every replica updates all of its parameters: the update does not shrink with
+    # the batch share (it looked nearly free at large N before).
+    from hetpar.planner import evaluate_data_parallel
+
+    p = evaluate_data_parallel(_two_gpus(fixed=0.1, update=0.3), ["gpu:0", "gpu:1"])
+    busy = 0.1 + 0.3 + 0.6 / 2  # fixed and update whole, the rest halved
+    assert p.busy_s["gpu:0"] == pytest.approx(busy)
 
 
 def test_planner_chooses_data_parallel_only_when_it_is_faster():

@@ -89,8 +89,14 @@ def small(name):
 
 
 # The fast tier splits lm_embed here (the MLP is split in test_pipelined_plan_equals_jit).
+# ResNet50, VGG16 and AlexNet are left out (CI time): their layers are ResNet18's
+# and conv6's kinds (convolutions, pooling, BatchNorm, dense), split here.
+# The rnn's scan is split by test_every_model_pipelined.
+ALTERNATING = [n for n in zoo.names() if n not in ("resnet50", "vgg16", "alexnet", "rnn")]
+
+
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
-                                  if n in ("transformer", "mlp") else n for n in zoo.names()])
+                                  if n in ("transformer", "mlp") else n for n in ALTERNATING])
 def test_alternating_plan_equals_jit(name):
     w = small(name)
     args = w.example_args()
@@ -109,8 +115,7 @@ PIPELINED = [
     ("mlp", 1, "gpipe"), ("mlp", 2, "gpipe"), ("mlp", 2, "1f1b"),
     *(pytest.param(*case, marks=pytest.mark.slow) for case in (
         ("mlp", 1, "1f1b"), ("mlp", 4, "gpipe"), ("mlp", 4, "1f1b"),
-        ("transformer", 1, "gpipe"), ("transformer", 2, "1f1b"), ("transformer", 4, "gpipe"),
-        ("resnet18", 2, "1f1b"))),
+        ("transformer", 2, "1f1b"), ("resnet18", 2, "1f1b"))),
 ]
 
 
@@ -130,12 +135,14 @@ def test_pipelined_plan_equals_jit(name, microbatches, schedule):
         assert {s.microbatch for s in stages.stages} >= set(range(microbatches))
 
 
-# ResNet50 is left to test_alternating_plan_equals_jit (55 s pipelined here; its
-# blocks are ResNet18's, which test_pipelined_plan_equals_jit pipelines).
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) for n in zoo.names()
-                                  if n not in ("mlp", "transformer", "resnet18", "resnet50")])
+# The models whose layers pipelining treats apart from those
+# test_pipelined_plan_equals_jit pipelines: a scan (rnn), an embedding's
+# integer input (lm_embed). The convolutional nets' layers are split by
+# test_alternating_plan_equals_jit and pipelined as ResNet18 (CI time: 15-40 s each).
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  for n in ("rnn", "lm_embed")])
 def test_every_model_pipelined(name):
-    """The rest of the zoo, pipelined once (M=2, 1F1B), to keep CI short."""
+    """More of the zoo, pipelined once (M=2, 1F1B)."""
     w = zoo.get(name, small=True, learning_rate=1e-4, batch=4)
     args = w.example_args()
     layers = hetpar.trace(w.train_step, *args).layers
@@ -395,18 +402,18 @@ SPLIT = {"first": "cpu:0", "second": "cpu:1"}
 @pytest.mark.slow
 def test_retracing_on_new_shapes_keeps_the_thread_count_bounded():
     # Every signature compiles its own executor; they share one worker thread
-    # per device. Before, each kept two threads of its own: 200 after 100 shapes.
+    # per device. Before, each kept two threads of its own: 80 after 40 shapes.
     step = hetpar.auto(mlp_forward, plan=SPLIT)
     before = threading.active_count()
     most = before
-    for n in range(1, 101):
+    for n in range(1, 41):
         x = np.full((n, 3), 1.0 / n, np.float32)
         out = step(MLP_W, x)
         most = max(most, threading.active_count())
-        if n % 25 == 0:
+        if n % 10 == 0:
             np.testing.assert_allclose(out, jax.jit(mlp_forward)(MLP_W, x), rtol=1e-6)
     assert step.lower(MLP_W, x).stages is not None  # really split over cpu:0 and cpu:1
-    assert most <= before + 2, f"{most - before} new threads after 100 shapes"
+    assert most <= before + 2, f"{most - before} new threads after 40 shapes"
 
 
 def test_two_threads_calling_two_signatures_at_once():

@@ -217,16 +217,6 @@ def test_hf_gpt2_microbatched_closure_loss_equals_full_batch(gpt2):
 
 
 @pytest.mark.slow
-def test_hf_bert_split_plan_equals_jit(bert):
-    model = bert
-    tx = hf_optimizer()
-    train_step = mlm_step(model, tx, jax.value_and_grad, train=True)
-    args = (model.params, tx.init(model.params), jax.random.PRNGKey(0), mlm_batch())
-    step = hetpar.auto(train_step, plan=half_plan(train_step, args))
-    check_equals_jit(step, train_step, args)
-
-
-@pytest.mark.slow
 def test_hf_bert_microbatched_equals_full_batch(bert):
     model = bert
     tx = hf_optimizer()
@@ -236,18 +226,17 @@ def test_hf_bert_microbatched_equals_full_batch(bert):
     check_equals_jit(step, mlm_step(model, tx, jax.value_and_grad, train=False), args)
 
 
+# BERT's training step split in two is checked with gradient checkpointing on
+# (remat inside the layers, dropout on); without it, microbatched above. Each
+# case costs ~30 s of compiles on 2 cores.
 @pytest.mark.slow
-def test_hf_bert_gradient_checkpointing_split_and_microbatched():
+def test_hf_bert_gradient_checkpointing_split_plan_equals_jit():
     model = make_bert(gradient_checkpointing=True)
     tx = hf_optimizer()
     train_step = mlm_step(model, tx, jax.value_and_grad, train=True)
     args = (model.params, tx.init(model.params), jax.random.PRNGKey(0), mlm_batch())
     step = hetpar.auto(train_step, plan=half_plan(train_step, args))
     check_equals_jit(step, train_step, args)
-
-    step_fn = mlm_step(model, tx, hetpar.value_and_grad, train=False)
-    step = hetpar.auto(step_fn, microbatches=2, plan=half_plan(step_fn, args))
-    check_equals_jit(step, mlm_step(model, tx, jax.value_and_grad, train=False), args)
 
 
 # -- Haiku -------------------------------------------------------------------

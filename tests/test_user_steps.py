@@ -211,8 +211,9 @@ def test_cond_tied_by_one_tensor_stays_whole_and_says_why():
     assert f"not cut per layer: {g.notes[0]}" in one.explain()
 
 
-@pytest.mark.parametrize("activations", [pytest.param("remat", marks=pytest.mark.slow),
-                                         "offload"])
+# The fast tier's check of both activation policies (test_offload_runtime's
+# transformer case is slow).
+@pytest.mark.parametrize("activations", ["remat", "offload"])
 def test_optax_chain_with_state_in_pinned_memory_and_activation_policies_equals_jit(activations):
     """A Flax step with a clipped AdamW chain, written as users write it, with
     every layer's optimizer state in pinned host memory and its activations

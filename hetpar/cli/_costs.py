@@ -30,6 +30,10 @@ def register(sub) -> None:
     p.add_argument("--microbatches", type=int, default=1,
                    help="with --measure: also measure at batch/M and fit each layer's fixed_s "
                         "(what every microbatch of a pipeline pays whole)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="time the whole step (jax.jit) on the present devices listed and scale "
+                        "every device's layers to it; spec-sheet devices (h100) follow the "
+                        "present device of their class")
     p.add_argument("--profiles", default=None,
                    help="profile file from `hetpar profile` (default: spec sheets)")
     p.add_argument("--out", default=None, help="write graph.json here")
@@ -48,8 +52,8 @@ def _run(args) -> int:
     table = zoo.cost_table(
         args.model, devices, small=args.small, batch=args.batch,
         config=parse_config(args.model, args.config), measure=args.measure,
-        profiles=args.profiles, k=args.k, progress=progress if args.measure else None,
-        microbatches=args.microbatches)
+        profiles=args.profiles, k=args.k, progress=progress if args.measure or args.calibrate else None,
+        microbatches=args.microbatches, calibrate=args.calibrate)
     batch = int(table.meta.get("batch") or 1)
     predicted = table.meta["predicted_s"]
     measured = table.meta.get("measured_s", {})

@@ -659,8 +659,9 @@ def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,
                            arrays: Arrays | None = None) -> Predicted:
     """Predicts the step run data parallel over `replicas` (see `data_parallel_obstacle`).
 
-    Each replica runs every layer on batch / N: the layer's fixed part whole
-    and the rest / N. Then a ring all-reduce of the gradients, 2 (N - 1)
+    Each replica runs every layer on batch / N: the layer's fixed part and
+    its optimizer update (`update_s`: every replica updates all of its
+    parameters) whole, the rest / N. Then a ring all-reduce of the gradients, 2 (N - 1)
     steps each sending gradient bytes / N over the ring's slowest link, not
     overlapped with compute (XLA may overlap some: a conservative estimate).
     Replicas of one compute group share its cores: their work adds up.
@@ -675,7 +676,8 @@ def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,
     idx = [arr.dindex[d] for d in replicas]
     n = len(idx)
     fixed, t = arr.fixed[:, idx], arr.t[:, idx]
-    busy = (fixed + (t - fixed) / n).sum(axis=0)
+    update = np.clip(np.nan_to_num(arr.upd[:, idx]), 0.0, t - fixed)
+    busy = (fixed + update + (t - fixed - update) / n).sum(axis=0)
     ring = [(j, idx[(k + 1) % n]) for k, j in enumerate(idx)]
     bw = min(arr.bw[a, b] for a, b in ring)
     lat = max(arr.lat[a, b] for a, b in ring)

@@ -14,7 +14,7 @@ import jax
 from absl import logging
 
 from hetpar import cost_models
-from hetpar.core import CostTable, ProfileError
+from hetpar.core import CostTable, ProfileError, seconds
 from hetpar.cost_models import ProfileSet, load_profiles
 from hetpar.passes import LayerGraph, trace
 from hetpar.zoo._registry import get
@@ -58,6 +58,7 @@ def cost_table(
     k: int = 10,
     progress: Callable[[str], None] | None = None,
     microbatches: int = 1,
+    calibrate: bool = False,
 ) -> CostTable:
     """The CostTable of a zoo model's train step on `devices` (`hetpar plan MODEL`).
 
@@ -74,12 +75,18 @@ def cost_table(
       microbatches: with `measure` and M > 1, also measure every layer at
         batch / M and fit its `fixed_s` (see `hetpar.cost_models.cost_table`),
         so pipelined plans pay what small microbatches really cost.
+      calibrate: time the whole step under `jax.jit` (median of k runs) on
+        each present device of `devices`, one per kind, and scale every
+        device's layers to it, spec-sheet devices by a measured device of
+        their class (`scale_to_step(siblings=True)`): plan for an H100 from
+        an H200 host (`hetpar costs MODEL --devices gpu:0,h100 --calibrate`).
 
     Returns:
       The CostTable; `meta` also names the model and batch size.
 
     Raises:
-      ProfileError: M > 1 without `measure`, or a batch M does not divide.
+      ProfileError: M > 1 without `measure`, a batch M does not divide, or
+        `calibrate` without a present device in `devices`.
     """
     if isinstance(profiles, str):
         profiles = load_profiles(profiles)
@@ -95,7 +102,32 @@ def cost_table(
             raise ProfileError(f"microbatches={microbatches} does not divide the batch ({full})")
         _, small_graph = trace_model(model, small=small, batch=full // microbatches,
                                      config=config)
-    return cost_models.cost_table(
+    table = cost_models.cost_table(
         graph, devices, profiles=profiles, measure=measure, k=k, progress=progress,
         microbatch_graph=small_graph, microbatches=microbatches,
         meta={"model": model, "batch": w.config.get("batch_size"), "small": small})
+    return _calibrated(table, w, k, progress) if calibrate else table
+
+
+def _calibrated(table: CostTable, w: Workload, k: int,
+                progress: Callable[[str], None] | None) -> CostTable:
+    """`table` scaled to the whole step timed on its present devices (see `cost_table`)."""
+    present = cost_models.present_devices()
+    step_s: dict[str, float] = {}
+    by_kind: dict[str, float] = {}
+    for name in table.device_names:
+        if name not in present:
+            continue
+        kind = table.device(name).kind
+        if kind not in by_kind:
+            t = cost_models.measure(w.train_step, w.example_args(), present[name], k=k,
+                                    warmup=2).median_s
+            by_kind[kind] = t
+            if progress:
+                progress(f"whole step on {name}: {seconds(t)} (jax.jit, median of {k})")
+        step_s[name] = by_kind[kind]
+    if not step_s:
+        raise ProfileError(f"calibrate times the step on a present device; none of "
+                           f"{list(table.device_names)} is present (present: "
+                           f"{sorted(present)}). Add one, e.g. gpu:0")
+    return cost_models.scale_to_step(table, step_s, siblings=True)
