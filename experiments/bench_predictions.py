@@ -8,11 +8,11 @@ or more): one GPU, data parallel over two, and the two-GPU pipeline (first
 half of the layers on one GPU, the rest on the other) at M = 1, 2, 4, 8
 (1F1B); the memory-bound pipeline the planner chooses when each GPU may hold
 0.7x what the step needs; one GPU holding half of it (the planner offloads).
-Each plan runs under `hetpar.auto` with each profile; the prediction
-is the planner's for that plan (`step.predicted()`, or for a pipeline given
-as a dict, `hetpar.planner.simulate` on the step's own cost table, as the
-planner prices it), the measurement the median of --steps steps, each timed
-to its results being ready. Writes predictions.json and predictions.md.
+Each plan runs under `hetpar.auto` with each profile; the prediction is
+`step.predicted()` (the planner's for a plan it made; for a pipeline given
+as a dict, its replay under the schedule, costed when the step was built),
+the measurement the median of --steps steps, each timed to its results
+being ready. Writes predictions.json and predictions.md.
 `--quick`: the small transformer on 2 CPU devices.
 """
 
@@ -45,15 +45,9 @@ def _measure(step, args, steps: int) -> float:
     return statistics.median(times)
 
 
-def _predicted(step, args, plan, microbatches, profile) -> float:
-    compiled = step.lower(*args)
-    if not isinstance(plan, dict):
-        return compiled.predicted().step_time_s
-    from hetpar.planner import simulate
-
-    devices = sorted(set(plan.values()))
-    table = compiled._cost_table(devices, compiled.options)
-    return simulate(table, plan, microbatches, "1f1b").step_time_s
+def _predicted(step, args) -> float:
+    """The step's own prediction: the plan's, or for a plan dict its replay (`predicted()`)."""
+    return step.lower(*args).predicted().step_time_s
 
 
 def _describe(compiled) -> str:
@@ -71,15 +65,18 @@ def _describe(compiled) -> str:
         text += (f"; {len(apart)} of {len(places)} layers keep their state on "
                  f"{', '.join(sorted({p.state for p in apart}))} (update on "
                  f"{', '.join(sorted({p.update or p.compute for p in apart}))})")
+    policies = [p.activations for p in places if p.activations != "keep"]
+    for policy in sorted(set(policies)):
+        text += f"; {policies.count(policy)} layers' activations: {policy}"
     return text
 
 
-def _run_plan(row, w, example, kwargs, plan, m, steps) -> None:
+def _run_plan(row, w, example, kwargs, plan, steps) -> None:
     """Predicts and measures one plan under each profile, into `row`."""
     for profile in ("auto", "measure"):
         step = hetpar.auto(w.train_step, profile=profile, **kwargs)
         t0 = time.perf_counter()
-        predicted = _predicted(step, example, plan, m, profile)
+        predicted = _predicted(step, example)
         if plan is None:
             compiled = step.lower(*example)
             row["chosen"] = _describe(compiled)
@@ -136,7 +133,7 @@ def main(argv=None) -> int:
     for name, kwargs, plan, m in plans:
         row = {"plan": name}
         try:
-            _run_plan(row, w, example, kwargs, plan, m, args.steps)
+            _run_plan(row, w, example, kwargs, plan, args.steps)
         except Exception as e:  # noqa: BLE001 - reported, the other plans go on
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue

@@ -148,14 +148,42 @@ def _layer_errors(src: dict, dst: dict, threshold_s: float) -> dict[str, list[fl
     return out
 
 
+def _model_ratios(first: dict, second: dict) -> list[str]:
+    """Per model, the two cards' summed layer times against the spec sheets' ratio."""
+    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    from cost_accuracy import record_work
+
+    from hetpar.cost_models import predict, spec
+
+    def gpu(records):
+        return {(r["model"], r["layer"], r["batch"]): r for r in records
+                if r["device"].startswith("gpu") and not r["small"]}
+
+    a, b = gpu(first["records"]), gpu(second["records"])
+    ka, kb = next(iter(a.values()))["kind"], next(iter(b.values()))["kind"]
+    pa, pb = spec(ka), spec(kb)
+    lines = [f"## Why: {kb}/{ka} time ratio per model, measured against the spec sheets'", "",
+             "Summed over each model's layers (timed alone). Spec sheets: the roofline of "
+             "each card's spec sheet, with unfused and with XLA's after-fusion bytes.", "",
+             f"| model | measured {kb}/{ka} | spec sheets, unfused bytes | "
+             "spec sheets, after-fusion bytes |", "|---|---|---|---|"]
+    for model in sorted({k[0] for k in a.keys() & b.keys()}):
+        keys = [k for k in a.keys() & b.keys() if k[0] == model]
+        meas = sum(b[k]["measured_s"] for k in keys) / sum(a[k]["measured_s"] for k in keys)
+        cells = []
+        for bytes_model in ("unfused", "fused"):
+            works = [record_work(a[k], bytes_model=bytes_model) for k in keys]
+            cells.append(sum(predict(pb, w) for w in works) / sum(predict(pa, w) for w in works))
+        lines.append(f"| {model} | {meas:.2f} | {cells[0]:.2f} | {cells[1]:.2f} |")
+    return lines + [""]
+
+
 def _compare(args) -> int:
-    steps = [json.loads(pathlib.Path(p).read_text()) for p in args.steps]
+    steps = [json.loads(pathlib.Path(p).read_text()) for p in args.steps or []]
     layers = [json.loads(pathlib.Path(p).read_text()) for p in args.layers or []]
     lines = ["# Plan for elsewhere: one GPU predicted from another", ""]
-    lines += [f"Cards: " + ", ".join(f"{s['card']} ({s['device_kind']}, JAX {s['jax']})"
-                                     for s in steps) + ".", ""]
     summary = {}
-    for src, dst in ((steps[0], steps[1]), (steps[1], steps[0])):
+    for src, dst in ([(steps[0], steps[1]), (steps[1], steps[0])] if len(steps) == 2 else []):
         a, b = src["card"], dst["card"]
         meas = {(r["model"], r["batch"]): r["measured_s"] for r in dst["rows"]}
         lines += [f"## Whole steps: {a} predicts {b}", "",
@@ -184,6 +212,9 @@ def _compare(args) -> int:
         summary[f"{a}->{b} steps"] = {how: statistics.median(e) for how, e in errs.items() if e}
     if len(layers) == 2:
         lines += ["## Layers (every zoo model's layers, timed alone on each card)", "",
+                  "Cards: " + ", ".join(f"{next(iter(part['device_kinds'].values()))} "
+                                        f"(JAX {part['jax']}, {part['date']})"
+                                        for part in layers) + ".", "",
                   "Median / p90 APE predicting the other card's measured layer time. "
                   "`measured x ratio`: the source card's measured time x the two rooflines' "
                   "ratio (what `hetpar costs --measure` gives a spec-sheet sibling); "
@@ -200,6 +231,7 @@ def _compare(args) -> int:
             summary[f"{ka}->{kb} layers"] = {h: float(np.median(v)) if v else None
                                              for h, v in e.items()}
         lines.append("")
+        lines += _model_ratios(layers[0], layers[1])
     text = "\n".join(lines)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,7 +251,8 @@ def main(argv=None) -> int:
     m.add_argument("--k", type=int, default=10)
     m.add_argument("--device", default="gpu:0", help="the present device to time (cpu:0 to try it)")
     c = sub.add_parser("compare", help="set each card's predictions beside the other's measurements")
-    c.add_argument("--steps", nargs=2, required=True, metavar="STEPS_JSON")
+    c.add_argument("--steps", nargs=2, default=None, metavar="STEPS_JSON",
+                   help="the two cards' `measure` files (whole steps)")
     c.add_argument("--layers", nargs=2, default=None, metavar="ACCURACY_JSON")
     c.add_argument("--out", required=True)
     args = ap.parse_args(argv)

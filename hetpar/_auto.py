@@ -338,7 +338,7 @@ class CompiledStep:
                 "which mark what runs per microbatch.")
         self.table = None
         self.plan = None
-        self._one_device_prediction = None
+        self._given_prediction = None
         self.placements: dict[str, Placement] = parse_placements(self._assign(options))
         if self._share is not None and self.plan is not None:
             if self.plan.replicas:
@@ -416,7 +416,7 @@ class CompiledStep:
         if multi:
             self._check_across_processes()
         if self._calibration_args is not None:
-            self.predicted()  # a one-device plan is costed now, while the arguments are here
+            self.predicted()  # a step nothing planned is costed now, while the arguments are here
             self._calibration_args = None
         logging.info("hetpar: %d layers on %s", len(self.graph), used)
 
@@ -456,7 +456,7 @@ class CompiledStep:
         """
         self._nargs = len(args)
         self._batch_argnums = _batch_positions(options.batch_argnums, len(args))
-        self._one_device_prediction = None
+        self._given_prediction = None
         self.stages = None
         self._executor = None
         self._jit = None
@@ -714,23 +714,29 @@ class CompiledStep:
     def predicted(self):
         """The planner's prediction of this step's costs (a `hetpar.planner.Predicted`), or None.
 
-        A planned step has its plan's prediction. A step on one device, with
-        nothing to plan, is costed on that device at the first ask. None when
-        the plan was given as a dict {layer: device}: nothing costed it.
+        A planned step has its plan's prediction. A step nothing planned (one
+        device, or a plan given as a dict) is costed on its devices at the
+        first ask (with profile="measure", while planning, when the step was
+        timed): one device in closed form, anything else replayed under its
+        schedule (`hetpar.planner.evaluate_replayed`), as the planner prices
+        the plans it makes.
         """
         if self.plan is not None:
             return self.plan.predicted
-        if isinstance(self.options.plan, Mapping):
-            return None
-        if self._one_device_prediction is None:
-            from hetpar.planner import evaluate
+        if self._given_prediction is None:
+            from hetpar.planner import evaluate, evaluate_replayed
 
-            table = self._cost_table(sorted(set(self.assignment.values())), self.options)
+            used = sorted({d for p in self.placements.values() for d in p.devices})
+            table = self._cost_table(used, self.options)
             m = self.options.microbatches
-            self._one_device_prediction = evaluate(
-                table, self.assignment, mode="pipelined" if m > 1 else "sequential",
-                microbatches=m)
-        return self._one_device_prediction
+            if len(used) == 1:
+                self._given_prediction = evaluate(
+                    table, self.assignment, mode="pipelined" if m > 1 else "sequential",
+                    microbatches=m)
+            else:
+                self._given_prediction = evaluate_replayed(
+                    table, self.placements, m, self.options.schedule)
+        return self._given_prediction
 
     # -- running ----------------------------------------------------------
 

@@ -142,8 +142,19 @@ def test_a_compiled_step_predicts_its_step_time():
     assert one.predicted() is one.predicted()
     planned = hetpar.auto(step, devices=["cpu:0", "cpu:1"]).lower(W, X)
     assert planned.predicted() is planned.plan.predicted
-    given = hetpar.auto(step, plan={"first": "cpu:0", "second": "cpu:1"}).lower(W, X)
-    assert given.predicted() is None  # a plan dict: nothing costed it
+    # A plan dict is costed too: replayed on its devices, as the planner prices plans.
+    from hetpar.cost_models import cost_table
+    from hetpar.planner import simulate
+
+    plan = {"first": "cpu:0", "second": "cpu:1"}
+    given = hetpar.auto(step, plan=plan).lower(W, X)
+    table = cost_table(given.graph, ["cpu:0", "cpu:1"])
+    assert given.predicted().step_time_s == pytest.approx(simulate(table, plan).step_time_s)
+    # Calibrated at the first call with profile="measure" (the step timed on cpu:0):
+    # not the spec sheets' figure.
+    timed = hetpar.auto(step, plan=plan, profile="measure").lower(W, X)
+    assert timed.predicted().step_time_s != pytest.approx(given.predicted().step_time_s,
+                                                          rel=0.01)
 
 
 def test_report_sets_the_measured_step_beside_the_predicted(monkeypatch):
