@@ -17,6 +17,7 @@ measured, traced or fitted. One idea per module, lower ones first:
 - `_layer_work`: the roofline's view of a traced layer.
 - `_layer_timing`: timing a traced layer alone, on random inputs.
 - `_resolve`: a device list's graph.json devices and the links between them.
+- `_layer_fit`: a present device's efficiencies fitted on measured layers.
 - `_table`: the planner's CostTable of a traced step (graph.json).
 - `_report`: a table's figures per sample (seconds, dollars, joules).
 """
@@ -31,6 +32,7 @@ from hetpar.cost_models._devices import (
     resolve_device,
     spec_kind_of,
 )
+from hetpar.cost_models._layer_fit import fit_on_layers, layer_samples
 from hetpar.cost_models._layer_timing import measure_layer, random_inputs
 from hetpar.cost_models._layer_work import (
     graph_layer_work,
@@ -129,6 +131,8 @@ __all__ = [
     "load_profiles",
     "local_name",
     "measure",
+    "fit_on_layers",
+    "layer_samples",
     "measure_cached",
     "measure_layer",
     "nearest_sibling",

@@ -86,6 +86,7 @@ def cost_table(
     microbatch_graph=None,
     microbatches: int = 1,
     memory_places: bool = True,
+    fused_bytes: bool | None = None,
 ) -> CostTable:
     """The planner's CostTable of `graph` on `devices`.
 
@@ -112,6 +113,10 @@ def cost_table(
         fitted from t = fixed + per_sample x batch at both sizes:
         fixed = (M t_small - t) / (M - 1), clipped to [0, t].
       microbatches: M, the ratio of the two batches.
+      fused_bytes: predict GPUs and TPUs from XLA's after-fusion bytes of
+        each layer (compiled for a present device of their class; default:
+        with `measure`). Profiles fitted on measured layers (`hetpar profile
+        --fit`) fit their bytes efficiency on these bytes.
       memory_places: add each accelerator's pinned host memory as a device
         of kind `pinned_host` when the list has a CPU device (see the
         module docstring); memory places named in `devices`
@@ -136,7 +141,8 @@ def cost_table(
     if microbatch_graph is not None and not (measure and microbatches > 1):
         raise ProfileError("microbatch_graph needs measure=True and microbatches > 1")
     times = _Times()
-    layers = [_layer(graph, name, devs, times, measure=measure, k=k,
+    fused_bytes = measure if fused_bytes is None else fused_bytes
+    layers = [_layer(graph, name, devs, times, measure=measure, fused_bytes=fused_bytes, k=k,
                      microbatch_graph=microbatch_graph, microbatches=microbatches,
                      say=None if progress is None else _counted(progress, i, len(graph.layers)))
               for i, name in enumerate(graph.layers)]
@@ -197,12 +203,13 @@ def _counted(progress: Callable[[str], None], i: int, n: int) -> Callable[[str],
 
 
 def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, measure: bool,
-           k: int, microbatch_graph, microbatches: int,
+           fused_bytes: bool, k: int, microbatch_graph, microbatches: int,
            say: Callable[[str], None] | None) -> Layer:
     """The table's row of one layer: predicted on every device, measured on present ones."""
     info = graph[name]
     work = graph_layer_work(graph, name)
-    works = _fused_works(graph, name, work, devs) if measure else {d.name: work for d in devs}
+    works = (_fused_works(graph, name, work, devs) if fused_bytes
+             else {d.name: work for d in devs})
     times.predicted[name] = {d.name: predict(d.profile, works[d.name]) for d in devs}
     row = dict(times.predicted[name])
     if measure:

@@ -18,9 +18,11 @@ what this card predicts for each GPU kind with a spec sheet (h100, h200), three 
 - `spec`: the spec sheets alone (`hetpar plan MODEL --devices h100`);
 - `profile`: this card's `hetpar profile` file; the other kind borrows its
   efficiencies and launch cost (`transfer_calibration`);
-- `calibrated`: `hetpar costs MODEL --devices gpu:0,h100 --calibrate`: the
-  whole step timed here scales this card's layers, and the other kind's by
-  the same factor (`scale_to_step(siblings=True)`).
+- `calibrated`: `hetpar costs MODEL --devices gpu:0,h100 --calibrate
+  [--profiles FILE]`: the whole step timed here scales this card's layers,
+  and the other kind's by the same factor (`scale_to_step(siblings=True)`);
+  with a profile file fitted on layers (`hetpar profile --fit`), the other
+  kind borrows the fitted efficiencies.
 
 `compare` sets card A's predictions of card B beside what B measured (and
 the other way round), per step, and per layer from the two cards'
@@ -62,7 +64,8 @@ def _measure(args) -> int:
     if dev is None:
         raise SystemExit(f"cross_card measure: {args.device} is not present "
                          f"({', '.join(present_devices())})")
-    models = [(m, None) for m in (args.models or zoo.names())] + [("transformer", 256)]
+    # GPT-2 small at batch 256 first: the step measured on both cards before.
+    models = [("transformer", 256)] + [(m, None) for m in (args.models or zoo.names())]
     profiles = load_profiles(args.profiles) if args.profiles else None
     from hetpar.cost_models import spec_kind_of
 
@@ -75,7 +78,7 @@ def _measure(args) -> int:
         t0 = time.perf_counter()
         try:
             cal = zoo.cost_table(model, [args.device, *SPEC_GPUS], batch=batch, calibrate=True,
-                                 k=args.k)
+                                 k=args.k, profiles=profiles)
             spec_t = zoo.cost_table(model, list(SPEC_GPUS), batch=batch)
             prof_t = (zoo.cost_table(model, list(SPEC_GPUS), batch=batch, profiles=profiles)
                       if profiles is not None else None)

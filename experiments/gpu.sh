@@ -31,9 +31,9 @@ one GPU (the card and its host CPU):
   overhead            overhead probe (hetpar vs jax.jit, interleaved); VGG16 baselines row
   rows                VGG16 baselines row; lm_embed, cnn_preprocess with spec-sheet links
   dispatch            does a jitted GPU call block its caller? (probe_dispatch.py)
-  cross-card          plan for elsewhere (issue 17): hetpar profile, every zoo model's step
-                      (cross_card.py measure), every layer on the GPU (cost_accuracy.py)
-                      (env: SKIP_LAYERS=1, BUDGET=170)
+  cross-card          plan for elsewhere (issue 17): hetpar profile --fit, every zoo model's
+                      step (cross_card.py measure), every layer on the GPU (cost_accuracy.py)
+                      (env: FIT=default, SKIP_LAYERS=1, BUDGET=170; more than one call's 600 s)
   hetpar ARGS...      any hetpar command, e.g. `hetpar run resnet18 --steps 8`
                       (output in run_resnet18_<card>.txt)
 
@@ -189,8 +189,8 @@ cross-card)
   # whole step with what it predicts for the other GPU kinds, every layer timed
   # alone. `cross_card.py compare` then sets two cards' runs side by side.
   export HETPAR_CACHE_DIR=/tmp/hetpar_cache
-  timeout 150 python3 -m hetpar profile --devices gpu:0 --no-transfers \
-    --out "$OUT/profile_gpu_$CARD.json" 2>&1 | tail -3
+  timeout 420 python3 -m hetpar profile --devices gpu:0 --no-transfers --fit "${FIT:-default}" \
+    --out "$OUT/profile_gpu_$CARD.json" 2>&1 | grep -v " on gpu:0: " | tail -3
   timeout 280 python3 experiments/cross_card.py measure --profiles "$OUT/profile_gpu_$CARD.json" \
     --out "$OUT" 2>&1 | quiet
   echo "steps took $(( $(date +%s) - start )) s"

@@ -964,13 +964,23 @@ def _hierarchical_devices(used, present) -> tuple[dict, dict]:
     return mine, across
 
 
-def _whole_step_s(step: Callable, args: tuple, dev, runs: int = 3) -> float | None:
+def _whole_step_s(step: Callable, args: tuple, dev, runs: int = 3,
+                  budget_s: float = 1.0, most: int = 20) -> float | None:
     """Median seconds of `step` under `jax.jit` on `dev` (`cost_models.measure`,
-    after one compiling run), or None where it does not run there (out of memory)."""
+    after one compiling run), or None where it does not run there (out of memory).
+
+    `runs` timed runs, then, for a step short enough, more (up to `most`,
+    about `budget_s` in all): a 3-run median of a millisecond step on a busy
+    CPU was off by 3x (an Equinox step's PredictionWarning)."""
     from hetpar.cost_models import measure
 
     try:
-        return measure(step, args, dev, k=runs, warmup=1).median_s
+        first = measure(step, args, dev, k=runs, warmup=1)
+        more = min(most, int(budget_s / max(first.median_s, 1e-6))) - runs
+        if more <= 0:
+            return first.median_s
+        again = measure(step, args, dev, k=more, warmup=1)  # jit's cache: no recompile
+        return float(np.median([*first.samples, *again.samples]))
     except Exception as e:  # noqa: BLE001 - an accelerator too small: keep its predictions
         logging.warning("hetpar: profile='measure' could not time the step on %s (%s: %s); "
                         "its layers keep their predicted times", dev, type(e).__name__,

@@ -198,3 +198,19 @@ def test_profile_measure_scales_layers_to_the_step_measured_here():
     assert total == pytest.approx(timed["cpu:0"])
     with pytest.raises(hetpar.HetparError, match="profile must be 'auto', 'measure'"):
         hetpar.auto(step, profile=3)
+
+
+def test_calibration_times_a_short_step_more_than_three_times(monkeypatch):
+    # A millisecond step's 3-run median on a busy CPU was off by 3x: short steps
+    # get more runs, up to 20 (about 1 s in all).
+    from hetpar import _auto, cost_models
+
+    ks, real = [], cost_models.measure
+
+    def counting(fn, args, dev, *, k, warmup):
+        ks.append(k)
+        return real(fn, args, dev, k=k, warmup=warmup)
+
+    monkeypatch.setattr(cost_models, "measure", counting)
+    assert _auto._whole_step_s(step, (W, X), CPU[0]) > 0
+    assert ks[0] == 3 and 3 < sum(ks) <= 20

@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -263,6 +264,44 @@ def test_cli_profile_quick_end_to_end(tmp_path):
     assert ps.fastest_link("cpu:0", "cpu:1", 1 << 20).bandwidth_bytes_per_s > 0
     # a measured cpu lends its calibration to the cpu spec sheet
     assert ps.device("cpu").origin == "transferred"
+
+
+def test_fit_on_layers_predicts_the_measured_layers_better(tmp_path, monkeypatch):
+    # The microbenchmarks' (here: the spec sheet's) efficiencies against those
+    # fitted on the layers: the fit predicts them better, and says what it was fitted on.
+    import statistics
+
+    from hetpar import zoo
+    from hetpar.cost_models import fit_on_layers, layer_samples
+
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path))
+    _, graph = zoo.trace_model("mlp", small=True, batch=32)
+    before = spec("cpu").replace(name="cpu:0", origin="measured")
+    dev = jax.devices("cpu")[0]
+    after = fit_on_layers(before, dev, [("mlp", graph)], k=3)
+    assert "fitted on" in after.sources["efficiencies"] and "mlp" in after.sources["efficiencies"]
+    samples = layer_samples([("mlp", graph)], dev, before, k=3)  # cached: the same timings
+
+    def median_error(profile):
+        return statistics.median(abs(predict(profile, w) / t - 1) for *_, w, t in samples)
+
+    assert median_error(after) < median_error(before)
+
+
+@pytest.mark.slow  # a profile run and the fit's layer timings: ~20 s on 2 cores
+def test_cli_profile_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "fitted.json"
+    base = ["profile", "--quick", "--no-transfers", "--devices", "cpu:0"]
+    r = _run_cli(*base, "--fit", "mlp", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "mlp/" in r.stderr  # a line per layer measured
+    assert "fitted on" in load_profiles(out).devices["cpu:0"].sources["efficiencies"]
+
+
+def test_cli_profile_fit_names_zoo_models():
+    bad = _run_cli("profile", "--quick", "--fit", "nosuchmodel", "--out", "/dev/null")
+    assert bad.returncode == 2 and "--fit: unknown zoo models" in bad.stderr
 
 
 def test_cli_profile_absent_device():

@@ -60,8 +60,8 @@ def test_pipeline_over_two_gpus_equals_jit(schedule):
     check_steps(w.train_step, step, args, microbatches=4)
 
 
-@pytest.mark.parametrize("name", [pytest.param("transformer", marks=pytest.mark.slow),
-                                  "resnet18", "mlp"])
+# (ResNet18 left out for CI time: its replayed orders are a chain's, as the MLP's.)
+@pytest.mark.parametrize("name", [pytest.param("transformer", marks=pytest.mark.slow), "mlp"])
 def test_replay_runs_each_device_in_the_runtimes_order(name):
     """The planner's replay and the split pass give every device the same order of work.
 

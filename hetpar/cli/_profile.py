@@ -8,6 +8,11 @@ from hetpar.cli._common import add_link_arg, parse_links
 from hetpar.core import HetparError
 
 
+#: The models `--fit default` times: dense, convolutional, embedding and
+#: attention layers (the training split of experiments/cost_accuracy.py).
+FIT_MODELS = ("alexnet", "conv6", "lm_embed", "mobilenet_v1", "transformer")
+
+
 def register(subparsers) -> None:
     """Adds the `profile` sub-command."""
     p = subparsers.add_parser(
@@ -32,6 +37,12 @@ def register(subparsers) -> None:
         help="comma-separated devices to measure (e.g. cpu:0,gpu:0; p0/gpu:0,p1/gpu:0 under "
              "several processes, each measuring its own); default: all present",
     )
+    p.add_argument(
+        "--fit", default=None, metavar="MODELS",
+        help="also time every layer of these zoo models on each device measured and fit its "
+             "efficiencies and per-call costs to them (what a spec-sheet sibling borrows), "
+             f"e.g. --fit {','.join(FIT_MODELS)} (reference configs on accelerators, small "
+             "ones at batch 32 on the CPU)")
     p.add_argument("--no-transfers", action="store_true",
                    help="skip the device-pair transfers (and, across processes, the network)")
     add_link_arg(p)
@@ -64,6 +75,7 @@ def _measure(args, links, process: int) -> int:
     from hetpar.cost_models import profile_devices, save_profiles, summary_table
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
+    fit = _fit_models(args.fit) if args.fit else None  # checked before anything is measured
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -71,6 +83,8 @@ def _measure(args, links, process: int) -> int:
     profiles = profile_devices(
         devices, quick=args.quick, transfers=not args.no_transfers, progress=progress
     )
+    if fit:
+        profiles = _fitted(profiles, fit, quick=args.quick, progress=progress)
     if links:
         profiles = profiles.with_network_links(links)
     if process != 0:
@@ -81,3 +95,37 @@ def _measure(args, links, process: int) -> int:
     print(summary_table(profiles))
     print(f"wrote {args.out}")
     return 0
+
+
+def _fit_models(text: str) -> list[str]:
+    """--fit's zoo models ("default": `FIT_MODELS`)."""
+    from hetpar import zoo
+
+    names = list(FIT_MODELS) if text == "default" else [
+        m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in names if m not in zoo.names()]
+    if unknown or not names:
+        raise HetparError(f"--fit: unknown zoo models {unknown or text!r}; known: "
+                          f"{', '.join(zoo.names())} (or 'default')")
+    return names
+
+
+def _fitted(profiles, names: list[str], *, quick: bool, progress):
+    """`profiles` with every measured present device's efficiencies fitted on the
+    layers of the zoo models `names`."""
+    from hetpar import zoo
+    from hetpar.cost_models import fit_on_layers, present_devices
+
+    present = present_devices()
+    fitted = dict(profiles.devices)
+    for name, prof in profiles.devices.items():
+        if prof.origin != "measured" or name not in present:
+            continue
+        dev = present[name]
+        cpu = dev.platform == "cpu"
+        graphs = [(m, zoo.trace_model(m, small=cpu or quick, batch=32 if cpu else None)[1])
+                  for m in names]
+        progress(f"fitting {name} on the layers of {', '.join(names)}")
+        fitted[name] = fit_on_layers(prof, dev, graphs, k=3 if quick else 10,
+                                     progress=progress)
+    return profiles.replace_devices(fitted)

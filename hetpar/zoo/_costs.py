@@ -76,7 +76,8 @@ def cost_table(
         batch / M and fit its `fixed_s` (see `hetpar.cost_models.cost_table`),
         so pipelined plans pay what small microbatches really cost.
       calibrate: time the whole step under `jax.jit` (median of k runs) on
-        each present device of `devices`, one per kind, and scale every
+        each present device of `devices`, one per kind (the layers predicted
+        from XLA's after-fusion bytes there), and scale every
         device's layers to it, spec-sheet devices by a measured device of
         their class (`scale_to_step(siblings=True)`): plan for an H100 from
         an H200 host (`hetpar costs MODEL --devices gpu:0,h100 --calibrate`).
@@ -105,6 +106,7 @@ def cost_table(
     table = cost_models.cost_table(
         graph, devices, profiles=profiles, measure=measure, k=k, progress=progress,
         microbatch_graph=small_graph, microbatches=microbatches,
+        fused_bytes=True if calibrate else None,
         meta={"model": model, "batch": w.config.get("batch_size"), "small": small})
     return _calibrated(table, w, k, progress) if calibrate else table
 
