@@ -32,7 +32,7 @@ from hetpar.cost_models._devices import (
     resolve_device,
     spec_kind_of,
 )
-from hetpar.cost_models._layer_fit import fit_on_layers, layer_samples
+from hetpar.cost_models._layer_fit import fit_on_layers, fit_samples, layer_samples
 from hetpar.cost_models._layer_timing import measure_layer, random_inputs
 from hetpar.cost_models._layer_work import (
     graph_layer_work,
@@ -132,6 +132,7 @@ __all__ = [
     "local_name",
     "measure",
     "fit_on_layers",
+    "fit_samples",
     "layer_samples",
     "measure_cached",
     "measure_layer",

@@ -72,12 +72,35 @@ def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *, k: int = 
     samples = layer_samples(graphs, device, profile, k=k, progress=progress)
     if not samples:
         raise ProfileError("fit_on_layers: the models given have no layers to measure")
-    fitted = calibrate(profile, [(w, t) for _, _, w, t in samples], fit_overhead=True)
-    errors = sorted(abs(predict(fitted, w) / t - 1) for _, _, w, t in samples)
-    median = errors[len(errors) // 2]
     names = ", ".join(sorted({n for n, *_ in samples}))
+    return fit_samples(profile, [(w, t) for _, _, w, t in samples],
+                       what=f"{len(samples)} layers of {names} measured alone")
+
+
+def fit_samples(profile: DeviceProfile, samples: Sequence[tuple[LayerWork, float]], *,
+                what: str = "measured layers") -> DeviceProfile:
+    """`profile` fitted on `(work, seconds)` samples, for tables with and without
+    XLA's after-fusion bytes alike.
+
+    Two fits. On hetpar's unfused byte counts: the per-class bytes
+    efficiencies, which tables without after-fusion bytes use (a table for an
+    absent GPU planned on a CPU host). Then on the after-fusion bytes, where
+    known: the compute efficiencies, the fused-bytes efficiency and the
+    per-call costs. A fit on fused bytes alone leaves the per-class bytes
+    efficiencies unconstrained: on the H100's layers they fell to 0.1, and
+    unfused predictions came out 15x the measured times.
+    """
+    unfused = calibrate(profile, [(dataclasses.replace(w, fused_bytes=None), t)
+                                  for w, t in samples], fit_overhead=True)
+    fitted = unfused
+    if any(w.fused_bytes is not None for w, _ in samples):
+        fused = calibrate(unfused, list(samples), fit_overhead=True)
+        fitted = fused.replace(efficiencies={
+            c: {"flops": e["flops"], "bytes": unfused.efficiencies[c]["bytes"]}
+            for c, e in fused.efficiencies.items()})
+    errors = sorted(abs(predict(fitted, w) / t - 1) for w, t in samples)
+    median = errors[len(errors) // 2]
     sources = dict(fitted.sources)
-    sources["efficiencies"] = (f"fitted on {len(samples)} layers of {names} measured alone "
-                               f"(median {median:.0%} off after the fit); "
+    sources["efficiencies"] = (f"fitted on {what} (median {median:.0%} off after the fit); "
                                + sources["efficiencies"])
     return fitted.replace(sources=sources)

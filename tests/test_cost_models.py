@@ -1,5 +1,6 @@
 """Cost models: profiles, spec sheets, roofline calibration, measurement, `hetpar profile`."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -286,6 +287,37 @@ def test_fit_on_layers_predicts_the_measured_layers_better(tmp_path, monkeypatch
         return statistics.median(abs(predict(profile, w) / t - 1) for *_, w, t in samples)
 
     assert median_error(after) < median_error(before)
+
+
+def test_fit_on_h100_layers_predicts_with_and_without_fused_bytes():
+    # The H100's layers as measured (experiments/results/cross_card): fitted on the
+    # default --fit models, the other models' layers are predicted from after-fusion
+    # bytes and, as a table for an absent GPU has them, from unfused counts. Fitted
+    # on fused bytes alone, the unfused predictions were 15x the measured times.
+    import statistics
+
+    from hetpar.cost_models import LayerWork, fit_samples
+
+    path = REPO / "experiments/results/cross_card/accuracy_gpu_h100.json"
+    records = [r for r in json.loads(path.read_text())["records"]
+               if r["device"].startswith("gpu")]
+
+    def sample(r, fused):
+        work = dict(r["work"], launches=1)
+        if not fused:
+            work["fused_bytes"] = None
+        return LayerWork.from_json(work), r["measured_s"]
+
+    fit_models = {"alexnet", "conv6", "lm_embed", "mobilenet_v1", "transformer"}
+    train = [sample(r, True) for r in records if r["model"] in fit_models]
+    fitted = fit_samples(spec("h100"), train)
+    assert "fitted on" in fitted.sources["efficiencies"]
+
+    def median_error(fused):
+        return statistics.median(abs(predict(fitted, w) / t - 1) for w, t in (
+            sample(r, fused) for r in records if r["model"] not in fit_models))
+
+    assert median_error(True) < 0.3 and median_error(False) < 0.4
 
 
 @pytest.mark.slow  # a profile run and the fit's layer timings: ~20 s on 2 cores
