@@ -12,8 +12,11 @@ class `data_movement` and control flow count as `other`), with one launch:
 a layer is one executable. With `measure=True`, present devices are measured
 instead: the layer's callable alone, random inputs of the right dtypes,
 median of k runs, cached on disk (`measure_layer`). The predictions are
-kept in `meta` next to the measurements so reports can show both.
-`scale_to_step` rescales a table's layers to measured whole-step times.
+kept in `meta` next to the measurements so reports can show both. A
+spec-sheet device of a measured device's class (planning for an `h100` on
+an H200 host) takes the measured time x the two rooflines' ratio.
+`scale_to_step` rescales a table's layers to measured whole-step times (and,
+with `siblings`, a spec-sheet device's by its measured sibling's factor).
 
 Optimizer updates
 -----------------
