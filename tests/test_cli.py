@@ -74,6 +74,27 @@ def test_cli_plan_from_a_model_name(tmp_path):
     assert set(plan.assignment.values()) <= {"cpu:0", "h100:0"}
 
 
+def test_cli_plan_for_elsewhere_from_a_profile_and_a_calibrated_step(tmp_path):
+    # Profile here, plan for there: a profile file's measured CPU lends its
+    # calibration to the spec-sheet CPU kind; --calibrate times the step here.
+    from hetpar.cost_models import load_profiles, save_profiles
+
+    profiles = load_profiles(None)
+    slow = profiles.devices["cpu"].replace(name="cpu:0", origin="measured",
+                                           launch_overhead_s=0.5)
+    path = tmp_path / "profiles.json"
+    save_profiles(path, profiles.replace_devices({"cpu:0": slow}))
+    plan = tmp_path / "plan.json"
+    out = hetpar_cli("plan", "mlp", "--small", "--devices", "cpu:0", "--profiles", str(path),
+                     "--out", str(plan)).stdout
+    assert hetpar.Plan.load(plan).predicted.step_time_s > 0.5  # the profile's launch cost
+    out = hetpar_cli("plan", "mlp", "--small", "--devices", "cpu:0", "--calibrate", "--out",
+                     str(plan)).stdout
+    assert "baselines" in out and hetpar.Plan.load(plan).predicted.step_time_s < 0.5
+    bad = hetpar_cli("plan", "--graph", str(plan), "--calibrate", check=False)
+    assert bad.returncode == 2 and "apply to a MODEL" in bad.stderr
+
+
 def test_cli_plan_pipelined_replays_its_schedule(tmp_path):
     path = tmp_path / "plan.json"
     out = hetpar_cli("plan", "transformer", "--small", "--devices", "h100,h100", "--mode",

@@ -22,6 +22,13 @@ def register(subparsers) -> None:
     p.add_argument("--batch", type=int, default=None, help="MODEL's batch size")
     p.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                    help="MODEL config override (repeatable)")
+    p.add_argument("--profiles", default=None,
+                   help="MODEL: profile file from `hetpar profile` (default: spec sheets); "
+                        "spec-sheet kinds borrow a measured sibling's calibration")
+    p.add_argument("--calibrate", action="store_true",
+                   help="MODEL: time the whole step (jax.jit) on the present devices listed "
+                        "and scale every device's layers to it, spec-sheet kinds by a present "
+                        "device of their class (e.g. --devices gpu:0,h100)")
     p.add_argument("--graph",
                    help="graph.json to plan (from `hetpar costs MODEL --devices LIST --out`)")
     p.add_argument("--objective", choices=("time", "cost", "energy"), default="time")
@@ -61,11 +68,14 @@ def _table(args: argparse.Namespace) -> CostTable:
 
         return zoo.cost_table(args.model, [d.strip() for d in args.devices.split(",")],
                               small=args.small, batch=args.batch,
-                              config=parse_config(args.model, args.config))
+                              config=parse_config(args.model, args.config),
+                              profiles=args.profiles, calibrate=args.calibrate)
     if args.graph is None:
         raise HetparError("pass --graph graph.json (or a MODEL with --devices)")
-    if args.config or args.small or args.batch is not None:
-        raise HetparError("--small, --batch and --config apply to a MODEL, not to --graph")
+    if (args.config or args.small or args.batch is not None or args.profiles
+            or args.calibrate):
+        raise HetparError("--small, --batch, --config, --profiles and --calibrate apply to a "
+                          "MODEL, not to --graph (its costs are already in graph.json)")
     return CostTable.load(args.graph)
 
 
