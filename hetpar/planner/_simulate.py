@@ -14,7 +14,9 @@ at layer granularity, with each layer's time from the table:
 
 - every layer has a forward and a backward item per microbatch; the forward
   takes FORWARD_SHARE of the layer's per-microbatch time (fixed part whole,
-  the rest / M), the backward the rest (it also carries the update);
+  the rest / M), the backward the rest; the update runs in the backward
+  with one microbatch, and with several in a "post" stage per device after
+  its last backward, as the runtime runs it (the gradients accumulated);
 - consecutive items with one (device, microbatch, phase) key form a stage,
   as in the split pass; a stage starts when its device has finished the
   previous stage of its order and its inputs have arrived;
@@ -140,11 +142,15 @@ def simulate(table: CostTable, assignment: Mapping, microbatches: int = 1,
     if not np.all(np.isfinite(step_t)):
         bad = [arr.layers[i] for i in range(L) if not np.isfinite(step_t[i])]
         raise PlanError(f"layers {bad[:5]} have no time on their assigned devices")
-    # An update run as its own stage leaves the layer's backward.
+    # An update run as its own stage leaves the layer's backward: a layer's
+    # whose state lives apart, and with microbatches every layer's (the
+    # runtime accumulates the gradients and updates once, in a "post" stage
+    # after the last microbatch: on 2 H200s the last device's post stage
+    # ended the step 5 ms after its last backward).
     upd_here = np.nan_to_num(arr.upd[rows, a])
-    own = placed.apart
+    own = placed.apart | ((M > 1) & (upd_here > 0))
     per_mb = np.where(own, np.maximum(step_t - upd_here, 0.0), step_t) / M
-    items = _work_items(arr, a, per_mb, M, placed)
+    items = _work_items(arr, a, per_mb, M, placed, post=own)
     st = _stages(items, schedule)
     stats: dict[str, float] = {}
     start, end = _replay(st, arr, stats)
@@ -211,9 +217,10 @@ class _Stages:
 
 
 def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
-                placed: Placed | None = None) -> _Items:
+                placed: Placed | None = None, post: np.ndarray | None = None) -> _Items:
     """A forward and a backward item per layer and microbatch, with their dependencies;
-    and an update item per layer whose state lives apart from its compute.
+    and an update item per layer whose state lives apart from its compute, and
+    per layer of `post` ([L] bool: with microbatches, every layer with an update).
 
     Program order: per microbatch, forwards in topological order, then
     backwards in reverse (the order `hetpar.value_and_grad` traces), then the
@@ -233,7 +240,8 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
     def bwd(i, m):
         return m * 2 * L + 2 * L - 1 - pos[i]
 
-    apart_layers = sorted(np.nonzero(apart)[0], key=lambda i: -pos[i])
+    updated = apart if post is None else (apart | post)
+    apart_layers = sorted(np.nonzero(updated)[0], key=lambda i: -pos[i])
     upd_item = {int(i): 2 * L * M + k for k, i in enumerate(apart_layers)}
     n = 2 * L * M + len(upd_item)
     keys: list = [None] * n
@@ -267,13 +275,16 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
     state_in: dict[int, list[tuple[str, float]]] = {}
     state_out: dict[int, list[tuple[str, float]]] = {}
     for i, item in upd_item.items():
-        c, s = arr.devices[a[i]], arr.devices[placed.state[i]]
-        w = arr.devices[placed.params[i]]
+        c = arr.devices[a[i]]
+        if apart[i]:
+            s, w = arr.devices[placed.state[i]], arr.devices[placed.params[i]]
+            host, where = bool(placed.host_update[i]), placed.update[i]
+        else:  # state, weights and update on the compute device
+            s, w, host, where = c, c, False, a[i]
         p, o = float(np.nan_to_num(arr.param[i])), float(np.nan_to_num(arr.opt[i, a[i]]))
-        host = bool(placed.host_update[i])
         dev = s if host else c
         keys[item] = key(dev, None, "main" if M == 1 else "post", i)
-        dur[item] = float(np.nan_to_num(arr.upd[i, placed.update[i]]))
+        dur[item] = float(np.nan_to_num(arr.upd[i, where]))
         layer_of[item] = i
         if w != c:
             state_in.setdefault(fwd(i, 0), []).append((w, p))  # the weights, once a step
