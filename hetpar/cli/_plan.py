@@ -74,7 +74,7 @@ def _table(args: argparse.Namespace) -> CostTable:
         raise HetparError("pass --graph graph.json (or a MODEL with --devices)")
     if (args.config or args.small or args.batch is not None or args.profiles
             or args.calibrate):
-        raise HetparError("--small, --batch, --config, --profiles and --calibrate apply to a "
+        raise HetparError("--profiles, --calibrate, --small, --batch and --config apply to a "
                           "MODEL, not to --graph (its costs are already in graph.json)")
     return CostTable.load(args.graph)
 
