@@ -92,7 +92,12 @@ from hetpar.cost_models._resolve import (
 )
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
-from hetpar.cost_models._table import FUSED_BYTES_CLASSES, cost_table, scale_to_step
+from hetpar.cost_models._table import (
+    FUSED_BYTES_CLASSES,
+    cost_table,
+    scale_to_step,
+    scale_to_timed_step,
+)
 
 __all__ = [
     "DEFAULT_NETWORK_BANDWIDTH",
@@ -154,6 +159,7 @@ __all__ = [
     "resolve_links",
     "save_profiles",
     "scale_to_step",
+    "scale_to_timed_step",
     "spec",
     "spec_kind_of",
     "spec_kinds",

@@ -415,6 +415,33 @@ def scale_to_step(table, step_s: Mapping[str, float], *, siblings: bool = False)
     return dataclasses.replace(table, layers=layers, meta=meta)
 
 
+def scale_to_timed_step(table, present: Mapping[str, Any],
+                        time_step: Callable[[str, Any], float | None]):
+    """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
+
+    The step is timed once per device kind the table has a present device
+    of: `time_step(name, jax_device)` gives its seconds, or None where it
+    cannot run (that kind keeps its predictions). Devices of one kind share
+    the figure; spec-sheet siblings follow a timed device of their class.
+    `hetpar.auto(profile="measure")` and `hetpar costs --calibrate` use it.
+
+    Returns:
+      The scaled table, or `table` itself when nothing was timed.
+    """
+    step_s: dict[str, float] = {}
+    by_kind: dict[str, float | None] = {}
+    for name in table.device_names:
+        dev = present.get(name)
+        if dev is None:  # a spec-sheet device, or a memory place
+            continue
+        kind = table.device(name).kind
+        if kind not in by_kind:
+            by_kind[kind] = time_step(name, dev)
+        if by_kind[kind] is not None:
+            step_s[name] = by_kind[kind]
+    return scale_to_step(table, step_s, siblings=True) if step_s else table
+
+
 def _sibling_factors(table, factor: Mapping[str, float]) -> dict[str, tuple[float, str]]:
     """{unmeasured device: (factor, measured device)}, the first measured
     device of its class lending its factor; memory places and devices of a

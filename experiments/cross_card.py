@@ -48,6 +48,8 @@ import time
 
 import numpy as np
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent))  # cost_accuracy, beside this script
+
 SPEC_GPUS = ("h100", "h200")
 STEP_MODELS = None  # every zoo model, plus GPT-2 small at batch 256
 
@@ -119,18 +121,19 @@ def _stats(errs) -> str:
     return f"{np.median(errs):.1%} / {np.percentile(errs, 90):.1%}"
 
 
+def _gpu_records(accuracy: dict) -> dict:
+    """{(model, layer, batch): record} of an accuracy file's GPU layers (reference configs)."""
+    return {(r["model"], r["layer"], r["batch"]): r for r in accuracy["records"]
+            if r["device"].startswith("gpu") and not r["small"]}
+
+
 def _layer_errors(src: dict, dst: dict, threshold_s: float) -> dict[str, list[float]]:
     """Per-layer APE predicting dst's GPU layers from src's, two ways."""
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from cost_accuracy import fit_layers, record_work
 
     from hetpar.cost_models import predict, spec, transfer_calibration
 
-    def gpu(records):
-        return {(r["model"], r["layer"], r["batch"]): r for r in records
-                if r["device"].startswith("gpu") and not r["small"]}
-
-    a, b = gpu(src["records"]), gpu(dst["records"])
+    a, b = _gpu_records(src), _gpu_records(dst)
     kind_a, kind_b = next(iter(a.values()))["kind"], next(iter(b.values()))["kind"]
     prof_a = fit_layers(spec(kind_a).replace(name="a"), list(a.values()))
     prof_b = transfer_calibration(prof_a, spec(kind_b).replace(name="b"))
@@ -153,16 +156,11 @@ def _layer_errors(src: dict, dst: dict, threshold_s: float) -> dict[str, list[fl
 
 def _model_ratios(first: dict, second: dict) -> list[str]:
     """Per model, the two cards' summed layer times against the spec sheets' ratio."""
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
     from cost_accuracy import record_work
 
     from hetpar.cost_models import predict, spec
 
-    def gpu(records):
-        return {(r["model"], r["layer"], r["batch"]): r for r in records
-                if r["device"].startswith("gpu") and not r["small"]}
-
-    a, b = gpu(first["records"]), gpu(second["records"])
+    a, b = _gpu_records(first), _gpu_records(second)
     ka, kb = next(iter(a.values()))["kind"], next(iter(b.values()))["kind"]
     pa, pb = spec(ka), spec(kb)
     lines = [f"## Why: {kb}/{ka} time ratio per model, measured against the spec sheets'", "",

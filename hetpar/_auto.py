@@ -625,28 +625,19 @@ class CompiledStep:
     def _calibrated(self, table):
         """`table` scaled to the whole step measured under `jax.jit` on one
         present device of each kind it has (`profile="measure"`)."""
-        from hetpar.cost_models import scale_to_step
+        from hetpar.cost_models import scale_to_timed_step
 
         if jax.process_count() > 1:
             raise HetparError("profile='measure' calibrates in one process; under "
                               "jax.distributed run `hetpar profile` there and pass its file")
         if self._calibration_args is None:  # only while planning
             return table
-        step_s: dict[str, float] = {}
-        by_kind: dict[str, float | None] = {}
-        for name in table.device_names:
-            dev = self.devices.get(name)
-            if dev is None:  # a memory place, or a device that is not here
-                continue
-            kind = table.device(name).kind
-            if kind not in by_kind:
-                by_kind[kind] = _whole_step_s(self._step, self._calibration_args, dev)
-            if by_kind[kind] is not None:
-                step_s[name] = by_kind[kind]
-        if not step_s:
-            return table
-        logging.info("hetpar: calibrated to whole steps measured here: %s", step_s)
-        return scale_to_step(table, step_s, siblings=True)
+        scaled = scale_to_timed_step(
+            table, self.devices,
+            lambda _, dev: _whole_step_s(self._step, self._calibration_args, dev))
+        logging.info("hetpar: calibrated to whole steps measured here: %s",
+                     scaled.meta.get("step_s"))
+        return scaled
 
     def _hierarchical_step_s(self, fn: Callable, args: tuple, options: Options) -> float | None:
         """The predicted step of a hierarchical plan (see `auto`'s `hierarchical`):
@@ -997,6 +988,11 @@ def _profiles(options: Options):
         # A profile file `hetpar profile` wrote, named by the environment;
         # else the spec sheets of the devices' kinds.
         profiles = os.environ.get("HETPAR_PROFILES") or None
+    if profiles is options.profile and isinstance(profiles, (str, os.PathLike)) \
+            and not os.path.exists(profiles):
+        raise HetparError(f"profile={str(profiles)!r} is not a file; pass 'auto' (spec sheets "
+                          "or $HETPAR_PROFILES), 'measure' (calibrate here at the first call), "
+                          "None, or the path of a `hetpar profile --out FILE` file")
     if isinstance(profiles, (str, os.PathLike)):
         profiles = load_profiles(profiles)
     return profiles

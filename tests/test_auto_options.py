@@ -198,6 +198,8 @@ def test_profile_measure_scales_layers_to_the_step_measured_here():
     assert total == pytest.approx(timed["cpu:0"])
     with pytest.raises(hetpar.HetparError, match="profile must be 'auto', 'measure'"):
         hetpar.auto(step, profile=3)
+    with pytest.raises(hetpar.HetparError, match="profile='mesure' is not a file; pass 'auto'"):
+        hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="mesure")(W, X)
 
 
 def test_calibration_times_a_short_step_more_than_three_times(monkeypatch):

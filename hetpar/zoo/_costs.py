@@ -115,21 +115,16 @@ def _calibrated(table: CostTable, w: Workload, k: int,
                 progress: Callable[[str], None] | None) -> CostTable:
     """`table` scaled to the whole step timed on its present devices (see `cost_table`)."""
     present = cost_models.present_devices()
-    step_s: dict[str, float] = {}
-    by_kind: dict[str, float] = {}
-    for name in table.device_names:
-        if name not in present:
-            continue
-        kind = table.device(name).kind
-        if kind not in by_kind:
-            t = cost_models.measure(w.train_step, w.example_args(), present[name], k=k,
-                                    warmup=2).median_s
-            by_kind[kind] = t
-            if progress:
-                progress(f"whole step on {name}: {seconds(t)} (jax.jit, median of {k})")
-        step_s[name] = by_kind[kind]
-    if not step_s:
+    if not any(name in present for name in table.device_names):
         raise ProfileError(f"calibrate times the step on a present device; none of "
                            f"{list(table.device_names)} is present (present: "
                            f"{sorted(present)}). Add one, e.g. gpu:0")
-    return cost_models.scale_to_step(table, step_s, siblings=True)
+    args = w.example_args()  # built once, for every kind timed
+
+    def time_step(name: str, dev) -> float:
+        t = cost_models.measure(w.train_step, args, dev, k=k, warmup=2).median_s
+        if progress:
+            progress(f"whole step on {name}: {seconds(t)} (jax.jit, median of {k})")
+        return t
+
+    return cost_models.scale_to_timed_step(table, present, time_step)
