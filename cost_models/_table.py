@@ -416,7 +416,9 @@ def scale_to_step(table, step_s: Mapping[str, float], *, siblings: bool = False)
 
 
 def scale_to_timed_step(table, present: Mapping[str, Any],
-                        time_step: Callable[[str, Any], float | None]):
+                        time_step: Callable[[str, Any], float | None],
+                        stage_overhead: Callable[[str, Any], float] | None = None,
+                        crossing: Callable[..., float] | None = None):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -425,11 +427,21 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     the figure; spec-sheet siblings follow a timed device of their class.
     `hetpar.auto(profile="measure")` and `hetpar costs --calibrate` use it.
 
+    Layers scaled to one executable no longer pay a launch each, so a split
+    step's stages need their runtime cost back: with `stage_overhead`
+    (`hetpar.runtime.stage_overhead_s`), each timed kind's is measured once
+    and set as its devices' `stage_overhead_s`, a sibling's borrowed. With
+    `crossing` too (`hetpar.runtime.crossing_s`), each pair of present kinds
+    has a crossing measured (once, on its first two devices) and its links'
+    latency raised to it: a link's spec-sheet latency is the wire's, not the
+    runtime's handoff.
+
     Returns:
       The scaled table, or `table` itself when nothing was timed.
     """
     step_s: dict[str, float] = {}
     by_kind: dict[str, float | None] = {}
+    overhead: dict[str, float] = {}
     for name in table.device_names:
         dev = present.get(name)
         if dev is None:  # a spec-sheet device, or a memory place
@@ -437,9 +449,49 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
         kind = table.device(name).kind
         if kind not in by_kind:
             by_kind[kind] = time_step(name, dev)
+            if by_kind[kind] is not None and stage_overhead is not None:
+                overhead[kind] = stage_overhead(name, dev)
         if by_kind[kind] is not None:
             step_s[name] = by_kind[kind]
-    return scale_to_step(table, step_s, siblings=True) if step_s else table
+    if not step_s:
+        return table
+    scaled = scale_to_step(table, step_s, siblings=True)
+    if not overhead:
+        return scaled
+    per_device = {d: overhead[table.device(d).kind] for d in step_s}
+    lent = _sibling_factors(table, per_device)
+    per_device.update({d: v for d, (v, _) in lent.items()})
+    devices = tuple(dataclasses.replace(d, stage_overhead_s=per_device[d.name])
+                    if d.name in per_device else d for d in scaled.devices)
+    meta = {**scaled.meta, "stage_overhead_s": per_device}
+    links = scaled.links
+    if crossing is not None:
+        by_pair = _crossings(table, present, step_s, per_device, crossing)
+        links = tuple(dataclasses.replace(k, latency_s=max(k.latency_s, by_pair[pair]))
+                      if (pair := _kind_pair(table, k.src, k.dst)) in by_pair else k
+                      for k in links)
+        meta["crossing_s"] = {"/".join(p): v for p, v in by_pair.items()}
+    return dataclasses.replace(scaled, devices=devices, links=links, meta=meta)
+
+
+def _kind_pair(table, a: str, b: str) -> tuple[str, str]:
+    return tuple(sorted((table.device(a).kind, table.device(b).kind)))
+
+
+def _crossings(table, present: Mapping[str, Any], timed: Mapping[str, float],
+               overhead: Mapping[str, float], crossing: Callable[..., float]
+               ) -> dict[tuple[str, str], float]:
+    """{(kind, kind): seconds per crossing}, measured on the first pair of
+    present, timed devices of each pair of kinds that a link joins."""
+    out: dict[tuple[str, str], float] = {}
+    for k in table.links:
+        if k.src not in timed or k.dst not in timed or k.src == k.dst:
+            continue
+        pair = _kind_pair(table, k.src, k.dst)
+        if pair not in out:
+            out[pair] = crossing((k.src, present[k.src]), (k.dst, present[k.dst]),
+                                 (overhead[k.src], overhead[k.dst]))
+    return out
 
 
 def _sibling_factors(table, factor: Mapping[str, float]) -> dict[str, tuple[float, str]]:

@@ -1,18 +1,22 @@
 """Predicted against measured, as a user gets them (issue 17): spec sheets
 (`profile="auto"`) against the first-call calibration (`profile="measure"`).
 
-    python experiments/bench_predictions.py --out DIR [--quick]
+    python experiments/bench_predictions.py --out DIR [--quick] [--batch B]
+        [--memory_fraction F] [--memory_microbatches M]
 
-For the zoo transformer (GPT-2 small) at batch 256 on the GPUs present (two
+For the zoo transformer (GPT-2 small) at batch 256 (--batch) on the GPUs present (two
 or more): one GPU, data parallel over two, and the two-GPU pipeline (first
 half of the layers on one GPU, the rest on the other) at M = 1, 2, 4, 8
 (1F1B); the memory-bound pipeline the planner chooses when each GPU may hold
-0.7x what the step needs; one GPU holding half of it (the planner offloads).
+0.7x (--memory_fraction) what the step needs, at M=4 (--memory_microbatches);
+one GPU holding half of it (the planner offloads).
 Each plan runs under `hetpar.auto` with each profile; the prediction is
 `step.predicted()` (the planner's for a plan it made; for a pipeline given
 as a dict, its replay under the schedule, costed when the step was built),
 the measurement the median of --steps steps, each timed to its results
-being ready. Writes predictions.json and predictions.md.
+being ready. profile="measure" times each layer alone, the whole step,
+and the runtime's cost per stage and per crossing on the devices present
+(written to the json's `runtime`). Writes predictions.json and predictions.md.
 `--quick`: the small transformer on 2 CPU devices.
 """
 
@@ -91,11 +95,22 @@ def _run_plan(row, w, example, kwargs, plan, steps) -> None:
         row[f"error_{profile}"] = row[f"predicted_{profile}_s"] / row["measured_s"] - 1
 
 
+def _runtime() -> dict:
+    """The runtime's costs profile="measure" measured: per stage, per crossing (seconds)."""
+    from hetpar._auto import _OVERHEADS
+
+    return {(str(k) if not isinstance(k, frozenset) else " <-> ".join(sorted(map(str, k)))): v
+            for k, v in _OVERHEADS.items()}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--batch", type=int, default=None, help="default: 256 (--quick: 8)")
+    ap.add_argument("--memory_fraction", type=float, default=0.7)
+    ap.add_argument("--memory_microbatches", type=int, default=4)
     ap.add_argument("--plans", nargs="*", default=None,
                     help="run only the plans whose names contain one of these")
     args = ap.parse_args(argv)
@@ -103,8 +118,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     kind = "cpu" if args.quick else "gpu"
     names = [f"{kind}:{d.id}" for d in jax.devices(kind)[:2]]
-    w = (zoo.get("transformer", small=True, batch=8) if args.quick
-         else zoo.get("transformer", batch=256))
+    w = zoo.get("transformer", small=args.quick, batch=args.batch or (8 if args.quick else 256))
     example = jax.tree_util.tree_map(np.asarray, w.example_args())
     layers = list(hetpar.trace(w.train_step, *example).layers)
     pipe = {name: names[i * 2 // len(layers)] for i, name in enumerate(layers)}
@@ -118,9 +132,10 @@ def main(argv=None) -> int:
     graph = hetpar.trace(w.train_step, *example)
     host = names[1] if args.quick else "cpu:0"  # where offloaded state may live
     need = sum(graph[la].memory_bytes for la in graph.layers)
+    frac, mm = args.memory_fraction, args.memory_microbatches
     plans += [
-        ("memory-bound x2 (0.7x) M=4 1f1b",
-         dict(devices=names, memory=dict.fromkeys(names, 0.7 * need), microbatches=4,
+        (f"memory-bound x2 ({frac}x) M={mm} 1f1b",
+         dict(devices=names, memory=dict.fromkeys(names, frac * need), microbatches=mm,
               schedule="1f1b", data_parallel=False), None, 4),
         ("one device, 0.5x memory (offload)",
          dict(devices=[names[0], host], memory={names[0]: 0.5 * need}), None, 1),
@@ -130,7 +145,7 @@ def main(argv=None) -> int:
     meta = dict(model=w.name, batch=w.config["batch_size"], steps=args.steps,
                 device=jax.devices(kind)[0].device_kind, jax=jax.__version__)
     rows = []
-    for name, kwargs, plan, m in plans:
+    for name, kwargs, plan, _ in plans:
         row = {"plan": name}
         try:
             _run_plan(row, w, example, kwargs, plan, args.steps)
@@ -139,7 +154,8 @@ def main(argv=None) -> int:
             continue
         rows.append(row)
         # Written after every plan: a timeout keeps what was measured.
-        (out / "predictions.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
+        (out / "predictions.json").write_text(json.dumps(dict(meta, rows=rows,
+                                                              runtime=_runtime()), indent=1))
     lines = [f"# Predicted against measured ({meta['device']}, {meta['model']}, "
              f"batch {meta['batch']})", "",
              "Measured: median of the two runs' medians of "

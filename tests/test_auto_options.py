@@ -196,6 +196,11 @@ def test_profile_measure_scales_layers_to_the_step_measured_here():
     assert timed["cpu:0"] > 0 and timed["cpu:1"] == timed["cpu:0"]  # one kind: timed once
     total = sum(layer.time_s["cpu:0"] for layer in compiled.table.layers)
     assert total == pytest.approx(timed["cpu:0"])
+    # Each layer's share is measured, not predicted, and the runtime's own
+    # costs (per stage, per crossing) are measured for the split plans.
+    assert compiled.table.meta["timing"] == "measured"
+    assert compiled.table.device("cpu:1").stage_overhead_s > 0
+    assert compiled.table.meta["crossing_s"]["cpu/cpu"] > 0
     with pytest.raises(hetpar.HetparError, match="profile must be 'auto', 'measure'"):
         hetpar.auto(step, profile=3)
     with pytest.raises(hetpar.HetparError, match="profile='mesure' is not a file; pass 'auto'"):

@@ -391,7 +391,6 @@ def test_fused_bytes_are_read_on_cpu_and_undercut_the_unfused_count():
 
 
 def test_predictor_uses_fused_bytes_when_known():
-    import dataclasses
 
     from hetpar.cost_models import DeviceProfile, LayerWork, calibrate, predict, spec
 

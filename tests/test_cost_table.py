@@ -185,6 +185,40 @@ def test_scale_to_step_carries_a_measured_factor_to_siblings():
             before.time_s["h100:0"] / before.time_s["h200:0"])
 
 
+def test_timed_step_carries_the_runtimes_costs_to_the_table():
+    # profile="measure" times the runtime's cost per stage and per crossing on
+    # the present devices (here on the real runtime, cpu:0 and cpu:1): each
+    # present device takes its kind's, the spec-sheet CPU sibling borrows it,
+    # and the present devices' links are raised to the measured crossing.
+    import jax
+
+    from hetpar.runtime import crossing_s, stage_overhead_s
+
+    table = zoo.cost_table("mlp", ["cpu:0", "cpu:1", "h100"], small=True)
+    present = {f"cpu:{d.id}": d for d in jax.devices("cpu")[:2]}
+    calls = []
+
+    def overhead(name, dev):
+        calls.append(name)
+        return stage_overhead_s(name, dev, runs=5)
+
+    scaled = cost_models.scale_to_timed_step(
+        table, present, lambda name, dev: 1.0, overhead,
+        lambda a, b, both: crossing_s(a, b, both, runs=5))
+    assert calls == ["cpu:0"]  # once per kind
+    per = scaled.meta["stage_overhead_s"]
+    assert set(per) == {"cpu:0", "cpu:1"} and 0 < per["cpu:0"] == per["cpu:1"] < 1.0
+    assert scaled.device("cpu:1").stage_overhead_s == per["cpu:0"]
+    assert scaled.device("h100:0").stage_overhead_s == 0.0  # another class: nothing measured
+    cross = scaled.meta["crossing_s"]["cpu/cpu"]
+    assert 0 < cross < 1.0
+    link = {(k.src, k.dst): k for k in scaled.links}
+    assert link["cpu:0", "cpu:1"].latency_s == max(cross, link["cpu:0", "cpu:1"].latency_s)
+    assert link["cpu:0", "cpu:1"].latency_s > {(k.src, k.dst): k for k in table.links}[
+        "cpu:0", "cpu:1"].latency_s  # the runtime's handoff, not the wire's 5 us
+    assert link["cpu:0", "h100:0"] == {(k.src, k.dst): k for k in table.links}["cpu:0", "h100:0"]
+
+
 def test_measured_layers_carry_to_a_spec_sheet_sibling():
     # With measure=True, a spec-sheet GPU beside a measured one gets the measured
     # time x their predicted ratio; a class nothing measured keeps its roofline.

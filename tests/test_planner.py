@@ -552,6 +552,29 @@ def test_replay_prices_transfers_on_the_link():
     assert r.step_time_s == pytest.approx(3.0 + 2 * (0.5 + 2.0) + 2 * 0.0 + 3.0 - 0.0)
 
 
+def test_stage_overhead_is_paid_per_stage_and_per_crossing():
+    # A calibrated table's devices carry the runtime's cost per stage
+    # (measured by profile="measure"): the replay charges it once per stage,
+    # the closed form (and so the ILP) once per crossing, on the receiver.
+    base = _chain([3.0, 3.0], edge_bytes=2e9, bw=1e9, lat=0.5)
+    over = {"a": 0.25, "b": 0.125}
+    table = dataclasses.replace(base, devices=tuple(
+        dataclasses.replace(d, stage_overhead_s=over[d.name]) for d in base.devices))
+    asg = {"l0": "a", "l1": "b"}
+    r0, r = simulate(base, asg, 1), simulate(table, asg, 1)
+    # Stages: a fwd, b fwd+bwd, a bwd (a chain: nothing overlaps).
+    assert [s.device for s in r.stages] == ["a", "b", "a"]
+    assert r.step_time_s == pytest.approx(r0.step_time_s + 2 * 0.25 + 0.125)
+    seq0, seq = evaluate(base, asg), evaluate(table, asg)
+    assert seq.step_time_s == pytest.approx(seq0.step_time_s + 0.125 + 0.25)  # a->b, b->a
+    assert plan(table, gap=EXACT).predicted.step_time_s == pytest.approx(
+        evaluate(table, plan(table, gap=EXACT).assignment).step_time_s)
+    # Written with the table; a table without it reads as 0.
+    again = CostTable.from_json(json.loads(json.dumps(table.to_json())))
+    assert again.device("b").stage_overhead_s == 0.125
+    assert "stage_overhead_s" not in json.dumps(base.to_json())
+
+
 def test_replay_sees_a_device_visited_twice_wait():
     # a -> b -> a: the closed form balances 2t against 2t and expects a
     # pipeline; GPipe's per-device order makes `a` finish each microbatch's

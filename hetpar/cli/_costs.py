@@ -52,7 +52,8 @@ def _run(args) -> int:
     table = zoo.cost_table(
         args.model, devices, small=args.small, batch=args.batch,
         config=parse_config(args.model, args.config), measure=args.measure,
-        profiles=args.profiles, k=args.k, progress=progress if args.measure or args.calibrate else None,
+        profiles=args.profiles, k=args.k,
+        progress=progress if args.measure or args.calibrate else None,
         microbatches=args.microbatches, calibrate=args.calibrate)
     batch = int(table.meta.get("batch") or 1)
     predicted = table.meta["predicted_s"]

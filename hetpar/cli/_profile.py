@@ -7,7 +7,6 @@ import sys
 from hetpar.cli._common import add_link_arg, parse_links
 from hetpar.core import HetparError
 
-
 #: The models `--fit default` times: dense, convolutional, embedding and
 #: attention layers (the training split of experiments/cost_accuracy.py).
 FIT_MODELS = ("alexnet", "conv6", "lm_embed", "mobilenet_v1", "transformer")

@@ -48,6 +48,12 @@ class Device:
         so their work never overlaps: the virtual CPU devices of one process
         (`--xla_force_host_platform_device_count`) run on the same cores.
         None: the device computes on its own.
+      stage_overhead_s: seconds the runtime adds for each stage it runs on
+        this device beyond the stage's work (dispatching its executable,
+        its worker's handoff), measured by `hetpar.auto(profile="measure")`
+        (`hetpar.stage_overhead_s`). 0 where layer times were not scaled to
+        one executable: predicted and per-layer measured times each pay a
+        launch already.
     """
 
     name: str
@@ -58,6 +64,7 @@ class Device:
     watts_idle: float = 0.0
     price_alone_per_hour: float | None = None
     compute_group: str | None = None
+    stage_overhead_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +260,8 @@ class CostTable:
             "format": FORMAT,
             "version": VERSION,
             "devices": [{k: v for k, v in dataclasses.asdict(d).items()
-                         if not (k in _OPTIONAL_DEVICE_FIELDS and v is None)}
+                         if not (k in _OPTIONAL_DEVICE_FIELDS and v is None)
+                         and not (k == "stage_overhead_s" and v == 0.0)}
                         for d in self.devices],
             "links": [dataclasses.asdict(k) for k in self.links],
             "layers": [layer_json(layer) for layer in self.layers],
@@ -299,7 +307,8 @@ class CostTable:
                    watts_idle=_field(d, "watts_idle", f"devices[{i}]", float, 0.0),
                    price_alone_per_hour=_field(d, "price_alone_per_hour", f"devices[{i}]",
                                                float, None),
-                   compute_group=_field(d, "compute_group", f"devices[{i}]", str, None))
+                   compute_group=_field(d, "compute_group", f"devices[{i}]", str, None),
+                   stage_overhead_s=_field(d, "stage_overhead_s", f"devices[{i}]", float, 0.0))
             for i, d in enumerate(_objects(data["devices"], "devices")))
         links = tuple(
             Link(src=_field(k, "src", f"links[{i}]", str),

@@ -167,6 +167,8 @@ class Arrays:
       ram: [D] the position whose memory each device draws on: a memory
         place's host RAM is its table's first CPU device's (they share it),
         every other device its own.
+      overhead: [D] seconds the runtime adds per stage on each device
+        (`Device.stage_overhead_s`; 0 unless measured).
     """
 
     def __init__(self, table: CostTable):
@@ -196,6 +198,7 @@ class Arrays:
                                      else d.price_alone_per_hour for d in table.devices])
         self.watts_busy = np.array([d.watts_busy for d in table.devices])
         self.watts_idle = np.array([d.watts_idle for d in table.devices])
+        self.overhead = np.array([d.stage_overhead_s for d in table.devices])
         first: dict[str, int] = {}
         self.resource = np.array([j if d.compute_group is None
                                   else first.setdefault(d.compute_group, j)
@@ -344,14 +347,18 @@ class Arrays:
         Returns:
           (fwd, bwd): [E, D, D]; fwd[e, a, b] runs on link a->b, bwd[e, a, b]
           (the gradient) on link b->a. Zero on the diagonal, inf where the
-          pair has no link.
+          pair has no link. A crossing makes the receiving device run a stage
+          of its own, so each carries that device's stage overhead (the
+          replay, `simulate`, charges it per stage instead).
         """
         M = float(microbatches)
         with np.errstate(divide="ignore", invalid="ignore"):
-            f = self.lat[None] + self.fwd[:, None, None] / M / self.bw[None]
+            into = self.lat + self.overhead[None, :]  # a -> b: b runs a stage more
+            f = into[None] + self.fwd[:, None, None] / M / self.bw[None]
             bt = self.bw.T[None]
             b = np.where(self.bwd[:, None, None] > 0,
-                         self.lat.T[None] + self.bwd[:, None, None] / M / bt, 0.0)
+                         (self.lat.T + self.overhead[:, None])[None]
+                         + self.bwd[:, None, None] / M / bt, 0.0)
         D = len(self.devices)
         eye = np.eye(D, dtype=bool)[None]
         f = np.where(eye, 0.0, np.where(self.pair_ok, f, np.inf))

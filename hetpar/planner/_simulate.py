@@ -19,7 +19,9 @@ at layer granularity, with each layer's time from the table:
   its last backward, as the runtime runs it (the gradients accumulated);
 - consecutive items with one (device, microbatch, phase) key form a stage,
   as in the split pass; a stage starts when its device has finished the
-  previous stage of its order and its inputs have arrived;
+  previous stage of its order and its inputs have arrived, and takes its
+  items' time plus its device's `stage_overhead_s` (the runtime's cost per
+  executable call, measured by `profile="measure"`; 0 otherwise);
 - inputs from another device travel over the directed link (latency +
   bytes / bandwidth, one transfer per producer stage, links first-come
   first-served) once their producer stage ends;
@@ -152,6 +154,8 @@ def simulate(table: CostTable, assignment: Mapping, microbatches: int = 1,
     per_mb = np.where(own, np.maximum(step_t - upd_here, 0.0), step_t) / M
     items = _work_items(arr, a, per_mb, M, placed, post=own)
     st = _stages(items, schedule)
+    # Each stage pays its device's runtime overhead (dispatch, handoff) once.
+    st.dur = st.dur + np.array([arr.overhead[arr.dindex[k[0]]] for k in st.keys])
     stats: dict[str, float] = {}
     start, end = _replay(st, arr, stats)
     S = len(st.cut)

@@ -127,4 +127,20 @@ def _calibrated(table: CostTable, w: Workload, k: int,
             progress(f"whole step on {name}: {seconds(t)} (jax.jit, median of {k})")
         return t
 
-    return cost_models.scale_to_timed_step(table, present, time_step)
+    def overhead(name: str, dev) -> float:
+        from hetpar.runtime import stage_overhead_s
+
+        t = stage_overhead_s(name, dev)
+        if progress:
+            progress(f"runtime overhead per stage on {name}: {seconds(t)}")
+        return t
+
+    def crossing(a, b, both) -> float:
+        from hetpar.runtime import crossing_s
+
+        t = crossing_s(a, b, both)
+        if progress:
+            progress(f"runtime crossing {a[0]} <-> {b[0]}: {seconds(t)}")
+        return t
+
+    return cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing)

@@ -1,0 +1,131 @@
+"""What the runtime itself costs per stage, measured on a present device.
+
+A calibrated cost table (`hetpar.auto(profile="measure")`) scales its layers
+to the whole step run as one `jax.jit` executable. A split step runs one
+executable per stage, each dispatched by its device's worker thread after
+its inputs are ready: time the one-executable step never pays. On a
+millisecond CPU step this dominated (an Equinox plan alternating four layers
+over two CPU devices measured 10.7 ms against 0.43 ms predicted); on 100 ms
+GPU steps it is a few percent. The replay charges it per stage
+(`Device.stage_overhead_s`), the closed form per crossing.
+
+It is measured, not assumed: a chain of tiny layers, each layer's forward and
+backward in stages of their own (recomputed activations cut them apart), runs
+through the real `Executor` on the device, beside the same step under
+`jax.jit`; the difference per extra stage is the overhead.
+
+A crossing between devices costs more than its link's latency: the value
+is copied by the transfer engine, and the consumer's worker wakes to it
+(spec sheets say 5 us between two CPU devices; the runtime paid ~0.3 ms).
+`crossing_s` measures it the same way, on a chain alternating two devices.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from hetpar.core import parse_placements
+
+_WIDTH = 8  # tiny matmuls: the stages' work is microseconds, the overhead is the rest
+
+
+def _chain_step(layers: int):
+    from hetpar.passes import layer
+
+    def step(ws, x):
+        def loss(ws):
+            h = x
+            for i, w in enumerate(ws):
+                with layer(f"l{i}"):
+                    h = jnp.tanh(h @ w)
+            return jnp.sum(h)
+
+        val, g = jax.value_and_grad(loss)(ws)
+        return [w - 0.01 * gw for w, gw in zip(ws, g)], val
+
+    return step
+
+
+def _median_s(run, runs: int) -> float:
+    jax.block_until_ready(run())  # compile, warm caches
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _split_and_whole_s(plan: dict, devices: dict, layers: int, runs: int, workers,
+                       ) -> tuple[float, float, object]:
+    """(median step through the runtime, median under jax.jit on the first
+    device, the StageGraph) of the tiny chain under `plan` (layer -> placement)."""
+    from hetpar.passes import split, trace
+    from hetpar.runtime._executor import Executor
+    from hetpar.runtime._transfer import TransferEngine
+
+    step = _chain_step(layers)
+    ws = [jnp.eye(_WIDTH) * 0.5 for _ in range(layers)]
+    x = jnp.ones((4, _WIDTH))
+    graph = trace(step, ws, x)
+    stages = split(graph, parse_placements({n: plan(i) for i, n in enumerate(graph.layers)}))
+    ex = Executor(stages, devices, TransferEngine(), workers)
+    flat = ex.place_inputs(jax.tree_util.tree_leaves((ws, x)))
+    split_s = _median_s(lambda: ex(flat), runs)
+    sharding = jax.sharding.SingleDeviceSharding(next(iter(devices.values())))
+    jitted = jax.jit(step, in_shardings=sharding, out_shardings=sharding)
+    args = jax.device_put((ws, x), sharding)
+    return split_s, _median_s(lambda: jitted(*args), runs), stages
+
+
+def stage_overhead_s(name: str, device: jax.Device, *, layers: int = 6, runs: int = 30,
+                     workers=None) -> float:
+    """Seconds the runtime adds per stage it runs on `device` (named `name`).
+
+    Args:
+      name: the device's hetpar name (`gpu:0`, `cpu:1`).
+      device: the jax.Device.
+      layers: layers of the measured chain (2 x layers stages).
+      runs: timed steps of each form (medians compared).
+      workers: the `Workers` to run on (default: the executor's own).
+
+    Returns:
+      (median step through the runtime - median step under jax.jit) /
+      (stages - 1), at least 0.
+    """
+    split_s, whole_s, stages = _split_and_whole_s(
+        lambda i: {"compute": name, "activations": "remat"}, {name: device}, layers, runs,
+        workers)
+    n = len(stages.stages)
+    return max(0.0, (split_s - whole_s) / max(n - 1, 1))
+
+
+def crossing_s(a: tuple[str, jax.Device], b: tuple[str, jax.Device],
+               overhead: tuple[float, float], *, layers: int = 6, runs: int = 30,
+               workers=None) -> float:
+    """Seconds a small value's crossing between two devices costs the runtime
+    (either way: the measured chain alternates), beyond the stages' own overhead.
+
+    Args:
+      a, b: (hetpar name, jax.Device) of the two devices.
+      overhead: their `stage_overhead_s`.
+
+    Returns:
+      (step through the runtime - step under jax.jit - each stage's
+      overhead) / crossings, at least 0: a link latency for plans' values.
+    """
+    names = (a[0], b[0])
+    split_s, whole_s, stages = _split_and_whole_s(
+        lambda i: names[i % 2], dict((a, b)), layers, runs, workers)
+    per = dict(zip(names, overhead))
+    stage_s = sum(per[st.device] for st in stages.stages) - per[stages.stages[0].device]
+    made_by = {v: st for st in stages.stages for v in st.outputs}
+    # One transfer per (consumer, producer stage on another device), as the replay counts.
+    crossings = sum(len({made_by[v].index for v in st.inputs
+                         if v in made_by and made_by[v].device != st.device})
+                    for st in stages.stages)
+    return max(0.0, (split_s - whole_s - stage_s) / max(crossings, 1))
