@@ -623,7 +623,9 @@ class CompiledStep:
         # (cached on disk by its jaxpr), then scales them to the whole step:
         # the roofline's layer shares put a pipeline's cut 10% off on GPT-2.
         table = cost_table(graph or self.graph, devices, profiles=_profiles(options),
-                           measure=calibrate)
+                           measure=calibrate,
+                           progress=(lambda line: logging.info("hetpar: %s", line))
+                           if calibrate else None)
         if calibrate:
             table = self._calibrated(table)
         return table
