@@ -35,9 +35,11 @@ from hetpar.cost_models._devices import (
 from hetpar.cost_models._layer_fit import fit_on_layers, fit_samples, layer_samples
 from hetpar.cost_models._layer_timing import measure_layer, random_inputs
 from hetpar.cost_models._layer_work import (
+    count_kernels,
     graph_layer_work,
     layer_fused_bytes,
     layer_io,
+    layer_kernels,
     layer_work,
     layer_xla_cost,
 )
@@ -122,6 +124,7 @@ __all__ = [
     "cache_dir",
     "calibrate",
     "cost_table",
+    "count_kernels",
     "default_network_link",
     "device_class",
     "device_name",
@@ -131,6 +134,7 @@ __all__ = [
     "has_pinned_host",
     "layer_fused_bytes",
     "layer_io",
+    "layer_kernels",
     "layer_work",
     "layer_xla_cost",
     "load_profiles",

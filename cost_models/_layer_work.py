@@ -6,8 +6,9 @@ a `LayerWork` over the roofline's op classes (`ROOFLINE_CLASS` maps one to
 the other); `graph_layer_work` adds what only the layer's jaxpr tells: the
 dtype its matmuls read, the arrays its call takes and returns
 (`layer_io`), and, compiled for a backend, XLA's after-fusion bytes
-(`layer_fused_bytes`). `update_work` is the part of a layer's work that is
-its optimizer update, which the offload planner may run on another device.
+(`layer_fused_bytes`) and the kernels XLA launches for it
+(`layer_kernels`). `update_work` is the part of a layer's work that is its
+optimizer update, which the offload planner may run on another device.
 """
 
 from __future__ import annotations
@@ -123,6 +124,68 @@ def layer_fused_bytes(graph, layer: str, backend: str) -> float | None:
     tmp.write_text(json.dumps({"bytes": fused}))
     tmp.replace(path)  # atomic: concurrent writers never leave half a file
     return fused
+
+
+#: Entry-computation instructions that launch no kernel: they name, pack or
+#: alias buffers (or order asynchronous copies).
+_NOT_KERNELS = frozenset({
+    "parameter", "tuple", "get-tuple-element", "constant", "bitcast", "after-all",
+    "copy-start", "copy-done", "opt-barrier",
+})
+
+
+def count_kernels(hlo: str) -> int | None:
+    """Kernels an optimised HLO module launches: instructions of its ENTRY computation.
+
+    After XLA's fusion passes each instruction left in the entry computation
+    (a fusion, a convolution or dot, a custom call such as a cuDNN
+    convolution or cuBLAS GEMM, a copy, a while loop) runs as one kernel or
+    one library call, and each costs a fixed time on top of its work (launch
+    and tail on a GPU, dispatch and thread wake-up on a CPU's thunk
+    executor). Instructions that only name or alias buffers (`_NOT_KERNELS`)
+    are not counted; a while loop counts once, as its body's kernels are in
+    other computations. Returns None when the text has no ENTRY computation.
+    """
+    lines = hlo.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("ENTRY ")), None)
+    if start is None:
+        return None
+    n = 0
+    for line in lines[start + 1:]:
+        if line.strip() == "}":
+            break
+        _, eq, rhs = line.partition("=")
+        if not eq:
+            continue
+        rhs = rhs.strip()
+        if rhs.startswith("("):  # a tuple type: skip to its closing parenthesis
+            depth = 0
+            for j, ch in enumerate(rhs):
+                depth += ch == "("
+                depth -= ch == ")"
+                if depth == 0:
+                    rhs = rhs[j + 1:].strip()
+                    break
+        else:
+            rhs = rhs.partition(" ")[2].strip()
+        opcode = rhs.partition("(")[0].strip()
+        if opcode and opcode not in _NOT_KERNELS:
+            n += 1
+    return n
+
+
+def layer_kernels(graph, layer: str, backend: str) -> int | None:
+    """Kernels the layer launches compiled alone for `backend` (`count_kernels`), or None.
+
+    None when the compile fails. Compiles the layer (seconds for a large one).
+    """
+    from hetpar.passes import hlo_text  # hetpar.passes loads JAX: only when compiling
+
+    try:
+        return count_kernels(hlo_text(graph, layer, optimized=True, backend=backend))
+    except Exception as e:  # noqa: BLE001 - the count is optional
+        logging.warning("kernel count of %s on %s failed: %s", layer, backend, e)
+        return None
 
 
 def layer_work(info, *, dtype: str = "f32", launches: int = 1, buffers: int = 0,

@@ -390,6 +390,64 @@ def test_fused_bytes_are_read_on_cpu_and_undercut_the_unfused_count():
         assert fused <= unfused
 
 
+_HLO = """HloModule jit_f, entry_computation_layout={(f32[8,8]{1,0})->(f32[8,8]{1,0}, f32[])}
+
+%fused_computation (param_0: f32[8,8]) -> f32[8,8] {
+  %param_0 = f32[8,8]{1,0} parameter(0)
+  ROOT %tanh.1 = f32[8,8]{1,0} tanh(f32[8,8]{1,0} %param_0)
+}
+
+ENTRY %main.5 (Arg_0.1: f32[8,8]) -> (f32[8,8], f32[]) {
+  %Arg_0.1 = f32[8,8]{1,0} parameter(0)
+  %constant.2 = f32[] constant(1)
+  %fusion = f32[8,8]{1,0} fusion(f32[8,8]{1,0} %Arg_0.1), kind=kLoop, calls=%fused_computation
+  %custom-call.3 = (f32[8,8], s8[0]) custom-call(f32[8,8] %fusion), custom_call_target="gemm"
+  %get-tuple-element.4 = f32[8,8] get-tuple-element((f32[8,8], s8[0]) %custom-call.3), index=0
+  %bitcast.5 = f32[64]{0} bitcast(f32[8,8]{1,0} %get-tuple-element.4)
+  %reduce.6 = f32[] reduce(f32[64]{0} %bitcast.5, f32[] %constant.2), dimensions={0}, to_apply=%add
+  ROOT %tuple.7 = (f32[8,8]{1,0}, f32[]) tuple(f32[8,8]{1,0} %get-tuple-element.4, f32[] %reduce.6)
+}
+"""
+
+
+def test_count_kernels_counts_entry_instructions_that_launch():
+    from hetpar.cost_models import count_kernels
+
+    # fusion, custom call, reduce; not parameters, constants, tuples, bitcasts,
+    # nor the instructions of the fused computation.
+    assert count_kernels(_HLO) == 3
+    assert count_kernels("HloModule nothing") is None
+
+
+def test_layer_kernels_on_cpu_count_the_compiled_layer():
+    from hetpar.cost_models import count_kernels, layer_kernels
+    from hetpar.passes import hlo_text, trace
+
+    x = jnp.ones((64, 64), jnp.float32)
+    graph = trace(lambda x: jnp.sum(jnp.tanh(x @ x) * 2.0), x)
+    for name in graph.layers:
+        n = layer_kernels(graph, name, "cpu")
+        assert n is not None and n >= 1
+        assert n == count_kernels(hlo_text(graph, name, optimized=True, backend="cpu"))
+
+
+def test_per_kernel_launch_cost_is_fitted_from_kernel_counts():
+    # experiments/cost_accuracy.py's `kernels` launch model: launches = the
+    # layer's kernel count, and calibrate fits the per-kernel cost.
+    from hetpar.cost_models import LayerWork, calibrate, predict, spec
+
+    prof = spec("cpu")
+    bw = prof.memory_bandwidth_bytes_per_s
+    samples = []
+    for k, nbytes in [(3, 1e6), (10, 1e6), (30, 4e6), (60, 2e6), (120, 8e6), (20, 3e7)]:
+        work = LayerWork({"elementwise": 1e3}, {"elementwise": nbytes}, launches=k)
+        samples.append((work, k * 4e-6 + nbytes / (0.5 * bw)))
+    fitted = calibrate(prof, samples, fit_overhead=True)
+    assert fitted.launch_overhead_s == pytest.approx(4e-6, rel=0.05)
+    for work, t in samples:
+        assert predict(fitted, work) == pytest.approx(t, rel=0.05)
+
+
 def test_predictor_uses_fused_bytes_when_known():
 
     from hetpar.cost_models import DeviceProfile, LayerWork, calibrate, predict, spec
