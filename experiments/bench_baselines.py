@@ -12,8 +12,10 @@ samples, joules per step (E = P x T per device used: busy watts while it
 computes, idle watts for the rest of the step), and hetpar's predicted step
 time beside the measured one. Plans (c)-(g) come from the model's cost table:
 every layer measured alone on both devices, then scaled per device so the
-layers sum to that device's measured whole step (`scale_to_step`; uncalibrated
-predictions are reported too). Plans (c)-(g) run under `hetpar.auto`.
+layers sum to that device's whole step, timed by hetpar with the runtime's
+cost per stage and crossing (`zoo.cost_table(measure=True, calibrate=True)`,
+what `hetpar costs MODEL --measure --calibrate` runs; uncalibrated
+predictions, `measure=True` alone, are reported too). Plans (c)-(g) run under `hetpar.auto`.
 
 Also: the CPU vs GPU speedup table beside the Tesla T4 study, energy per step
 per device, and a memory-bound case (a GPU memory budget the model does not
@@ -43,7 +45,7 @@ from absl import app, flags
 
 import hetpar
 from hetpar import InfeasibleError, zoo
-from hetpar.cost_models import cost_table, load_profiles, scale_to_step
+from hetpar.cost_models import load_profiles
 from hetpar.planner import Arrays, evaluate, greedy_fastest, memory_fill, plan, violations
 
 FLAGS = flags.FLAGS
@@ -151,14 +153,18 @@ def _describe(assignment: dict, acc: str) -> str:
     return f"{len(on_cpu)}/{len(assignment)} layers on {CPU} ({few}), rest on {acc}"
 
 
-def measure_table(w, args, acc: str, jit_s: dict, k: int):
-    graph = hetpar.trace(w.train_step, *args)
+def measure_table(w, acc: str, k: int, small: bool):
+    """(measured, calibrated) cost tables of the step on the accelerator and
+    the CPU, as a user gets them from `hetpar costs MODEL --measure
+    [--calibrate]`: no benchmark-side scaling."""
     t0 = time.perf_counter()
     profiles = load_profiles(FLAGS.profiles) if FLAGS.profiles else None
-    raw = cost_table(graph, [acc, CPU], measure=True, k=k, profiles=profiles,
-                     progress=lambda line: print("  " + line, flush=True))
-    print(f"  cost table measured in {time.perf_counter() - t0:.0f} s", flush=True)
-    return raw, scale_to_step(raw, jit_s)
+    kw = dict(small=small, batch=int(w.config["batch_size"]), measure=True, k=k,
+              profiles=profiles, progress=lambda line: print("  " + line, flush=True))
+    raw = zoo.cost_table(w.name, [acc, CPU], **kw)
+    table = zoo.cost_table(w.name, [acc, CPU], calibrate=True, **kw)  # layers cached: cheap
+    print(f"  cost tables measured in {time.perf_counter() - t0:.0f} s", flush=True)
+    return raw, table
 
 
 def compare(name: str, small: bool, steps: int, cpu_steps: int, k: int) -> dict:
@@ -171,7 +177,7 @@ def compare(name: str, small: bool, steps: int, cpu_steps: int, k: int) -> dict:
     jit_s = {acc: time_jit(w, args, acc, steps), CPU: time_jit(w, args, CPU, cpu_steps)}
     print(f"  jax.jit: {acc} {jit_s[acc] * 1e3:.2f} ms, {CPU} {jit_s[CPU] * 1e3:.1f} ms",
           flush=True)
-    raw, table = measure_table(w, args, acc, jit_s, k)
+    raw, table = measure_table(w, acc, k, small)
     plans = {
         "greedy fastest": greedy_fastest(table).assignment,
         "memory fill": memory_fill(table).assignment,
@@ -223,7 +229,7 @@ def memory_case(name: str, fraction: float, small: bool, steps: int, cpu_steps: 
         w = zoo.get(name, small=small)
         args = w.example_args()
         jit_s = {acc: time_jit(w, args, acc, steps), CPU: time_jit(w, args, CPU, cpu_steps)}
-        raw, table = measure_table(w, args, acc, jit_s, k)
+        raw, table = measure_table(w, acc, k, small)
     batch = int(w.config["batch_size"])
     need = sum(layer.memory_bytes[acc] for layer in table.layers)
     budget = fraction * need
