@@ -13,10 +13,13 @@ one run on one host:
   (b) a contiguous half/half plan by layer count (--half); M = 1 runs the
   first plan's stages without microbatches (model parallelism alone).
 
-Predictions come from the planner's table calibrated to this run: spec-sheet
-layer shares scaled to the measured one-GPU step, and a fixed part per
-microbatch from one GPU running the whole step at batch / M (one table per
-M). A pipeline's predicted step replays its schedule (`simulate`); the ILP's
+Predictions come from the table a user gets from `hetpar costs MODEL
+--measure --calibrate --microbatches M` (one per M): layers measured alone
+at batch and batch / M (the fixed part per microbatch fitted from the two),
+scaled to the whole step hetpar times, with the runtime's cost per stage and
+per crossing. (Until 2026-11-27 this script calibrated by hand: spec-sheet
+shares scaled to its own one-GPU timing, a fixed part from one GPU's
+gradient at batch / M; the "launch floor" rows still measure the latter.) A pipeline's predicted step replays its schedule (`simulate`); the ILP's
 closed form is noted beside it. Timelines of the runs and of their replays
 are written for plotting (plot_timeline.py).
 
@@ -52,8 +55,8 @@ flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "with --model: schedules")
 flags.DEFINE_bool("planner", True, "also run the planner's plan (else only half/half)")
 flags.DEFINE_bool("choice", True, "also run the planner's free choice (it may replicate)")
 flags.DEFINE_bool("half", True, "run the contiguous half/half pipelines")
-flags.DEFINE_bool("measure_layers", False, "layer shares measured on the first GPU (each layer "
-                  "alone, `cost_table(measure=True)`) instead of spec-sheet predictions")
+flags.DEFINE_bool("measure_layers", True, "kept for old commands: layers are always measured "
+                  "(hetpar costs --measure --calibrate)")
 flags.DEFINE_bool("memory_only", False, "with --memory_fraction: only the one-GPU step, its "
                   "launch floor and the memory-bound case")
 flags.DEFINE_float("memory_fraction", 0.0, "also run a memory-bound case: a per-GPU budget of "
@@ -88,54 +91,22 @@ def data_parallel(w, args, devs, steps):
     return _time(jax.jit(w.train_step), (*state, batch), steps)
 
 
-def calibrated_table(w, args, names, one_s, floor, grad_s=None):
-    """The planner's table of the step on the two GPUs, calibrated to measured steps.
+def calibrated_table(w, names, microbatches, quick):
+    """The planner's table of the step on the two GPUs, as a user gets it:
+    `hetpar costs MODEL --devices gpu:0,gpu:1 --measure --calibrate
+    --microbatches M` (`zoo.cost_table`). Every layer measured alone at
+    batch and batch / M (its fixed part per microbatch fitted from the two),
+    scaled to the whole step hetpar times under `jax.jit`, with the runtime's
+    cost per stage and per crossing measured too. No benchmark-side scaling.
 
-    Layer shares come from the spec sheets; they are scaled so the whole step
-    on one GPU takes what `jax.jit` measured (`scale_to_step`), and each layer
-    gets the same fraction of fixed time (what every microbatch pays whole)
-    as the gradient: fixed = (M x g(b/M) - g(b)) / (M - 1), from one GPU
-    computing the gradient alone (no update: a pipeline updates once a step,
-    not once per microbatch) at batch b / M and at b. Links from --profiles.
+    Returns:
+      (table, fixed: seconds every microbatch pays whole, summed over layers).
     """
-    import dataclasses
-
-    from hetpar.cost_models import cost_table, scale_to_step
-
-    graph = hetpar.trace(w.train_step, *args)
-    table = cost_table(graph, names, profiles=_PROFILES)
-    if FLAGS.measure_layers:
-        measured = _measured_layers(w, graph, names[0])
-        table = dataclasses.replace(table, layers=tuple(
-            dataclasses.replace(la, time_s=dict.fromkeys(la.time_s, measured[la.name]))
-            for la in table.layers))
-    table = scale_to_step(table, dict.fromkeys(names, one_s))
-    fixed = 0.0
-    if floor:
-        m, t_m = max(floor.items())
-        full = one_s if grad_s is None else grad_s
-        fixed = min(max((m * t_m - full) / (m - 1), 0.0), one_s)
-    share = fixed / one_s
-    layers = tuple(dataclasses.replace(la, fixed_s={d: share * t for d, t in la.time_s.items()})
-                   for la in table.layers)
-    return dataclasses.replace(table, layers=layers), fixed
-
-
-_MEASURED: dict = {}
-
-
-def _measured_layers(w, graph, device):
-    """{layer: seconds} of each layer alone on `device` (once per model and batch)."""
-    from hetpar.cost_models import cost_table
-
-    key = (w.name, w.config["batch_size"])
-    if key not in _MEASURED:
-        t0 = time.perf_counter()
-        table = cost_table(graph, [device], profiles=_PROFILES, measure=True, k=5)
-        _MEASURED[key] = {la.name: la.time_s[device] for la in table.layers}
-        print(f"measured {len(table.layers)} layers on {device} in "
-              f"{time.perf_counter() - t0:.1f} s", flush=True)
-    return _MEASURED[key]
+    table = zoo.cost_table(w.name, names, small=quick, batch=int(w.config["batch_size"]),
+                           measure=True, microbatches=microbatches, calibrate=True,
+                           profiles=_PROFILES, k=5)
+    fixed = sum((la.fixed_s or {}).get(names[0], 0.0) for la in table.layers)
+    return table, fixed
 
 
 def _grad_time(w, dev, steps):
@@ -210,7 +181,7 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
     add({**base, "config": "one GPU (jax.jit)", "step_s": one, "speedup": 1.0})
     if FLAGS.memory_only:
         floor, grad = _floors(name, batch, [max(microbatches)], quick, devs[0], steps, base, add)
-        table, _ = calibrated_table(w, args, names, one, floor, grad)
+        table, _ = calibrated_table(w, names, max(microbatches), quick)
         return memory_case(w, args, table, one, names, devs, steps, rows, base, add, timelines)
     try:
         dp = data_parallel(w, args, devs, steps)
@@ -226,11 +197,11 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
     # (batch / 2 per GPU) use M = 2's when measured.
     tables = {}
     for m in sorted(floor):
-        tables[m], fixed = calibrated_table(w, args, names, one, {m: floor[m]}, grad)
+        tables[m], fixed = calibrated_table(w, names, m, quick)
         print(f"calibrated at M={m}: one GPU {one * 1e3:.1f} ms, fixed part "
               f"{fixed * 1e3:.2f} ms", flush=True)
     table = tables.get(2) or (tables[max(tables)] if tables else
-                              calibrated_table(w, args, names, one, {})[0])
+                              calibrated_table(w, names, 1, quick)[0])
     if "error" not in dp_row:
         dp_row["predicted_speedup"] = one / evaluate_data_parallel(table, names).step_time_s
     add(dp_row)
