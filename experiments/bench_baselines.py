@@ -228,7 +228,6 @@ def memory_case(name: str, fraction: float, small: bool, steps: int, cpu_steps: 
     else:
         w = zoo.get(name, small=small)
         args = w.example_args()
-        jit_s = {acc: time_jit(w, args, acc, steps), CPU: time_jit(w, args, CPU, cpu_steps)}
         raw, table = measure_table(w, acc, k, small)
     batch = int(w.config["batch_size"])
     need = sum(layer.memory_bytes[acc] for layer in table.layers)

@@ -19,7 +19,8 @@ at batch and batch / M (the fixed part per microbatch fitted from the two),
 scaled to the whole step hetpar times, with the runtime's cost per stage and
 per crossing. (Until 2026-11-27 this script calibrated by hand: spec-sheet
 shares scaled to its own one-GPU timing, a fixed part from one GPU's
-gradient at batch / M; the "launch floor" rows still measure the latter.) A pipeline's predicted step replays its schedule (`simulate`); the ILP's
+gradient at batch / M; the "launch floor" rows still measure the latter.)
+A pipeline's predicted step replays its schedule (`simulate`); the ILP's
 closed form is noted beside it. Timelines of the runs and of their replays
 are written for plotting (plot_timeline.py).
 

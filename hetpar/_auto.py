@@ -643,7 +643,7 @@ class CompiledStep:
         scaled = scale_to_timed_step(
             table, self.devices,
             lambda _, dev: _whole_step_s(self._step, self._calibration_args, dev),
-            _cached_overhead, _cached_crossing)
+            _cached_overhead, _cached_crossing, _cached_bandwidth)
         logging.info("hetpar: calibrated to whole steps measured here: %s",
                      scaled.meta.get("step_s"))
         return scaled
@@ -1009,6 +1009,16 @@ def _cached_crossing(a, b, overhead) -> float:
     key = frozenset((a[1], b[1]))
     if key not in _OVERHEADS:
         _OVERHEADS[key] = crossing_s(a, b, overhead)
+    return _OVERHEADS[key]
+
+
+def _cached_bandwidth(src, dst, nbytes: float) -> float:
+    """`hetpar.runtime.link_bandwidth` src -> dst at `nbytes`, measured once per process."""
+    from hetpar.runtime import link_bandwidth
+
+    key = (src, dst, float(nbytes))
+    if key not in _OVERHEADS:
+        _OVERHEADS[key] = link_bandwidth(src, dst, nbytes)
     return _OVERHEADS[key]
 
 

@@ -188,11 +188,12 @@ def test_scale_to_step_carries_a_measured_factor_to_siblings():
 def test_timed_step_carries_the_runtimes_costs_to_the_table():
     # profile="measure" times the runtime's cost per stage and per crossing on
     # the present devices (here on the real runtime, cpu:0 and cpu:1): each
-    # present device takes its kind's, the spec-sheet CPU sibling borrows it,
-    # and the present devices' links are raised to the measured crossing.
+    # present device takes its kind's, a sibling of its class would borrow it,
+    # the present devices' links are raised to the measured crossing and take
+    # the bandwidth measured at the plan's sizes.
     import jax
 
-    from hetpar.runtime import crossing_s, stage_overhead_s
+    from hetpar.runtime import crossing_s, link_bandwidth, stage_overhead_s
 
     table = zoo.cost_table("mlp", ["cpu:0", "cpu:1", "h100"], small=True)
     present = {f"cpu:{d.id}": d for d in jax.devices("cpu")[:2]}
@@ -204,7 +205,8 @@ def test_timed_step_carries_the_runtimes_costs_to_the_table():
 
     scaled = cost_models.scale_to_timed_step(
         table, present, lambda name, dev: 1.0, overhead,
-        lambda a, b, both: crossing_s(a, b, both, runs=5))
+        lambda a, b, both: crossing_s(a, b, both, runs=5),
+        lambda src, dst, n: link_bandwidth(src, dst, n, runs=3))
     assert calls == ["cpu:0"]  # once per kind
     per = scaled.meta["stage_overhead_s"]
     assert set(per) == {"cpu:0", "cpu:1"} and 0 < per["cpu:0"] == per["cpu:1"] < 1.0
@@ -217,6 +219,11 @@ def test_timed_step_carries_the_runtimes_costs_to_the_table():
     assert link["cpu:0", "cpu:1"].latency_s > {(k.src, k.dst): k for k in table.links}[
         "cpu:0", "cpu:1"].latency_s  # the runtime's handoff, not the wire's 5 us
     assert link["cpu:0", "h100:0"] == {(k.src, k.dst): k for k in table.links}["cpu:0", "h100:0"]
+    # The copy's bandwidth at the largest value the step passes between layers.
+    assert scaled.meta["bandwidth_at_bytes"] == max(e.bytes for e in table.edges)
+    bw = scaled.meta["bandwidth_bytes_per_s"]["cpu->cpu"]
+    assert bw > 0 and link["cpu:0", "cpu:1"].bandwidth_bytes_per_s == bw
+    assert link["cpu:1", "cpu:0"].bandwidth_bytes_per_s == bw  # one kind: one figure each way
 
 
 def test_measured_layers_carry_to_a_spec_sheet_sibling():

@@ -129,3 +129,22 @@ def crossing_s(a: tuple[str, jax.Device], b: tuple[str, jax.Device],
                          if v in made_by and made_by[v].device != st.device})
                     for st in stages.stages)
     return max(0.0, (split_s - whole_s - stage_s) / max(crossings, 1))
+
+
+def link_bandwidth(src: jax.Device, dst: jax.Device, nbytes: float, *, runs: int = 5) -> float:
+    """Bytes per second the transfer engine moves `src` -> `dst` at `nbytes`
+    (a float32 array of about that size; at least 1 MB, at most 256 MB), the
+    same path a plan's values take. The small-value cost is `crossing_s`'s;
+    this is the slope at the sizes the plan moves, measured against a 4 kB copy.
+    """
+    from hetpar.runtime._transfer import TransferEngine
+
+    engine = TransferEngine()
+    n = int(min(max(nbytes, 1 << 20), 1 << 28)) // 4
+
+    def timed(count: int) -> float:
+        x = jax.device_put(jnp.ones((count,), jnp.float32), src)
+        return _median_s(lambda: engine.move(x, dst), runs)
+
+    big, small = timed(n), timed(1024)
+    return 4 * (n - 1024) / max(big - small, 1e-9)

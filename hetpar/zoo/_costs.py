@@ -143,4 +143,13 @@ def _calibrated(table: CostTable, w: Workload, k: int,
             progress(f"runtime crossing {a[0]} <-> {b[0]}: {seconds(t)}")
         return t
 
-    return cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing)
+    def bandwidth(src, dst, nbytes: float) -> float:
+        from hetpar.runtime import link_bandwidth
+
+        b = link_bandwidth(src, dst, nbytes)
+        if progress:
+            progress(f"runtime copies {src} -> {dst}: {b / 1e9:.3g} GB/s at {nbytes / 1e6:.3g} MB")
+        return b
+
+    return cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
+                                           bandwidth)
