@@ -74,6 +74,7 @@ def test_cli_plan_from_a_model_name(tmp_path):
     assert set(plan.assignment.values()) <= {"cpu:0", "h100:0"}
 
 
+@pytest.mark.slow  # calibrates (times the step): fast-tier time
 def test_cli_plan_for_elsewhere_from_a_profile_and_a_calibrated_step(tmp_path):
     # Profile here, plan for there: a profile file's measured CPU lends its
     # calibration to the spec-sheet CPU kind; --calibrate times the step here.

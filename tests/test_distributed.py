@@ -324,7 +324,7 @@ def test_auto_batch_option():
 
 
 @pytest.mark.parametrize("mode, status", [pytest.param("raise", 1, marks=pytest.mark.slow),
-                                          ("abort", 3)])
+                                          pytest.param("abort", 3, marks=pytest.mark.slow)])
 def test_one_process_failing_stops_the_job(tmp_path, mode, status):
     # Process 0 blocks in its next collective, waiting for process 1, which is
     # gone: only the launcher's kill ends it (after --grace seconds).

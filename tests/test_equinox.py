@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import hetpar
 
@@ -99,6 +100,7 @@ def two_device_plan(step, *args):
     return {name: f"cpu:{i % 2}" for i, name in enumerate(layers)}
 
 
+@pytest.mark.slow  # fast-tier time; the plan-dict test traces activation fields too
 def test_model_with_activation_functions_traces():
     model, opt_state = fresh_mlp()
     graph = hetpar.trace(mlp_step, model, opt_state, *mlp_data())
@@ -166,6 +168,7 @@ def test_mlp_under_a_plan_dict_equals_filter_jit():
     assert out[0].activation is jax.nn.relu
 
 
+@pytest.mark.slow  # the MLP plan-dict test covers split Equinox steps fast
 def test_cnn_split_over_two_devices_equals_filter_jit():
     model, opt_state = fresh_cnn()
     batch = cnn_data()

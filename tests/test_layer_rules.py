@@ -82,6 +82,7 @@ def stack_graph(remat: bool):
     return hetpar.trace(step, params, tx.init(params), {"x": x, "y": jnp.ones((4, 4))})
 
 
+@pytest.mark.slow  # fast-tier time; user_steps[remat] runs remat fast
 def test_remat_backward_lands_with_its_forward():
     plain, remat = stack_graph(False), stack_graph(True)
     assert remat.layers == plain.layers == ["embed", "block0", "block1", "block2", "head"]

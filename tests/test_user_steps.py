@@ -123,6 +123,7 @@ def check_split_equals_jit(step, args, batches=None, steps=3):
     return g
 
 
+@pytest.mark.slow  # multi_steps[clip_adamw] runs a clipped chain fast
 def test_clip_by_global_norm_chain_keeps_state_per_layer():
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     step, args = make_step(tx)
@@ -139,6 +140,7 @@ def test_clip_by_global_norm_chain_keeps_state_per_layer():
     check_split_equals_jit(step, args)
 
 
+@pytest.mark.slow  # fast-tier time
 def test_apply_if_finite_keeps_state_per_layer_and_rejects_like_jit():
     # Optax writes the accept/reject as one `lax.cond` over the whole inner
     # update, here with a global-norm clip inside. The cond is cut per layer:
@@ -213,7 +215,7 @@ def test_cond_tied_by_one_tensor_stays_whole_and_says_why():
 
 # The fast tier's check of both activation policies (test_offload_runtime's
 # transformer case is slow).
-@pytest.mark.parametrize("activations", ["remat", "offload"])
+@pytest.mark.parametrize("activations", ["remat", pytest.param("offload", marks=pytest.mark.slow)])
 def test_optax_chain_with_state_in_pinned_memory_and_activation_policies_equals_jit(activations):
     """A Flax step with a clipped AdamW chain, written as users write it, with
     every layer's optimizer state in pinned host memory and its activations
