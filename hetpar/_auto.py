@@ -262,9 +262,11 @@ class StepClock:
                         f"({seconds(p)}), off by more than {self.TOLERANCE:.0%}. ")
                 if step.options.profile == "measure":
                     out["warning"] = head + (
-                        "The layers were calibrated to the whole step measured here "
-                        "(profile='measure'): the gap is time the plan spends outside them "
-                        "(transfers, dispatch of its stages)")
+                        "The layers, the whole step and the runtime's costs per stage "
+                        "and crossing were measured here (profile='measure'): the gap is "
+                        "how the stages overlap, e.g. devices sharing cores (virtual CPU "
+                        "devices) slowing each other's stages; the replay "
+                        "(hetpar.planner.simulate) shows what was assumed")
                 else:
                     given = step.options.profile not in (None, "auto") or os.environ.get(
                         "HETPAR_PROFILES")
