@@ -102,28 +102,17 @@ def layer_fused_bytes(graph, layer: str, backend: str) -> float | None:
     the backend and the jax version): compiling every GPT-2 layer for the GPU
     again took a minute at each `profile="measure"` plan.
     """
-    import json
-    import os
-
     import jax
 
     from hetpar.cost_models._layer_timing import layer_key
-    from hetpar.cost_models._measure import cache_dir
+    from hetpar.cost_models._measure import cached_json
+
+    def compiled() -> dict:
+        cost = layer_xla_cost(graph, layer, backend)
+        return {"bytes": None if cost is None else float(cost.bytes_accessed)}
 
     key = f"{layer_key(graph, layer)}-{backend}-{jax.__version__}".replace("/", "_")
-    path = cache_dir() / "fused_bytes" / f"{key}.json"
-    if path.exists():
-        try:
-            return json.loads(path.read_text())["bytes"]
-        except (ValueError, KeyError) as e:
-            logging.warning("ignoring unreadable cache entry %s: %s", path, e)
-    cost = layer_xla_cost(graph, layer, backend)
-    fused = None if cost is None else float(cost.bytes_accessed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"bytes": fused}))
-    tmp.replace(path)  # atomic: concurrent writers never leave half a file
-    return fused
+    return cached_json("fused_bytes", key, compiled, required=("bytes",))["bytes"]
 
 
 #: Entry-computation instructions that launch no kernel: they name, pack or

@@ -142,18 +142,41 @@ def measure_cached(
       The Timing; `cached` is True when no measurement ran.
     """
     digest = cache_key(key, args, device)
-    path = cache_dir() / "measure" / f"{digest}.json"
+    cached = []
+
+    def timed() -> dict:
+        timing = (measure_fn or measure)(fn, args, device, k=k, warmup=warmup)
+        cached.append(False)
+        return timing.to_json() | {"key": key}
+
+    data = cached_json("measure", digest, timed, required=("median_s", "iqr_s", "samples"))
+    return Timing.from_json(data, cached=not cached)
+
+
+def cached_json(kind: str, digest: str, compute: Callable[[], dict],
+                required: Sequence[str] = ()) -> dict:
+    """`compute()`'s JSON object, remembered on disk under `cache_dir()/kind/digest.json`.
+
+    An unreadable entry, or one missing a `required` key, is computed again
+    (with a warning); entries are written atomically, so concurrent
+    processes never read half a file.
+    """
+    path = cache_dir() / kind / f"{digest}.json"
     if path.exists():
         try:
-            return Timing.from_json(json.loads(path.read_text()), cached=True)
-        except (ValueError, KeyError) as e:
+            data = json.loads(path.read_text())
+            missing = [k for k in required if k not in data]
+            if not missing:
+                return data
+            logging.warning("ignoring cache entry %s without %s", path, missing)
+        except ValueError as e:
             logging.warning("ignoring unreadable cache entry %s: %s", path, e)
-    timing = (measure_fn or measure)(fn, args, device, k=k, warmup=warmup)
+    data = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(timing.to_json() | {"key": key}))
-    tmp.replace(path)  # atomic: concurrent measurers never read half a file
-    return timing
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+    return data
 
 
 def sweep_batch(

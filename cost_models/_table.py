@@ -417,9 +417,9 @@ def scale_to_step(table, step_s: Mapping[str, float], *, siblings: bool = False)
 
 def scale_to_timed_step(table, present: Mapping[str, Any],
                         time_step: Callable[[str, Any], float | None],
-                        stage_overhead: Callable[[str, Any], float] | None = None,
-                        crossing: Callable[..., float] | None = None,
-                        bandwidth: Callable[[Any, Any, float], float] | None = None):
+                        stage_overhead: Callable[[str, Any], float | None] | None = None,
+                        crossing: Callable[..., float | None] | None = None,
+                        bandwidth: Callable[[Any, Any, float], float | None] | None = None):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -438,7 +438,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     runtime's handoff. With `bandwidth` (`hetpar.runtime.link_bandwidth`),
     each direction of those pairs has its bandwidth measured at the largest
     value the step passes between layers (the sizes plans move; two virtual
-    CPU devices copied at 1.2 GB/s where the spec sheet says 154).
+    CPU devices copied at 1.2 GB/s where the spec sheet says 154). A callback
+    returning None leaves its figure as predicted.
 
     Returns:
       The scaled table, or `table` itself when nothing was timed.
@@ -453,8 +454,10 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
         kind = table.device(name).kind
         if kind not in by_kind:
             by_kind[kind] = time_step(name, dev)
-            if by_kind[kind] is not None and stage_overhead is not None:
-                overhead[kind] = stage_overhead(name, dev)
+            cost = (stage_overhead(name, dev)
+                    if by_kind[kind] is not None and stage_overhead is not None else None)
+            if cost is not None:
+                overhead[kind] = cost
         if by_kind[kind] is not None:
             step_s[name] = by_kind[kind]
     if not step_s:
@@ -462,65 +465,50 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     scaled = scale_to_step(table, step_s, siblings=True)
     if not overhead:
         return scaled
-    per_device = {d: overhead[table.device(d).kind] for d in step_s}
+    per_device = {d: overhead[table.device(d).kind] for d in step_s
+                  if table.device(d).kind in overhead}
     lent = _sibling_factors(table, per_device)
     per_device.update({d: v for d, (v, _) in lent.items()})
     devices = tuple(dataclasses.replace(d, stage_overhead_s=per_device[d.name])
                     if d.name in per_device else d for d in scaled.devices)
     meta = {**scaled.meta, "stage_overhead_s": per_device}
-    links = scaled.links
+    kind = {d: table.device(d).kind for d in step_s}
+    # One link per pair of kinds (crossing: either way) and per direction
+    # (bandwidth) is measured; every link between timed devices of those kinds takes it.
+    ways = {(kind[k.src], kind[k.dst]): k for k in reversed(table.links)
+            if k.src in kind and k.dst in kind and k.src != k.dst}
+    by_pair: dict[tuple, float] = {}
     if crossing is not None:
-        by_pair = _crossings(table, present, step_s, per_device, crossing)
-        links = tuple(dataclasses.replace(k, latency_s=max(k.latency_s, by_pair[pair]))
-                      if (pair := _kind_pair(table, k.src, k.dst)) in by_pair else k
-                      for k in links)
+        for (a, b), k in ways.items():
+            pair = tuple(sorted((a, b)))
+            if pair not in by_pair and k.src in per_device and k.dst in per_device:
+                t = crossing((k.src, present[k.src]), (k.dst, present[k.dst]),
+                             (per_device[k.src], per_device[k.dst]))
+                if t is not None:
+                    by_pair[pair] = t
         meta["crossing_s"] = {"/".join(p): v for p, v in by_pair.items()}
+    by_way: dict[tuple[str, str], float] = {}
     if bandwidth is not None:
         size = max([e.bytes for e in table.edges] + [e.bytes_backward for e in table.edges]
                    + [1.0])
-        by_way = _bandwidths(table, present, step_s, bandwidth, size)
-        links = tuple(dataclasses.replace(k, bandwidth_bytes_per_s=by_way[way])
-                      if (way := (table.device(k.src).kind, table.device(k.dst).kind)) in by_way
-                      and k.src in step_s and k.dst in step_s else k
-                      for k in links)
+        for way, k in ways.items():
+            b = bandwidth(present[k.src], present[k.dst], size)
+            if b is not None:
+                by_way[way] = b
         meta["bandwidth_bytes_per_s"] = {"->".join(w): v for w, v in by_way.items()}
         meta["bandwidth_at_bytes"] = size
-    return dataclasses.replace(scaled, devices=devices, links=links, meta=meta)
 
-
-def _bandwidths(table, present: Mapping[str, Any], timed: Mapping[str, float],
-                bandwidth: Callable[[Any, Any, float], float], size: float
-                ) -> dict[tuple[str, str], float]:
-    """{(source kind, destination kind): bytes/s at `size`}, measured on the
-    first link between present, timed devices of those kinds."""
-    out: dict[tuple[str, str], float] = {}
-    for k in table.links:
-        if k.src not in timed or k.dst not in timed or k.src == k.dst:
-            continue
+    def measured(k):
+        # The crossing is the runtime's, so every link between those kinds
+        # pays it; the bandwidth was copied between present devices only.
         way = (table.device(k.src).kind, table.device(k.dst).kind)
-        if way not in out:
-            out[way] = bandwidth(present[k.src], present[k.dst], size)
-    return out
+        latency = max(k.latency_s, by_pair.get(tuple(sorted(way)), 0.0))
+        timed = k.src in kind and k.dst in kind
+        return dataclasses.replace(k, latency_s=latency, bandwidth_bytes_per_s=by_way.get(
+            way, k.bandwidth_bytes_per_s) if timed else k.bandwidth_bytes_per_s)
 
-
-def _kind_pair(table, a: str, b: str) -> tuple[str, str]:
-    return tuple(sorted((table.device(a).kind, table.device(b).kind)))
-
-
-def _crossings(table, present: Mapping[str, Any], timed: Mapping[str, float],
-               overhead: Mapping[str, float], crossing: Callable[..., float]
-               ) -> dict[tuple[str, str], float]:
-    """{(kind, kind): seconds per crossing}, measured on the first pair of
-    present, timed devices of each pair of kinds that a link joins."""
-    out: dict[tuple[str, str], float] = {}
-    for k in table.links:
-        if k.src not in timed or k.dst not in timed or k.src == k.dst:
-            continue
-        pair = _kind_pair(table, k.src, k.dst)
-        if pair not in out:
-            out[pair] = crossing((k.src, present[k.src]), (k.dst, present[k.dst]),
-                                 (overhead[k.src], overhead[k.dst]))
-    return out
+    links = tuple(measured(k) for k in scaled.links)
+    return dataclasses.replace(scaled, devices=devices, links=links, meta=meta)
 
 
 def _sibling_factors(table, factor: Mapping[str, float]) -> dict[str, tuple[float, str]]:

@@ -168,6 +168,29 @@ def test_mlp_under_a_plan_dict_equals_filter_jit():
     assert out[0].activation is jax.nn.relu
 
 
+@pytest.mark.slow  # times every layer, the step and the runtime's costs
+def test_mlp_plan_dict_calibrated_at_the_first_call_equals_filter_jit(monkeypatch):
+    # profile="measure" on an Equinox step: layers timed alone (static leaves
+    # closed over), the whole step, and the runtime's per-stage cost, which
+    # the plan dict's replayed prediction then carries.
+    from hetpar import _auto
+
+    monkeypatch.setattr(_auto, "_OVERHEADS", {})
+    model, opt_state = fresh_mlp()
+    data = mlp_data()
+    layers = hetpar.trace(mlp_step, model, opt_state, *data).layers
+    plan = {name: f"cpu:{i % 2}" for i, name in enumerate(layers)}
+    step = hetpar.auto(mlp_step, plan=plan, profile="measure")
+    out = train(step, model, opt_state, *data)
+    assert_close(out, train(eqx.filter_jit(mlp_step), model, opt_state, *data))
+    measured = step.lower(model, opt_state, *data)
+    assert measured.predicted().step_time_s > 0
+    per_stage = [v for k, v in _auto._OVERHEADS.items() if isinstance(k, jax.Device)]
+    assert per_stage and all(v is not None and v > 0 for v in per_stage)
+    spec = hetpar.auto(mlp_step, plan=plan).lower(model, opt_state, *data).predicted()
+    assert measured.predicted().step_time_s != spec.step_time_s
+
+
 @pytest.mark.slow  # the MLP plan-dict test covers split Equinox steps fast
 def test_cnn_split_over_two_devices_equals_filter_jit():
     model, opt_state = fresh_cnn()

@@ -23,6 +23,8 @@ is copied by the transfer engine, and the consumer's worker wakes to it
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,10 +62,10 @@ def _median_s(run, runs: int) -> float:
     return float(np.median(times))
 
 
-def _split_and_whole_s(plan: dict, devices: dict, layers: int, runs: int, workers,
-                       ) -> tuple[float, float, object]:
+def _split_and_whole_s(plan: Callable[[int], Any], devices: dict, layers: int, runs: int,
+                       workers) -> tuple[float, float, object]:
     """(median step through the runtime, median under jax.jit on the first
-    device, the StageGraph) of the tiny chain under `plan` (layer -> placement)."""
+    device, the StageGraph) of the tiny chain, layer i placed at `plan(i)`."""
     from hetpar.passes import split, trace
     from hetpar.runtime._executor import Executor
     from hetpar.runtime._transfer import TransferEngine

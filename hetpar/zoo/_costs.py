@@ -127,29 +127,21 @@ def _calibrated(table: CostTable, w: Workload, k: int,
             progress(f"whole step on {name}: {seconds(t)} (jax.jit, median of {k})")
         return t
 
-    def overhead(name: str, dev) -> float:
-        from hetpar.runtime import stage_overhead_s
+    from hetpar.runtime import crossing_s, link_bandwidth, stage_overhead_s
 
-        t = stage_overhead_s(name, dev)
-        if progress:
-            progress(f"runtime overhead per stage on {name}: {seconds(t)}")
-        return t
+    def reported(measure, line):
+        def call(*args):
+            value = measure(*args)
+            if progress:
+                progress(line(*args, value))
+            return value
+        return call
 
-    def crossing(a, b, both) -> float:
-        from hetpar.runtime import crossing_s
-
-        t = crossing_s(a, b, both)
-        if progress:
-            progress(f"runtime crossing {a[0]} <-> {b[0]}: {seconds(t)}")
-        return t
-
-    def bandwidth(src, dst, nbytes: float) -> float:
-        from hetpar.runtime import link_bandwidth
-
-        b = link_bandwidth(src, dst, nbytes)
-        if progress:
-            progress(f"runtime copies {src} -> {dst}: {b / 1e9:.3g} GB/s at {nbytes / 1e6:.3g} MB")
-        return b
-
+    overhead = reported(stage_overhead_s, lambda name, _, t:
+                        f"runtime overhead per stage on {name}: {seconds(t)}")
+    crossing = reported(crossing_s, lambda a, b, _, t:
+                        f"runtime crossing {a[0]} <-> {b[0]}: {seconds(t)}")
+    bandwidth = reported(link_bandwidth, lambda src, dst, n, b:
+                         f"runtime copies {src} -> {dst}: {b / 1e9:.3g} GB/s at {n / 1e6:.3g} MB")
     return cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
                                            bandwidth)
