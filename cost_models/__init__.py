@@ -45,9 +45,11 @@ from hetpar.cost_models._layer_work import (
 )
 from hetpar.cost_models._measure import (
     Timing,
+    batch_share,
     cache_dir,
     measure,
     measure_cached,
+    measure_step,
     sweep_batch,
 )
 from hetpar.cost_models._microbench import (
@@ -139,7 +141,9 @@ __all__ = [
     "layer_xla_cost",
     "load_profiles",
     "local_name",
+    "batch_share",
     "measure",
+    "measure_step",
     "fit_on_layers",
     "fit_samples",
     "layer_samples",

@@ -419,7 +419,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                         time_step: Callable[[str, Any], float | None],
                         stage_overhead: Callable[[str, Any], float | None] | None = None,
                         crossing: Callable[..., float | None] | None = None,
-                        bandwidth: Callable[[Any, Any, float], float | None] | None = None):
+                        bandwidth: Callable[[Any, Any, float], float | None] | None = None,
+                        *, time_share: Callable[[str, Any, int], float | None] | None = None):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -438,8 +439,16 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     runtime's handoff. With `bandwidth` (`hetpar.runtime.link_bandwidth`),
     each direction of those pairs has its bandwidth measured at the largest
     value the step passes between layers (the sizes plans move; two virtual
-    CPU devices copied at 1.2 GB/s where the spec sheet says 154). A callback
-    returning None leaves its figure as predicted.
+    CPU devices copied at 1.2 GB/s where the spec sheet says 154). With
+    `time_share` (`time_share(name, jax_device, 2)`: the step at half the
+    batch), each kind with two or more present devices, which could run the
+    step data parallel, has the part of its step that a replica pays whole
+    (launches, per-call costs) measured: `2 T(B/2) - T(B)`. Layers without
+    a `fixed_s` of their own get that fraction of their time as theirs (a
+    sibling borrows its class's fraction): GPT-2 at batch 16 is mostly fixed
+    cost, and data parallel over two GPUs ran 0.9x one GPU's step where
+    halving the work predicted 0.5x. A callback returning None leaves its
+    figure as predicted.
 
     Returns:
       The scaled table, or `table` itself when nothing was timed.
@@ -463,6 +472,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     if not step_s:
         return table
     scaled = scale_to_step(table, step_s, siblings=True)
+    if time_share is not None:
+        scaled = _with_fixed_parts(scaled, present, step_s, time_share)
     if not overhead:
         return scaled
     per_device = {d: overhead[table.device(d).kind] for d in step_s
@@ -509,6 +520,39 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
 
     links = tuple(measured(k) for k in scaled.links)
     return dataclasses.replace(scaled, devices=devices, links=links, meta=meta)
+
+
+def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, float],
+                      time_share: Callable[[str, Any, int], float | None]):
+    """`table` with each layer's `fixed_s` (where it has none) set to the
+    fraction of the whole step a data-parallel replica pays whole, measured
+    per kind that has two or more timed devices (see `scale_to_timed_step`)."""
+    timed: dict[str, list[str]] = {}
+    for d in step_s:
+        timed.setdefault(table.device(d).kind, []).append(d)
+    fraction: dict[str, float] = {}
+    for devices in timed.values():
+        if len(devices) < 2:
+            continue
+        first, whole = devices[0], step_s[devices[0]]
+        half = time_share(first, present[first], 2)
+        if half is None:
+            continue
+        frac = min(1.0, max(0.0, (2 * half - whole) / whole))
+        fraction.update(dict.fromkeys(devices, frac))
+    if not fraction:
+        return table
+    fraction.update({d: v for d, (v, _) in _sibling_factors(table, fraction).items()})
+
+    def fixed(layer):
+        have = dict(layer.fixed_s or {})
+        for d, t in layer.time_s.items():
+            if d in fraction and d not in have:
+                have[d] = fraction[d] * t
+        return dataclasses.replace(layer, fixed_s=have or None)
+
+    return dataclasses.replace(table, layers=tuple(fixed(la) for la in table.layers),
+                               meta={**table.meta, "fixed_fraction": fraction})
 
 
 def _sibling_factors(table, factor: Mapping[str, float]) -> dict[str, tuple[float, str]]:

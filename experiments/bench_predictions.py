@@ -112,7 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory_fraction", type=float, default=0.7)
     ap.add_argument("--memory_microbatches", type=int, default=4)
     ap.add_argument("--plans", nargs="*", default=None,
-                    help="run only the plans whose names contain one of these")
+                    help="run only the plans named, or whose names contain one of these")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,11 +121,12 @@ def main(argv=None) -> int:
     w = zoo.get("transformer", small=args.quick, batch=args.batch or (8 if args.quick else 256))
     example = jax.tree_util.tree_map(np.asarray, w.example_args())
     layers = list(hetpar.trace(w.train_step, *example).layers)
-    pipe = {name: names[i * 2 // len(layers)] for i, name in enumerate(layers)}
-    plans = [("one device", dict(devices=names[:1]), None, 1),
-             ("data parallel x2", dict(devices=names, data_parallel="always"), None, 1)]
-    plans += [(f"pipeline x2 M={m} 1f1b", dict(plan=pipe, microbatches=m, schedule="1f1b"),
-               pipe, m) for m in (1, 2, 4, 8)]
+    plans = [("one device", dict(devices=names[:1]), None, 1)]
+    if len(names) > 1:  # one GPU: the one-device and offload plans only
+        pipe = {name: names[i * 2 // len(layers)] for i, name in enumerate(layers)}
+        plans += [("data parallel x2", dict(devices=names, data_parallel="always"), None, 1)]
+        plans += [(f"pipeline x2 M={m} 1f1b", dict(plan=pipe, microbatches=m, schedule="1f1b"),
+                   pipe, m) for m in (1, 2, 4, 8)]
     # Memory-bound: each GPU may hold 0.7x what the step needs (the planner pipelines
     # it over both, M=4 1F1B), and one GPU holding half of it (the planner offloads
     # state to pinned host memory).
@@ -133,15 +134,16 @@ def main(argv=None) -> int:
     host = names[1] if args.quick else "cpu:0"  # where offloaded state may live
     need = sum(graph[la].memory_bytes for la in graph.layers)
     frac, mm = args.memory_fraction, args.memory_microbatches
-    plans += [
-        (f"memory-bound x2 ({frac}x) M={mm} 1f1b",
-         dict(devices=names, memory=dict.fromkeys(names, frac * need), microbatches=mm,
-              schedule="1f1b", data_parallel=False), None, 4),
-        ("one device, 0.5x memory (offload)",
-         dict(devices=[names[0], host], memory={names[0]: 0.5 * need}), None, 1),
-    ]
+    if len(names) > 1:
+        plans += [(f"memory-bound x2 ({frac}x) M={mm} 1f1b",
+                   dict(devices=names, memory=dict.fromkeys(names, frac * need),
+                        microbatches=mm, schedule="1f1b", data_parallel=False), None, 4)]
+    plans += [("one device, 0.5x memory (offload)",
+               dict(devices=[names[0], host], memory={names[0]: 0.5 * need}), None, 1)]
     if args.plans:
-        plans = [p for p in plans if any(k in p[0] for k in args.plans)]
+        exact = {p[0] for p in plans} & set(args.plans)  # "one device" alone, not the offload
+        plans = [p for p in plans
+                 if p[0] in exact or any(k in p[0] for k in set(args.plans) - exact)]
     meta = dict(model=w.name, batch=w.config["batch_size"], steps=args.steps,
                 device=jax.devices(kind)[0].device_kind, jax=jax.__version__)
     rows = []

@@ -635,17 +635,25 @@ class CompiledStep:
     def _calibrated(self, table):
         """`table` scaled to the whole step measured under `jax.jit` on one
         present device of each kind it has (`profile="measure"`)."""
-        from hetpar.cost_models import scale_to_timed_step
+        from hetpar.cost_models import batch_share, scale_to_timed_step
 
         if jax.process_count() > 1:
             raise HetparError("profile='measure' calibrates in one process; under "
                               "jax.distributed run `hetpar profile` there and pass its file")
         if self._calibration_args is None:  # only while planning
             return table
+        step, args, batch = self._step, self._calibration_args, self._batch_argnums
+
+        def share(_, dev, parts: int) -> float | None:
+            # A replica's step: the same step on its share of the batch.
+            part = batch_share(args, batch, parts)
+            return None if part is None else _whole_step_s(step, part, dev, batch)
+
         scaled = scale_to_timed_step(
-            table, self.devices,
-            lambda _, dev: _whole_step_s(self._step, self._calibration_args, dev),
-            *_runtime_costs())
+            table, self.devices, lambda _, dev: _whole_step_s(step, args, dev, batch),
+            *_runtime_costs(),
+            # Microbatched steps have their layers' fixed parts measured per microbatch.
+            time_share=share if self.options.microbatches == 1 else None)
         logging.info("hetpar: calibrated to whole steps measured here: %s",
                      scaled.meta.get("step_s"))
         return scaled
@@ -966,22 +974,24 @@ def _hierarchical_devices(used, present) -> tuple[dict, dict]:
     return mine, across
 
 
-def _whole_step_s(step: Callable, args: tuple, dev, runs: int = 3,
-                  budget_s: float = 1.0, most: int = 20) -> float | None:
-    """Median seconds of `step` under `jax.jit` on `dev` (`cost_models.measure`,
-    after one compiling run), or None where it does not run there (out of memory).
+def _whole_step_s(step: Callable, args: tuple, dev, batch_argnums: Sequence[int] = (-1,),
+                  runs: int = 3, budget_s: float = 1.0, most: int = 20) -> float | None:
+    """Median seconds of `step` under `jax.jit` on `dev` as a training loop runs
+    it (`cost_models.measure_step`: state threaded, the batch as the caller
+    passes it), or None where it does not run there (out of memory).
 
     `runs` timed runs, then, for a step short enough, more (up to `most`,
     about `budget_s` in all): a 3-run median of a millisecond step on a busy
     CPU was off by 3x (an Equinox step's PredictionWarning)."""
-    from hetpar.cost_models import measure
+    from hetpar.cost_models import measure_step
 
     try:
-        first = measure(step, args, dev, k=runs, warmup=1)
+        first = measure_step(step, args, dev, batch_argnums=batch_argnums, k=runs, warmup=1)
         more = min(most, int(budget_s / max(first.median_s, 1e-6))) - runs
         if more <= 0:
             return first.median_s
-        again = measure(step, args, dev, k=more, warmup=1)  # jit's cache: no recompile
+        # jit's cache: no recompile
+        again = measure_step(step, args, dev, batch_argnums=batch_argnums, k=more, warmup=1)
         return float(np.median([*first.samples, *again.samples]))
     except Exception as e:  # noqa: BLE001 - an accelerator too small: keep its predictions
         logging.warning("hetpar: profile='measure' could not time the step on %s (%s: %s); "

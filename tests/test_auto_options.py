@@ -212,12 +212,12 @@ def test_calibration_times_a_short_step_more_than_three_times(monkeypatch):
     # get more runs, up to 20 (about 1 s in all).
     from hetpar import _auto, cost_models
 
-    ks, real = [], cost_models.measure
+    ks, real = [], cost_models.measure_step
 
-    def counting(fn, args, dev, *, k, warmup):
+    def counting(fn, args, dev, *, batch_argnums, k, warmup):
         ks.append(k)
-        return real(fn, args, dev, k=k, warmup=warmup)
+        return real(fn, args, dev, batch_argnums=batch_argnums, k=k, warmup=warmup)
 
-    monkeypatch.setattr(cost_models, "measure", counting)
+    monkeypatch.setattr(cost_models, "measure_step", counting)
     assert _auto._whole_step_s(step, (W, X), CPU[0]) > 0
     assert ks[0] == 3 and 3 < sum(ks) <= 20

@@ -247,3 +247,80 @@ def test_calibrate_times_the_whole_step_on_present_devices():
     assert "h100:0" not in table.meta["step_scale"]  # no measured GPU to follow
     with pytest.raises(ProfileError, match="none of .* is present"):
         zoo.cost_table("mlp", ["h100"], small=True, calibrate=True, k=2)
+
+
+def test_replica_fixed_part_from_the_step_at_half_batch():
+    # With two or more timed devices of a kind (data parallel possible), the
+    # step at half the batch gives the part a replica pays whole: 2 T(B/2) - T(B).
+    # Layers without their own fixed part take that fraction of their time; the
+    # data-parallel prediction then halves only the rest.
+    import dataclasses
+
+    import jax
+
+    from hetpar.planner import evaluate_data_parallel
+
+    table = zoo.cost_table("mlp", ["cpu:0", "cpu:1", "h100"], small=True)
+    mine = table.layer_names[0]  # keeps the fixed part it has
+    table = dataclasses.replace(table, layers=tuple(
+        dataclasses.replace(la, fixed_s={"cpu:0": 0.0, "cpu:1": 0.0}) if la.name == mine else la
+        for la in table.layers))
+    present = {f"cpu:{d.id}": d for d in jax.devices("cpu")[:2]}
+    asked = []
+
+    def share(name, dev, parts):
+        asked.append((name, parts))
+        return 0.7  # T(B/2) = 0.7 s of T(B) = 1 s: 40% of the step is fixed
+
+    plain = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0)
+    scaled = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0,
+                                             time_share=share)
+    assert asked == [("cpu:0", 2)]  # once per kind
+    assert scaled.meta["fixed_fraction"] == {"cpu:0": pytest.approx(0.4),
+                                              "cpu:1": pytest.approx(0.4)}
+    for layer in scaled.layers:
+        for d in ("cpu:0", "cpu:1"):
+            want = 0.0 if layer.name == mine else 0.4 * layer.time_s[d]
+            assert layer.fixed_s[d] == pytest.approx(want)
+        assert "h100:0" not in layer.fixed_s  # another class: nothing measured
+    dp = {t.meta.get("fixed_fraction") is not None:
+          evaluate_data_parallel(t, ["cpu:0", "cpu:1"]).step_time_s for t in (plain, scaled)}
+    assert dp[True] > dp[False]
+    # Fewer than two devices of the kind: no data parallel, nothing asked.
+    asked.clear()
+    one = cost_models.scale_to_timed_step(table, {"cpu:0": present["cpu:0"]},
+                                          lambda name, dev: 1.0, time_share=share)
+    assert asked == [] and "fixed_fraction" not in one.meta
+
+
+def test_measure_step_threads_the_state_and_keeps_the_batch_as_given():
+    import jax
+    import numpy as np
+
+    seen = []
+
+    def step(w, batch):
+        jax.debug.callback(lambda v: seen.append(float(v)), w.sum())
+        return w - 1.0, (batch * w).sum()
+
+    w, batch = np.zeros(3, np.float32), np.ones(3, np.float32)
+    t = cost_models.measure_step(step, (w, batch), "cpu:0", k=4, warmup=2)
+    assert len(t.samples) == 4 and t.median_s > 0
+    assert seen == [0.0, 0.0, -3.0, -6.0, -9.0, -12.0]  # first run, then each on the last's outputs
+    assert (w == 0).all()  # the caller's arrays are untouched
+    # Outputs that are not the state: every run takes the same arguments.
+    seen.clear()
+    cost_models.measure_step(lambda w, b: step(w, b)[1], (w, batch), "cpu:0", k=2, warmup=1)
+    assert seen == [0.0, 0.0, 0.0]
+    with pytest.raises(ProfileError, match="k must be"):
+        cost_models.measure_step(step, (w, batch), "cpu:0", k=0)
+
+
+def test_batch_share_cuts_each_batch_leaf():
+    import numpy as np
+
+    args = (np.zeros(4), {"x": np.arange(8).reshape(8, 1), "y": np.arange(8)})
+    half = cost_models.batch_share(args, (-1,), 2)
+    assert half[0] is args[0]
+    assert half[1]["x"].shape == (4, 1) and list(half[1]["y"]) == [0, 1, 2, 3]
+    assert cost_models.batch_share(args, (-1,), 3) is None  # 8 rows do not split in 3
