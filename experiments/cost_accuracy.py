@@ -183,10 +183,14 @@ def record_work(record: Mapping[str, Any], launch_model: str = "executable",
 
 
 def fit_layers(profile: DeviceProfile, records: Sequence[Mapping[str, Any]], *,
-               launch_model: str = "executable", bytes_model: str = "fused") -> DeviceProfile:
-    """Calibrates `profile` on measured layers: per-class efficiencies and the launch cost."""
+               launch_model: str = "executable", bytes_model: str = "fused",
+               fit_conv: bool = False) -> DeviceProfile:
+    """Calibrates `profile` on measured layers: per-class efficiencies and the launch cost.
+
+    `fit_conv`: also the convolutions' own efficiency (`calibrate(fit_conv=True)`).
+    """
     samples = [(record_work(r, launch_model, bytes_model), r["measured_s"]) for r in records]
-    return calibrate(profile, samples, fit_overhead=True)
+    return calibrate(profile, samples, fit_overhead=True, fit_conv=fit_conv)
 
 
 def _errors(profile: DeviceProfile, records, launch_model: str,
@@ -212,6 +216,7 @@ def accuracy(
     launch_model: str = "executable",
     bytes_model: str = "fused",
     threshold_s: float = 100e-6,
+    fit_conv: bool = False,
 ) -> dict[str, Any]:
     """Held-out error of the calibrated roofline, per device.
 
@@ -222,6 +227,8 @@ def accuracy(
       launch_model: one of `LAUNCH_MODELS`.
       bytes_model: one of `BYTES_MODELS`.
       threshold_s: the "large layer" cut (by measured time).
+      fit_conv: calibrate the convolutions' FLOP efficiency apart from the
+        matmul class's (`calibrate(fit_conv=True)`).
 
     Returns:
       `{device: {"train": ..., "test": ..., "test_large": ..., "uncalibrated_test": ...,
@@ -237,7 +244,8 @@ def accuracy(
         test = [r for r in rs if r["model"] not in train_models]
         if not train or not test:
             continue
-        prof = fit_layers(base[dev], train, launch_model=launch_model, bytes_model=bytes_model)
+        prof = fit_layers(base[dev], train, launch_model=launch_model, bytes_model=bytes_model,
+                          fit_conv=fit_conv)
         large = [r for r in test if r["measured_s"] > threshold_s]
         out[dev] = {
             "kind": rs[0]["kind"], "device_kind": rs[0]["device_kind"],
@@ -248,6 +256,7 @@ def accuracy(
                                                       bytes_model)),
             "efficiencies": {c: dict(e) for c, e in prof.efficiencies.items()},
             "fused_bytes_efficiency": prof.fused_bytes_efficiency,
+            "conv_efficiency": prof.conv_efficiency,
             "with_fused_bytes": sum(r["work"].get("fused_bytes") is not None for r in rs),
             "launch_overhead_s": prof.launch_overhead_s,
             "buffer_overhead_s": prof.buffer_overhead_s,
@@ -280,6 +289,25 @@ def _refresh_work(records):
         else:
             dropped.append(f"{r['model']}/{r['layer']} on {r['device']}")
     return out, dropped
+
+
+def _refresh_conv(records):
+    """Adds `conv_flops` to the work of records counted before it existed (re-traces)."""
+    stale = {(r["model"], r["small"], r["batch"]) for r in records
+             if "conv_flops" not in r["work"]}
+    conv = {}
+    for model, small, batch in sorted(stale):
+        _, graph = trace_model(model, small=small, batch=batch)
+        for name in graph.layers:
+            conv[(model, small, batch, name)] = graph_layer_work(graph, name).conv_flops
+    out = []
+    for r in records:
+        key = (r["model"], r["small"], r["batch"], r["layer"])
+        if "conv_flops" in r["work"] or key not in conv:
+            out.append(r)  # a layer the zoo no longer has keeps 0 (its work predates it)
+        else:
+            out.append(dict(r, work=dict(r["work"], conv_flops=conv[key])))
+    return out
 
 
 def _refresh_fused(records):
@@ -372,7 +400,8 @@ def _markdown(result) -> str:
               "| device | card | bytes | per executable | per equations | per kernel |",
               "|---|---|---|---|---|---|"]
     for bm, key in (("after fusion (XLA) on gpu/tpu, else unfused", "launch_models"),
-                    ("unfused (hetpar)", "unfused_bytes")):
+                    ("unfused (hetpar)", "unfused_bytes"),
+                    ("after fusion, convolutions' own efficiency", "conv_efficiency")):
         for dev in result["launch_models"].get("executable", {}):
             cells = []
             for lm in LAUNCH_MODELS:
@@ -387,6 +416,9 @@ def _markdown(result) -> str:
                 for lm, per_dev in result["launch_models"].items()]
     sections += [(f"unfused bytes, launches counted per {lm}", per_dev)
                  for lm, per_dev in result.get("unfused_bytes", {}).items()]
+    sections += [(f"after-fusion bytes, convolutions' own efficiency, launches counted per {lm}",
+                  per_dev)
+                 for lm, per_dev in result.get("conv_efficiency", {}).items()]
     for title, per_dev in sections:
         lines += [f"## {title}", "",
                   "| device | card | layers (test) | median APE | p90 APE | layers > 100 us |"
@@ -407,7 +439,10 @@ def _markdown(result) -> str:
         effs = [f"{dev}: fused-bytes efficiency "
                 + ("-" if r.get("fused_bytes_efficiency") is None
                    else f"{r['fused_bytes_efficiency']:.3f}")
-                + f" ({r.get('with_fused_bytes', 0)} records with fused bytes), launch "
+                + f" ({r.get('with_fused_bytes', 0)} records with fused bytes), "
+                + ("" if r.get("conv_efficiency") is None
+                   else f"conv efficiency {r['conv_efficiency']:.3f}, ")
+                + "launch "
                 f"{seconds(r['launch_overhead_s'])}, buffer "
                 f"{seconds(r.get('buffer_overhead_s', 0.0))}"
                 for dev, r in per_dev.items()]
@@ -435,6 +470,9 @@ def main(argv):
             records, dropped = _refresh_work(records)
             result["records"] = records
             result["dropped_stale"] = dropped
+        if _REFRESH.value:
+            records = _refresh_conv(records)
+            result["records"] = records
         if _REFRESH_FUSED.value:
             records = _refresh_fused(records)
             result["records"] = records
@@ -465,6 +503,11 @@ def main(argv):
     result["unfused_bytes"] = {
         lm: accuracy(records, base, result["train_models"], launch_model=lm,
                      bytes_model="unfused")
+        for lm in LAUNCH_MODELS
+    }
+    result["conv_efficiency"] = {
+        lm: accuracy(records, base, result["train_models"], launch_model=lm,
+                     bytes_model="fused", fit_conv=True)
         for lm in LAUNCH_MODELS
     }
     tag = _TAG.value or next((r["kind"] for r in records if r["kind"] != "cpu"), "cpu")
