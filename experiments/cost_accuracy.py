@@ -36,6 +36,14 @@ per-kernel launch cost took the median error from 24.8% to 19.3% (p90 87% to
 84%); GPU records need a GPU run to get their counts:
 
     python experiments/cost_accuracy.py --platforms gpu --out_dir experiments/results
+
+A last set of rows calibrates the convolutions' FLOP efficiency apart from
+the matmul class's (`calibrate(fit_conv=True)`; records saved before
+`conv_flops` get it by re-tracing, with `--refresh_work`). On the fixed
+split it took the H200's held-out median (layers over 100 us) from 25.2% to
+21.4% and the H100's from 23.6% to 19.0%, with the p90 about 2 points worse;
+random splits of the models are mixed on the H200, so it is not the
+default (experiments/results/predictor_levers_v3.md).
 """
 
 from __future__ import annotations
