@@ -192,7 +192,8 @@ def layer_work(info, *, dtype: str = "f32", launches: int = 1, buffers: int = 0,
         None when unknown.
 
     Returns:
-      A LayerWork over the roofline's op classes.
+      A LayerWork over the roofline's op classes; its `conv_flops` are the
+      convolutions' FLOPs (`info.work.by_primitive`), part of the matmul class.
     """
     flops = dict.fromkeys(OP_CLASSES, 0.0)
     nbytes = dict.fromkeys(OP_CLASSES, 0.0)
@@ -206,9 +207,12 @@ def layer_work(info, *, dtype: str = "f32", launches: int = 1, buffers: int = 0,
         flops[c] += float(f)
         nbytes[c] += float(b)
         trans += float(t)
+    by_primitive = getattr(info.work, "by_primitive", None) or {}
+    conv = float(by_primitive.get("conv_general_dilated", (0.0,))[0])
     return LayerWork(flops, nbytes, launches=launches, transcendentals=trans, dtype=dtype,
                      buffers=int(buffers), io_bytes=float(io_bytes),
-                     fused_bytes=None if fused_bytes is None else float(fused_bytes))
+                     fused_bytes=None if fused_bytes is None else float(fused_bytes),
+                     conv_flops=min(conv, flops["matmul"]))
 
 
 def graph_layer_work(graph, layer: str, backend: str | None = None) -> LayerWork:

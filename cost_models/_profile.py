@@ -257,6 +257,10 @@ class DeviceProfile:
         layer, `LayerWork.fused_bytes`), in (0, 1]; None until calibrated,
         when the elementwise class's bytes efficiency (a streaming
         benchmark: real traffic too) stands in. See `fused_efficiency`.
+      conv_efficiency: fraction of the matmul peak reached on convolution
+        FLOPs (`LayerWork.conv_flops`), in (0, 1]; None unless calibrated
+        with `calibrate(fit_conv=True)`, when convolutions run at the
+        matmul class's FLOP efficiency. See `conv_flops_efficiency`.
       price_per_hour: on-demand dollars per device-hour when rented alone.
       host_price_per_hour: marginal dollars per hour when this device is the
         host CPU of an accelerator instance whose price already covers it
@@ -290,6 +294,13 @@ class DeviceProfile:
     benchmarks: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     buffer_overhead_s: float = 0.0
     fused_bytes_efficiency: float | None = None
+    conv_efficiency: float | None = None
+
+    def conv_flops_efficiency(self) -> float:
+        """Efficiency on convolution FLOPs: calibrated, else the matmul class's."""
+        if self.conv_efficiency is not None:
+            return self.conv_efficiency
+        return self.efficiencies["matmul"]["flops"]
 
     def fused_efficiency(self) -> float:
         """Efficiency on after-fusion bytes: calibrated, else the elementwise bytes one."""
@@ -332,6 +343,8 @@ class DeviceProfile:
             out["buffer_overhead_s"] = self.buffer_overhead_s
         if self.fused_bytes_efficiency is not None:
             out["fused_bytes_efficiency"] = self.fused_bytes_efficiency
+        if self.conv_efficiency is not None:
+            out["conv_efficiency"] = self.conv_efficiency
         out["host_link"] = self.host_link.to_json() if self.host_link else None
         out["efficiencies"] = {c: dict(e) for c, e in self.efficiencies.items()}
         out["sources"] = dict(self.sources)
@@ -379,6 +392,13 @@ class DeviceProfile:
                 raise ProfileError(
                     f"{where}: field 'fused_bytes_efficiency' = {fused_eff} exceeds 1: no "
                     "device moves its after-fusion bytes faster than its peak bandwidth")
+        conv_eff = data.get("conv_efficiency")
+        if conv_eff is not None:
+            conv_eff = _num(where, "conv_efficiency", conv_eff)
+            if conv_eff > 1.0:
+                raise ProfileError(
+                    f"{where}: field 'conv_efficiency' = {conv_eff} exceeds 1: no device "
+                    "runs convolutions faster than its matmul peak")
         link = data.get("host_link")
         host_link = LinkProfile.from_json(link, f"{where} host_link") if link else None
         effs = _require(where, data, "efficiencies", "{op_class: {'flops': e, 'bytes': e}}")
@@ -412,6 +432,7 @@ class DeviceProfile:
             benchmarks=dict(data.get("benchmarks", {})),
             buffer_overhead_s=buffer_overhead,
             fused_bytes_efficiency=fused_eff,
+            conv_efficiency=conv_eff,
             **figures,
         )
 

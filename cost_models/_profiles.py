@@ -398,9 +398,13 @@ def transfer_calibration(measured: DeviceProfile, spec_profile: DeviceProfile) -
     if measured.fused_bytes_efficiency is not None:
         sources["fused_bytes_efficiency"] = f"transferred from {measured.name!r}: " + \
             measured.sources.get("fused_bytes_efficiency", "measured")
+    if measured.conv_efficiency is not None:
+        sources["conv_efficiency"] = f"transferred from {measured.name!r}: " + \
+            measured.sources.get("conv_efficiency", "measured")
     return spec_profile.replace(
         efficiencies={c: dict(e) for c, e in measured.efficiencies.items()},
         fused_bytes_efficiency=measured.fused_bytes_efficiency,
+        conv_efficiency=measured.conv_efficiency,
         launch_overhead_s=measured.launch_overhead_s,
         buffer_overhead_s=measured.buffer_overhead_s,
         sources=sources,

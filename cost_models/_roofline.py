@@ -17,6 +17,13 @@ against the peak bandwidth, since fused bytes are real traffic)::
 
     bytes_c = max(fused_bytes, io_bytes) * unfused_bytes_c / sum(unfused_bytes)
 
+The matmul class's FLOPs may hold convolutions (`conv_flops`); a profile
+calibrated with `calibrate(fit_conv=True)` charges those at an efficiency
+of their own (`conv_efficiency`: cuDNN's convolutions and cuBLAS's GEMMs do
+not reach the same fraction of the peak), so the matmul compute side is::
+
+    (flops_matmul - conv_flops) / (eff_flops_matmul * peak) + conv_flops / (conv_eff * peak)
+
 The classes are summed, not maxed together, because a layer's matmuls,
 elementwise ops and reductions run as separate kernels one after another.
 `buffers` counts the arrays a call takes and returns: on a GPU nearly every
@@ -66,6 +73,8 @@ class LayerWork:
       fused_bytes: bytes the layer moves after XLA's fusion on the device
         it runs on (None: unknown, e.g. a spec-sheet device that is not
         present); when known the predictor uses it for the bytes term.
+      conv_flops: the part of the matmul class's FLOPs that are
+        convolutions (`conv_general_dilated`); 0: none, or not counted.
     """
 
     flops_by_class: Mapping[str, float] = dataclasses.field(default_factory=dict)
@@ -76,6 +85,7 @@ class LayerWork:
     buffers: int = 0
     io_bytes: float = 0.0
     fused_bytes: float | None = None
+    conv_flops: float = 0.0
 
     def __post_init__(self):
         for what in (self.flops_by_class, self.bytes_by_class):
@@ -92,6 +102,11 @@ class LayerWork:
                 f"LayerWork: negative buffers ({self.buffers}) or io_bytes ({self.io_bytes})")
         if self.fused_bytes is not None and not self.fused_bytes >= 0:
             raise ProfileError(f"LayerWork: fused_bytes must be >= 0, got {self.fused_bytes}")
+        matmul = float(self.flops_by_class.get("matmul", 0.0))
+        if not 0.0 <= self.conv_flops <= matmul * (1 + 1e-9):
+            raise ProfileError(
+                f"LayerWork: conv_flops ({self.conv_flops}) must lie in [0, matmul FLOPs "
+                f"({matmul})]: convolutions are part of the matmul class")
 
     def flops(self, op_class: str) -> float:
         """FLOPs of `op_class`, transcendentals included in `elementwise`."""
@@ -132,6 +147,25 @@ def fused_by_class(work: LayerWork) -> np.ndarray | None:
     return total * np.array([c == "other" for c in OP_CLASSES], dtype=float)
 
 
+def _conv_time(profile: DeviceProfile, work: LayerWork) -> float:
+    """Seconds of the layer's convolution FLOPs at the matmul peak (part of `_terms`' matmul)."""
+    return work.conv_flops / profile.peak(work.dtype, "matmul")
+
+
+def _compute_times(profile: DeviceProfile, work: LayerWork, comp: np.ndarray) -> np.ndarray:
+    """Per-class compute seconds at the profile's FLOP efficiencies (convolutions at theirs).
+
+    `comp`: the compute seconds at peak (`_terms`).
+    """
+    ef = np.array([profile.efficiencies[c]["flops"] for c in OP_CLASSES])
+    t = comp / ef
+    conv = _conv_time(profile, work)
+    if conv > 0 and profile.conv_efficiency is not None:
+        m = OP_CLASSES.index("matmul")
+        t[m] = (comp[m] - conv) / ef[m] + conv / profile.conv_efficiency
+    return t
+
+
 def _terms(profile: DeviceProfile, work: LayerWork) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-class times at efficiency 1: (compute, unfused memory, fused memory) seconds.
 
@@ -164,9 +198,9 @@ def predict(profile: DeviceProfile, work: LayerWork) -> float:
       Seconds; never less than the time at the device's physical peak.
     """
     comp, mem, fused = _terms(profile, work)
-    ef = np.array([profile.efficiencies[c]["flops"] for c in OP_CLASSES])
     eb = np.array([profile.efficiencies[c]["bytes"] for c in OP_CLASSES])
-    t = np.maximum(np.maximum(comp / ef, mem / eb), fused / profile.fused_efficiency()).sum()
+    comp = _compute_times(profile, work, comp)
+    t = np.maximum(np.maximum(comp, mem / eb), fused / profile.fused_efficiency()).sum()
     t += work.launches * profile.launch_overhead_s + work.buffers * profile.buffer_overhead_s
     return float(max(t, physical_floor(profile, work)))
 
@@ -178,6 +212,7 @@ def calibrate(
     fit_overhead: bool = False,
     iterations: int = 50,
     log_refine: bool = True,
+    fit_conv: bool = False,
 ) -> DeviceProfile:
     """Fits the efficiencies (and optionally the per-call overheads) to measurements.
 
@@ -203,6 +238,10 @@ def calibrate(
         `buffer_overhead_s` (the cost per input or output array).
       iterations: active-set rounds per starting point.
       log_refine: refine in log space after the least-squares fit.
+      fit_conv: also fit `conv_efficiency`, the efficiency of the samples'
+        convolution FLOPs (`LayerWork.conv_flops`), apart from the matmul
+        class's (dot_general) one; off, convolutions share the matmul
+        efficiency, or the profile's `conv_efficiency` where it has one.
 
     Returns:
       A new profile with fitted efficiencies and updated sources.
@@ -210,15 +249,15 @@ def calibrate(
     Raises:
       ProfileError: no samples, or a non-positive time.
     """
-    data = _Samples.of(profile, samples, fit_overhead)
+    data = _Samples.of(profile, samples, fit_overhead, fit_conv)
     n_cls = len(OP_CLASSES)
     u0 = np.array([1.0 / profile.efficiencies[c]["flops"] for c in OP_CLASSES])
     v0 = np.array([1.0 / profile.efficiencies[c]["bytes"] for c in OP_CLASSES])
     first: _Params = (u0, v0, 1.0 / profile.fused_efficiency(), profile.launch_overhead_s,
-                      profile.buffer_overhead_s)
+                      profile.buffer_overhead_s, 1.0 / profile.conv_flops_efficiency())
     best = (data.loss(first), first)
     for start in (u0, np.ones(n_cls), np.full(n_cls, 10.0), np.full(n_cls, 100.0)):
-        params = _active_set_fit(data, start, first[3], first[4], iterations)
+        params = _active_set_fit(data, start, first[3], first[4], first[5], iterations)
         loss = data.loss(params)
         if loss < best[0]:
             best = (loss, params)
@@ -229,8 +268,13 @@ def calibrate(
 
 
 #: Inverse efficiencies per class of flops (u) and of bytes (v), the inverse
-#: fused-bytes efficiency (f), the launch (o) and buffer (b) overheads.
-_Params = tuple[np.ndarray, np.ndarray, float, float, float]
+#: fused-bytes efficiency (f), the launch (o) and buffer (b) overheads, the
+#: inverse convolution efficiency (c: used only where `_Samples.fit_conv`,
+#: else convolutions run at the matmul class's u).
+_Params = tuple[np.ndarray, np.ndarray, float, float, float, float]
+
+#: Index of the matmul class, whose compute side holds the convolutions.
+_MM = OP_CLASSES.index("matmul")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +283,7 @@ class _Samples:
 
     times: np.ndarray
     comp: np.ndarray  # (samples, classes) seconds of compute at peak
+    conv: np.ndarray  # (samples,) seconds of convolution at peak (part of comp's matmul)
     mem: np.ndarray  # unfused memory at peak bandwidth
     fmem: np.ndarray  # fused memory at peak bandwidth
     launches: np.ndarray
@@ -246,10 +291,12 @@ class _Samples:
     floor: np.ndarray  # physical_floor of each sample
     fit_overhead: bool
     fit_buffers: bool
+    fit_conv: bool = False
+    conv_fixed: float | None = None  # a fixed conv_efficiency's inverse (not fitted)
 
     @classmethod
     def of(cls, profile: DeviceProfile, samples: Sequence[tuple[LayerWork, float]],
-           fit_overhead: bool) -> _Samples:
+           fit_overhead: bool, fit_conv: bool = False) -> _Samples:
         if not samples:
             raise ProfileError("calibrate: no samples; measure some layers first")
         times = np.array([float(t) for _, t in samples])
@@ -258,13 +305,17 @@ class _Samples:
         comp, mem, fmem = (np.array(a) for a in zip(*(_terms(profile, w) for w, _ in samples),
                                                    strict=True))
         buffers = np.array([float(w.buffers) for w, _ in samples])
+        conv = np.array([_conv_time(profile, w) for w, _ in samples])
+        fitted = fit_conv and bool(np.any(conv > 0))
+        fixed = None if fitted or profile.conv_efficiency is None else 1.0 / profile.conv_efficiency
         return cls(
-            times=times, comp=comp, mem=mem, fmem=fmem,
+            times=times, comp=comp, conv=conv, mem=mem, fmem=fmem,
             launches=np.array([float(w.launches) for w, _ in samples]),
             buffers=buffers,
             floor=np.array([physical_floor(profile, w) for w, _ in samples]),
             fit_overhead=fit_overhead,
             fit_buffers=fit_overhead and bool(np.any(buffers > 0)),
+            fit_conv=fitted, conv_fixed=fixed,
         )
 
     @property
@@ -272,10 +323,22 @@ class _Samples:
         """1 / time: the fit is on relative error, as times span orders of magnitude."""
         return 1.0 / self.times
 
+    def conv_inverse(self, params: _Params) -> float | None:
+        """The convolutions' inverse efficiency: fitted, fixed by the profile, or None (u's)."""
+        return params[5] if self.fit_conv else self.conv_fixed
+
+    def compute(self, params: _Params) -> np.ndarray:
+        """(samples, classes) compute seconds at these inverse efficiencies."""
+        comp = self.comp * params[0]
+        c = self.conv_inverse(params)
+        if c is not None:
+            comp[:, _MM] += self.conv * (c - params[0][_MM])
+        return comp
+
     def model(self, params: _Params) -> np.ndarray:
         """Predicted seconds of every sample (`predict` with these parameters)."""
-        u, v, f, o, b = params
-        side = np.maximum(np.maximum(self.comp * u, self.mem * v), self.fmem * f)
+        _, v, f, o, b, _ = params
+        side = np.maximum(np.maximum(self.compute(params), self.mem * v), self.fmem * f)
         t = side.sum(axis=1) + self.launches * o + self.buffers * b
         return np.maximum(t, self.floor)
 
@@ -284,23 +347,16 @@ class _Samples:
         return float(np.sum(((self.model(params) - self.times) * self.weights) ** 2))
 
 
-def _active_set_fit(data: _Samples, start: np.ndarray, o0: float, b0: float,
+def _active_set_fit(data: _Samples, start: np.ndarray, o0: float, b0: float, c0: float,
                     iterations: int) -> _Params:
     """From one starting point, alternates fixing the active sides and NNLS until it settles."""
-    params: _Params = (start.copy(), start.copy(), float(start[0]), o0, b0)
+    params: _Params = (start.copy(), start.copy(), float(start[0]), o0, b0,
+                       float(start[_MM]) if data.fit_conv else c0)
     for _ in range(iterations):
         new = _nnls_round(data, params)
         if new is None:
             break
-        u, v, f, o, b = params
-        nu, nv, nf, no, nb = new
-        done = (
-            np.allclose(nu, u, rtol=1e-10)
-            and np.allclose(nv, v, rtol=1e-10)
-            and np.isclose(nf, f, rtol=1e-10)
-            and np.isclose(no, o, rtol=1e-10)
-            and np.isclose(nb, b, rtol=1e-10)
-        )
+        done = all(np.allclose(a, b, rtol=1e-10) for a, b in zip(new, params, strict=True))
         params = new
         if done:
             break
@@ -314,13 +370,24 @@ def _nnls_round(data: _Samples, params: _Params) -> _Params | None:
     """
     from scipy.optimize import nnls  # scipy loads only when a fit runs
 
-    u, v, f, o, b = params
+    u, v, f, o, b, c = params
     comp, mem, fmem, w = data.comp, data.mem, data.fmem, data.weights
     n_cls = comp.shape[1]
-    comp_side = comp * u >= np.maximum(mem * v, fmem * f)
+    comp_side = data.compute(params) >= np.maximum(mem * v, fmem * f)
     fused_side = ~comp_side & (fmem * f >= mem * v) & (fmem > 0)
     mem_side = ~comp_side & ~fused_side
     cols, fixed_rhs, slots = [], np.zeros_like(data.times), []
+    conv_inv = data.conv_inverse(params)
+    if conv_inv is not None:  # the convolutions leave u's matmul column
+        comp = comp.copy()
+        comp[:, _MM] -= data.conv
+        conv_col = data.conv * comp_side[:, _MM]
+        if data.fit_conv and np.any(conv_col * w > 1e-12):
+            fixed_rhs += conv_col
+            cols.append(conv_col)
+            slots.append(("c", 0))
+        else:
+            fixed_rhs += conv_col * conv_inv
     for kind, mat, current in (("u", comp * comp_side, u), ("v", mem * mem_side, v)):
         for c in range(n_cls):
             col = mat[:, c]
@@ -351,25 +418,27 @@ def _nnls_round(data: _Samples, params: _Params) -> _Params | None:
     design = np.stack(cols, axis=1) * w[:, None]
     rhs = (data.times - fixed_rhs) * w
     x, _ = nnls(design, rhs, maxiter=50 * design.shape[1])
-    new_u, new_v, new_f, new_o, new_b = u.copy(), v.copy(), f, o, b
-    for (kind, c), val in zip(slots, x, strict=True):
+    new_u, new_v, new_f, new_o, new_b, new_c = u.copy(), v.copy(), f, o, b, c
+    for (kind, i), val in zip(slots, x, strict=True):
         if kind == "u":
-            new_u[c] = 1.0 + val
+            new_u[i] = 1.0 + val
         elif kind == "v":
-            new_v[c] = 1.0 + val
+            new_v[i] = 1.0 + val
         elif kind == "f":
             new_f = 1.0 + val
+        elif kind == "c":
+            new_c = 1.0 + val
         elif kind == "o":
             new_o = val
         else:
             new_b = val
-    return new_u, new_v, new_f, new_o, new_b
+    return new_u, new_v, new_f, new_o, new_b, new_c
 
 
 def _fitted_profile(profile: DeviceProfile, data: _Samples, params: _Params,
                     log_refined: bool) -> DeviceProfile:
     """`profile` with the fitted figures, and sources that say how they were fitted."""
-    u, v, f, o, b = params
+    u, v, f, o, b, c = params
     effs = {
         c: {
             "flops": float(np.clip(1.0 / u[i], _MIN_EFF, 1.0)),
@@ -390,13 +459,20 @@ def _fitted_profile(profile: DeviceProfile, data: _Samples, params: _Params,
         f"samples (median |error| {100 * np.median(rel):.1f}%)"
     )
     changes: dict[str, Any] = {"efficiencies": effs, "sources": sources}
-    comp, mem, fmem = data.comp, data.mem, data.fmem
+    comp, mem, fmem = data.compute(params), data.mem, data.fmem
     n_fused = int(np.sum(fmem.sum(axis=1) > 0))
-    fused_active = (fmem * f >= np.maximum(comp * u, mem * v)) & (fmem > 0)
+    fused_active = (fmem * f >= np.maximum(comp, mem * v)) & (fmem > 0)
     if n_fused and np.any(fused_active):  # else the data say nothing about it
         changes["fused_bytes_efficiency"] = float(np.clip(1.0 / f, _MIN_EFF, 1.0))
         sources["fused_bytes_efficiency"] = (
             f"calibrated {today} with the efficiencies ({n_fused} samples with fused bytes)")
+    conv_active = (data.conv > 0) & (comp[:, _MM] >= np.maximum(mem[:, _MM] * v[_MM],
+                                                               fmem[:, _MM] * f))
+    if data.fit_conv and np.any(conv_active):  # else the data say nothing about it
+        changes["conv_efficiency"] = float(np.clip(1.0 / c, _MIN_EFF, 1.0))
+        sources["conv_efficiency"] = (
+            f"calibrated {today} with the efficiencies ({int(np.sum(data.conv > 0))} samples "
+            "with convolutions)")
     if data.fit_overhead:
         changes["launch_overhead_s"] = float(o)
         sources["launch_overhead_s"] = f"fitted {today} with the efficiencies"
@@ -410,18 +486,18 @@ def _log_refine(data: _Samples, params: _Params) -> _Params:
     """Robust least squares on log(model / times) from `params`; keeps the bounds."""
     from scipy.optimize import least_squares
 
-    u, v, f, o, b = params
+    u, v, f, o, b, c = params
     n = len(u)
-    x0 = np.concatenate([u, v, [f, o, b]])
-    free = np.array([True] * (2 * n + 1) + [data.fit_overhead, data.fit_buffers])
-    lo = np.concatenate([np.ones(2 * n + 1), [0.0, 0.0]])
+    x0 = np.concatenate([u, v, [f, o, b, c]])
+    free = np.array([True] * (2 * n + 1) + [data.fit_overhead, data.fit_buffers, data.fit_conv])
+    lo = np.concatenate([np.ones(2 * n + 1), [0.0, 0.0, 1.0]])
     # Overheads in microseconds keep the variables on comparable scales.
-    scale = np.concatenate([np.ones(2 * n + 1), [1e-6, 1e-6]])
+    scale = np.concatenate([np.ones(2 * n + 1), [1e-6, 1e-6, 1.0]])
 
     def unpack(z) -> _Params:
         x = x0.copy()
         x[free] = z * scale[free]
-        return x[:n], x[n:2 * n], x[2 * n], x[2 * n + 1], x[2 * n + 2]
+        return x[:n], x[n:2 * n], x[2 * n], x[2 * n + 1], x[2 * n + 2], x[2 * n + 3]
 
     def resid(z):
         return np.log(data.model(unpack(z))) - np.log(data.times)

@@ -493,3 +493,83 @@ def test_roofline_classes_map_every_jaxpr_op_class():
     assert tuple(dict.fromkeys(ROOFLINE_CLASS.values())) == OP_CLASSES
     assert {passes.op_class(p) for p in ("dot_general", "exp", "reduce_sum", "gather",
                                          "scan")} <= set(ROOFLINE_CLASS)
+
+
+def _conv_and_dot_samples(prof, dot_eff, conv_eff):
+    """Compute-bound layers mixing dots and convolutions, timed at two efficiencies."""
+    peak = prof.peak("f32", "matmul")
+    samples = []
+    for dot, conv in [(4e12, 0.0), (1e13, 0.0), (2e12, 2e12), (1e12, 6e12), (0.0, 3e12),
+                      (6e12, 1e12), (0.0, 8e12), (3e12, 5e11)]:
+        work = LayerWork({"matmul": dot + conv}, {"matmul": 1e6}, launches=1,
+                         conv_flops=conv)
+        t = dot / (dot_eff * peak) + conv / (conv_eff * peak) + prof.launch_overhead_s
+        samples.append((work, t))
+    return samples
+
+
+def test_convolutions_get_an_efficiency_of_their_own_when_asked():
+    # cuDNN's convolutions and cuBLAS's GEMMs reach different fractions of the
+    # peak: one matmul efficiency for both misses one of them.
+    prof = spec("h100")
+    samples = _conv_and_dot_samples(prof, dot_eff=0.5, conv_eff=0.15)
+    shared = calibrate(prof, samples)
+    assert shared.conv_efficiency is None
+    worst_shared = max(abs(predict(shared, w) - t) / t for w, t in samples)
+    assert worst_shared > 0.2
+    own = calibrate(prof, samples, fit_conv=True)
+    assert own.efficiencies["matmul"]["flops"] == pytest.approx(0.5, rel=1e-3)
+    assert own.conv_efficiency == pytest.approx(0.15, rel=1e-3)
+    assert "convolutions" in own.sources["conv_efficiency"]
+    for w, t in samples:
+        assert predict(own, w) == pytest.approx(t, rel=1e-3)
+    # Without convolutions the data say nothing about their efficiency.
+    dots = [(w, t) for w, t in samples if w.conv_flops == 0]
+    assert calibrate(prof, dots, fit_conv=True).conv_efficiency is None
+
+
+def test_conv_efficiency_round_trips_transfers_and_applies_only_to_conv_flops():
+    prof = spec("h100")
+    own = calibrate(prof, _conv_and_dot_samples(prof, 0.5, 0.15), fit_conv=True)
+    back = DeviceProfile.from_json(json.loads(json.dumps(own.to_json())))
+    assert back.conv_efficiency == own.conv_efficiency
+    assert transfer_calibration(own, spec("a100")).conv_efficiency == own.conv_efficiency
+    assert "conv_efficiency" not in prof.to_json()
+    bad = dict(own.to_json(), conv_efficiency=1.5)
+    with pytest.raises(ProfileError, match="conv_efficiency"):
+        DeviceProfile.from_json(bad)
+    # A dot-only layer ignores it; a conv layer is charged at it.
+    dot = LayerWork({"matmul": 1e13}, {"matmul": 1e6})
+    conv = dataclasses.replace(dot, conv_flops=1e13)
+    slow = prof.replace(conv_efficiency=0.01)
+    assert predict(slow, dot) == predict(prof, dot)
+    assert predict(slow, conv) > 10 * predict(prof, conv)
+    # Unset, a convolution costs what a dot of the same FLOPs costs (as before).
+    assert predict(prof, conv) == predict(prof, dot)
+    # A profile's conv efficiency holds while calibrating without fit_conv.
+    fixed = calibrate(slow, _conv_and_dot_samples(prof, 0.5, 0.01))
+    assert fixed.conv_efficiency == 0.01
+    assert fixed.efficiencies["matmul"]["flops"] == pytest.approx(0.5, rel=1e-3)
+
+
+def test_layer_work_counts_convolution_flops_within_the_matmul_class():
+    from hetpar.cost_models import graph_layer_work
+    from hetpar.passes import trace
+
+    x = jnp.ones((2, 8, 16, 16), jnp.float32)
+    k = jnp.ones((4, 8, 3, 3), jnp.float32)
+    m = jnp.ones((16, 16), jnp.float32)
+
+    def f(x, k, m):
+        y = jax.lax.conv_general_dilated(x, k, (1, 1), "SAME")
+        return jnp.sum(y @ m)
+
+    graph = trace(f, x, k, m)
+    works = [graph_layer_work(graph, name) for name in graph.layers]
+    conv = sum(w.conv_flops for w in works)
+    matmul = sum(w.flops("matmul") for w in works)
+    assert 0 < conv < matmul  # the dot's FLOPs are matmul, not convolution
+    with pytest.raises(ProfileError, match="conv_flops"):
+        LayerWork({"matmul": 1.0}, {}, conv_flops=2.0)
+    old = {k: v for k, v in works[0].to_json().items() if k != "conv_flops"}
+    assert LayerWork.from_json(old).conv_flops == 0.0  # records saved before the field
