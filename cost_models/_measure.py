@@ -147,24 +147,19 @@ def measure_step(
         return structure, [(getattr(x, "shape", None), getattr(x, "dtype", None))
                            for x in leaves]
 
-    def run(current: list) -> list:
-        out = jax.block_until_ready(jitted(*current))
-        if threaded:
-            for n, i in enumerate(state_at):
-                current[i] = out[n]
-        return current
-
-    out = jax.block_until_ready(jitted(*args))
+    out = jax.block_until_ready(jitted(*args))  # compiles
     threaded = (isinstance(out, (tuple, list)) and len(out) >= len(state_at) > 0
                 and all(spec(out[n]) == spec(args[i]) for n, i in enumerate(state_at)))
-    current = list(args)
-    for _ in range(max(1, warmup) - 1):
-        current = run(current)
+    warm = max(1, warmup) - 1
     samples = []
-    for _ in range(k):
+    for run in range(warm + k):
+        if threaded:  # the last run's state in, as the loop passes it (no more memory held)
+            for n, i in enumerate(state_at):
+                args[i] = out[n]
         t0 = time.perf_counter()
-        current = run(current)
-        samples.append(time.perf_counter() - t0)
+        out = jax.block_until_ready(jitted(*args))
+        if run >= warm:
+            samples.append(time.perf_counter() - t0)
     return Timing.of(samples)
 
 

@@ -649,11 +649,14 @@ class CompiledStep:
             part = batch_share(args, batch, parts)
             return None if part is None else _whole_step_s(step, part, dev, batch)
 
+        options = self.options
+        # Only where the step may run data parallel (one more compile); a
+        # microbatched step's layers were measured per microbatch already.
+        replicas = (options.microbatches == 1 and bool(options.data_parallel)
+                    and (options.plan is None or _replicates(options.plan)))
         scaled = scale_to_timed_step(
             table, self.devices, lambda _, dev: _whole_step_s(step, args, dev, batch),
-            *_runtime_costs(),
-            # Microbatched steps have their layers' fixed parts measured per microbatch.
-            time_share=share if self.options.microbatches == 1 else None)
+            *_runtime_costs(), time_share=share if replicas else None)
         logging.info("hetpar: calibrated to whole steps measured here: %s",
                      scaled.meta.get("step_s"))
         return scaled

@@ -207,6 +207,38 @@ def test_profile_measure_scales_layers_to_the_step_measured_here():
         hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="mesure")(W, X)
 
 
+def test_profile_measure_measures_a_replicas_fixed_part_where_data_parallel_may_run(
+        monkeypatch):
+    # Two devices of one kind and a batch that halves: the step is timed at
+    # half the batch too, and layers carry the part a replica pays whole.
+    from hetpar import _auto
+
+    rows, real = [], _auto._whole_step_s
+
+    def timed(fn, args, dev, batch_argnums=(-1,)):
+        rows.append(args[-1].shape[0])
+        return real(fn, args, dev, batch_argnums)
+
+    monkeypatch.setattr(_auto, "_whole_step_s", timed)
+    even = np.ones((6, 3), np.float32)
+    compiled = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure").lower(W, even)
+    assert rows == [6, 3]
+    frac = compiled.table.meta["fixed_fraction"]
+    assert set(frac) == {"cpu:0", "cpu:1"} and 0.0 <= frac["cpu:0"] == frac["cpu:1"] <= 1.0
+    for layer in compiled.table.layers:
+        assert layer.fixed_s["cpu:0"] == pytest.approx(frac["cpu:0"] * layer.time_s["cpu:0"])
+    # No data parallel possible (a plan given as a dict, or data_parallel=False):
+    # nothing more is timed.
+    for kwargs in ({"plan": {"first": "cpu:0", "second": "cpu:1"}},
+                   {"devices": ["cpu:0", "cpu:1"], "data_parallel": False}):
+        rows.clear()
+        hetpar.auto(step, profile="measure", **kwargs).lower(W, even).predicted()
+        assert rows == [6]
+    # A batch that does not halve: no figure, planning goes on.
+    odd = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure").lower(W, X)
+    assert "fixed_fraction" not in odd.table.meta
+
+
 def test_calibration_times_a_short_step_more_than_three_times(monkeypatch):
     # A millisecond step's 3-run median on a busy CPU was off by 3x: short steps
     # get more runs, up to 20 (about 1 s in all).

@@ -306,7 +306,7 @@ def test_measure_step_threads_the_state_and_keeps_the_batch_as_given():
     w, batch = np.zeros(3, np.float32), np.ones(3, np.float32)
     t = cost_models.measure_step(step, (w, batch), "cpu:0", k=4, warmup=2)
     assert len(t.samples) == 4 and t.median_s > 0
-    assert seen == [0.0, 0.0, -3.0, -6.0, -9.0, -12.0]  # first run, then each on the last's outputs
+    assert seen == [0.0, -3.0, -6.0, -9.0, -12.0, -15.0]  # each run on the last one's outputs
     assert (w == 0).all()  # the caller's arrays are untouched
     # Outputs that are not the state: every run takes the same arguments.
     seen.clear()
