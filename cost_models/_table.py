@@ -532,8 +532,9 @@ def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, fl
         timed.setdefault(table.device(d).kind, []).append(d)
     fraction: dict[str, float] = {}
     for devices in timed.values():
-        if len(devices) < 2:
-            continue
+        if len(devices) < 2 or all(d in (la.fixed_s or {}) for la in table.layers
+                                   for d in devices):
+            continue  # no data parallel; or every layer has its own (measured per microbatch)
         first, whole = devices[0], step_s[devices[0]]
         half = time_share(first, present[first], 2)
         if half is None:

@@ -286,6 +286,12 @@ def test_replica_fixed_part_from_the_step_at_half_batch():
     dp = {t.meta.get("fixed_fraction") is not None:
           evaluate_data_parallel(t, ["cpu:0", "cpu:1"]).step_time_s for t in (plain, scaled)}
     assert dp[True] > dp[False]
+    # Every layer with fixed parts of its own (measured per microbatch): nothing asked.
+    asked.clear()
+    own = dataclasses.replace(table, layers=tuple(
+        dataclasses.replace(la, fixed_s={"cpu:0": 0.0, "cpu:1": 0.0}) for la in table.layers))
+    cost_models.scale_to_timed_step(own, present, lambda name, dev: 1.0, time_share=share)
+    assert asked == []
     # Fewer than two devices of the kind: no data parallel, nothing asked.
     asked.clear()
     one = cost_models.scale_to_timed_step(table, {"cpu:0": present["cpu:0"]},
