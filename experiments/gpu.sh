@@ -48,6 +48,9 @@ two GPUs (env PROFILES: the profile file, default results/profile_2gpu_h200x2.js
   two-gpus-measured   VGG16 and transformer with layer shares measured on the GPU
   two-gpus-final      transformer b256, final calibration (env PROFILES_PEER: the peer-link profile)
   peer                GPU -> GPU copy speed at pipeline sizes (probe_peer.py)
+  predictions [PLANS] predicted against measured under hetpar.auto, spec sheets and
+                      profile='measure' (bench_predictions.py; PLANS: names or parts of
+                      names, default all; env BATCH=256, MEMORY_FRACTION=0.7, BUDGET=560)
   sweep MODEL BATCH MICROBATCHES BUDGET_S NAME [FLAGS]
                       one model's sweep of the planner's pipelines (bench_two_gpus.py)
 EOF
@@ -107,7 +110,7 @@ case "$job" in
 help|-h|--help) usage; exit 0 ;;
 profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
-two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep) TWO_GPUS=1 ;;
+two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
 esac
 if [ "$job" = sweep ] && [ $# -lt 5 ]; then
@@ -251,6 +254,15 @@ rows)
   ;;
 dispatch)
   timeout 120 python3 experiments/probe_dispatch.py 2>&1 | quiet | tee "$OUT/probe_dispatch_$CARD.txt"
+  ;;
+predictions)
+  # Issue 17's table: every plan (or those named) predicted and measured, as a user runs it.
+  export HETPAR_CACHE_DIR=/tmp/hetpar_cache  # layers measured once across calls on this machine
+  plans=()
+  [ $# -gt 0 ] && plans=(--plans "$@")
+  (cd experiments && timeout "${BUDGET:-560}" python3 bench_predictions.py \
+    --out "$OUT/predictions_${CARD}_b${BATCH:-256}" --batch "${BATCH:-256}" \
+    --memory_fraction "${MEMORY_FRACTION:-0.7}" "${plans[@]}" 2>&1 | grep "predicted\|failed")
   ;;
 hetpar)
   # Named after the sub-command and its first argument: `hetpar run resnet18`
