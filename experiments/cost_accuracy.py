@@ -141,8 +141,17 @@ def layer_records(
       the compile failed), and the measured median and IQR in seconds.
       `accuracy` reads these.
     """
-    dev = resolve_device(device)
     w, graph = trace_model(model, small=small, batch=batch)
+    return graph_records(graph, model, device, batch=w.config.get("batch_size"), small=small,
+                         k=k, progress=progress)
+
+
+def graph_records(graph, model: str, device, *, batch: int | None, small: bool = False,
+                  k: int = 10, progress: Callable[[str], None] | None = None,
+                  ) -> list[dict[str, Any]]:
+    """`layer_records` of any traced step (`graph`), named `model`
+    (experiments/layer_sweep.py's synthetic layers)."""
+    dev = resolve_device(device)
     out = []
     for name in graph.layers:
         info = graph[name]
@@ -154,7 +163,7 @@ def layer_records(
         out.append({
             "model": model, "layer": name, "device": device_name(dev),
             "device_kind": dev.device_kind, "kind": spec_kind_of(dev),
-            "batch": w.config.get("batch_size"), "small": small,
+            "batch": batch, "small": small,
             "work": work.to_json(),
             "xla": None if xla is None else dataclasses.asdict(xla),
             "equations": int(info.work.launches),

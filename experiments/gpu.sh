@@ -34,6 +34,9 @@ one GPU (the card and its host CPU):
   cross-card          plan for elsewhere (issue 17): hetpar profile --fit, every zoo model's
                       step (cross_card.py measure), every layer on the GPU (cost_accuracy.py)
                       (env: FIT=default, SKIP_LAYERS=1, BUDGET=170; more than one call's 600 s)
+  layer-sweep         issue 17: time the synthetic layer sweep (layer_sweep.py) on the GPU and
+                      its host CPU, then fit on it and test on every zoo model's saved layers
+                      (env SWEEP_TIMEOUT=420)
   hetpar ARGS...      any hetpar command, e.g. `hetpar run resnet18 --steps 8`
                       (output in run_resnet18_<card>.txt)
 
@@ -108,7 +111,7 @@ job=${1:-help}
 [ $# -gt 0 ] && shift
 case "$job" in
 help|-h|--help) usage; exit 0 ;;
-profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|hetpar) TWO_GPUS= ;;
+profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
 two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
@@ -254,6 +257,18 @@ rows)
   ;;
 dispatch)
   timeout 120 python3 experiments/probe_dispatch.py 2>&1 | quiet | tee "$OUT/probe_dispatch_$CARD.txt"
+  ;;
+layer-sweep)
+  # Fit on many small layers, test on the zoo (issue 17, deliverable 2): the zoo's
+  # saved layer records of this card (H100: cross_card/accuracy_v3_h100.json; H200
+  # and the 16-core host CPU: accuracy_v3.json).
+  export HETPAR_CACHE_DIR=/tmp/hetpar_cache
+  timeout "${SWEEP_TIMEOUT:-420}" python3 experiments/layer_sweep.py measure --out "$OUT" \
+    --tag "$CARD" 2>&1 | grep -v "^[IW]1" | tail -5
+  zoo=(experiments/results/accuracy_v3.json)  # H200 and the 16-core host CPU
+  case "$CARD" in h100*) zoo+=(experiments/results/cross_card/accuracy_v3_h100.json) ;; esac
+  python3 experiments/layer_sweep.py evaluate --sweep "$OUT/sweep_$CARD.json" \
+    --records "${zoo[@]}" --out "$OUT/sweep_$CARD.md" 2>&1 | grep "^|"
   ;;
 predictions)
   # Issue 17's table: every plan (or those named) predicted and measured, as a user runs it.

@@ -1,0 +1,328 @@
+"""Fit on many small layers, test on every zoo model (issue 17, deliverable 2).
+
+The zoo's eleven models give the predictor few distinct layers to fit and
+leave kinds out (transposed convolutions, 7x7 stems over 3 channels, gathers
+of augmentation): fitted on six of them, no model family carried to the other
+five within 10% (results/predictor_levers_v3.md, results/primitive_model.md).
+This sweeps single-kind layers over a grid of sizes instead: dense (GEMM +
+GELU), convolutions (1x1, 3x3, 7x7; stride 1 and 2; few and many channels),
+depthwise and transposed convolutions, layer norm, softmax attention,
+embedding lookups, elementwise chains, reductions and pooling. Each is one
+`hetpar.layer` of a plain-JAX training step (forward, backward and an SGD
+update, as a zoo layer holds them), timed alone like a zoo layer
+(`measure_layer`), with the same record fields as `cost_accuracy.py` plus
+the layer's per-primitive features (`_prim_features`).
+
+    python experiments/layer_sweep.py measure --out DIR [--platforms gpu] [--scale 1]
+    python experiments/layer_sweep.py evaluate --sweep DIR/sweep_<tag>.json \\
+        --records results/accuracy_v3.json [--out FILE.md]
+
+`evaluate` fits on the sweep alone, so every zoo model is held out, and
+reports median / p90 APE on the zoo's layers above 100 us of the same device
+kind: the calibrated roofline (`calibrate`, per-kernel launches) and the
+per-primitive linear model (`primitive_model.fit`). The sizes are the GPU's;
+the CPU's are cut by `--cpu_scale` (batch and tokens, default 1/4) and
+`--cpu_hw_scale` (image sides, default 1/2), as the zoo's CPU records use the
+small configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One synthetic layer: `fn(params, x)` with its parameter and input shapes."""
+
+    name: str
+    fn: Callable
+    params: dict
+    x: tuple
+    x_dtype: str = "float32"
+
+
+def _dense(tokens, din, dout):
+    import jax
+
+    def fn(p, x):
+        return jax.nn.gelu(x @ p["w"] + p["b"])
+
+    return Spec(f"dense_t{tokens}_{din}x{dout}", fn, {"w": (din, dout), "b": (dout,)},
+                (tokens, din))
+
+
+def _conv(n, hw, cin, cout, k, stride, kind="conv"):
+    import jax
+
+    dn = ("NHWC", "HWIO", "NHWC")
+    if kind == "depthwise":
+        def fn(p, x):
+            y = jax.lax.conv_general_dilated(x, p["w"], (stride, stride), "SAME",
+                                             dimension_numbers=dn, feature_group_count=cin)
+            return jax.nn.relu(y)
+        w = (k, k, 1, cin)
+    elif kind == "transposed":
+        def fn(p, x):
+            return jax.nn.relu(jax.lax.conv_transpose(x, p["w"], (stride, stride), "SAME",
+                                                      dimension_numbers=dn))
+        w = (k, k, cin, cout)
+    else:
+        def fn(p, x):
+            return jax.nn.relu(jax.lax.conv_general_dilated(x, p["w"], (stride, stride),
+                                                            "SAME", dimension_numbers=dn))
+        w = (k, k, cin, cout)
+    return Spec(f"{kind}_n{n}_hw{hw}_{cin}to{cout}_k{k}s{stride}", fn, {"w": w}, (n, hw, hw, cin))
+
+
+def _layernorm(tokens, d):
+    import jax.numpy as jnp
+
+    def fn(p, x):
+        mu = x.mean(-1, keepdims=True)
+        var = ((x - mu) ** 2).mean(-1, keepdims=True)
+        return (x - mu) / jnp.sqrt(var + 1e-5) * p["g"] + p["b"]
+
+    return Spec(f"layernorm_t{tokens}_d{d}", fn, {"g": (d,), "b": (d,)}, (tokens, d))
+
+
+def _attention(b, heads, t, dh):
+    import jax
+
+    def fn(p, x):
+        q = x * p["s"]
+        att = jax.nn.softmax(q @ x.swapaxes(-1, -2) / dh ** 0.5, axis=-1)
+        return att @ x
+
+    return Spec(f"attention_b{b}_h{heads}_t{t}_d{dh}", fn, {"s": (dh,)}, (b, heads, t, dh))
+
+
+def _embedding(tokens, vocab, d):
+    def fn(p, x):
+        return p["e"][x]
+
+    return Spec(f"embedding_t{tokens}_v{vocab}_d{d}", fn, {"e": (vocab, d)}, (tokens,),
+                x_dtype="int32")
+
+
+def _elementwise(n):
+    import jax.numpy as jnp
+
+    def fn(p, x):
+        return jnp.tanh(x * p["a"]) * jnp.exp(-x * x) + x
+
+    return Spec(f"elementwise_n{n}", fn, {"a": (1,)}, (n,))
+
+
+def _reduction(rows, cols):
+    def fn(p, x):
+        return (x * p["a"]).sum(-1) + (x * x).max(-1)
+
+    return Spec(f"reduction_{rows}x{cols}", fn, {"a": (cols,)}, (rows, cols))
+
+
+def _pool(n, hw, c):
+    import jax
+
+    def fn(p, x):
+        y = jax.lax.reduce_window(x * p["a"], -np.inf, jax.lax.max, (1, 3, 3, 1),
+                                  (1, 2, 2, 1), "SAME")
+        return y
+
+    return Spec(f"maxpool_n{n}_hw{hw}_c{c}", fn, {"a": (c,)}, (n, hw, hw, c))
+
+
+def grid(scale: float = 1.0, hw_scale: float = 1.0) -> list[Spec]:
+    """The sweep's layers; `scale` multiplies batch-like sizes (tokens, images),
+    `hw_scale` image sides."""
+
+    def s(v, least=1):
+        return max(least, int(round(v * scale)))
+
+    def h(v):
+        return max(4, int(round(v * hw_scale)))
+
+    specs = []
+    for tokens, (din, dout) in itertools.product(
+            (256, 2048, 16384), ((256, 256), (768, 768), (768, 3072), (3072, 768), (1024, 4096))):
+        specs.append(_dense(s(tokens, 8), din, dout))
+    for n, hw, (cin, cout), k, stride in [
+            (32, 56, (64, 64), 3, 1), (32, 56, (64, 64), 1, 1), (32, 28, (128, 128), 3, 1),
+            (32, 14, (256, 256), 3, 1), (32, 7, (512, 512), 3, 1), (32, 56, (64, 128), 3, 2),
+            (32, 28, (128, 256), 1, 2), (32, 224, (3, 64), 7, 2), (32, 224, (3, 32), 3, 2),
+            (32, 32, (3, 64), 3, 1), (8, 128, (64, 64), 3, 1), (128, 14, (256, 1024), 1, 1),
+            (32, 112, (32, 64), 3, 1), (1, 256, (64, 64), 3, 1)]:
+        specs.append(_conv(s(n), h(hw), cin, cout, k, stride))
+    for n, hw, c, stride in [(32, 112, 32, 1), (32, 56, 128, 1), (32, 28, 256, 2),
+                             (32, 14, 512, 1), (32, 7, 1024, 1)]:
+        specs.append(_conv(s(n), h(hw), c, c, 3, stride, kind="depthwise"))
+    for n, hw, (cin, cout) in [(4, 64, (256, 128)), (4, 128, (128, 64)), (32, 16, (128, 64)),
+                               (1, 64, (128, 64))]:
+        specs.append(_conv(s(n), h(hw), cin, cout, 3, 2, kind="transposed"))
+    for tokens, d in [(2048, 768), (16384, 768), (65536, 1024)]:
+        specs.append(_layernorm(s(tokens, 8), d))
+    for b, heads, t, dh in [(8, 12, 256, 64), (8, 12, 1024, 64), (32, 8, 128, 64)]:
+        specs.append(_attention(s(b), heads, t, dh))
+    for tokens, vocab, d in [(4096, 50257, 768), (65536, 50257, 768), (16384, 1000, 256)]:
+        specs.append(_embedding(s(tokens, 8), vocab, d))
+    for n in (2 ** 16, 2 ** 20, 2 ** 24):
+        specs.append(_elementwise(s(n, 64)))
+    for rows, cols in [(4096, 1024), (65536, 1024), (1024, 65536)]:
+        specs.append(_reduction(s(rows, 8), cols))
+    for n, hw, c in [(32, 112, 64), (32, 56, 256)]:
+        specs.append(_pool(s(n), h(hw), c))
+    return specs
+
+
+def sweep_step(specs):
+    """(step, params, batch): one plain-JAX training step, one `hetpar.layer` per spec."""
+    import jax
+    import jax.numpy as jnp
+
+    import hetpar
+
+    rng = np.random.default_rng(0)
+    params = {sp.name: {k: (rng.standard_normal(shape) * 0.02).astype(np.float32)
+                        for k, shape in sp.params.items()} for sp in specs}
+    batch = {}
+    for sp in specs:
+        if sp.x_dtype == "int32":
+            vocab = sp.params["e"][0]
+            batch[sp.name] = rng.integers(0, vocab, sp.x).astype(np.int32)
+        else:
+            batch[sp.name] = rng.standard_normal(sp.x).astype(np.float32)
+
+    def step(params, batch):
+        def loss_fn(params):
+            total = 0.0
+            for sp in specs:
+                with hetpar.layer(sp.name):
+                    y = sp.fn(params[sp.name], batch[sp.name])
+                    total = total + jnp.mean(y.astype(jnp.float32) ** 2)
+            return total
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, params, grads), loss
+
+    return step, params, batch
+
+
+def _measure(args) -> int:
+    import _prim_features as pf
+    import cost_accuracy as ca
+    import jax
+
+    import hetpar
+    from hetpar.cost_models import device_name, present_devices
+
+    devices = [d for d in present_devices().values()
+               if not args.platforms or d.platform in args.platforms]
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tag = args.tag or ("cpu" if all(d.platform == "cpu" for d in devices)
+                       else devices[0].device_kind.split()[-1].lower())
+    path = out / f"sweep_{tag}.json"
+    records = []
+    t0 = time.time()
+    # Accelerators first; the file is written after each device (a timeout keeps them).
+    for dev in sorted(devices, key=lambda d: d.platform == "cpu"):
+        cpu = dev.platform == "cpu"
+        scale = args.scale * (args.cpu_scale if cpu else 1.0)
+        specs = grid(scale, args.cpu_hw_scale if cpu else 1.0)
+        if args.only:
+            specs = [sp for sp in specs if any(k in sp.name for k in args.only)]
+        step, params, batch = sweep_step(specs)
+        graph = hetpar.trace(step, params, batch)
+        recs = ca.graph_records(graph, "sweep", dev, batch=None, small=dev.platform == "cpu",
+                                k=args.k, progress=lambda m: print(m, flush=True))
+        for r in recs:
+            r["features"] = pf.layer_features(graph, r["layer"])
+            r["scale"] = scale
+        records += recs
+        print(f"{device_name(dev)}: {len(recs)} layers in {time.time() - t0:.0f} s", flush=True)
+        path.write_text(json.dumps(dict(jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
+                                        records=records), indent=0) + "\n")
+        print(f"wrote {path}", flush=True)
+    return 0
+
+
+def _evaluate(args) -> int:
+    import _prim_features as pf
+    import cost_accuracy as ca
+    import primitive_model as pm
+
+    sweep = json.loads(pathlib.Path(args.sweep).read_text())["records"]
+    zoo_records = []
+    for f in args.records:
+        data = json.loads(pathlib.Path(f).read_text())
+        zoo_records += data["records"] if isinstance(data, dict) else data
+    feats = pf.features(zoo_records, pm.CACHE)
+    feats.update({pf.key_of(r): r["features"] for r in sweep})
+    lines = ["# Fitted on the layer sweep, tested on every zoo model", "",
+             f"Sweep: `{args.sweep}` ({len(sweep)} layers). Zoo records: "
+             + ", ".join(f"`{f}`" for f in args.records) + ".",
+             "Every zoo model is held out of the sweep's fits. APE on the zoo's layers above "
+             "100 us: median / p90 (n).",
+             "", "| device kind | zoo layers | roofline fitted on the zoo's train models | "
+             "roofline fitted on the sweep | per-primitive (full) on the sweep | "
+             "per-primitive (size) on the sweep |", "|---|---|---|---|---|---|"]
+    for kind in sorted({r["kind"] for r in sweep}):
+        train = [r for r in sweep if r["kind"] == kind]
+        zoo = [r for r in zoo_records if r["kind"] == kind and pf.key_of(r) in feats]
+        if not pm._large(zoo):
+            continue
+        launch = "kernels" if kind == "cpu" else "executable"
+        base = ca._base_profiles(train + zoo)
+        dev = train[0]["device"]
+        fits = {"zoo": ca.fit_layers(base[dev], [r for r in zoo if r["model"] in ca.TRAIN_MODELS],
+                                     launch_model=launch),
+                "sweep": ca.fit_layers(base[dev], train, launch_model=launch)}
+        prim = {v: pm.fit(train, feats, v) for v in ("full", "size")}
+        for what, test in (("held-out models", pm._large(
+                [r for r in zoo if r["model"] not in ca.TRAIN_MODELS])),
+                ("all models", pm._large(zoo))):
+            cells = [pm.stats(ca._errors(fits[f], test, launch)) for f in ("zoo", "sweep")]
+            cells += [pm.stats(pm.ape(pm.predict(x, cols, test, feats), test))
+                      for x, cols in prim.values()]
+            lines.append(f"| {kind} | {what} | " + " | ".join(pm._pct(*c) for c in cells) + " |")
+    lines += ["", "On `all models` the first column's train models are in its fit (in-sample)."]
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        pathlib.Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--out", required=True)
+    m.add_argument("--platforms", nargs="*", default=None)
+    m.add_argument("--scale", type=float, default=1.0)
+    m.add_argument("--cpu_scale", type=float, default=0.25)
+    m.add_argument("--cpu_hw_scale", type=float, default=0.5)
+    m.add_argument("--k", type=int, default=10)
+    m.add_argument("--only", nargs="*", default=None, help="layers whose names contain these")
+    m.add_argument("--tag", default=None)
+    e = sub.add_parser("evaluate")
+    e.add_argument("--sweep", required=True)
+    e.add_argument("--records", nargs="+", required=True)
+    e.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    return _measure(args) if args.cmd == "measure" else _evaluate(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
