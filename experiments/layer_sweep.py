@@ -269,34 +269,36 @@ def _evaluate(args) -> int:
         zoo_records += data["records"] if isinstance(data, dict) else data
     feats = pf.features(zoo_records, pm.CACHE)
     feats.update({pf.key_of(r): r["features"] for r in sweep})
-    lines = ["# Fitted on the layer sweep, tested on every zoo model", "",
+    lines = ["# Fitted on the layer sweep, tested on the zoo's models", "",
              f"Sweep: `{args.sweep}` ({len(sweep)} layers). Zoo records: "
-             + ", ".join(f"`{f}`" for f in args.records) + ".",
-             "Every zoo model is held out of the sweep's fits. APE on the zoo's layers above "
-             "100 us: median / p90 (n).",
-             "", "| device kind | zoo layers | roofline fitted on the zoo's train models | "
-             "roofline fitted on the sweep | per-primitive (full) on the sweep | "
-             "per-primitive (size) on the sweep |", "|---|---|---|---|---|---|"]
+             + ", ".join(f"`{f}`" for f in args.records) + ".", "",
+             "APE on the zoo's layers above 100 us, median / p90 (n): on the models outside "
+             f"the zoo's train models ({', '.join(ca.TRAIN_MODELS)}) and on all models "
+             "(in-sample for a fit on the zoo's train models)."]
     for kind in sorted({r["kind"] for r in sweep}):
-        train = [r for r in sweep if r["kind"] == kind]
+        swept = [r for r in sweep if r["kind"] == kind]
         zoo = [r for r in zoo_records if r["kind"] == kind and pf.key_of(r) in feats]
         if not pm._large(zoo):
             continue
+        zoo_train = [r for r in zoo if r["model"] in ca.TRAIN_MODELS]
+        tests = {"held-out models": pm._large([r for r in zoo if r not in zoo_train]),
+                 "all models": pm._large(zoo)}
         launch = "kernels" if kind == "cpu" else "executable"
-        base = ca._base_profiles(train + zoo)
-        dev = train[0]["device"]
-        fits = {"zoo": ca.fit_layers(base[dev], [r for r in zoo if r["model"] in ca.TRAIN_MODELS],
-                                     launch_model=launch),
-                "sweep": ca.fit_layers(base[dev], train, launch_model=launch)}
-        prim = {v: pm.fit(train, feats, v) for v in ("full", "size")}
-        for what, test in (("held-out models", pm._large(
-                [r for r in zoo if r["model"] not in ca.TRAIN_MODELS])),
-                ("all models", pm._large(zoo))):
-            cells = [pm.stats(ca._errors(fits[f], test, launch)) for f in ("zoo", "sweep")]
-            cells += [pm.stats(pm.ape(pm.predict(x, cols, test, feats), test))
-                      for x, cols in prim.values()]
-            lines.append(f"| {kind} | {what} | " + " | ".join(pm._pct(*c) for c in cells) + " |")
-    lines += ["", "On `all models` the first column's train models are in its fit (in-sample)."]
+        dev = swept[0]["device"]
+        base = ca._base_profiles(swept + zoo)[dev]
+        lines += ["", f"## {kind} ({len(swept)} sweep layers)", "",
+                  "| model | fitted on | " + " | ".join(tests) + " |", "|---|---|---|---|"]
+        for on, train in (("the zoo's train models", zoo_train), ("the sweep", swept),
+                          ("the sweep + the zoo's train models", swept + zoo_train)):
+            roof = ca.fit_layers(base, train, launch_model=launch)
+            cells = [pm.stats(ca._errors(roof, t, launch)) for t in tests.values()]
+            lines.append(f"| roofline | {on} | " + " | ".join(pm._pct(*c) for c in cells) + " |")
+            for variant in ("full", "size"):
+                x, cols = pm.fit(train, feats, variant)
+                cells = [pm.stats(pm.ape(pm.predict(x, cols, t, feats), t))
+                         for t in tests.values()]
+                lines.append(f"| per-primitive ({variant}) | {on} | "
+                             + " | ".join(pm._pct(*c) for c in cells) + " |")
     text = "\n".join(lines) + "\n"
     if args.out:
         pathlib.Path(args.out).write_text(text)
