@@ -5,6 +5,8 @@ Four CPU devices are forced before JAX starts, so multi-device tests
 """
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
@@ -14,6 +16,27 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
+
+# One compilation cache for the run's processes: a step compiled again, by
+# another test or the other xdist worker, as the same XLA program is read back
+# instead of compiled (each test builds its own functions, so JAX's in-memory
+# caches miss). The process that starts the run makes the folder, its xdist
+# workers inherit it through the environment, and it is removed at the end:
+# every run starts cold, as CI does. The compiled code is the same.
+# HETPAR_TEST_NO_COMPILE_CACHE=1 turns it off.
+_OWN_CACHE = None
+if not os.environ.get("HETPAR_TEST_NO_COMPILE_CACHE"):
+    if not os.environ.get("HETPAR_TEST_JAX_CACHE"):
+        _OWN_CACHE = tempfile.mkdtemp(prefix="hetpar-test-jax-cache-")
+        os.environ["HETPAR_TEST_JAX_CACHE"] = _OWN_CACHE
+    jax.config.update("jax_compilation_cache_dir", os.environ["HETPAR_TEST_JAX_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE is not None:
+        shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 def _has_gpu() -> bool:

@@ -22,6 +22,22 @@ def hetpar_cli(*argv, check=True):
     return proc
 
 
+def hetpar_in_process(capsys, *argv, check=True):
+    """`hetpar ARGV` in this process: the command's own code, without the
+    interpreter and JAX start-up a subprocess pays (~10 s on 2 cores). The
+    entry point itself (`python -m hetpar`, `app.run`) is run as a subprocess
+    by test_cli_bad_input_is_one_clear_line's fast case and the slow tier."""
+    from hetpar import cli
+
+    capsys.readouterr()
+    code = cli._main(cli._parser().parse_args([str(a) for a in argv]))
+    out, err = capsys.readouterr()
+    proc = subprocess.CompletedProcess(argv, code, out, err)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
 def test_report_json_keys():
     w = zoo.get("mlp", small=True)
     rep = hetpar.report(w.train_step, *jax.eval_shape(w.example_args)).to_json()
@@ -53,10 +69,10 @@ def test_cli_report_json_and_csv():
     assert csv.splitlines()[0].startswith("name,flops")
 
 
-def test_cli_trace_writes_the_layers_format(tmp_path):
+def test_cli_trace_writes_the_layers_format(tmp_path, capsys):
     # Not graph.json: `hetpar plan --graph` takes what `hetpar costs --out` writes.
     path = tmp_path / "layers.json"
-    hetpar_cli("trace", "conv6", "--small", "--out", str(path))
+    hetpar_in_process(capsys, "trace", "conv6", "--small", "--out", str(path))
     data = json.loads(path.read_text())
     assert (data["format"], data["version"]) == ("hetpar.layers", 1)
     assert len(data["layers"]) >= 7 and "devices" not in data
@@ -65,10 +81,10 @@ def test_cli_trace_writes_the_layers_format(tmp_path):
     assert {"src", "dst", "bytes", "bytes_backward"} <= set(data["edges"][0])
 
 
-def test_cli_plan_from_a_model_name(tmp_path):
+def test_cli_plan_from_a_model_name(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    out = hetpar_cli("plan", "conv6", "--small", "--devices", "cpu:0,h100", "--out",
-                     str(path)).stdout
+    out = hetpar_in_process(capsys, "plan", "conv6", "--small", "--devices", "cpu:0,h100",
+                            "--out", str(path)).stdout
     assert "baselines" in out
     plan = hetpar.Plan.load(path)
     assert set(plan.assignment.values()) <= {"cpu:0", "h100:0"}
@@ -96,18 +112,18 @@ def test_cli_plan_for_elsewhere_from_a_profile_and_a_calibrated_step(tmp_path):
     assert bad.returncode == 2 and "apply to a MODEL" in bad.stderr
 
 
-def test_cli_plan_pipelined_replays_its_schedule(tmp_path):
+def test_cli_plan_pipelined_replays_its_schedule(tmp_path, capsys):
     path = tmp_path / "plan.json"
-    out = hetpar_cli("plan", "transformer", "--small", "--devices", "h100,h100", "--mode",
-                     "pipelined", "--microbatches", "4", "--schedule", "1f1b", "--out",
-                     str(path)).stdout
+    out = hetpar_in_process(capsys, "plan", "transformer", "--small", "--devices", "h100,h100",
+                            "--mode", "pipelined", "--microbatches", "4", "--schedule", "1f1b",
+                            "--out", str(path)).stdout
     assert "replays the 1f1b schedule" in out
     plan = hetpar.Plan.load(path)
     assert plan.mode == "pipelined" and plan.predicted.schedule == "1f1b"
 
 
-def test_cli_hlo_of_one_layer():
-    out = hetpar_cli("hlo", "mlp", "--small", "--layer", "fc1").stdout
+def test_cli_hlo_of_one_layer(capsys):
+    out = hetpar_in_process(capsys, "hlo", "mlp", "--small", "--layer", "fc1").stdout
     assert "HloModule" in out
 
 
@@ -130,22 +146,35 @@ def test_cli_run_main_job():
         assert "what-if" in out  # spec-sheet plans when no accelerator is here
 
 
-@pytest.mark.parametrize(
-    "argv,message",
-    [
-        (("report", "resnet51"), "unknown"),
-        (("report", "mlp", "--config", "widht=3"), "widht"),
-        (("report", "mlp", "--config", "nonsense"), "KEY=VALUE"),
-        (("hlo", "mlp", "--small", "--layer", "nope"), "no layer 'nope'"),
-        (("costs", "mlp", "--small", "--devices", "cpu:0,quantum"), "quantum"),
-        # Issue 14: config values and counts were used unchecked (tracebacks).
-        (("report", "resnet18", "--small", "--config", "image_size=abc"),
-         "config 'image_size' must be a positive int, got 'abc'"),
-        (("trace", "resnet18", "--small", "--depth", "0"), "--depth must be a positive int, got 0"),
-    ],
-)
+BAD_INPUT = [
+    (("report", "resnet51"), "unknown"),
+    (("report", "mlp", "--config", "widht=3"), "widht"),
+    (("report", "mlp", "--config", "nonsense"), "KEY=VALUE"),
+    (("hlo", "mlp", "--small", "--layer", "nope"), "no layer 'nope'"),
+    (("costs", "mlp", "--small", "--devices", "cpu:0,quantum"), "quantum"),
+    # Issue 14: config values and counts were used unchecked (tracebacks).
+    (("report", "resnet18", "--small", "--config", "image_size=abc"),
+     "config 'image_size' must be a positive int, got 'abc'"),
+    (("trace", "resnet18", "--small", "--depth", "0"), "--depth must be a positive int, got 0"),
+]
+
+
+# As a subprocess (`python -m hetpar`, ~10 s each on 2 cores): the first case
+# in the fast tier, every case in the slow one; the next test runs them all
+# in process.
+@pytest.mark.parametrize("argv,message", [
+    BAD_INPUT[0], *(pytest.param(*case, marks=pytest.mark.slow) for case in BAD_INPUT[1:])])
 def test_cli_bad_input_is_one_clear_line(argv, message):
     proc = hetpar_cli(*argv, check=False)
+    assert proc.returncode == 2
+    assert message.lower() in proc.stderr.lower()
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+@pytest.mark.parametrize("argv,message", BAD_INPUT)
+def test_cli_bad_input_is_one_clear_line_in_process(argv, message, capsys):
+    proc = hetpar_in_process(capsys, *argv, check=False)
     assert proc.returncode == 2
     assert message.lower() in proc.stderr.lower()
     assert "Traceback" not in proc.stderr
@@ -205,9 +234,9 @@ def test_cli_config_values_are_parsed_by_the_models_types():
     assert parse_config("mlp", ["hidden=16,8", "hidden=[4]"]) == {"hidden": (4,)}
 
 
-def test_cli_costs_measures_the_fixed_part_per_microbatch(tmp_path):
+def test_cli_costs_measures_the_fixed_part_per_microbatch(tmp_path, capsys):
     out = tmp_path / "graph.json"
-    hetpar_cli("costs", "mlp", "--small", "--devices", "cpu:0", "--measure", "--k", "2",
-               "--microbatches", "2", "--out", str(out))
+    hetpar_in_process(capsys, "costs", "mlp", "--small", "--devices", "cpu:0", "--measure",
+                      "--k", "2", "--microbatches", "2", "--out", str(out))
     layers = json.loads(out.read_text())["layers"]
     assert all(0 <= layer["fixed_s"]["cpu:0"] <= layer["time_s"]["cpu:0"] for layer in layers)

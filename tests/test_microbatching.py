@@ -231,7 +231,7 @@ def test_key_passed_as_argument_is_folded_too():
                  jax.jit(by_hand, static_argnums=2)(state, batch, 2))
 
 
-@pytest.mark.parametrize("kind", KEYS)
+@pytest.mark.parametrize("kind", ["typed", pytest.param("raw", marks=pytest.mark.slow)])
 def test_one_microbatch_is_the_step_unchanged(kind):
     state, batch = make_state(dropout=0.5, key_fn=KEYS[kind]), make_batch()
     expected = jax.jit(train_step)(state, batch)

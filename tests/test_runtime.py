@@ -114,10 +114,13 @@ def test_alternating_plan_equals_jit(name):
 # transformer and a BatchNorm ResNet in the slow one. The schedules and the
 # microbatch logic are model-independent, so each model covers M = 1, 2, 4 and
 # both schedules between its cases rather than their full cross product.
+# GPipe (the default schedule) with M=2 runs fast in test_microbatching and
+# test_equinox; M=1 is the step unchanged (test_microbatching).
 PIPELINED = [
-    ("mlp", 1, "gpipe"), ("mlp", 2, "1f1b"),
+    ("mlp", 2, "1f1b"),
     *(pytest.param(*case, marks=pytest.mark.slow) for case in (
-        ("mlp", 1, "1f1b"), ("mlp", 2, "gpipe"), ("mlp", 4, "gpipe"), ("mlp", 4, "1f1b"),
+        ("mlp", 1, "gpipe"), ("mlp", 1, "1f1b"), ("mlp", 2, "gpipe"), ("mlp", 4, "gpipe"),
+        ("mlp", 4, "1f1b"),
         ("transformer", 2, "1f1b"), ("resnet18", 2, "1f1b"))),
 ]
 

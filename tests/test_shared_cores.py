@@ -137,7 +137,7 @@ def test_present_virtual_cpus_share_one_compute_group(tmp_path, monkeypatch):
     assert [d.compute_group for d in alone.devices] == [None, None, None]  # + h100's place
 
 
-@pytest.mark.parametrize("name", ["mlp", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", pytest.param("transformer", marks=pytest.mark.slow)])
 def test_auto_over_four_virtual_cpus_predicts_no_speed_up(name):
     w = zoo.get(name, small=True)
     step = hetpar.auto(w.train_step, microbatches=2)  # every present device: cpu:0..cpu:3
