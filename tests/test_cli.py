@@ -146,6 +146,22 @@ def test_cli_run_main_job():
         assert "what-if" in out  # spec-sheet plans when no accelerator is here
 
 
+def test_cli_run_calibrated_at_the_first_call(capsys):
+    # --profile measure: the prediction beside the measured step comes from
+    # layers and a step timed here, not spec sheets.
+    argv = ("run", "mlp", "--small", "--steps", "2", "--no-what-if", "--no-baseline")
+    spec = hetpar_in_process(capsys, *argv).stdout
+    measured = hetpar_in_process(capsys, *argv, "--profile", "measure").stdout
+
+    def predicted(out):
+        return re.search(r"predicted step \(planner\): ([\d.]+ [mu]?s)", out).group(1)
+
+    assert predicted(spec) != predicted(measured), (spec, measured)
+    assert "calibrate with --profile measure" in spec or "WARNING" not in spec
+    proc = hetpar_in_process(capsys, *argv, "--profile", "nope.json", check=False)
+    assert proc.returncode == 2 and "profile='nope.json' is not a file" in proc.stderr
+
+
 BAD_INPUT = [
     (("report", "resnet51"), "unknown"),
     (("report", "mlp", "--config", "widht=3"), "widht"),

@@ -4,8 +4,9 @@ Prints the traced step's size, the plan, and per-step time and loss under
 `hetpar.auto` and under plain `jax.jit` on the best single device, timed
 interleaved step by step (each side one step in turn, same start, same batch),
 then both medians, their ratio, and the planner's predicted step beside the
-measured one. Without an accelerator it still runs (a CPU plan) and also
-shows what-if plans for CPU + H100 and CPU + TPU v5e from spec sheets.
+measured one (`--profile measure`: calibrated here at the first call).
+Without an accelerator it still runs (a CPU plan) and also shows what-if
+plans for CPU + H100 and CPU + TPU v5e from spec sheets.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ def register(sub) -> None:
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
     p.add_argument("--objective", choices=("time", "cost", "energy"), default="time")
+    p.add_argument("--profile", default="auto",
+                   help="where the planner's figures come from: auto (spec sheets, or "
+                        "$HETPAR_PROFILES), measure (time the layers, the step and the "
+                        "runtime's costs here at the first call), or a `hetpar profile` file")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain jax.jit comparison")
     p.add_argument("--no-what-if", action="store_true",
                    help="skip the spec-sheet what-if plans shown on CPU-only machines")
@@ -68,7 +73,7 @@ def _run(args) -> int:
 
     step = hetpar.auto(w.train_step, devices=devices, plan=args.plan,
                        microbatches=args.microbatches, schedule=args.schedule,
-                       objective=args.objective)
+                       objective=args.objective, profile=args.profile)
     print(f"== {args.model} (batch {w.config.get('batch_size')}, "
           f"{human(w.param_count)} parameters) on {jax.default_backend()}")
     t0 = time.perf_counter()
@@ -135,9 +140,14 @@ def _run(args) -> int:
         from hetpar._auto import StepClock
 
         if abs(steady / p - 1) > StepClock.TOLERANCE:
+            hint = ("the layers, the step and the runtime's costs were measured here "
+                    "(--profile measure): a few steps is a noisy median; try more --steps"
+                    if args.profile == "measure" else
+                    "calibrate with --profile measure (timed here at the first call), or "
+                    "`hetpar profile --out profiles.json` on this machine and --profile "
+                    "profiles.json")
             print(f"   WARNING: measured and predicted differ by more than "
-                  f"{StepClock.TOLERANCE:.0%}; calibrate with `hetpar profile --out "
-                  "profiles.json` on this machine, then set HETPAR_PROFILES=profiles.json")
+                  f"{StepClock.TOLERANCE:.0%}; {hint}")
 
     accelerators = [d for d in jax.devices() if d.platform != "cpu"]
     if not accelerators and not args.no_what_if:
