@@ -141,7 +141,9 @@ def _run(args) -> int:
 
         if abs(steady / p - 1) > StepClock.TOLERANCE:
             hint = ("the layers, the step and the runtime's costs were measured here "
-                    "(--profile measure): a few steps is a noisy median; try more --steps"
+                    "(--profile measure), alone; interleaved with jax.jit step by step "
+                    "both run slower on a shared host (--no-baseline times hetpar.auto "
+                    "alone), and more --steps steady the median"
                     if args.profile == "measure" else
                     "calibrate with --profile measure (timed here at the first call), or "
                     "`hetpar profile --out profiles.json` on this machine and --profile "
