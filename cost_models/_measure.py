@@ -109,14 +109,15 @@ def measure_step(
 ) -> Timing:
     """Times `jax.jit(fn)` on `device` as a training loop runs it, compile time excluded.
 
-    The state (the arguments not in `batch_argnums`) is put on `device`; the
-    batch stays as given: a NumPy batch is copied in by every call, as a data
-    loader's is. Where the step returns its state first (output i has the
-    structure, shapes and dtypes of state argument i), each run takes the
-    last one's outputs, as the loop does; otherwise every run takes the same
-    arguments. `measure` times the same arguments with everything on the
-    device: GPT-2 small at batch 16 ran 19.5 ms that way and 23.1 ms threaded
-    with a host batch on an H100, which a user's loop measured (22.7 ms,
+    The state (the arguments not in `batch_argnums`) is put on `device`; a
+    NumPy batch stays as given and is copied in by every call, as a data
+    loader's is (JAX arrays of the batch are put on `device` once). Where
+    the step returns its state first (output i has the structure, shapes and
+    dtypes of state argument i), each run takes the last one's outputs, as
+    the loop does; otherwise every run takes the same arguments. `measure`
+    times the same arguments with everything on the device: GPT-2 small at
+    batch 16 ran 19.5 ms that way and 23.1 ms threaded with a host batch on
+    an H100, which a user's loop measured (22.7 ms,
     experiments/probe_step_timing.py).
 
     Args:
@@ -140,6 +141,9 @@ def measure_step(
     args = list(args)
     for i, x in zip(state_at, jax.device_put([args[i] for i in state_at], dev)):
         args[i] = x
+    for i in batch:  # JAX arrays committed elsewhere would not mix with the state: moved once
+        args[i] = jax.tree_util.tree_map(
+            lambda x: jax.device_put(x, dev) if isinstance(x, jax.Array) else x, args[i])
     jitted = jax.jit(fn)
 
     def spec(tree):

@@ -318,6 +318,9 @@ def test_measure_step_threads_the_state_and_keeps_the_batch_as_given():
     seen.clear()
     cost_models.measure_step(lambda w, b: step(w, b)[1], (w, batch), "cpu:0", k=2, warmup=1)
     assert seen == [0.0, 0.0, 0.0]
+    # A batch committed to another device is moved, as the state is.
+    elsewhere = jax.device_put(batch, jax.devices("cpu")[1])
+    assert cost_models.measure_step(step, (w, elsewhere), "cpu:0", k=1).median_s > 0
     with pytest.raises(ProfileError, match="k must be"):
         cost_models.measure_step(step, (w, batch), "cpu:0", k=0)
 
