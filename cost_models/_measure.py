@@ -114,7 +114,9 @@ def measure_step(
     loader's is (JAX arrays of the batch are put on `device` once). Where
     the step returns its state first (output i has the structure, shapes and
     dtypes of state argument i), each run takes the last one's outputs, as
-    the loop does; otherwise every run takes the same arguments. `measure`
+    the loop does; the other arguments stay as given. Threading holds one
+    more copy of the state (the caller's, the last run's, the new one); where
+    it fails (out of memory) every run takes the same arguments. `measure`
     times the same arguments with everything on the device: GPT-2 small at
     batch 16 ran 19.5 ms that way and 23.1 ms threaded with a host batch on
     an H100, which a user's loop measured (22.7 ms,
@@ -148,39 +150,59 @@ def measure_step(
 
     def spec(tree):
         leaves, structure = jax.tree_util.tree_flatten(tree)
-        return structure, [(getattr(x, "shape", None), getattr(x, "dtype", None))
-                           for x in leaves]
+        return structure, [(getattr(x, "shape", None), getattr(x, "dtype", None),
+                            getattr(x, "weak_type", None)) for x in leaves]
 
+    given = list(args)
     out = jax.block_until_ready(jitted(*args))  # compiles
-    threaded = (isinstance(out, (tuple, list)) and len(out) >= len(state_at) > 0
-                and all(spec(out[n]) == spec(args[i]) for n, i in enumerate(state_at)))
-    warm = max(1, warmup) - 1
-    samples = []
-    for run in range(warm + k):
-        if threaded:  # the last run's state in, as the loop passes it (no more memory held)
-            for n, i in enumerate(state_at):
+    # Each state argument the step returns at its position (same structure,
+    # shapes, dtypes and weak types: a loss is not a learning rate passed as a
+    # Python float) takes the last run's output; the others stay as given.
+    threaded = ([(n, i) for n, i in enumerate(state_at) if n < len(out)
+                 and spec(out[n]) == spec(args[i])]
+                if isinstance(out, (tuple, list)) else [])
+
+    def runs(count: int, thread: list) -> list[float]:
+        nonlocal out
+        samples = []
+        for _ in range(count):
+            for n, i in thread:  # the last run's state in, as the loop passes it
                 args[i] = out[n]
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(jitted(*args))
-        if run >= warm:
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(jitted(*args))
             samples.append(time.perf_counter() - t0)
-    return Timing.of(samples)
+        return samples
+
+    # One untimed threaded run at least: fed its own outputs, jit must not
+    # compile again inside a timed run.
+    warm = max(1, warmup) - 1 + bool(threaded)
+    try:
+        return Timing.of(runs(warm + k, threaded)[warm:])
+    except Exception:  # noqa: BLE001 - e.g. out of memory: threading holds one more state
+        if not threaded:
+            raise
+        # The caller's state, the last run's and the new outputs were live at
+        # once; the same arguments every run hold one state less.
+        args[:], out = given, None
+        return Timing.of(runs(max(1, warmup) - 1 + k, [])[max(1, warmup) - 1:])
 
 
 def batch_share(args: Sequence[Any], batch_argnums: Sequence[int], parts: int) -> tuple | None:
     """`args` with each batch argument's leading axis cut to its first 1/`parts`
-    (what one of `parts` data-parallel replicas runs), or None where a batch
-    leaf's leading axis does not divide."""
+    (what one of `parts` data-parallel replicas runs; scalars whole), or None
+    where a batch leaf's leading axis does not divide or nothing has one."""
     import jax
 
     batch = {i % len(args) for i in batch_argnums}
     out = list(args)
     for i in batch:
+        # Scalars (a learning rate passed as batch) go to every replica whole.
         leaves, tree = jax.tree_util.tree_flatten(args[i])
-        if not leaves or any(not getattr(x, "shape", ()) or x.shape[0] % parts
-                             for x in leaves):
+        cut = [x for x in leaves if getattr(x, "shape", ())]
+        if not cut or any(x.shape[0] % parts for x in cut):
             return None
-        out[i] = jax.tree_util.tree_unflatten(tree, [x[: x.shape[0] // parts] for x in leaves])
+        out[i] = jax.tree_util.tree_unflatten(tree, [
+            x[: x.shape[0] // parts] if getattr(x, "shape", ()) else x for x in leaves])
     return tuple(out)
 
 

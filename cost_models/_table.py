@@ -525,8 +525,10 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
 def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, float],
                       time_share: Callable[[str, Any, int], float | None]):
     """`table` with each layer's `fixed_s` (where it has none) set to the
-    fraction of the whole step a data-parallel replica pays whole, measured
-    per kind that has two or more timed devices (see `scale_to_timed_step`)."""
+    fraction of the whole step a data-parallel replica pays whole, less its
+    optimizer update (`update_s`, charged whole apart), measured per kind
+    that has two or more timed devices (see `scale_to_timed_step`); a
+    spec-sheet sibling of their class borrows the fraction."""
     timed: dict[str, list[str]] = {}
     for d in step_s:
         timed.setdefault(table.device(d).kind, []).append(d)
@@ -546,10 +548,13 @@ def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, fl
     fraction.update({d: v for d, (v, _) in _sibling_factors(table, fraction).items()})
 
     def fixed(layer):
+        # The measured part holds the optimizer update (it does not shrink with
+        # the batch), which data parallel charges apart (`update_s`): the rest.
         have = dict(layer.fixed_s or {})
+        update = layer.update_s or {}
         for d, t in layer.time_s.items():
             if d in fraction and d not in have:
-                have[d] = fraction[d] * t
+                have[d] = max(0.0, fraction[d] * t - update.get(d, 0.0))
         return dataclasses.replace(layer, fixed_s=have or None)
 
     return dataclasses.replace(table, layers=tuple(fixed(la) for la in table.layers),

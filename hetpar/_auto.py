@@ -647,7 +647,9 @@ class CompiledStep:
         def share(_, dev, parts: int) -> float | None:
             # A replica's step: the same step on its share of the batch.
             part = batch_share(args, batch, parts)
-            return None if part is None else _whole_step_s(step, part, dev, batch)
+            return None if part is None else _whole_step_s(
+                step, part, dev, batch, failed="the step at half the batch on {dev} (a "
+                "data-parallel replica's); data parallel is predicted from the whole step")
 
         options = self.options
         # Only where the step may run data parallel (one more compile); a
@@ -978,7 +980,9 @@ def _hierarchical_devices(used, present) -> tuple[dict, dict]:
 
 
 def _whole_step_s(step: Callable, args: tuple, dev, batch_argnums: Sequence[int] = (-1,),
-                  runs: int = 3, budget_s: float = 1.0, most: int = 20) -> float | None:
+                  runs: int = 3, budget_s: float = 1.0, most: int = 20,
+                  failed: str = "the step on {dev}; its layers keep their predicted times",
+                  ) -> float | None:
     """Median seconds of `step` under `jax.jit` on `dev` as a training loop runs
     it (`cost_models.measure_step`: state threaded, the batch as the caller
     passes it), or None where it does not run there (out of memory).
@@ -997,9 +1001,8 @@ def _whole_step_s(step: Callable, args: tuple, dev, batch_argnums: Sequence[int]
         again = measure_step(step, args, dev, batch_argnums=batch_argnums, k=more, warmup=1)
         return float(np.median([*first.samples, *again.samples]))
     except Exception as e:  # noqa: BLE001 - an accelerator too small: keep its predictions
-        logging.warning("hetpar: profile='measure' could not time the step on %s (%s: %s); "
-                        "its layers keep their predicted times", dev, type(e).__name__,
-                        str(e).splitlines()[0][:200])
+        logging.warning("hetpar: profile='measure' could not time %s (%s: %s)",
+                        failed.format(dev=dev), type(e).__name__, str(e).splitlines()[0][:200])
         return None
 
 

@@ -262,8 +262,10 @@ def test_replica_fixed_part_from_the_step_at_half_batch():
 
     table = zoo.cost_table("mlp", ["cpu:0", "cpu:1", "h100"], small=True)
     mine = table.layer_names[0]  # keeps the fixed part it has
+    # Updates of 10% of each layer's time (spec sheets make a small MLP's nearly all update).
     table = dataclasses.replace(table, layers=tuple(
-        dataclasses.replace(la, fixed_s={"cpu:0": 0.0, "cpu:1": 0.0}) if la.name == mine else la
+        dataclasses.replace(la, update_s={d: 0.1 * t for d, t in la.time_s.items()},
+                            fixed_s={"cpu:0": 0.0, "cpu:1": 0.0} if la.name == mine else None)
         for la in table.layers))
     present = {f"cpu:{d.id}": d for d in jax.devices("cpu")[:2]}
     asked = []
@@ -280,8 +282,12 @@ def test_replica_fixed_part_from_the_step_at_half_batch():
                                               "cpu:1": pytest.approx(0.4)}
     for layer in scaled.layers:
         for d in ("cpu:0", "cpu:1"):
-            want = 0.0 if layer.name == mine else 0.4 * layer.time_s[d]
+            # The measured part holds the update, which data parallel charges apart.
+            update = (layer.update_s or {}).get(d, 0.0)
+            want = 0.0 if layer.name == mine else max(0.0, 0.4 * layer.time_s[d] - update)
             assert layer.fixed_s[d] == pytest.approx(want)
+            if layer.name != mine:  # with the update: the measured 40%
+                assert layer.fixed_s[d] + update == pytest.approx(0.4 * layer.time_s[d])
         assert "h100:0" not in layer.fixed_s  # another class: nothing measured
     dp = {t.meta.get("fixed_fraction") is not None:
           evaluate_data_parallel(t, ["cpu:0", "cpu:1"]).step_time_s for t in (plain, scaled)}
@@ -312,12 +318,37 @@ def test_measure_step_threads_the_state_and_keeps_the_batch_as_given():
     w, batch = np.zeros(3, np.float32), np.ones(3, np.float32)
     t = cost_models.measure_step(step, (w, batch), "cpu:0", k=4, warmup=2)
     assert len(t.samples) == 4 and t.median_s > 0
-    assert seen == [0.0, -3.0, -6.0, -9.0, -12.0, -15.0]  # each run on the last one's outputs
+    # Compiling run, warm-up, one untimed threaded run, 4 timed: each on the last one's outputs.
+    assert seen == [0.0, -3.0, -6.0, -9.0, -12.0, -15.0, -18.0]
     assert (w == 0).all()  # the caller's arrays are untouched
     # Outputs that are not the state: every run takes the same arguments.
     seen.clear()
     cost_models.measure_step(lambda w, b: step(w, b)[1], (w, batch), "cpu:0", k=2, warmup=1)
     assert seen == [0.0, 0.0, 0.0]
+    # Only outputs that match a state argument exactly are threaded: a loss is
+    # not fed back as a learning rate passed as a Python float.
+    rates = []
+
+    def sgd(w, lr, batch):
+        jax.debug.callback(lambda v: rates.append(float(v)), lr)
+        return w - lr * batch, (batch * w).sum()
+
+    cost_models.measure_step(sgd, (w, 0.5, batch), "cpu:0", k=2, warmup=1)
+    assert rates == [0.5] * len(rates) and len(rates) == 4
+    # Where threading fails (out of memory holding one more state), every run
+    # takes the same arguments.
+    seen.clear()
+
+    def fragile(w, batch):
+        def check(v):
+            seen.append(float(v))
+            if v < -4:
+                raise RuntimeError("RESOURCE_EXHAUSTED (a stand-in)")
+        jax.debug.callback(check, w.sum())
+        return w - 1.0, (batch * w).sum()
+
+    t = cost_models.measure_step(fragile, (w, batch), "cpu:0", k=2, warmup=1)
+    assert len(t.samples) == 2 and seen[-2:] == [0.0, 0.0]
     # A batch committed to another device is moved, as the state is.
     elsewhere = jax.device_put(batch, jax.devices("cpu")[1])
     assert cost_models.measure_step(step, (w, elsewhere), "cpu:0", k=1).median_s > 0
@@ -333,3 +364,7 @@ def test_batch_share_cuts_each_batch_leaf():
     assert half[0] is args[0]
     assert half[1]["x"].shape == (4, 1) and list(half[1]["y"]) == [0, 1, 2, 3]
     assert cost_models.batch_share(args, (-1,), 3) is None  # 8 rows do not split in 3
+    # A scalar in the batch goes to every replica whole.
+    mixed = cost_models.batch_share((np.zeros(4), (np.arange(8), 0.1)), (-1,), 2)
+    assert list(mixed[1][0]) == [0, 1, 2, 3] and mixed[1][1] == 0.1
+    assert cost_models.batch_share((np.zeros(4), 0.1), (-1,), 2) is None  # nothing to cut

@@ -140,14 +140,18 @@ def _run(args) -> int:
         from hetpar._auto import StepClock
 
         if abs(steady / p - 1) > StepClock.TOLERANCE:
-            hint = ("the layers, the step and the runtime's costs were measured here "
-                    "(--profile measure), alone; interleaved with jax.jit step by step "
-                    "both run slower on a shared host (--no-baseline times hetpar.auto "
-                    "alone), and more --steps steady the median"
-                    if args.profile == "measure" else
-                    "calibrate with --profile measure (timed here at the first call), or "
-                    "`hetpar profile --out profiles.json` on this machine and --profile "
-                    "profiles.json")
+            if args.profile == "measure":
+                hint = ("the layers, the step and the runtime's costs were measured here "
+                        "(--profile measure), alone; interleaved with jax.jit step by step "
+                        "both run slower on a shared host (--no-baseline times hetpar.auto "
+                        "alone), and more --steps steady the median")
+            elif args.profile != "auto":
+                hint = (f"{args.profile} may come from another machine or lack this one's "
+                        "devices; --profile measure times them here at the first call")
+            else:
+                hint = ("calibrate with --profile measure (timed here at the first call), or "
+                        "`hetpar profile --out profiles.json` on this machine and --profile "
+                        "profiles.json")
             print(f"   WARNING: measured and predicted differ by more than "
                   f"{StepClock.TOLERANCE:.0%}; {hint}")
 
