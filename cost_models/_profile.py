@@ -93,6 +93,17 @@ def _num(where: str, field: str, value: Any, *, positive: bool = True, allow_zer
     return v
 
 
+def _efficiency(where: str, data: Mapping[str, Any], field: str, why: str) -> float | None:
+    """An optional efficiency field: None when absent, else a number in (0, 1]."""
+    value = data.get(field)
+    if value is None:
+        return None
+    value = _num(where, field, value)
+    if value > 1.0:
+        raise ProfileError(f"{where}: field '{field}' = {value} exceeds 1: {why}")
+    return value
+
+
 def _require(where: str, data: Mapping[str, Any], field: str, hint: str) -> Any:
     if field not in data:
         raise ProfileError(f"{where}: missing field {field!r} ({hint}); add it to the file")
@@ -385,20 +396,10 @@ class DeviceProfile:
         buffer_overhead = _num(
             where, "buffer_overhead_s", data.get("buffer_overhead_s", 0.0), allow_zero=True
         )
-        fused_eff = data.get("fused_bytes_efficiency")
-        if fused_eff is not None:
-            fused_eff = _num(where, "fused_bytes_efficiency", fused_eff)
-            if fused_eff > 1.0:
-                raise ProfileError(
-                    f"{where}: field 'fused_bytes_efficiency' = {fused_eff} exceeds 1: no "
-                    "device moves its after-fusion bytes faster than its peak bandwidth")
-        conv_eff = data.get("conv_efficiency")
-        if conv_eff is not None:
-            conv_eff = _num(where, "conv_efficiency", conv_eff)
-            if conv_eff > 1.0:
-                raise ProfileError(
-                    f"{where}: field 'conv_efficiency' = {conv_eff} exceeds 1: no device "
-                    "runs convolutions faster than its matmul peak")
+        fused_eff = _efficiency(where, data, "fused_bytes_efficiency", "no device moves its "
+                                "after-fusion bytes faster than its peak bandwidth")
+        conv_eff = _efficiency(where, data, "conv_efficiency",
+                               "no device runs convolutions faster than its matmul peak")
         link = data.get("host_link")
         host_link = LinkProfile.from_json(link, f"{where} host_link") if link else None
         effs = _require(where, data, "efficiencies", "{op_class: {'flops': e, 'bytes': e}}")
