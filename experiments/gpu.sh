@@ -277,7 +277,8 @@ predictions)
   [ $# -gt 0 ] && plans=(--plans "$@")
   (cd experiments && timeout "${BUDGET:-560}" python3 bench_predictions.py \
     --out "$OUT/predictions_${CARD}_b${BATCH:-256}" --batch "${BATCH:-256}" \
-    --memory_fraction "${MEMORY_FRACTION:-0.7}" "${plans[@]}" 2>&1 | grep "predicted\|failed")
+    --memory_fraction "${MEMORY_FRACTION:-0.7}" --profiles ${PROFILE_KINDS:-auto measure} \
+    "${plans[@]}" 2>&1 | grep "predicted\|failed")
   ;;
 hetpar)
   # Named after the sub-command and its first argument: `hetpar run resnet18`
