@@ -12,7 +12,7 @@ measured, traced or fitted. One idea per module, lower ones first:
   calibration a spec kind borrows from its measured sibling.
 - `_roofline`: a layer's work (`LayerWork`), its predicted time, and the
   calibration of a profile's efficiencies on measurements.
-- `_measure`: timing a function on a device, cached on disk.
+- `_measure`: timing a function on a device (or replicas), cached on disk.
 - `_microbench`: the benchmarks `hetpar profile` runs.
 - `_layer_work`: the roofline's view of a traced layer.
 - `_layer_timing`: timing a traced layer alone, on random inputs.

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 from absl import logging
 
 from hetpar.core import ProfileError
@@ -109,6 +110,11 @@ def measure_step(
 ) -> Timing:
     """Times `jax.jit(fn)` on `device` as a training loop runs it, compile time excluded.
 
+    `device` may also be a sequence of devices: the step then runs data
+    parallel over them as `hetpar.runtime.Replicated` runs it (the state
+    replicated, each batch leaf with a leading axis split along it, scalars
+    whole), its gradients all-reduced by XLA.
+
     The state (the arguments not in `batch_argnums`) is put on `device`; a
     NumPy batch stays as given and is copied in by every call, as a data
     loader's is (JAX arrays of the batch are put on `device` once). Where
@@ -125,7 +131,7 @@ def measure_step(
     Args:
       fn: the step, `fn(*state, batch) -> (*new_state, ...)` or any jit-able function.
       args: its positional arguments; the caller's arrays are not changed.
-      device: a JAX device or its name.
+      device: a JAX device or its name, or a sequence of them (data parallel).
       batch_argnums: positions of the batch arguments (negative: from the end).
       k: timed runs.
       warmup: untimed runs first (at least 1: the first call compiles).
@@ -137,16 +143,32 @@ def measure_step(
 
     if k < 1:
         raise ProfileError(f"measure_step: k must be >= 1, got {k}")
-    dev = resolve_device(device)
     batch = {i % len(args) for i in batch_argnums} if args else set()
     state_at = [i for i in range(len(args)) if i not in batch]
     args = list(args)
-    for i, x in zip(state_at, jax.device_put([args[i] for i in state_at], dev)):
+    if isinstance(device, (str, jax.Device)):
+        state_place = split = resolve_device(device)
+        jitted = jax.jit(fn)
+    else:  # data parallel: a 1-D mesh of replicas
+        n = len(device)
+        uneven = [np.shape(x) for i in batch for x in jax.tree_util.tree_leaves(args[i])
+                  if np.ndim(x) and np.shape(x)[0] % n]
+        if uneven:
+            raise ProfileError(f"measure_step: a batch array of shape {uneven[0]} does not "
+                               f"split over {n} replicas (its leading axis must divide)")
+        mesh = jax.sharding.Mesh([resolve_device(d) for d in device], ("replica",))
+        state_place = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("replica"))
+        jitted = jax.jit(fn, in_shardings=tuple(
+            jax.tree_util.tree_map(lambda x: split if getattr(x, "ndim", 0) else state_place,
+                                   a) if i in batch else state_place
+            for i, a in enumerate(args)), out_shardings=state_place)
+    for i, x in zip(state_at, jax.device_put([args[i] for i in state_at], state_place)):
         args[i] = x
     for i in batch:  # JAX arrays committed elsewhere would not mix with the state: moved once
         args[i] = jax.tree_util.tree_map(
-            lambda x: jax.device_put(x, dev) if isinstance(x, jax.Array) else x, args[i])
-    jitted = jax.jit(fn)
+            lambda x: jax.device_put(x, split if getattr(x, "ndim", 0) else state_place)
+            if isinstance(x, jax.Array) else x, args[i])
 
     def spec(tree):
         leaves, structure = jax.tree_util.tree_flatten(tree)

@@ -420,7 +420,7 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                         stage_overhead: Callable[[str, Any], float | None] | None = None,
                         crossing: Callable[..., float | None] | None = None,
                         bandwidth: Callable[[Any, Any, float], float | None] | None = None,
-                        *, time_share: Callable[[str, Any, int], float | None] | None = None):
+                        *, time_replicas: Callable[[list[str], list], float | None] | None = None):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -440,13 +440,15 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     each direction of those pairs has its bandwidth measured at the largest
     value the step passes between layers (the sizes plans move; two virtual
     CPU devices copied at 1.2 GB/s where the spec sheet says 154). With
-    `time_share` (`time_share(name, jax_device, 2)`: the step at half the
-    batch), each kind with two or more present devices, which could run the
-    step data parallel, has the part of its step that a replica pays whole
-    (launches, per-call costs) measured: `2 T(B/2) - T(B)`. Layers without
-    a `fixed_s` of their own get that fraction of their time as theirs (a
+    `time_replicas` (`time_replicas(names, jax_devices)`: the step run data
+    parallel over two present devices of a kind), each kind with two or
+    more present devices has the part of its step that a replica pays whole
+    (launches, per-call costs) measured: with the gradients' all-reduce (as
+    the table's links price it) taken out, a replica's step is
+    `(1 - f) T(B) / 2 + f T(B)` for a fixed fraction `f`. Layers without a
+    `fixed_s` of their own get that fraction of their time as theirs (a
     sibling borrows its class's fraction): GPT-2 at batch 16 is mostly fixed
-    cost, and data parallel over two GPUs ran 0.9x one GPU's step where
+    cost, and data parallel over two GPUs ran 0.9-1.2x one GPU's step where
     halving the work predicted 0.5x. A callback returning None leaves its
     figure as predicted.
 
@@ -472,10 +474,17 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     if not step_s:
         return table
     scaled = scale_to_step(table, step_s, siblings=True)
-    if time_share is not None:
-        scaled = _with_fixed_parts(scaled, present, step_s, time_share)
-    if not overhead:
-        return scaled
+    if overhead:
+        scaled = _with_runtime_costs(table, scaled, present, step_s, overhead, crossing,
+                                     bandwidth)
+    if time_replicas is not None:  # last: the all-reduce over the links measured
+        scaled = _with_fixed_parts(scaled, present, step_s, time_replicas)
+    return scaled
+
+
+def _with_runtime_costs(table, scaled, present, step_s, overhead, crossing, bandwidth):
+    """`scaled` with its devices' measured cost per stage and its links'
+    measured crossing and bandwidth (see `scale_to_timed_step`)."""
     per_device = {d: overhead[table.device(d).kind] for d in step_s
                   if table.device(d).kind in overhead}
     lent = _sibling_factors(table, per_device)
@@ -523,26 +532,39 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
 
 
 def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, float],
-                      time_share: Callable[[str, Any, int], float | None]):
+                      time_replicas: Callable[[list[str], list], float | None]):
     """`table` with each layer's `fixed_s` (where it has none) set to the
     fraction of the whole step a data-parallel replica pays whole, less its
     optimizer update (`update_s`, charged whole apart), measured per kind
-    that has two or more timed devices (see `scale_to_timed_step`); a
-    spec-sheet sibling of their class borrows the fraction."""
+    that has two or more timed devices linked to each other (see
+    `scale_to_timed_step`); a spec-sheet sibling of their class borrows the
+    fraction."""
+    from hetpar.core import ring_allreduce_s
+
     timed: dict[str, list[str]] = {}
     for d in step_s:
         timed.setdefault(table.device(d).kind, []).append(d)
     fraction: dict[str, float] = {}
+    replicated: dict[str, float] = {}
+    grads = sum(la.param_bytes or 0.0 for la in table.layers)
     for devices in timed.values():
         if len(devices) < 2 or all(d in (la.fixed_s or {}) for la in table.layers
                                    for d in devices):
             continue  # no data parallel; or every layer has its own (measured per microbatch)
-        first, whole = devices[0], step_s[devices[0]]
-        half = time_share(first, present[first], 2)
-        if half is None:
+        pair, whole = devices[:2], step_s[devices[0]]
+        links = [k for k in table.links if {k.src, k.dst} == set(pair)]
+        if not links:
             continue
-        frac = min(1.0, max(0.0, (2 * half - whole) / whole))
+        both = time_replicas(pair, [present[d] for d in pair])
+        if both is None:
+            continue
+        # The planner adds the all-reduce as the links price it; the rest is
+        # one replica's step, (1 - f) T / 2 + f T.
+        replica = both - ring_allreduce_s(grads, 2, min(k.bandwidth_bytes_per_s for k in links),
+                                          max(k.latency_s for k in links))
+        frac = min(1.0, max(0.0, 2 * replica / whole - 1))
         fraction.update(dict.fromkeys(devices, frac))
+        replicated[" ".join(pair)] = both
     if not fraction:
         return table
     fraction.update({d: v for d, (v, _) in _sibling_factors(table, fraction).items()})
@@ -558,7 +580,8 @@ def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, fl
         return dataclasses.replace(layer, fixed_s=have or None)
 
     return dataclasses.replace(table, layers=tuple(fixed(la) for la in table.layers),
-                               meta={**table.meta, "fixed_fraction": fraction})
+                               meta={**table.meta, "fixed_fraction": fraction,
+                                     "replicated_step_s": replicated})
 
 
 def _sibling_factors(table, factor: Mapping[str, float]) -> dict[str, tuple[float, str]]:

@@ -41,7 +41,15 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from hetpar import cost_models  # noqa: E402
-from hetpar.core import CostTable, Device, Edge, Layer, Link  # noqa: E402
+from hetpar.core import (  # noqa: E402  # noqa: E402
+    CostTable,
+    Device,
+    Edge,
+    Layer,
+    Link,
+    hierarchical_allreduce_s,
+    ring_allreduce_s,
+)
 from hetpar.planner import (  # noqa: E402
     Arrays,
     data_parallel_obstacle,
@@ -52,7 +60,6 @@ from hetpar.planner import (  # noqa: E402
     plan,
     violations,
 )
-from hetpar.planner._evaluate import hierarchical_allreduce_s, ring_allreduce_s  # noqa: E402
 from hetpar.planner._plan import _remat_table  # noqa: E402
 from hetpar.zoo._costs import trace_model  # noqa: E402
 

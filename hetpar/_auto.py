@@ -644,21 +644,24 @@ class CompiledStep:
             return table
         step, args, batch = self._step, self._calibration_args, self._batch_argnums
 
-        def share(_, dev, parts: int) -> float | None:
-            # A replica's step: the same step on its share of the batch.
-            part = batch_share(args, batch, parts)
-            return None if part is None else _whole_step_s(
-                step, part, dev, batch, failed="the step at half the batch on {dev} (a "
-                "data-parallel replica's); data parallel is predicted from the whole step")
+        def replicas(names: list[str], devs: list) -> float | None:
+            # The step data parallel over two devices, as Replicated runs it:
+            # what a replica pays whole (launches, the host's dispatch to both)
+            # is measured, not inferred from a smaller batch on one device.
+            if batch_share(args, batch, len(devs)) is None:  # the batch does not split
+                return None
+            return _whole_step_s(step, args, devs, batch, failed="the step data parallel over "
+                                 f"{', '.join(names)}; data parallel is predicted from the "
+                                 "whole step on one device")
 
         options = self.options
         # Only where the step may run data parallel (one more compile); a
         # microbatched step's layers were measured per microbatch already.
-        replicas = (options.microbatches == 1 and bool(options.data_parallel)
-                    and (options.plan is None or _replicates(options.plan)))
+        dp = (options.microbatches == 1 and bool(options.data_parallel)
+              and (options.plan is None or _replicates(options.plan)))
         scaled = scale_to_timed_step(
             table, self.devices, lambda _, dev: _whole_step_s(step, args, dev, batch),
-            *_runtime_costs(), time_share=share if replicas else None)
+            *_runtime_costs(), time_replicas=replicas if dp else None)
         logging.info("hetpar: calibrated to whole steps measured here: %s",
                      scaled.meta.get("step_s"))
         return scaled
@@ -983,9 +986,10 @@ def _whole_step_s(step: Callable, args: tuple, dev, batch_argnums: Sequence[int]
                   runs: int = 3, budget_s: float = 1.0, most: int = 20,
                   failed: str = "the step on {dev}; its layers keep their predicted times",
                   ) -> float | None:
-    """Median seconds of `step` under `jax.jit` on `dev` as a training loop runs
-    it (`cost_models.measure_step`: state threaded, the batch as the caller
-    passes it), or None where it does not run there (out of memory).
+    """Median seconds of `step` under `jax.jit` on `dev` (or data parallel over
+    a list of devices) as a training loop runs it (`cost_models.measure_step`:
+    state threaded, the batch as the caller passes it), or None where it does
+    not run there (out of memory).
 
     `runs` timed runs, then, for a step short enough, more (up to `most`,
     about `budget_s` in all): a 3-run median of a millisecond step on a busy
@@ -1060,8 +1064,8 @@ def _allreduce_across_processes_s(table, options: Options) -> float:
     """Seconds to all-reduce a step's gradients (the table's parameter bytes)
     around a ring of the processes, on the slowest network link of the ring
     (measured by `hetpar profile` under jax.distributed, else the default)."""
+    from hetpar.core import ring_allreduce_s
     from hetpar.cost_models import load_profiles
-    from hetpar.planner._evaluate import ring_allreduce_s
 
     n = jax.process_count()
     profiles = _profiles(options) or load_profiles()

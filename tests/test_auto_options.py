@@ -209,22 +209,23 @@ def test_profile_measure_scales_layers_to_the_step_measured_here():
 
 def test_profile_measure_measures_a_replicas_fixed_part_where_data_parallel_may_run(
         monkeypatch):
-    # Two devices of one kind and a batch that halves: the step is timed at
-    # half the batch too, and layers carry the part a replica pays whole.
+    # Two devices of one kind and a batch that splits: the step is timed data
+    # parallel over them too, and layers carry the part a replica pays whole.
     from hetpar import _auto
 
     rows, real = [], _auto._whole_step_s
 
     def timed(fn, args, dev, batch_argnums=(-1,), **kwargs):
-        rows.append(args[-1].shape[0])
+        rows.append(len(dev) if isinstance(dev, list) else 1)
         return real(fn, args, dev, batch_argnums, **kwargs)
 
     monkeypatch.setattr(_auto, "_whole_step_s", timed)
     even = np.ones((6, 3), np.float32)
     compiled = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure").lower(W, even)
-    assert rows == [6, 3]
+    assert rows == [1, 2]  # one device, then data parallel over both
     frac = compiled.table.meta["fixed_fraction"]
     assert set(frac) == {"cpu:0", "cpu:1"} and 0.0 <= frac["cpu:0"] == frac["cpu:1"] <= 1.0
+    assert set(compiled.table.meta["replicated_step_s"]) == {"cpu:0 cpu:1"}
     for layer in compiled.table.layers:  # the update, in the measured part, is charged apart
         update = (layer.update_s or {}).get("cpu:0", 0.0)
         assert layer.fixed_s["cpu:0"] == pytest.approx(
@@ -235,8 +236,8 @@ def test_profile_measure_measures_a_replicas_fixed_part_where_data_parallel_may_
                    {"devices": ["cpu:0", "cpu:1"], "data_parallel": False}):
         rows.clear()
         hetpar.auto(step, profile="measure", **kwargs).lower(W, even).predicted()
-        assert rows == [6]
-    # A batch that does not halve: no figure, planning goes on.
+        assert rows == [1]
+    # A batch that does not split: no figure, planning goes on.
     odd = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure").lower(W, X)
     assert "fixed_fraction" not in odd.table.meta
 

@@ -249,15 +249,17 @@ def test_calibrate_times_the_whole_step_on_present_devices():
         zoo.cost_table("mlp", ["h100"], small=True, calibrate=True, k=2)
 
 
-def test_replica_fixed_part_from_the_step_at_half_batch():
+def test_replica_fixed_part_from_the_data_parallel_step():
     # With two or more timed devices of a kind (data parallel possible), the
-    # step at half the batch gives the part a replica pays whole: 2 T(B/2) - T(B).
-    # Layers without their own fixed part take that fraction of their time; the
-    # data-parallel prediction then halves only the rest.
+    # step run data parallel over two of them, less the gradients' all-reduce
+    # as the links price it, is one replica's step: (1 - f) T / 2 + f T.
+    # Layers without their own fixed part take the fraction f of their time;
+    # the data-parallel prediction is then the step measured.
     import dataclasses
 
     import jax
 
+    from hetpar.core import ring_allreduce_s
     from hetpar.planner import evaluate_data_parallel
 
     table = zoo.cost_table("mlp", ["cpu:0", "cpu:1", "h100"], small=True)
@@ -268,18 +270,23 @@ def test_replica_fixed_part_from_the_step_at_half_batch():
                             fixed_s={"cpu:0": 0.0, "cpu:1": 0.0} if la.name == mine else None)
         for la in table.layers))
     present = {f"cpu:{d.id}": d for d in jax.devices("cpu")[:2]}
+    link = next(k for k in table.links if (k.src, k.dst) == ("cpu:0", "cpu:1"))
+    allreduce = ring_allreduce_s(sum(la.param_bytes for la in table.layers), 2,
+                                 link.bandwidth_bytes_per_s, link.latency_s)
     asked = []
 
-    def share(name, dev, parts):
-        asked.append((name, parts))
-        return 0.7  # T(B/2) = 0.7 s of T(B) = 1 s: 40% of the step is fixed
+    def replicas(names, devs):
+        asked.append(names)
+        assert devs == [present[n] for n in names]
+        return 0.7 + allreduce  # a replica's 0.7 s of T = 1 s: 40% of the step is fixed
 
     plain = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0)
     scaled = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0,
-                                             time_share=share)
-    assert asked == [("cpu:0", 2)]  # once per kind
+                                             time_replicas=replicas)
+    assert asked == [["cpu:0", "cpu:1"]]  # once per kind
     assert scaled.meta["fixed_fraction"] == {"cpu:0": pytest.approx(0.4),
                                               "cpu:1": pytest.approx(0.4)}
+    assert scaled.meta["replicated_step_s"] == {"cpu:0 cpu:1": pytest.approx(0.7 + allreduce)}
     for layer in scaled.layers:
         for d in ("cpu:0", "cpu:1"):
             # The measured part holds the update, which data parallel charges apart.
@@ -296,13 +303,35 @@ def test_replica_fixed_part_from_the_step_at_half_batch():
     asked.clear()
     own = dataclasses.replace(table, layers=tuple(
         dataclasses.replace(la, fixed_s={"cpu:0": 0.0, "cpu:1": 0.0}) for la in table.layers))
-    cost_models.scale_to_timed_step(own, present, lambda name, dev: 1.0, time_share=share)
+    cost_models.scale_to_timed_step(own, present, lambda name, dev: 1.0, time_replicas=replicas)
     assert asked == []
     # Fewer than two devices of the kind: no data parallel, nothing asked.
     asked.clear()
     one = cost_models.scale_to_timed_step(table, {"cpu:0": present["cpu:0"]},
-                                          lambda name, dev: 1.0, time_share=share)
+                                          lambda name, dev: 1.0, time_replicas=replicas)
     assert asked == [] and "fixed_fraction" not in one.meta
+
+
+def test_measure_step_runs_data_parallel_over_several_devices():
+    # A list of devices: the state replicated, the batch split, as Replicated
+    # runs it; the results equal one device's.
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    seen = []
+
+    def step(w, x):
+        jax.debug.callback(lambda part: seen.append(part.shape[0]), x, partitioned=True)
+        return w - 0.1 * jnp.mean(x, axis=0) @ w, jnp.sum(w)
+
+    devs = jax.devices("cpu")[:2]
+    w, x = jnp.eye(3), np.arange(24, dtype=np.float32).reshape(8, 3)
+    t = cost_models.measure_step(step, (w, x), devs, k=2, warmup=1)
+    assert t.median_s > 0 and len(t.samples) == 2
+    assert set(seen) == {4}  # each replica has half the batch
+    with pytest.raises(ProfileError, match=r"shape \(8, 3\) does not split over 3 replicas"):
+        cost_models.measure_step(step, (w, x), jax.devices("cpu")[:3], k=1)
 
 
 def test_measure_step_threads_the_state_and_keeps_the_batch_as_given():

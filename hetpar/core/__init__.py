@@ -7,6 +7,7 @@ imports numpy and networkx at most, never JAX, so offline planning starts in
 milliseconds (the import-linter contract in pyproject.toml keeps it so).
 """
 
+from hetpar.core._collectives import hierarchical_allreduce_s, ring_allreduce_s
 from hetpar.core._errors import (
     GraphFormatError,
     HetparError,
@@ -66,6 +67,7 @@ __all__ = [
     "device_aware_order",
     "device_orders",
     "fingerprint",
+    "hierarchical_allreduce_s",
     "human",
     "load_json",
     "save_json",
@@ -73,6 +75,7 @@ __all__ = [
     "is_memory_place",
     "memory_place",
     "parse_placements",
+    "ring_allreduce_s",
     "seconds",
     "signed_seconds",
     "runs",

@@ -55,7 +55,15 @@ from typing import Any
 
 import numpy as np
 
-from hetpar.core import MEMORY_KINDS, CostTable, Placement, PlanError, is_memory_place, nbytes
+from hetpar.core import (
+    MEMORY_KINDS,
+    CostTable,
+    Placement,
+    PlanError,
+    is_memory_place,
+    nbytes,
+    ring_allreduce_s,
+)
 
 MODES = ("sequential", "pipelined")
 OBJECTIVES = ("time", "cost", "energy")
@@ -704,34 +712,3 @@ def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,
         busy_s={arr.devices[j]: float(busy[k]) for k, j in enumerate(idx)},
         compute_s=float(busy.sum()), transfer_s=allreduce,
         memory_bytes={arr.devices[j]: float(memory[k]) for k, j in enumerate(idx)})
-
-
-def ring_allreduce_s(nbytes: float, members: int, bandwidth_bytes_per_s: float,
-                     latency_s: float = 0.0) -> float:
-    """Seconds of a ring all-reduce of `nbytes` over `members`, as
-    `evaluate_data_parallel` prices it: 2 (n - 1) steps (reduce-scatter, then
-    all-gather), each sending nbytes / n over the ring's slowest link and
-    paying its latency. 0 for one member."""
-    n = int(members)
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) * (latency_s + nbytes / n / bandwidth_bytes_per_s)
-
-
-def hierarchical_allreduce_s(nbytes: float, groups: int, per_group: int,
-                             intra_bandwidth_bytes_per_s: float,
-                             inter_bandwidth_bytes_per_s: float, *,
-                             intra_latency_s: float = 0.0,
-                             inter_latency_s: float = 0.0) -> float:
-    """Seconds of a two-level all-reduce of `nbytes` over `groups` x `per_group`
-    members (hosts x GPUs): reduce-scatter inside each group, so each member
-    holds 1 / per_group of the sum; all-reduce of those shards across the
-    groups, the per_group rings at once, each on 1 / per_group of a group's
-    `inter_bandwidth_bytes_per_s` (one NIC each, or one NIC shared evenly);
-    all-gather inside each group. The two inside steps together cost one
-    ring all-reduce inside the group (`ring_allreduce_s`), nothing overlaps."""
-    p = int(per_group)
-    inside = ring_allreduce_s(nbytes, p, intra_bandwidth_bytes_per_s, intra_latency_s)
-    across = ring_allreduce_s(nbytes / p, groups, inter_bandwidth_bytes_per_s / p,
-                              inter_latency_s)
-    return inside + across

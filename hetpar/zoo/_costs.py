@@ -121,14 +121,19 @@ def _calibrated(table: CostTable, w: Workload, k: int,
                            f"{sorted(present)}). Add one, e.g. gpu:0")
     args = w.example_args()  # built once, for every kind timed
 
-    def time_step(name: str, dev, parts: int = 1) -> float | None:
-        part = args if parts == 1 else cost_models.batch_share(args, (-1,), parts)
-        if part is None:
-            return None
-        t = cost_models.measure_step(w.train_step, part, dev, k=k, warmup=2).median_s
+    def time_step(name: str, dev) -> float | None:
+        t = cost_models.measure_step(w.train_step, args, dev, k=k, warmup=2).median_s
         if progress:
-            what = "whole step" if parts == 1 else f"a 1/{parts}-batch replica's step"
-            progress(f"{what} on {name}: {seconds(t)} (jax.jit, median of {k})")
+            progress(f"whole step on {name}: {seconds(t)} (jax.jit, median of {k})")
+        return t
+
+    def time_replicas(names: list[str], devs: list) -> float | None:
+        if cost_models.batch_share(args, (-1,), len(devs)) is None:  # does not split
+            return None
+        t = cost_models.measure_step(w.train_step, args, devs, k=k, warmup=2).median_s
+        if progress:
+            progress(f"whole step data parallel over {', '.join(names)}: {seconds(t)} "
+                     f"(jax.jit, median of {k})")
         return t
 
     from hetpar.runtime import crossing_s, link_bandwidth, stage_overhead_s
@@ -149,4 +154,4 @@ def _calibrated(table: CostTable, w: Workload, k: int,
                          f"runtime copies {src} -> {dst}: {b / 1e9:.3g} GB/s at {n / 1e6:.3g} MB")
     # (Layers measured at batch / M too already have their own fixed parts.)
     return cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
-                                           bandwidth, time_share=time_step)
+                                           bandwidth, time_replicas=time_replicas)
