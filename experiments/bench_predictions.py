@@ -54,6 +54,21 @@ def _predicted(step, args) -> float:
     return step.lower(*args).predicted().step_time_s
 
 
+def _breakdown(step, args) -> dict:
+    """Where the prediction's time goes: busy seconds per device, transfers,
+    and the calibration's figures (the runtime's costs, the fixed fraction)."""
+    compiled = step.lower(*args)
+    p = compiled.predicted()
+    out = {"busy_s": p.busy_s, "compute_s": p.compute_s, "transfer_s": p.transfer_s,
+           "closed_form_s": p.closed_form_s}
+    table = compiled.table
+    if table is not None:
+        out["meta"] = {k: v for k, v in table.meta.items()
+                       if k in ("step_s", "step_scale", "stage_overhead_s", "crossing_s",
+                                "fixed_fraction", "replicated_step_s")}
+    return out
+
+
 def _describe(compiled) -> str:
     """What the planner chose: mode, devices, state kept apart from compute."""
     plan = compiled.plan
@@ -86,6 +101,7 @@ def _run_plan(row, w, example, kwargs, plan, steps, profiles) -> None:
             row["chosen"] = _describe(compiled)
         row[f"predicted_{profile}_s"] = predicted
         row[f"plan_time_{profile}_s"] = time.perf_counter() - t0
+        row[f"breakdown_{profile}"] = _breakdown(step, example)
         measured = _measure(step, example, steps)
         row.setdefault("measured_s", []).append(measured)
         print(f"{row['plan']:<24} {profile:<8} predicted {predicted * 1e3:9.2f} ms  "
