@@ -367,6 +367,7 @@ class CompiledStep:
         self.stages: StageGraph | None = None
         self._out_tree = self.graph.program.out_tree
         self._replicated = None
+        self._replicated_known = None
         self._executor = None
         self._jit = None
         replicas = self.plan.replicas if self.plan is not None else ()
@@ -382,6 +383,12 @@ class CompiledStep:
                 fn = self._static.pure_step
             self._replicated = Replicated(fn, [self.devices[d] for d in replicas], args,
                                           self._batch_argnums)
+            if self._static is None and not multi:
+                # Later calls with this structure and batch go straight to its
+                # jit (`call_known`): hetpar's own checks of ~450 GPT-2 leaves
+                # cost more than a batch-16 step's GPU time.
+                self._replicated_known = (jax.tree_util.tree_structure(args),
+                                          self._batch_signature(args))
             used = list(replicas)
         elif (len(used) == 1 and not multi
               and all(p.activations == "keep" for p in self.placements.values())):
@@ -462,6 +469,7 @@ class CompiledStep:
         self.stages = None
         self._executor = None
         self._jit = None
+        self._replicated_known = None
         chosen, table = plan, self.table if plan is not None else None
         if plan is not None:
             options = dataclasses.replace(options, plan=plan)
@@ -803,8 +811,13 @@ class CompiledStep:
     @property
     def direct(self) -> bool:
         """Whether calls may go straight to its jit executable (`call_known`): a
-        one-device plan."""
-        return self._jit is not None
+        one-device plan, or data parallel in one process without static leaves."""
+        return self._jit is not None or self._replicated_known is not None
+
+    def _batch_signature(self, args: tuple) -> tuple:
+        return tuple(_leaf_signature(x) for i in self._batch_argnums
+                     for x in jax.tree_util.tree_leaves(args[i]))
+
 
     def call_known(self, args: tuple):
         """Runs the step if jit has already run it for arguments like these, else `UNKNOWN`.
@@ -818,6 +831,17 @@ class CompiledStep:
         """
         if len(args) != self._nargs:
             return UNKNOWN
+        if self._jit is None:
+            # Data parallel: the structure and the batch's shapes checked here;
+            # a state leaf of another shape makes jit compile again, the same
+            # plan. (jit must not be refused a trace here, as the one-device
+            # path does: an exception inside jit's dispatch leaves that
+            # signature on its slow path for good.)
+            tree, batch = self._replicated_known
+            if (jax.tree_util.tree_structure(args) != tree
+                    or self._batch_signature(args) != batch):
+                return UNKNOWN
+            return self._replicated.call_placed_batch(args)
         try:
             if self._static is None:  # _call_jit's first case, one Python call less
                 return self._jit(*self._batch_here(args))

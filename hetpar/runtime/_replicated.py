@@ -87,7 +87,7 @@ class Replicated:
             else self.replicated for i, (a, ls) in enumerate(zip(args, leaf_shardings)))
         self._jit = jax.jit(fn, in_shardings=self.shardings, out_shardings=self.replicated)
 
-    def _placed(self, args: tuple) -> tuple:
+    def _placed(self, args: tuple, only: frozenset[int] | None = None) -> tuple:
         """`args` with every array not already laid out as the step wants moved there.
 
         jit would copy misplaced committed arrays itself, but slowly (see
@@ -96,6 +96,8 @@ class Replicated:
         """
         out = None
         for i, (a, want) in enumerate(zip(args, self._leaf_shardings)):
+            if only is not None and i not in only:
+                continue
             leaves = jax.tree_util.tree_leaves(a)
             if any(isinstance(x, jax.Array) and x.sharding != s for x, s in zip(leaves, want)):
                 out = out or list(args)
@@ -146,6 +148,13 @@ class Replicated:
         if self.multi_process:
             return self._jit(*self.global_args(args))
         return self._jit(*self._placed(args))
+
+    def call_placed_batch(self, args: tuple):
+        """Runs the step with only the batch arguments checked for placement:
+        a training loop's state is the last step's result, laid out as the
+        step wants (checking every state leaf cost more than a small step's
+        GPU time). A misplaced state leaf still runs: jit copies it."""
+        return self._jit(*self._placed(args, self._nums))
 
 
 def _global(x, sharding, local: bool):
