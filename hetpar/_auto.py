@@ -288,7 +288,8 @@ class CompiledStep:
 
     Attributes:
       graph: the LayerGraph of the (microbatch-marked) step.
-      table: the CostTable the planner saw (None when the plan was given as a dict).
+      table: the CostTable the planner saw; for a plan given as a dict, the one
+        `predicted()` costed it on (None until asked).
       plan: the planner's Plan (None when given as a dict).
       assignment: layer -> device name.
       stages: the StageGraph (None on the one-device fast path).
@@ -762,6 +763,8 @@ class CompiledStep:
             else:
                 self._given_prediction = evaluate_replayed(
                     table, self.placements, m, self.options.schedule)
+            if self.table is None:  # what the prediction was costed on, to inspect
+                self.table = table
         return self._given_prediction
 
     # -- running ----------------------------------------------------------

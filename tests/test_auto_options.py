@@ -235,8 +235,10 @@ def test_profile_measure_measures_a_replicas_fixed_part_where_data_parallel_may_
     for kwargs in ({"plan": {"first": "cpu:0", "second": "cpu:1"}},
                    {"devices": ["cpu:0", "cpu:1"], "data_parallel": False}):
         rows.clear()
-        hetpar.auto(step, profile="measure", **kwargs).lower(W, even).predicted()
+        compiled = hetpar.auto(step, profile="measure", **kwargs).lower(W, even)
+        compiled.predicted()
         assert rows == [1]
+        assert compiled.table.meta["step_s"]  # the table the prediction was costed on
     # A batch that does not split: no figure, planning goes on.
     odd = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure").lower(W, X)
     assert "fixed_fraction" not in odd.table.meta
