@@ -100,7 +100,8 @@ def layer_key(graph, layer: str) -> str:
     return "layer/" + hashlib.sha256(str(closed).encode()).hexdigest()[:24]
 
 
-def measure_layer(graph, layer: str, device, *, k: int = 10, warmup: int = 2) -> Timing:
+def measure_layer(graph, layer: str, device, *, k: int = 10, warmup: int = 2,
+                  budget_s: float | None = 2.0) -> Timing:
     """Times one layer's stage alone on a present device (cached on disk).
 
     Args:
@@ -109,6 +110,8 @@ def measure_layer(graph, layer: str, device, *, k: int = 10, warmup: int = 2) ->
       device: a JAX device or its name (`gpu:0`).
       k: timed runs (median and IQR are reported).
       warmup: untimed runs first (the first compiles).
+      budget_s: fewer than k runs (three at least) once they have taken
+        this long (see `measure`); None: k always.
 
     Returns:
       The Timing; `cached` when it came from the disk cache.
@@ -117,11 +120,12 @@ def measure_layer(graph, layer: str, device, *, k: int = 10, warmup: int = 2) ->
 
     fn, shapes = graph.layer_callable(layer)
 
-    def on_miss(fn, _shapes, device, *, k, warmup):
+    def on_miss(fn, _shapes, device, *, k, warmup, budget_s=None):
         # Random inputs only when measuring: drawing a GPT-2 layer's at batch
         # 256 took seconds, at every cache hit too.
-        return measure(fn, random_inputs(graph, layer)[1], device, k=k, warmup=warmup)
+        return measure(fn, random_inputs(graph, layer)[1], device, k=k, warmup=warmup,
+                       budget_s=budget_s)
 
     # Keyed by the inputs' shapes and dtypes, as random_inputs draws them.
     return measure_cached(layer_key(graph, layer), fn, shapes, device, k=k, warmup=warmup,
-                          measure_fn=on_miss)
+                          budget_s=budget_s, measure_fn=on_miss)

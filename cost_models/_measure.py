@@ -69,7 +69,8 @@ class Timing:
 
 
 def measure(
-    fn: Callable, args: Sequence[Any], device, *, k: int = 20, warmup: int = 3
+    fn: Callable, args: Sequence[Any], device, *, k: int = 20, warmup: int = 3,
+    budget_s: float | None = None,
 ) -> Timing:
     """Times `jax.jit(fn)(*args)` on `device`, compile time excluded.
 
@@ -80,9 +81,13 @@ def measure(
       device: a JAX device or its name (`cpu:0`).
       k: timed runs; the median and IQR are reported.
       warmup: untimed runs first (at least 1: the first call compiles).
+      budget_s: with it, fewer than k runs once the timed runs have taken
+        this long (three at least): GPT-2's layers alone on a host CPU at
+        batch 256 take about a second each, and k of every one kept
+        `profile="measure"` of an offload plan busy for minutes.
 
     Returns:
-      The Timing of the k runs.
+      The Timing of the runs.
 
     Raises:
       ProfileError: the device is not present, or k < 1.
@@ -101,6 +106,8 @@ def measure(
         t0 = time.perf_counter()
         jax.block_until_ready(jitted(*args))
         samples.append(time.perf_counter() - t0)
+        if budget_s is not None and len(samples) >= 3 and sum(samples) >= budget_s:
+            break
     return Timing.of(samples)
 
 
@@ -254,6 +261,7 @@ def measure_cached(
     *,
     k: int = 20,
     warmup: int = 3,
+    budget_s: float | None = None,
     measure_fn: Callable[..., Timing] | None = None,
 ) -> Timing:
     """`measure`, remembered on disk.
@@ -262,7 +270,7 @@ def measure_cached(
       key: the caller's fingerprint of `fn` (e.g. a layer's jaxpr hash); the
         cache also keys on argument shapes and dtypes, the device kind and
         the jax version, so a change of any of them measures again.
-      fn, args, device, k, warmup: as for `measure`.
+      fn, args, device, k, warmup, budget_s: as for `measure`.
       measure_fn: what to call on a miss (default `measure`; tests count calls).
 
     Returns:
@@ -272,7 +280,8 @@ def measure_cached(
     cached = []
 
     def timed() -> dict:
-        timing = (measure_fn or measure)(fn, args, device, k=k, warmup=warmup)
+        extra = {} if budget_s is None else {"budget_s": budget_s}
+        timing = (measure_fn or measure)(fn, args, device, k=k, warmup=warmup, **extra)
         cached.append(False)
         return timing.to_json() | {"key": key}
 

@@ -185,6 +185,23 @@ def test_fit_link_recovers_latency_and_bandwidth():
     assert lk.time(1e9) == pytest.approx(3e-5 + 1e9 / 12e9)
 
 
+def test_measure_stops_early_on_a_slow_function_with_a_budget():
+    # A layer of a second (GPT-2's on a host CPU at batch 256) is timed three
+    # times, not k, once the budget is spent; without a budget, k times.
+    import time as _time
+
+    import jax
+
+    from hetpar.cost_models import measure
+
+    def slow(x):
+        return jax.pure_callback(lambda v: (_time.sleep(0.04), v)[1], x, x)
+
+    x = jnp.ones(3)
+    assert len(measure(slow, (x,), "cpu:0", k=6, warmup=1, budget_s=0.05).samples) == 3
+    assert len(measure(slow, (x,), "cpu:0", k=6, warmup=1).samples) == 6
+
+
 def test_cache_hit_skips_measurement(tmp_path, monkeypatch):
     monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path))
     calls = []
