@@ -113,7 +113,7 @@ def measure(
 
 def measure_step(
     fn: Callable, args: Sequence[Any], device, *, batch_argnums: Sequence[int] = (-1,),
-    k: int = 20, warmup: int = 3,
+    k: int = 20, warmup: int = 3, budget_s: float | None = None,
 ) -> Timing:
     """Times `jax.jit(fn)` on `device` as a training loop runs it, compile time excluded.
 
@@ -142,9 +142,11 @@ def measure_step(
       batch_argnums: positions of the batch arguments (negative: from the end).
       k: timed runs.
       warmup: untimed runs first (at least 1: the first call compiles).
+      budget_s: with it, fewer than k runs once the timed runs have taken
+        this long (three at least), as for `measure`.
 
     Returns:
-      The Timing of the k runs.
+      The Timing of the runs.
     """
     import jax
 
@@ -191,29 +193,31 @@ def measure_step(
                  and spec(out[n]) == spec(args[i])]
                 if isinstance(out, (tuple, list)) else [])
 
-    def runs(count: int, thread: list) -> list[float]:
+    def runs(warm: int, thread: list) -> list[float]:
         nonlocal out
         samples = []
-        for _ in range(count):
+        for r in range(warm + k):
             for n, i in thread:  # the last run's state in, as the loop passes it
                 args[i] = out[n]
             t0 = time.perf_counter()
             out = jax.block_until_ready(jitted(*args))
-            samples.append(time.perf_counter() - t0)
+            if r >= warm:
+                samples.append(time.perf_counter() - t0)
+                if budget_s is not None and len(samples) >= 3 and sum(samples) >= budget_s:
+                    break
         return samples
 
     # One untimed threaded run at least: fed its own outputs, jit must not
     # compile again inside a timed run.
-    warm = max(1, warmup) - 1 + bool(threaded)
     try:
-        return Timing.of(runs(warm + k, threaded)[warm:])
+        return Timing.of(runs(max(1, warmup) - 1 + bool(threaded), threaded))
     except Exception:  # noqa: BLE001 - e.g. out of memory: threading holds one more state
         if not threaded:
             raise
         # The caller's state, the last run's and the new outputs were live at
         # once; the same arguments every run hold one state less.
         args[:], out = given, None
-        return Timing.of(runs(max(1, warmup) - 1 + k, [])[max(1, warmup) - 1:])
+        return Timing.of(runs(max(1, warmup) - 1, []))
 
 
 def batch_share(args: Sequence[Any], batch_argnums: Sequence[int], parts: int) -> tuple | None:

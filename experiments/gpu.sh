@@ -54,6 +54,9 @@ two GPUs (env PROFILES: the profile file, default results/profile_2gpu_h200x2.js
   predictions [PLANS] predicted against measured under hetpar.auto, spec sheets and
                       profile='measure' (bench_predictions.py; PLANS: names or parts of
                       names, default all; env BATCH=256, MEMORY_FRACTION=0.7, BUDGET=560)
+  step-timing [BATCHES]
+                      the step every way, interleaved, one GPU and data parallel over two
+                      (probe_step_timing.py --data_parallel; default batch 16)
   sweep MODEL BATCH MICROBATCHES BUDGET_S NAME [FLAGS]
                       one model's sweep of the planner's pipelines (bench_two_gpus.py)
 EOF
@@ -113,7 +116,7 @@ case "$job" in
 help|-h|--help) usage; exit 0 ;;
 profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
-two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions) TWO_GPUS=1 ;;
+two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions|step-timing) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
 esac
 if [ "$job" = sweep ] && [ $# -lt 5 ]; then
@@ -279,6 +282,10 @@ predictions)
     --out "$OUT/predictions_${CARD}_b${BATCH:-256}" --batch "${BATCH:-256}" \
     --memory_fraction "${MEMORY_FRACTION:-0.7}" --profiles ${PROFILE_KINDS:-auto measure} \
     "${plans[@]}" 2>&1 | grep "predicted\|failed")
+  ;;
+step-timing)
+  timeout "${BUDGET:-400}" python3 experiments/probe_step_timing.py --batches "${@:-16}" \
+    --data_parallel --out "$OUT/probe_step_timing_$CARD.json" 2>&1 | quiet | grep "batch"
   ;;
 hetpar)
   # Named after the sub-command and its first argument: `hetpar run resnet18`

@@ -249,12 +249,17 @@ def test_calibration_times_a_short_step_more_than_three_times(monkeypatch):
     # get more runs, up to 20 (about 1 s in all).
     from hetpar import _auto, cost_models
 
-    ks, real = [], cost_models.measure_step
+    runs, real = [], cost_models.measure_step
 
-    def counting(fn, args, dev, *, batch_argnums, k, warmup):
-        ks.append(k)
-        return real(fn, args, dev, batch_argnums=batch_argnums, k=k, warmup=warmup)
+    def counting(*args, **kwargs):
+        timing = real(*args, **kwargs)
+        runs.append(len(timing.samples))
+        return timing
 
     monkeypatch.setattr(cost_models, "measure_step", counting)
     assert _auto._whole_step_s(step, (W, X), CPU[0]) > 0
-    assert ks[0] == 3 and 3 < sum(ks) <= 20
+    assert len(runs) == 1 and 3 < runs[0] <= 20  # one call: one compile, one warm-up
+    # A step longer than the budget: three runs.
+    runs.clear()
+    assert _auto._whole_step_s(step, (W, X), CPU[0], budget_s=0.0) > 0
+    assert runs == [3]

@@ -4,9 +4,9 @@ Arguments' leaves that are neither arrays nor Python numbers are static, as
 under `eqx.filter_jit`: part of the signature (the same leaf again reuses the
 compiled step, another compiles afresh), closed over when tracing. Python
 numbers are traced, as under `jax.jit`. A one-device plan's later calls go
-straight to its jit executable, as do a data-parallel plan's; arguments jit
-has not run (one device) or another batch shape (data parallel) take the
-full path.
+straight to its jit executable, as do a data-parallel plan's
+(tests/test_multi_accelerator.py); arguments jit has not run (one device) or
+another batch shape (data parallel) take the full path.
 """
 
 import flax.linen as nn
@@ -201,40 +201,6 @@ def test_one_device_calls_go_straight_to_jit(monkeypatch):
     *moved, loss = auto(*state, on_cpu0)
     assert {d for x in jax.tree.leaves(moved) for d in x.devices()} == {CPU[1]}
     np.testing.assert_allclose(loss, jitted(*state, batch)[-1], rtol=1e-6)
-
-
-def test_data_parallel_calls_go_straight_to_jit(monkeypatch):
-    # A data-parallel step's later calls skip hetpar's own argument checks
-    # (GPT-2's ~450 leaves cost more than a batch-16 step on the GPU): only
-    # the structure and the batch's shapes are compared; another batch shape
-    # takes the full path, which plans it afresh.
-    signatures = []
-    full = _auto._signature
-    monkeypatch.setattr(_auto, "_signature", lambda args: signatures.append(1) or full(args))
-    auto = hetpar.auto(flax_step, devices=["cpu:0", "cpu:1"], data_parallel="always")
-    jitted = jax.jit(flax_step)
-    params, opt_state, batch = flax_args()
-    state, ref = (params, opt_state), (params, opt_state)
-    for _ in range(3):
-        *state, loss = auto(*state, batch)
-        *ref, ref_loss = jitted(*ref, batch)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
-    assert len(signatures) == 1  # the first call only
-    assert auto.lower(*state, batch).plan.replicas == ("cpu:0", "cpu:1")
-    assert {d for x in jax.tree.leaves(state) for d in x.devices()} == {CPU[0], CPU[1]}
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), state, ref)
-
-    # Another batch size: the full path, which compiles (and plans) afresh.
-    small = flax_args(2)[2]
-    np.testing.assert_allclose(auto(*state, small)[-1], jitted(*state, small)[-1], rtol=1e-6)
-    assert len(signatures) == 3  # (one was lower's)
-    # Back to the first shapes (its compiled step again), then straight to
-    # jit; a batch committed to one device is still split over the replicas.
-    auto(*state, batch)
-    calls = len(signatures)
-    on_cpu0 = jax.device_put(batch, CPU[0])
-    np.testing.assert_allclose(auto(*state, on_cpu0)[-1], jitted(*state, batch)[-1], rtol=1e-6)
-    assert len(signatures) == calls
 
 
 def test_split_plans_take_the_full_path():

@@ -10,6 +10,7 @@ equal `jax.jit` on one device.
 import itertools
 
 import jax
+import numpy as np
 import pytest
 
 import hetpar
@@ -143,11 +144,31 @@ def test_data_parallel_plan_round_trips_and_runs_from_file(tmp_path):
     check_steps(w.train_step, again, args, steps=2)
 
 
-def test_data_parallel_always_skips_the_ilp_and_equals_jit():
+def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
+    # Later calls go straight to the replicated jit: only the structure and
+    # the batch's shapes are compared (hetpar's full checks of GPT-2's 446
+    # leaves cost more than a batch-16 step on two H200s); another batch
+    # shape takes the full path, which plans it afresh.
+    from hetpar import _auto
+
+    signatures = []
+    full = _auto._signature
+    monkeypatch.setattr(_auto, "_signature", lambda args: signatures.append(1) or full(args))
     w = zoo.get("mlp", small=True, batch=8)
     args = w.example_args()
     step = hetpar.auto(w.train_step, devices=list(GPUS), data_parallel="always")
+    out = check_steps(w.train_step, step, args)
+    assert len(signatures) == 1  # the first call only
     compiled = step.lower(*args)
     assert compiled.plan.replicas == GPUS
     assert compiled.plan.solver["name"] == "none"  # no ILP ran
-    check_steps(w.train_step, step, args)
+    state, ref = out[:-1], jax.jit(w.train_step)
+    small = zoo.get("mlp", small=True, batch=4).example_args()[-1]
+    np.testing.assert_allclose(step(*state, small)[-1], ref(*state, small)[-1], rtol=1e-5)
+    assert len(signatures) == 3  # lower's, and the new batch's full path
+    step(*state, args[-1])  # back to the first shapes: its compiled step again
+    calls = len(signatures)
+    # Straight to jit, and a batch committed to one device still splits.
+    on_one = jax.device_put(args[-1], jax.devices("cpu")[0])
+    np.testing.assert_allclose(step(*state, on_one)[-1], ref(*state, args[-1])[-1], rtol=1e-5)
+    assert len(signatures) == calls
