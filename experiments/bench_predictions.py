@@ -111,6 +111,21 @@ def _run_plan(row, w, example, kwargs, plan, steps, profiles) -> None:
         row[f"error_{profile}"] = row[f"predicted_{profile}_s"] / row["measured_s"] - 1
 
 
+def _anchors(w, example, m: int, device: str) -> dict:
+    """What a pipeline's layers could be scaled to, timed on one device: the
+    M-microbatch step as one executable (what profile="measure" times), and
+    the step at batch / M run M times, one executable per microbatch as the
+    stages run (with M updates where the pipeline runs one)."""
+    from hetpar._grad import microbatched
+    from hetpar.cost_models import batch_share, measure_step
+
+    unrolled = measure_step(microbatched(w.train_step, m), example, device, k=5).median_s
+    part = measure_step(w.train_step, batch_share(example, (-1,), m), device, k=5).median_s
+    print(f"  anchors at M={m}: one executable {unrolled * 1e3:.1f} ms, "
+          f"{m} x batch/{m} {m * part * 1e3:.1f} ms", flush=True)
+    return {"unrolled_step_s": unrolled, "microbatch_step_s": part}
+
+
 def _runtime() -> dict:
     """The runtime's costs profile="measure" measured: per stage, per crossing (seconds)."""
     from hetpar._auto import _OVERHEADS
@@ -129,6 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--memory_microbatches", type=int, default=4)
     ap.add_argument("--plans", nargs="*", default=None,
                     help="run only the plans named, or whose names contain one of these")
+    ap.add_argument("--anchors", action="store_true",
+                    help="for microbatched plans, also time the M-microbatch step as one "
+                         "executable and the step at batch/M (one device)")
     ap.add_argument("--profiles", nargs="+", default=["auto", "measure"],
                     choices=["auto", "measure"],
                     help="the profiles each plan runs under (measure alone: half the time)")
@@ -166,10 +184,12 @@ def main(argv=None) -> int:
     meta = dict(model=w.name, batch=w.config["batch_size"], steps=args.steps,
                 device=jax.devices(kind)[0].device_kind, jax=jax.__version__)
     rows = []
-    for name, kwargs, plan, _ in plans:
+    for name, kwargs, plan, m in plans:
         row = {"plan": name}
         try:
             _run_plan(row, w, example, kwargs, plan, args.steps, args.profiles)
+            if args.anchors and m > 1:
+                row.update(_anchors(w, example, m, names[0]))
         except Exception as e:  # noqa: BLE001 - reported, the other plans go on
             print(f"{name}: failed: {type(e).__name__}: {str(e)[:300]}", flush=True)
             continue

@@ -53,7 +53,8 @@ two GPUs (env PROFILES: the profile file, default results/profile_2gpu_h200x2.js
   peer                GPU -> GPU copy speed at pipeline sizes (probe_peer.py)
   predictions [PLANS] predicted against measured under hetpar.auto, spec sheets and
                       profile='measure' (bench_predictions.py; PLANS: names or parts of
-                      names, default all; env BATCH=256, MEMORY_FRACTION=0.7, BUDGET=560)
+                      names, default all; env BATCH=256, MEMORY_FRACTION=0.7, BUDGET=560,
+                      PROFILE_KINDS="auto measure", ANCHORS=1: time a pipeline's anchors)
   step-timing [BATCHES]
                       the step every way, interleaved, one GPU and data parallel over two
                       (probe_step_timing.py --data_parallel; default batch 16)
@@ -281,7 +282,7 @@ predictions)
   (cd experiments && timeout "${BUDGET:-560}" python3 bench_predictions.py \
     --out "$OUT/predictions_${CARD}_b${BATCH:-256}" --batch "${BATCH:-256}" \
     --memory_fraction "${MEMORY_FRACTION:-0.7}" --profiles ${PROFILE_KINDS:-auto measure} \
-    "${plans[@]}" 2>&1 | grep "predicted\|failed")
+    ${ANCHORS:+--anchors} "${plans[@]}" 2>&1 | grep "predicted\|failed\|anchors")
   ;;
 step-timing)
   timeout "${BUDGET:-400}" python3 experiments/probe_step_timing.py --batches "${@:-16}" \
