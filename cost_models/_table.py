@@ -546,12 +546,14 @@ def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, fl
         timed.setdefault(table.device(d).kind, []).append(d)
     fraction: dict[str, float] = {}
     replicated: dict[str, float] = {}
-    grads = sum(la.param_bytes or 0.0 for la in table.layers)
+    if any(la.param_bytes is None for la in table.layers):
+        return table  # the planner cannot price data parallel: nothing to time
+    grads = sum(la.param_bytes for la in table.layers)
     for devices in timed.values():
         if len(devices) < 2 or all(d in (la.fixed_s or {}) for la in table.layers
                                    for d in devices):
             continue  # no data parallel; or every layer has its own (measured per microbatch)
-        pair, whole = devices[:2], step_s[devices[0]]
+        pair = devices[:2]
         links = [k for k in table.links if {k.src, k.dst} == set(pair)]
         if not links:
             continue
@@ -559,11 +561,14 @@ def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, fl
         if both is None:
             continue
         # The planner adds the all-reduce as the links price it; the rest is
-        # one replica's step, (1 - f) T / 2 + f T.
-        replica = both - ring_allreduce_s(grads, 2, min(k.bandwidth_bytes_per_s for k in links),
-                                          max(k.latency_s for k in links))
-        frac = min(1.0, max(0.0, 2 * replica / whole - 1))
-        fraction.update(dict.fromkeys(devices, frac))
+        # the replicas' busy time: one replica's, or both where the two share
+        # a compute group (virtual CPU devices of one process share its cores).
+        busy = both - ring_allreduce_s(grads, 2, min(k.bandwidth_bytes_per_s for k in links),
+                                       max(k.latency_s for k in links))
+        group = table.device(pair[0]).compute_group
+        if group is not None and group == table.device(pair[1]).compute_group:
+            busy /= 2
+        fraction.update(dict.fromkeys(devices, _replica_fraction(table, pair[0], busy)))
         replicated[" ".join(pair)] = both
     if not fraction:
         return table
@@ -582,6 +587,38 @@ def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, fl
     return dataclasses.replace(table, layers=tuple(fixed(la) for la in table.layers),
                                meta={**table.meta, "fixed_fraction": fraction,
                                      "replicated_step_s": replicated})
+
+
+def _replica_fraction(table, device: str, busy: float) -> float:
+    """The fraction f in [0, 1] for which a replica of two is `busy` seconds
+    as `evaluate_data_parallel` prices it once layers take `fixed_s` = max(0,
+    f t - update): a layer costs (t + max(f t, min(update, t))) / 2, or with a
+    `fixed_s` of its own (t + fixed + update) / 2. Monotone in f: bisection."""
+    own, free = 0.0, []
+    for layer in table.layers:
+        t = layer.time_s.get(device)
+        if t is None or not math.isfinite(t):
+            continue
+        u = (layer.update_s or {}).get(device) or 0.0
+        u = min(max(0.0, u), t) if math.isfinite(u) else 0.0
+        fixed = (layer.fixed_s or {}).get(device)
+        if fixed is not None:
+            own += (t + fixed + min(u, max(0.0, t - fixed))) / 2
+        else:
+            free.append((t, u))
+
+    def cost(f: float) -> float:
+        return own + sum((t + max(f * t, u)) / 2 for t, u in free)
+
+    if cost(0.0) >= busy:
+        return 0.0
+    if cost(1.0) <= busy:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cost(mid) < busy else (lo, mid)
+    return (lo + hi) / 2
 
 
 def _sibling_factors(table, factor: Mapping[str, float]) -> dict[str, tuple[float, str]]:

@@ -278,27 +278,48 @@ def test_replica_fixed_part_from_the_data_parallel_step():
     def replicas(names, devs):
         asked.append(names)
         assert devs == [present[n] for n in names]
-        return 0.7 + allreduce  # a replica's 0.7 s of T = 1 s: 40% of the step is fixed
+        return 1.4 + allreduce  # both replicas' 0.7 s of T = 1 s
 
     plain = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0)
     scaled = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0,
                                              time_replicas=replicas)
     assert asked == [["cpu:0", "cpu:1"]]  # once per kind
-    assert scaled.meta["fixed_fraction"] == {"cpu:0": pytest.approx(0.4),
-                                              "cpu:1": pytest.approx(0.4)}
-    assert scaled.meta["replicated_step_s"] == {"cpu:0 cpu:1": pytest.approx(0.7 + allreduce)}
+    frac = scaled.meta["fixed_fraction"]
+    assert set(frac) == {"cpu:0", "cpu:1"} and 0.4 < frac["cpu:0"] == frac["cpu:1"] < 1.0
+    frac = frac["cpu:0"]  # over 0.4: the first layer keeps its own fixed part of 0
+    assert scaled.meta["replicated_step_s"] == {"cpu:0 cpu:1": pytest.approx(1.4 + allreduce)}
     for layer in scaled.layers:
         for d in ("cpu:0", "cpu:1"):
             # The measured part holds the update, which data parallel charges apart.
             update = (layer.update_s or {}).get(d, 0.0)
-            want = 0.0 if layer.name == mine else max(0.0, 0.4 * layer.time_s[d] - update)
+            want = 0.0 if layer.name == mine else max(0.0, frac * layer.time_s[d] - update)
             assert layer.fixed_s[d] == pytest.approx(want)
-            if layer.name != mine:  # with the update: the measured 40%
-                assert layer.fixed_s[d] + update == pytest.approx(0.4 * layer.time_s[d])
+            if layer.name != mine:  # with the update: the measured fraction
+                assert layer.fixed_s[d] + update == pytest.approx(frac * layer.time_s[d])
         assert "h100:0" not in layer.fixed_s  # another class: nothing measured
     dp = {t.meta.get("fixed_fraction") is not None:
           evaluate_data_parallel(t, ["cpu:0", "cpu:1"]).step_time_s for t in (plain, scaled)}
     assert dp[True] > dp[False]
+    # The planner's closed form then gives the step measured: here the two
+    # devices share a compute group (one process's cores), so their replicas'
+    # work adds up, and the measured step holds both.
+    assert table.device("cpu:0").compute_group == table.device("cpu:1").compute_group
+    for measured in (1.2, 1.4):  # (within both replicas' work at f = 0 and at f = 1)
+        t = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0,
+                                            time_replicas=lambda *_, m=measured: m + allreduce)
+        assert evaluate_data_parallel(t, ["cpu:0", "cpu:1"]).step_time_s == pytest.approx(
+            measured + allreduce, rel=1e-6)
+    # Apart (two GPUs), a replica's step is the measured one less the all-reduce.
+    apart = dataclasses.replace(table, devices=tuple(
+        dataclasses.replace(d, compute_group=None) for d in table.devices))
+    big = dataclasses.replace(apart, layers=tuple(  # updates of half the time: f floored
+        dataclasses.replace(la, update_s={d: 0.5 * t for d, t in la.time_s.items()})
+        for la in apart.layers))
+    for tab, measured in ((apart, 0.7), (apart, 0.55), (big, 0.8)):
+        t = cost_models.scale_to_timed_step(tab, present, lambda name, dev: 1.0,
+                                            time_replicas=lambda *_, m=measured: m + allreduce)
+        assert evaluate_data_parallel(t, ["cpu:0", "cpu:1"]).step_time_s == pytest.approx(
+            measured + allreduce, rel=1e-6)
     # Every layer with fixed parts of its own (measured per microbatch): nothing asked.
     asked.clear()
     own = dataclasses.replace(table, layers=tuple(

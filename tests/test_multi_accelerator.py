@@ -10,6 +10,7 @@ equal `jax.jit` on one device.
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -172,3 +173,14 @@ def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
     on_one = jax.device_put(args[-1], jax.devices("cpu")[0])
     np.testing.assert_allclose(step(*state, on_one)[-1], ref(*state, args[-1])[-1], rtol=1e-5)
     assert len(signatures) == calls
+    rep = step.lower(*state, on_one)._replicated
+    placed = rep._placed((*state, on_one), rep._nums)[-1]
+    assert all(x.sharding == rep.split for x in jax.tree.leaves(placed))
+    # State of another dtype (same structure and batch) is not run on the
+    # fast path: the full path plans it (checks its memory) rather than jit
+    # recompiling the old plan.
+    half = jax.tree.map(lambda x: x.astype(jnp.bfloat16)
+                        if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+    compiled = step.lower(*state, args[-1])
+    assert compiled.call_known((*half, args[-1])) is _auto.UNKNOWN
+    assert compiled.call_known((*state, args[-1])) is not _auto.UNKNOWN
