@@ -146,10 +146,10 @@ def test_data_parallel_plan_round_trips_and_runs_from_file(tmp_path):
 
 
 def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
-    # Later calls go straight to the replicated jit: only the structure and
-    # the batch's shapes are compared (hetpar's full checks of GPT-2's 446
-    # leaves cost more than a batch-16 step on two H200s); another batch
-    # shape takes the full path, which plans it afresh.
+    # Later calls go straight to the replicated jit after comparing every
+    # leaf's shape and dtype (the full path's checks of GPT-2's 446 leaves
+    # cost more than a batch-16 step on two H200s); anything new (another
+    # batch, state of another dtype) takes the full path, which plans it.
     from hetpar import _auto
 
     signatures = []
@@ -163,24 +163,19 @@ def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
     compiled = step.lower(*args)
     assert compiled.plan.replicas == GPUS
     assert compiled.plan.solver["name"] == "none"  # no ILP ran
-    state, ref = out[:-1], jax.jit(w.train_step)
-    small = zoo.get("mlp", small=True, batch=4).example_args()[-1]
-    np.testing.assert_allclose(step(*state, small)[-1], ref(*state, small)[-1], rtol=1e-5)
-    assert len(signatures) == 3  # lower's, and the new batch's full path
-    step(*state, args[-1])  # back to the first shapes: its compiled step again
+    state, batch = out[:-1], args[-1]
+    # A batch committed to one device goes straight to jit too, split first.
+    on_one = jax.device_put(batch, jax.devices("cpu")[0])
     calls = len(signatures)
-    # Straight to jit, and a batch committed to one device still splits.
-    on_one = jax.device_put(args[-1], jax.devices("cpu")[0])
-    np.testing.assert_allclose(step(*state, on_one)[-1], ref(*state, args[-1])[-1], rtol=1e-5)
+    np.testing.assert_allclose(step(*state, on_one)[-1],
+                               jax.jit(w.train_step)(*state, batch)[-1], rtol=1e-5)
     assert len(signatures) == calls
-    rep = step.lower(*state, on_one)._replicated
-    placed = rep._placed((*state, on_one), rep._nums)[-1]
-    assert all(x.sharding == rep.split for x in jax.tree.leaves(placed))
-    # State of another dtype (same structure and batch) is not run on the
-    # fast path: the full path plans it (checks its memory) rather than jit
-    # recompiling the old plan.
+    rep = compiled._replicated
+    assert all(x.sharding == rep.split
+               for x in jax.tree.leaves(rep._placed((*state, on_one), rep._nums)[-1]))
+    # Another batch size, or state of another dtype: not run on the fast path.
+    small = zoo.get("mlp", small=True, batch=4).example_args()[-1]
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16)
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
-    compiled = step.lower(*state, args[-1])
-    assert compiled.call_known((*half, args[-1])) is _auto.UNKNOWN
-    assert compiled.call_known((*state, args[-1])) is not _auto.UNKNOWN
+    assert compiled.call_known((*state, small)) is _auto.UNKNOWN
+    assert compiled.call_known((*half, batch)) is _auto.UNKNOWN
