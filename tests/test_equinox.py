@@ -111,8 +111,10 @@ def test_model_with_activation_functions_traces():
     assert "[0].layers[0].weight" in graph.program.in_paths
 
 
-@pytest.mark.slow  # fast-tier time; test_lower_takes_the_model_as_given and the plan-dict
-def test_one_device_step_equals_filter_jit():  # test cover one-device Equinox steps fast
+# Fast-tier time: test_lower_takes_the_model_as_given and the plan-dict test
+# cover one-device and split Equinox steps in the fast tier.
+@pytest.mark.slow
+def test_one_device_step_equals_filter_jit():
     model, opt_state = fresh_mlp()
     data = mlp_data()
     ref = train(eqx.filter_jit(mlp_step), model, opt_state, *data)
