@@ -98,6 +98,7 @@ from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
 from hetpar.cost_models._table import (
     FUSED_BYTES_CLASSES,
+    TimingBudget,
     cost_table,
     scale_to_step,
     scale_to_timed_step,
@@ -123,6 +124,7 @@ __all__ = [
     "ProfileSet",
     "ResolvedDevice",
     "Timing",
+    "TimingBudget",
     "cache_dir",
     "calibrate",
     "cost_table",

@@ -52,6 +52,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from absl import logging
+
 from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
 from hetpar.cost_models._layer_timing import measure_layer
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes, update_work
@@ -76,6 +78,31 @@ from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
 FUSED_BYTES_CLASSES = frozenset({"gpu", "tpu"})
 
 
+@dataclasses.dataclass(frozen=True)
+class TimingBudget:
+    """What `measure=True` and `scale_to_timed_step` leave predicted: timing
+    that costs more than it can change a plan.
+
+    A present device predicted more than `slower` times the fastest present
+    device (for one layer, or for the whole step) and over `floor_s` (a
+    layer's run) or `step_floor_s` (a whole step) keeps its prediction. On
+    an H200 host, GPT-2 small at batch 256 takes seconds a layer on the host
+    CPU, ~15 ms on the GPU: timing each CPU layer three times and the whole
+    step on the CPU took past 340 s, for a device the planner then puts no
+    layer on (the offload plan keeps only state there). Devices of one kind
+    (virtual CPU devices, two GPUs) are never skipped, and neither is a
+    machine's fastest device. `None` in place of a budget times everything.
+    """
+
+    slower: float = 10.0
+    floor_s: float = 0.25
+    step_floor_s: float = 1.0
+
+    def skips(self, predicted_s: float, fastest_s: float, *, step: bool = False) -> bool:
+        floor = self.step_floor_s if step else self.floor_s
+        return predicted_s > max(floor, self.slower * fastest_s)
+
+
 def cost_table(
     graph,
     devices: Sequence[str],
@@ -90,6 +117,7 @@ def cost_table(
     microbatches: int = 1,
     memory_places: bool = True,
     fused_bytes: bool | None = None,
+    budget: TimingBudget | None = TimingBudget(),
 ) -> CostTable:
     """The planner's CostTable of `graph` on `devices`.
 
@@ -124,6 +152,10 @@ def cost_table(
         of kind `pinned_host` when the list has a CPU device (see the
         module docstring); memory places named in `devices`
         (`gpu:0:pinned_host`) are added whatever this says.
+      budget: with `measure`, a layer predicted far slower on a present
+        device than on the fastest present one keeps its prediction there
+        (`TimingBudget`; listed in `meta["kept_predicted"]`); None measures
+        every layer everywhere.
 
     Returns:
       A validated `hetpar.core.CostTable`. Its `meta` holds the
@@ -146,7 +178,7 @@ def cost_table(
     times = _Times()
     fused_bytes = measure if fused_bytes is None else fused_bytes
     layers = [_layer(graph, name, devs, times, measure=measure, fused_bytes=fused_bytes, k=k,
-                     microbatch_graph=microbatch_graph, microbatches=microbatches,
+                     microbatch_graph=microbatch_graph, microbatches=microbatches, budget=budget,
                      say=None if progress is None else _counted(progress, i, len(graph.layers)))
               for i, name in enumerate(graph.layers)]
     edges = [Edge(u, v, float(e["bytes"]), float(e["bytes_backward"]))
@@ -166,6 +198,8 @@ def cost_table(
     if measure:
         info_meta["measured_s"] = times.measured
         info_meta["measured_iqr_s"] = times.measured_iqr
+        if times.kept:
+            info_meta["kept_predicted"] = times.kept
     if times.fixed:
         info_meta["fixed_s"] = f"fitted from each layer measured at batch and batch/{microbatches}"
     info_meta.update(meta or {})
@@ -197,6 +231,7 @@ class _Times:
     predicted: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     measured: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     measured_iqr: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    kept: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # not measured
     fixed: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
@@ -207,7 +242,7 @@ def _counted(progress: Callable[[str], None], i: int, n: int) -> Callable[[str],
 
 def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, measure: bool,
            fused_bytes: bool, k: int, microbatch_graph, microbatches: int,
-           say: Callable[[str], None] | None) -> Layer:
+           budget: TimingBudget | None, say: Callable[[str], None] | None) -> Layer:
     """The table's row of one layer: predicted on every device, measured on present ones."""
     info = graph[name]
     work = graph_layer_work(graph, name)
@@ -218,7 +253,7 @@ def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, m
     if measure:
         measured = _measure_present(graph, name, devs, times, k=k,
                                     microbatch_graph=microbatch_graph,
-                                    microbatches=microbatches, say=say)
+                                    microbatches=microbatches, budget=budget, say=say)
         row.update(measured)
         row.update(_from_siblings(devs, measured, times.predicted[name]))
     mem = float(info.memory_bytes)
@@ -232,9 +267,10 @@ def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, m
 
 
 def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *,
-                     k: int, microbatch_graph, microbatches: int,
+                     k: int, microbatch_graph, microbatches: int, budget: TimingBudget | None,
                      say: Callable[[str], None] | None) -> dict[str, float]:
-    """Measures one layer on every present device; records it in `times`.
+    """Measures one layer on every present device (but those `budget`
+    skips); records it in `times`.
 
     With `microbatch_graph`, the layer is measured there too and its
     `fixed_s` fitted (see `cost_table`).
@@ -243,8 +279,16 @@ def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
       {device name: measured median seconds}.
     """
     out = {}
+    predicted = times.predicted[name]
+    fastest = min((predicted[d.name] for d in devs if d.jax_device is not None), default=0.0)
     for d in devs:
         if d.jax_device is None:
+            continue
+        if budget is not None and budget.skips(predicted[d.name], fastest):
+            times.kept.setdefault(name, []).append(d.name)
+            if say:
+                say(f"{name} on {d.name}: kept predicted {seconds(predicted[d.name])} (over "
+                    f"{budget.slower:g}x the fastest present device's {seconds(fastest)})")
             continue
         t = measure_layer(graph, name, d.jax_device, k=k)
         times.measured.setdefault(name, {})[d.name] = t.median_s
@@ -420,7 +464,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                         stage_overhead: Callable[[str, Any], float | None] | None = None,
                         crossing: Callable[..., float | None] | None = None,
                         bandwidth: Callable[[Any, Any, float], float | None] | None = None,
-                        *, time_replicas: Callable[[list[str], list], float | None] | None = None):
+                        *, time_replicas: Callable[[list[str], list], float | None] | None = None,
+                        budget: TimingBudget | None = TimingBudget()):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -450,7 +495,10 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     sibling borrows its class's fraction): GPT-2 at batch 16 is mostly fixed
     cost, and data parallel over two GPUs ran 0.9-1.2x one GPU's step where
     halving the work predicted 0.5x. A callback returning None leaves its
-    figure as predicted.
+    figure as predicted. A kind whose step the table puts far above the
+    fastest present device's (`budget`, `TimingBudget`: the host CPU beside
+    a GPU on a large model) is not timed and keeps its figures; the table's
+    meta lists it under `untimed_kinds`.
 
     Returns:
       The scaled table, or `table` itself when nothing was timed.
@@ -458,11 +506,22 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     step_s: dict[str, float] = {}
     by_kind: dict[str, float | None] = {}
     overhead: dict[str, float] = {}
+    table_step = {name: sum(la.time_s.get(name, 0.0) for la in table.layers)
+                  for name in table.device_names if name in present}
+    fastest = min(table_step.values(), default=0.0)
+    untimed = []
     for name in table.device_names:
         dev = present.get(name)
         if dev is None:  # a spec-sheet device, or a memory place
             continue
         kind = table.device(name).kind
+        if kind not in by_kind and budget is not None and budget.skips(
+                table_step[name], fastest, step=True):
+            logging.info("hetpar: not timing the whole step on %s: the table puts it at %s, "
+                         "over %gx the fastest present device's %s; %s keeps its figures",
+                         name, seconds(table_step[name]), budget.slower, seconds(fastest), kind)
+            by_kind[kind] = None
+            untimed.append(kind)
         if kind not in by_kind:
             by_kind[kind] = time_step(name, dev)
             cost = (stage_overhead(name, dev)
@@ -474,6 +533,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     if not step_s:
         return table
     scaled = scale_to_step(table, step_s, siblings=True)
+    if untimed:
+        scaled = dataclasses.replace(scaled, meta={**scaled.meta, "untimed_kinds": untimed})
     if overhead:
         scaled = _with_runtime_costs(table, scaled, present, step_s, overhead, crossing,
                                      bandwidth)

@@ -34,6 +34,10 @@ def register(sub) -> None:
                    help="time the whole step (jax.jit) on the present devices listed and scale "
                         "every device's layers to it; spec-sheet devices (h100) follow the "
                         "present device of their class")
+    p.add_argument("--measure-all", action="store_true",
+                   help="with --measure/--calibrate: also time the layers and steps of a device "
+                        "predicted over 10x slower than the fastest present one (left predicted "
+                        "by default: the host CPU beside a GPU on a large model)")
     p.add_argument("--profiles", default=None,
                    help="profile file from `hetpar profile` (default: spec sheets)")
     p.add_argument("--out", default=None, help="write graph.json here")
@@ -41,7 +45,7 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
-    from hetpar import zoo
+    from hetpar import cost_models, zoo
     from hetpar.cost_models import per_sample
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()]
@@ -54,7 +58,8 @@ def _run(args) -> int:
         config=parse_config(args.model, args.config), measure=args.measure,
         profiles=args.profiles, k=args.k,
         progress=progress if args.measure or args.calibrate else None,
-        microbatches=args.microbatches, calibrate=args.calibrate)
+        microbatches=args.microbatches, calibrate=args.calibrate,
+        budget=None if args.measure_all else cost_models.TimingBudget())
     batch = int(table.meta.get("batch") or 1)
     predicted = table.meta["predicted_s"]
     measured = table.meta.get("measured_s", {})

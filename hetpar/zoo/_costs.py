@@ -46,6 +46,9 @@ def trace_model(model: str, *, small: bool = False, batch: int | None = None,
     return w, trace(w.train_step, *_step_args(w), depth=depth)
 
 
+_BUDGET = cost_models.TimingBudget()  # the default: far slower devices stay predicted
+
+
 def cost_table(
     model: str,
     devices: Sequence[str],
@@ -59,6 +62,7 @@ def cost_table(
     progress: Callable[[str], None] | None = None,
     microbatches: int = 1,
     calibrate: bool = False,
+    budget: cost_models.TimingBudget | None = _BUDGET,
 ) -> CostTable:
     """The CostTable of a zoo model's train step on `devices` (`hetpar plan MODEL`).
 
@@ -81,6 +85,9 @@ def cost_table(
         device's layers to it, spec-sheet devices by a measured device of
         their class (`scale_to_step(siblings=True)`): plan for an H100 from
         an H200 host (`hetpar costs MODEL --devices gpu:0,h100 --calibrate`).
+      budget: what `measure` and `calibrate` leave predicted on a device far
+        slower than the fastest present one (`cost_models.TimingBudget`);
+        None times everything (`hetpar costs --measure-all`).
 
     Returns:
       The CostTable; `meta` also names the model and batch size.
@@ -105,14 +112,15 @@ def cost_table(
                                      config=config)
     table = cost_models.cost_table(
         graph, devices, profiles=profiles, measure=measure, k=k, progress=progress,
-        microbatch_graph=small_graph, microbatches=microbatches,
+        microbatch_graph=small_graph, microbatches=microbatches, budget=budget,
         fused_bytes=True if calibrate else None,
         meta={"model": model, "batch": w.config.get("batch_size"), "small": small})
-    return _calibrated(table, w, k, progress) if calibrate else table
+    return _calibrated(table, w, k, progress, budget) if calibrate else table
 
 
 def _calibrated(table: CostTable, w: Workload, k: int,
-                progress: Callable[[str], None] | None) -> CostTable:
+                progress: Callable[[str], None] | None,
+                budget: cost_models.TimingBudget | None) -> CostTable:
     """`table` scaled to the whole step timed on its present devices (see `cost_table`)."""
     present = cost_models.present_devices()
     if not any(name in present for name in table.device_names):
@@ -154,4 +162,5 @@ def _calibrated(table: CostTable, w: Workload, k: int,
                          f"runtime copies {src} -> {dst}: {b / 1e9:.3g} GB/s at {n / 1e6:.3g} MB")
     # (Layers measured at batch / M too already have their own fixed parts.)
     return cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
-                                           bandwidth, time_replicas=time_replicas)
+                                           bandwidth, time_replicas=time_replicas,
+                                           budget=budget)
