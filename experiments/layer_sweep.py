@@ -19,8 +19,12 @@ the layer's per-primitive features (`_prim_features`).
 
 `evaluate` fits on the sweep alone, so every zoo model is held out, and
 reports median / p90 APE on the zoo's layers above 100 us of the same device
-kind: the calibrated roofline (`calibrate`, per-kernel launches) and the
-per-primitive linear model (`primitive_model.fit`). The sizes are the GPU's;
+kind: the calibrated roofline (`calibrate`, per-kernel launches), the
+per-primitive linear model (`primitive_model.fit`) and the per-equation
+models of `per_equation_model.py` (M1: each matmul-like equation priced by
+its class; M2: with tile and wave utilisation), each fitted on the zoo's
+train models, on the sweep, and on both. `measure` records every layer's
+equation rows (`eq_rows`); files without them are re-traced from the grid. The sizes are the GPU's;
 the CPU's are cut by `--cpu_scale` (batch and tokens, default 1/4) and
 `--cpu_hw_scale` (image sides, default 1/2), as the zoo's CPU records use the
 small configs.
@@ -222,6 +226,7 @@ def _measure(args) -> int:
     import _prim_features as pf
     import cost_accuracy as ca
     import jax
+    import per_equation_model as pem
 
     import hetpar
     from hetpar.cost_models import device_name, present_devices
@@ -248,7 +253,8 @@ def _measure(args) -> int:
                                 k=args.k, progress=lambda m: print(m, flush=True))
         for r in recs:
             r["features"] = pf.layer_features(graph, r["layer"])
-            r["scale"] = scale
+            r["eq_rows"] = pem.equation_rows(graph, r["layer"])
+            r["scale"], r["hw_scale"] = scale, args.cpu_hw_scale if cpu else 1.0
         records += recs
         print(f"{device_name(dev)}: {len(recs)} layers in {time.time() - t0:.0f} s", flush=True)
         path.write_text(json.dumps(dict(jax=jax.__version__, date=time.strftime("%Y-%m-%d"),
@@ -257,9 +263,53 @@ def _measure(args) -> int:
     return 0
 
 
+def _sweep_equations(sweep: list[dict], cpu_hw_scale: float) -> dict:
+    """{per_equation_model key: equation rows} of the sweep's layers: as
+    recorded, else re-traced from the grid at the record's scale (files
+    measured before the rows were recorded)."""
+    import per_equation_model as pem
+
+    import hetpar
+
+    out = {pem.key(r): r["eq_rows"] for r in sweep if "eq_rows" in r}
+    missing = [r for r in sweep if pem.key(r) not in out]
+    for scale, hw in sorted({(r["scale"], r.get("hw_scale", cpu_hw_scale if r["kind"] == "cpu"
+                                                else 1.0)) for r in missing}):
+        step, params, batch = sweep_step(grid(scale, hw))
+        graph = hetpar.trace(step, params, batch)
+        for r in missing:
+            if r["scale"] == scale and r["layer"] in graph.layers:
+                out[pem.key(r)] = pem.equation_rows(graph, r["layer"])
+    return out
+
+
+def _per_equation_rows(swept, zoo_train, tests, label) -> list[str]:
+    """per_equation_model's M1 and M2 fitted on the zoo's train models, the
+    sweep, and both; scored on `tests` (each known to the rows)."""
+    import per_equation_model as pem
+
+    lines = []
+    for on, train in (("the zoo's train models", zoo_train), ("the sweep", swept),
+                      ("the sweep + the zoo's train models", swept + zoo_train)):
+        for name, spec in (("per-equation (M1)", {}),
+                           ("per-equation + utilisation (M2, 64x64x32)", {"util": (64, 64, 32)})):
+            X, t, names = pem.design(train, _EQ, label, spec)
+            x = pem.fit(X, t, names, "log")
+            cells = []
+            for test in tests.values():
+                Xe, te, _ = pem.design(test, _EQ, label, spec)
+                cells.append(pem.pct(pem.stats(np.abs(Xe @ x - te) / te)))
+            lines.append(f"| {name} | {on} | " + " | ".join(cells) + " |")
+    return lines
+
+
+_EQ: dict = {}  # per_equation_model's rows of every layer evaluated
+
+
 def _evaluate(args) -> int:
     import _prim_features as pf
     import cost_accuracy as ca
+    import per_equation_model as pem
     import primitive_model as pm
 
     sweep = json.loads(pathlib.Path(args.sweep).read_text())["records"]
@@ -269,6 +319,8 @@ def _evaluate(args) -> int:
         zoo_records += data["records"] if isinstance(data, dict) else data
     feats = pf.features(zoo_records, pm.CACHE)
     feats.update({pf.key_of(r): r["features"] for r in sweep})
+    _EQ.update(pem.eq_features(zoo_records))
+    _EQ.update(_sweep_equations(sweep, args.cpu_hw_scale))
     lines = ["# Fitted on the layer sweep, tested on the zoo's models", "",
              f"Sweep: `{args.sweep}` ({len(sweep)} layers). Zoo records: "
              + ", ".join(f"`{f}`" for f in args.records) + ".", "",
@@ -299,6 +351,11 @@ def _evaluate(args) -> int:
                          for t in tests.values()]
                 lines.append(f"| per-primitive ({variant}) | {on} | "
                              + " | ".join(pm._pct(*c) for c in cells) + " |")
+        if kind in pem.LABEL:  # the per-equation models, on the layers they can price
+            known = [r for r in swept + zoo if pem.key(r) in _EQ]
+            lines += _per_equation_rows(
+                [r for r in swept if r in known], [r for r in zoo_train if r in known],
+                {k: [r for r in t if r in known] for k, t in tests.items()}, pem.LABEL[kind])
     text = "\n".join(lines) + "\n"
     if args.out:
         pathlib.Path(args.out).write_text(text)
@@ -322,6 +379,8 @@ def main(argv=None) -> int:
     e.add_argument("--sweep", required=True)
     e.add_argument("--records", nargs="+", required=True)
     e.add_argument("--out", default=None)
+    e.add_argument("--cpu_hw_scale", type=float, default=0.5,
+                   help="the CPU sweep's image-side scale (files without it recorded)")
     args = ap.parse_args(argv)
     return _measure(args) if args.cmd == "measure" else _evaluate(args)
 

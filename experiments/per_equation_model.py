@@ -112,6 +112,17 @@ def _walk(eqns, times, in_loop, rows):
                      float(w.bytes_accessed), float(w.transcendentals), ex])
 
 
+def equation_rows(graph, layer: str) -> list:
+    """One traced layer's matmul-like and other equations, as `columns` prices them."""
+    rows = []
+    _walk([graph.program.eqns[i] for i in graph[layer].eqns], 1, False, rows)
+    return rows
+
+
+#: The device labels of P, BW and PAR by a record's spec-sheet kind.
+LABEL = {"h200": "H200", "h100": "H100", "cpu": "CPU"}
+
+
 def eq_features(records):
     cache = _cache_file()
     have = json.loads(cache.read_text()) if cache.exists() else {}
@@ -123,9 +134,7 @@ def eq_features(records):
         for model, small, batch in todo:
             _, g = trace_model(model, small=small, batch=batch)
             for name in g.layers:
-                rows = []
-                _walk([g.program.eqns[i] for i in g[name].eqns], 1, False, rows)
-                have[f"{model}|{int(small)}|{batch}|{name}"] = rows
+                have[f"{model}|{int(small)}|{batch}|{name}"] = equation_rows(g, name)
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_text(json.dumps(have))
     return have
