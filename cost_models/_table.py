@@ -83,15 +83,18 @@ class TimingBudget:
     """What `measure=True` and `scale_to_timed_step` leave predicted: timing
     that costs more than it can change a plan.
 
-    A present device predicted more than `slower` times the fastest present
-    device (for one layer, or for the whole step) and over `floor_s` (a
-    layer's run) or `step_floor_s` (a whole step) keeps its prediction. On
-    an H200 host, GPT-2 small at batch 256 takes seconds a layer on the host
-    CPU, ~15 ms on the GPU: timing each CPU layer three times and the whole
-    step on the CPU took past 340 s, for a device the planner then puts no
-    layer on (the offload plan keeps only state there). Devices of one kind
-    (virtual CPU devices, two GPUs) are never skipped, and neither is a
-    machine's fastest device. `None` in place of a budget times everything.
+    A present device of another kind than the fastest present device,
+    predicted more than `slower` times slower (for one layer, or for the
+    whole step) and over `floor_s` (a layer's run) or `step_floor_s` (a
+    whole step), is not timed: its layers keep their predictions (or follow
+    a measured device of their class, as a spec-sheet sibling does). The
+    runtime's own costs (per stage, crossings, copies) are still measured
+    there: they take milliseconds. On an H200 host, GPT-2 small at batch
+    256 takes seconds a layer on the host CPU, ~15 ms on the GPU: timing
+    each CPU layer three times and the whole step there took past 340 s,
+    for a device that computes no layer of the plan chosen. Devices of the
+    fastest one's kind (virtual CPU devices, two GPUs) are always timed.
+    `None` in place of a budget times everything.
     """
 
     slower: float = 10.0
@@ -153,9 +156,9 @@ def cost_table(
         module docstring); memory places named in `devices`
         (`gpu:0:pinned_host`) are added whatever this says.
       budget: with `measure`, a layer predicted far slower on a present
-        device than on the fastest present one keeps its prediction there
-        (`TimingBudget`; listed in `meta["kept_predicted"]`); None measures
-        every layer everywhere.
+        device than on the fastest present one (of another kind) is not
+        timed there (`TimingBudget`; listed in `meta["kept_predicted"]`);
+        None measures every layer everywhere.
 
     Returns:
       A validated `hetpar.core.CostTable`. Its `meta` holds the
@@ -280,15 +283,18 @@ def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
     """
     out = {}
     predicted = times.predicted[name]
-    fastest = min((predicted[d.name] for d in devs if d.jax_device is not None), default=0.0)
+    fastest = min((d for d in devs if d.jax_device is not None),
+                  key=lambda d: predicted[d.name], default=None)
     for d in devs:
         if d.jax_device is None:
             continue
-        if budget is not None and budget.skips(predicted[d.name], fastest):
+        if (budget is not None and d.profile.kind != fastest.profile.kind
+                and budget.skips(predicted[d.name], predicted[fastest.name])):
             times.kept.setdefault(name, []).append(d.name)
             if say:
-                say(f"{name} on {d.name}: kept predicted {seconds(predicted[d.name])} (over "
-                    f"{budget.slower:g}x the fastest present device's {seconds(fastest)})")
+                say(f"{name} on {d.name}: not timed, predicted {seconds(predicted[d.name])} "
+                    f"(over {budget.slower:g}x {fastest.name}'s "
+                    f"{seconds(predicted[fastest.name])})")
             continue
         t = measure_layer(graph, name, d.jax_device, k=k)
         times.measured.setdefault(name, {})[d.name] = t.median_s
@@ -497,8 +503,10 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     halving the work predicted 0.5x. A callback returning None leaves its
     figure as predicted. A kind whose step the table puts far above the
     fastest present device's (`budget`, `TimingBudget`: the host CPU beside
-    a GPU on a large model) is not timed and keeps its figures; the table's
-    meta lists it under `untimed_kinds`.
+    a GPU on a large model) is not timed: its layers keep their figures
+    (a sibling of a timed class still borrows that class's factor), its
+    runtime costs are measured as above, and the table's meta lists it
+    under `untimed_kinds`.
 
     Returns:
       The scaled table, or `table` itself when nothing was timed.
@@ -508,52 +516,60 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     overhead: dict[str, float] = {}
     table_step = {name: sum(la.time_s.get(name, 0.0) for la in table.layers)
                   for name in table.device_names if name in present}
-    fastest = min(table_step.values(), default=0.0)
-    untimed = []
+    fastest = min(table_step, key=table_step.get, default=None)
+    untimed: list[str] = []
+    runtime: list[str] = []  # devices whose runtime costs are measured
     for name in table.device_names:
         dev = present.get(name)
         if dev is None:  # a spec-sheet device, or a memory place
             continue
         kind = table.device(name).kind
-        if kind not in by_kind and budget is not None and budget.skips(
-                table_step[name], fastest, step=True):
-            logging.info("hetpar: not timing the whole step on %s: the table puts it at %s, "
-                         "over %gx the fastest present device's %s; %s keeps its figures",
-                         name, seconds(table_step[name]), budget.slower, seconds(fastest), kind)
-            by_kind[kind] = None
-            untimed.append(kind)
         if kind not in by_kind:
-            by_kind[kind] = time_step(name, dev)
-            cost = (stage_overhead(name, dev)
-                    if by_kind[kind] is not None and stage_overhead is not None else None)
+            skip = (budget is not None and kind != table.device(fastest).kind
+                    and budget.skips(table_step[name], table_step[fastest], step=True))
+            if skip:
+                logging.info("hetpar: not timing the whole step on %s: the table puts it at "
+                             "%s, over %gx %s's %s; %s keeps its layers' figures", name,
+                             seconds(table_step[name]), budget.slower, fastest,
+                             seconds(table_step[fastest]), kind)
+                untimed.append(kind)
+            by_kind[kind] = None if skip else time_step(name, dev)
+            # The runtime's own costs take milliseconds: measured for an
+            # untimed kind too (the offload planner's host CPU needs its links).
+            cost = (stage_overhead(name, dev) if stage_overhead is not None
+                    and (by_kind[kind] is not None or skip) else None)
             if cost is not None:
                 overhead[kind] = cost
         if by_kind[kind] is not None:
             step_s[name] = by_kind[kind]
+        if by_kind[kind] is not None or kind in untimed:
+            runtime.append(name)
     if not step_s:
-        return table
+        return dataclasses.replace(table, meta={**table.meta, "untimed_kinds": untimed}) \
+            if untimed else table
     scaled = scale_to_step(table, step_s, siblings=True)
     if untimed:
         scaled = dataclasses.replace(scaled, meta={**scaled.meta, "untimed_kinds": untimed})
     if overhead:
-        scaled = _with_runtime_costs(table, scaled, present, step_s, overhead, crossing,
+        scaled = _with_runtime_costs(table, scaled, present, runtime, overhead, crossing,
                                      bandwidth)
     if time_replicas is not None:  # last: the all-reduce over the links measured
         scaled = _with_fixed_parts(scaled, present, step_s, time_replicas)
     return scaled
 
 
-def _with_runtime_costs(table, scaled, present, step_s, overhead, crossing, bandwidth):
-    """`scaled` with its devices' measured cost per stage and its links'
-    measured crossing and bandwidth (see `scale_to_timed_step`)."""
-    per_device = {d: overhead[table.device(d).kind] for d in step_s
+def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandwidth):
+    """`scaled` with the measured cost per stage of `names` (present devices)
+    and the measured crossing and bandwidth of their links (see
+    `scale_to_timed_step`)."""
+    per_device = {d: overhead[table.device(d).kind] for d in names
                   if table.device(d).kind in overhead}
     lent = _sibling_factors(table, per_device)
     per_device.update({d: v for d, (v, _) in lent.items()})
     devices = tuple(dataclasses.replace(d, stage_overhead_s=per_device[d.name])
                     if d.name in per_device else d for d in scaled.devices)
     meta = {**scaled.meta, "stage_overhead_s": per_device}
-    kind = {d: table.device(d).kind for d in step_s}
+    kind = {d: table.device(d).kind for d in names}
     # One link per pair of kinds (crossing: either way) and per direction
     # (bandwidth) is measured; every link between timed devices of those kinds takes it.
     ways = {(kind[k.src], kind[k.dst]): k for k in reversed(table.links)

@@ -209,7 +209,8 @@ def test_timed_step_carries_the_runtimes_costs_to_the_table():
         lambda src, dst, n: link_bandwidth(src, dst, n, runs=3))
     assert calls == ["cpu:0"]  # once per kind
     per = scaled.meta["stage_overhead_s"]
-    assert set(per) == {"cpu:0", "cpu:1"} and 0 < per["cpu:0"] == per["cpu:1"] < 1.0
+    # (0 where the split chain ran no slower than one executable: a loaded 2-core box)
+    assert set(per) == {"cpu:0", "cpu:1"} and 0 <= per["cpu:0"] == per["cpu:1"] < 1.0
     assert scaled.device("cpu:1").stage_overhead_s == per["cpu:0"]
     assert scaled.device("h100:0").stage_overhead_s == 0.0  # another class: nothing measured
     cross = scaled.meta["crossing_s"]["cpu/cpu"]
@@ -420,65 +421,94 @@ def test_batch_share_cuts_each_batch_leaf():
     assert cost_models.batch_share((np.zeros(4), 0.1), (-1,), 2) is None  # nothing to cut
 
 
-def _one_far_slower(kind: str = "cpu"):
-    # cpu:0 as the CPU spec sheet says; cpu:1 profiled with a launch 10^4 times
-    # dearer (kind `kind`): the host CPU beside a GPU, in miniature.
+def _one_far_slower():
+    # cpu:0 as the CPU spec sheet says; cpu:1 profiled as another kind (a T4)
+    # with a launch 10^4 times dearer: the host CPU beside a GPU, inverted
+    # and in miniature.
     from hetpar.cost_models import ProfileSet, spec, spec_kinds
 
     base = spec("cpu")
     return ProfileSet({**{k: spec(k) for k in spec_kinds()},
                        "cpu:0": base.replace(name="cpu:0", origin="measured"),
-                       "cpu:1": base.replace(name="cpu:1", kind=kind, origin="measured",
+                       "cpu:1": base.replace(name="cpu:1", kind="t4", origin="measured",
                                              launch_overhead_s=base.launch_overhead_s * 1e4)})
 
 
 def test_measure_leaves_a_far_slower_device_predicted(monkeypatch):
     # GPT-2 at batch 256 on an H200 host: timing every layer on the host CPU
-    # too took minutes, for a device the plan then left idle.
+    # too took minutes, for a device the plan then left without layers.
+    from hetpar.cost_models import _table
+
     _, graph = _lm()
     profiles = _one_far_slower()
     timed = []
-    real = _measure.measure
-    monkeypatch.setattr(_measure, "measure",
-                        lambda *a, **kw: timed.append(str(a[2])) or real(*a, **kw))
+    real = _table.measure_layer
+    monkeypatch.setattr(_table, "measure_layer",
+                        lambda g, name, dev, **kw: timed.append(dev.id) or real(g, name, dev, **kw))
     budget = cost_models.TimingBudget(floor_s=0.0)
     table = cost_models.cost_table(graph, ["cpu:0", "cpu:1"], profiles=profiles,
                                    measure=True, k=2, budget=budget)
-    assert len(timed) == len(graph.layers)  # cpu:0's layers only
+    assert timed == [0] * len(graph.layers)  # cpu:0's layers only
     assert table.meta["kept_predicted"] == {name: ["cpu:1"] for name in graph.layers}
     for layer in table.layers:
         measured, predicted = (table.meta[k][layer.name] for k in ("measured_s", "predicted_s"))
         assert set(measured) == {"cpu:0"} and layer.time_s["cpu:0"] == measured["cpu:0"]
-        # Left untimed, it follows the measured device of its class, as a
-        # spec-sheet sibling does (a GPU's host CPU has none: it stays predicted).
-        assert layer.time_s["cpu:1"] == pytest.approx(
-            measured["cpu:0"] * predicted["cpu:1"] / predicted["cpu:0"])
-    # Over the floor only: the default budget's 0.25 s a run times both here.
+        assert layer.time_s["cpu:1"] == predicted["cpu:1"]
+    # Over the floor only: under a floor of 10 s a run, both are timed.
+    timed.clear()
     both = cost_models.cost_table(graph, ["cpu:0", "cpu:1"], profiles=profiles, measure=True,
-                                  k=2)
+                                  k=2, budget=cost_models.TimingBudget(floor_s=10.0))
+    assert sorted(timed) == sorted([0, 1] * len(graph.layers))
     assert "kept_predicted" not in both.meta
-    assert all(set(v) == {"cpu:0", "cpu:1"} for v in both.meta["measured_s"].values())
+
+
+def test_measure_times_every_device_of_the_fastest_kind(monkeypatch):
+    # Devices of one kind are never left untimed, however their profiles differ.
+    from hetpar.cost_models import ProfileSet, spec, spec_kinds
+
+    _, graph = _lm()
+    base = spec("cpu")
+    profiles = ProfileSet({**{k: spec(k) for k in spec_kinds()},
+                           "cpu:0": base.replace(name="cpu:0", origin="measured"),
+                           "cpu:1": base.replace(name="cpu:1", origin="measured",
+                                                 launch_overhead_s=base.launch_overhead_s * 1e4)})
+    table = cost_models.cost_table(graph, ["cpu:0", "cpu:1"], profiles=profiles, measure=True,
+                                   k=2, budget=cost_models.TimingBudget(floor_s=0.0))
+    assert "kept_predicted" not in table.meta
+    assert all(set(v) == {"cpu:0", "cpu:1"} for v in table.meta["measured_s"].values())
 
 
 def test_timed_step_leaves_a_far_slower_kind_predicted():
     import jax
 
     _, graph = _lm()
-    table = cost_models.cost_table(graph, ["cpu:0", "cpu:1"], profiles=_one_far_slower("t4"))
+    table = cost_models.cost_table(graph, ["cpu:0", "cpu:1"], profiles=_one_far_slower())
     present = {f"cpu:{d.id}": d for d in jax.devices("cpu")[:2]}
-    asked = []
+    asked, stages = [], []
 
     def time_step(name, dev):
         asked.append(name)
         return 1.0
 
+    def overhead(name, dev):
+        stages.append(name)
+        return 1e-4
+
     budget = cost_models.TimingBudget(step_floor_s=0.0)
-    scaled = cost_models.scale_to_timed_step(table, present, time_step, budget=budget)
+    scaled = cost_models.scale_to_timed_step(table, present, time_step, overhead, budget=budget)
     assert asked == ["cpu:0"] and scaled.meta["untimed_kinds"] == ["t4"]
     assert scaled.meta["step_s"] == {"cpu:0": 1.0}
     assert sum(la.time_s["cpu:0"] for la in scaled.layers) == pytest.approx(1.0)
     assert [la.time_s["cpu:1"] for la in scaled.layers] == [
         la.time_s["cpu:1"] for la in table.layers]
+    # Its runtime costs are still measured: the offload planner prices its links.
+    assert stages == ["cpu:0", "cpu:1"]
+    assert scaled.device("cpu:1").stage_overhead_s == 1e-4
+    # The fast kind could not run the step (out of memory): still not timed there.
+    asked.clear()
+    none = cost_models.scale_to_timed_step(table, present, lambda n, d: asked.append(n),
+                                           budget=budget)
+    assert asked == ["cpu:0"] and none.meta["untimed_kinds"] == ["t4"]
     asked.clear()
     cost_models.scale_to_timed_step(table, present, time_step, budget=None)
     assert asked == ["cpu:0", "cpu:1"]

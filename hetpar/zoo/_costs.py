@@ -161,6 +161,10 @@ def _calibrated(table: CostTable, w: Workload, k: int,
     bandwidth = reported(link_bandwidth, lambda src, dst, n, b:
                          f"runtime copies {src} -> {dst}: {b / 1e9:.3g} GB/s at {n / 1e6:.3g} MB")
     # (Layers measured at batch / M too already have their own fixed parts.)
-    return cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
-                                           bandwidth, time_replicas=time_replicas,
-                                           budget=budget)
+    scaled = cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
+                                             bandwidth, time_replicas=time_replicas,
+                                             budget=budget)
+    if progress and scaled.meta.get("untimed_kinds"):
+        progress(f"whole step not timed on {', '.join(scaled.meta['untimed_kinds'])}: predicted "
+                 "over 10x the fastest device's (--measure-all times it)")
+    return scaled
