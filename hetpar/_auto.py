@@ -265,7 +265,14 @@ class StepClock:
                 head = (f"hetpar: the measured step ({seconds(m)}, median of "
                         f"{len(self.samples)}) is {m / p:.2f}x the planner's prediction "
                         f"({seconds(p)}), off by more than {self.TOLERANCE:.0%}. ")
-                if step.options.profile == "measure":
+                untimed = _untimed(step.table)
+                if step.options.profile == "measure" and untimed:
+                    out["warning"] = head + (
+                        f"profile='measure' left {', '.join(untimed)} untimed (predicted "
+                        "over 10x slower than the fastest device, cost_models.TimingBudget): "
+                        "if the plan computes there, its figures are the spec sheet's; "
+                        "`hetpar costs MODEL --measure --calibrate --measure-all` times them")
+                elif step.options.profile == "measure":
                     out["warning"] = head + (
                         "The layers, the whole step and the runtime's costs per stage "
                         "and crossing were measured here (profile='measure'): the gap is "
@@ -282,6 +289,14 @@ class StepClock:
                         "--out profiles.json` here and pass profile='profiles.json' (or set "
                         "HETPAR_PROFILES)")
         return out
+
+
+def _untimed(table) -> list[str]:
+    """The devices and kinds a measured table left predicted (`TimingBudget`)."""
+    if table is None:
+        return []
+    kept = {d for devices in table.meta.get("kept_predicted", {}).values() for d in devices}
+    return sorted(kept) + [k for k in table.meta.get("untimed_kinds", ()) if k not in kept]
 
 
 class PredictionWarning(UserWarning):

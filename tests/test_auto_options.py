@@ -177,6 +177,24 @@ def test_report_sets_the_measured_step_beside_the_predicted(monkeypatch):
     assert "WARNING:" in str(rep)
 
 
+def test_prediction_warning_names_what_measure_left_untimed(monkeypatch):
+    # A host CPU beside a GPU is left untimed on a large model (TimingBudget):
+    # a gap then points there, not at the stages' overlap.
+    from hetpar._auto import StepClock
+
+    monkeypatch.setattr(StepClock, "TOLERANCE", 0.0)
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure")
+    with pytest.warns(hetpar.PredictionWarning, match="overlap"):
+        for _ in range(StepClock.STEPS + 1):
+            auto(W, X)
+    compiled = auto.lower(W, X)
+    layer = compiled.table.layer_names[0]
+    compiled.table = dataclasses.replace(compiled.table, meta={
+        **compiled.table.meta, "kept_predicted": {layer: ["cpu:1"]}, "untimed_kinds": ["t4"]})
+    warning = compiled.clock.summary(compiled)["warning"]
+    assert "left cpu:1, t4 untimed" in warning and "--measure-all" in warning
+
+
 def test_no_prediction_warning_within_tolerance(monkeypatch, recwarn):
     from hetpar._auto import StepClock
 
