@@ -67,50 +67,61 @@ def group_of(eqn) -> str:
     return "other"
 
 
-def _walk(eqns, times, in_loop, acc):
+def leaf_equations(eqns, times: float = 1, in_loop: bool = False):
+    """Yields `(eqn, times, in_loop, producers)` for every equation that is no
+    control flow or call: a scan's body `length` times, a while's by its trip
+    count, a cond's costliest branch (as eqn_work counts it), a call's (pjit,
+    custom_jvp_call, remat, ...) primal body. `producers` maps each output
+    variable of the equation's own level (by id) to its primitive's name."""
     from jax.extend import core as jcore
 
-    from hetpar.passes import eqn_work
-
+    producers = {id(o): e.primitive.name for e in eqns for o in e.outvars}
     for e in eqns:
         name = e.primitive.name
         if name == "scan":
-            _walk(e.params["jaxpr"].jaxpr.eqns, times * e.params["length"], True, acc)
+            yield from leaf_equations(e.params["jaxpr"].jaxpr.eqns, times * e.params["length"],
+                                      True)
             continue
         if name == "while":
             from hetpar.passes._costs import _while_trip_count
             trips = _while_trip_count(e) or 1
-            _walk(e.params["body_jaxpr"].jaxpr.eqns, times * trips, True, acc)
+            yield from leaf_equations(e.params["body_jaxpr"].jaxpr.eqns, times * trips, True)
             continue
         if name == "cond":
-            # The most expensive branch, as eqn_work counts it.
             best = max(e.params["branches"], key=lambda b: eqn_work_of(b.jaxpr))
-            _walk(best.jaxpr.eqns, times, in_loop, acc)
+            yield from leaf_equations(best.jaxpr.eqns, times, in_loop)
             continue
         subs = [s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s
                 for v in e.params.values()
                 for s in (v if isinstance(v, (list, tuple)) else [v])]
         subs = [s for s in subs if isinstance(s, jcore.Jaxpr)]
-        if subs:  # pjit, custom_jvp_call, remat, ...: the primal body only
-            _walk(subs[0].eqns, times, in_loop, acc)
+        if subs:
+            yield from leaf_equations(subs[0].eqns, times, in_loop)
             continue
+        yield e, times, in_loop, producers
+
+
+def _walk(eqns, times, in_loop, acc):
+    from hetpar.passes import eqn_work
+
+    for e, reps, looped, _ in leaf_equations(eqns, times, in_loop):
         w = eqn_work(e)
         g = group_of(e)
         f = w.flops + w.transcendentals
         b = w.bytes_accessed
-        for key in ([g, "loop"] if in_loop else [g]):
-            acc["n_" + key] += times
-            acc["f_" + key] += times * f
-            acc["b_" + key] += times * b
+        for key in ([g, "loop"] if looped else [g]):
+            acc["n_" + key] += reps
+            acc["f_" + key] += reps * f
+            acc["b_" + key] += reps * b
         if g in ("dot", "conv", "conv_dw", "conv_tr"):
             per = f
             k = sum(per >= t for t in SIZE_BINS)
-            acc[f"n_mm{k}"] += times
-            acc[f"f_mm{k}"] += times * f
-            acc[f"b_mm{k}"] += times * b
-        acc["n_all"] += times
-        acc["b_all"] += times * b
-        acc["f_all"] += times * f
+            acc[f"n_mm{k}"] += reps
+            acc[f"f_mm{k}"] += reps * f
+            acc[f"b_mm{k}"] += reps * b
+        acc["n_all"] += reps
+        acc["b_all"] += reps * b
+        acc["f_all"] += reps * f
 
 
 def eqn_work_of(jaxpr) -> tuple[float, float]:

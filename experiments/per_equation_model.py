@@ -64,32 +64,13 @@ MMC = ("dot", "conv", "wgrad", "dw")
 
 def _walk(eqns, times, in_loop, rows):
     import _prim_features as pf
-    from jax.extend import core as jcore
 
     from hetpar.passes import eqn_work
-    prod = {id(o): e.primitive.name for e in eqns for o in e.outvars}
-    for e in eqns:
+
+    for e, reps, looped, prod in pf.leaf_equations(eqns, times, in_loop):
         name = e.primitive.name
-        if name == "scan":
-            _walk(e.params["jaxpr"].jaxpr.eqns, times * e.params["length"], True, rows)
-            continue
-        if name == "while":
-            from hetpar.passes._costs import _while_trip_count
-            trips = _while_trip_count(e) or 1
-            _walk(e.params["body_jaxpr"].jaxpr.eqns, times * trips, True, rows)
-            continue
-        if name == "cond":
-            best = max(e.params["branches"], key=lambda b: pf.eqn_work_of(b.jaxpr))
-            _walk(best.jaxpr.eqns, times, in_loop, rows)
-            continue
-        subs = [s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s
-                for v in e.params.values() for s in (v if isinstance(v, (list, tuple)) else [v])]
-        subs = [s for s in subs if isinstance(s, jcore.Jaxpr)]
-        if subs:
-            _walk(subs[0].eqns, times, in_loop, rows)
-            continue
         w = eqn_work(e)
-        ex = {"prim": name, "loop": in_loop}
+        ex = {"prim": name, "loop": looped}
         if name == "dot_general":
             lhs, rhs = (v.aval.shape for v in e.invars[:2])
             (lc, rc), (lb, rb) = e.params["dimension_numbers"]
@@ -108,7 +89,7 @@ def _walk(eqns, times, in_loop, rows):
                       ksp=math.prod(rhs[d] for d in dn.rhs_spec[2:]),
                       osp=math.prod(out[d] for d in dn.out_spec[2:]),
                       rhs_rev=prod.get(id(e.invars[1])) == "rev")
-        rows.append([pf.group_of(e), times, float(w.flops + w.transcendentals),
+        rows.append([pf.group_of(e), reps, float(w.flops + w.transcendentals),
                      float(w.bytes_accessed), float(w.transcendentals), ex])
 
 
