@@ -101,6 +101,14 @@ class TimingBudget:
     floor_s: float = 0.25
     step_floor_s: float = 1.0
 
+    def __post_init__(self):
+        if not self.slower >= 1.0 or not (self.floor_s >= 0 and self.step_floor_s >= 0):
+            raise ProfileError(
+                f"TimingBudget(slower={self.slower!r}, floor_s={self.floor_s!r}, "
+                f"step_floor_s={self.step_floor_s!r}): slower must be >= 1 (how many times "
+                "the fastest device's time) and the floors >= 0 seconds; pass budget=None "
+                "to time every device")
+
     def skips(self, predicted_s: float, fastest_s: float, *, step: bool = False) -> bool:
         floor = self.step_floor_s if step else self.floor_s
         return predicted_s > max(floor, self.slower * fastest_s)

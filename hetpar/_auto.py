@@ -836,7 +836,6 @@ class CompiledStep:
         one-device plan, or data parallel in one process without static leaves."""
         return self._jit is not None or self._replicated_known is not None
 
-
     def call_known(self, args: tuple):
         """Runs the step if jit has already run it for arguments like these, else `UNKNOWN`.
 

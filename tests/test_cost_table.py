@@ -512,3 +512,10 @@ def test_timed_step_leaves_a_far_slower_kind_predicted():
     asked.clear()
     cost_models.scale_to_timed_step(table, present, time_step, budget=None)
     assert asked == ["cpu:0", "cpu:1"]
+
+
+@pytest.mark.parametrize("kw", [dict(slower=0.5), dict(floor_s=-1.0), dict(step_floor_s=-0.1),
+                                dict(slower=float("nan"))])
+def test_timing_budget_rejects_what_would_skip_the_fastest_or_everything(kw):
+    with pytest.raises(ProfileError, match="budget=None"):
+        cost_models.TimingBudget(**kw)
