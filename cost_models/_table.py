@@ -621,47 +621,42 @@ def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, fl
     """`table` with each layer's `fixed_s` (where it has none) set to the
     fraction of the whole step a data-parallel replica pays whole, less its
     optimizer update (`update_s`, charged whole apart), measured per kind
-    that has two or more timed devices linked to each other (see
-    `scale_to_timed_step`); a spec-sheet sibling of their class borrows the
-    fraction."""
-    from hetpar.core import ring_allreduce_s
+    that has two or more timed devices the planner could run data parallel
+    (see `scale_to_timed_step`); a spec-sheet sibling of their class borrows
+    the fraction."""
+    from hetpar.planner import data_parallel_obstacle
 
     timed: dict[str, list[str]] = {}
     for d in step_s:
         timed.setdefault(table.device(d).kind, []).append(d)
     fraction: dict[str, float] = {}
     replicated: dict[str, float] = {}
-    if any(la.param_bytes is None for la in table.layers):
-        return table  # the planner cannot price data parallel: nothing to time
-    grads = sum(la.param_bytes for la in table.layers)
     for devices in timed.values():
         if len(devices) < 2 or all(d in (la.fixed_s or {}) for la in table.layers
                                    for d in devices):
             continue  # no data parallel; or every layer has its own (measured per microbatch)
         pair = devices[:2]
-        links = [k for k in table.links if {k.src, k.dst} == set(pair)]
-        if not links:
+        if data_parallel_obstacle(table, pair):  # the planner cannot price it: nothing to time
             continue
         both = time_replicas(pair, [present[d] for d in pair])
         if both is None:
             continue
-        # The planner adds the all-reduce as the links price it; the rest is
-        # the replicas' busy time: one replica's, or both where the two share
-        # a compute group (virtual CPU devices of one process share its cores).
-        busy = both - ring_allreduce_s(grads, 2, min(k.bandwidth_bytes_per_s for k in links),
-                                       max(k.latency_s for k in links))
-        group = table.device(pair[0]).compute_group
-        if group is not None and group == table.device(pair[1]).compute_group:
-            busy /= 2
-        fraction.update(dict.fromkeys(devices, _replica_fraction(table, pair[0], busy)))
+        fraction.update(dict.fromkeys(devices, _replica_fraction(table, pair, both)))
         replicated[" ".join(pair)] = both
     if not fraction:
         return table
     fraction.update({d: v for d, (v, _) in _sibling_factors(table, fraction).items()})
+    return dataclasses.replace(_with_fraction(table, fraction),
+                               meta={**table.meta, "fixed_fraction": fraction,
+                                     "replicated_step_s": replicated})
 
+
+def _with_fraction(table, fraction: Mapping[str, float]):
+    """`table` whose layers without a `fixed_s` of their own on a device of
+    `fraction` take that fraction of their time there, less their optimizer
+    update: the measured part holds the update (it does not shrink with the
+    batch), which data parallel charges apart (`update_s`)."""
     def fixed(layer):
-        # The measured part holds the optimizer update (it does not shrink with
-        # the batch), which data parallel charges apart (`update_s`): the rest.
         have = dict(layer.fixed_s or {})
         update = layer.update_s or {}
         for d, t in layer.time_s.items():
@@ -669,40 +664,28 @@ def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, fl
                 have[d] = max(0.0, fraction[d] * t - update.get(d, 0.0))
         return dataclasses.replace(layer, fixed_s=have or None)
 
-    return dataclasses.replace(table, layers=tuple(fixed(la) for la in table.layers),
-                               meta={**table.meta, "fixed_fraction": fraction,
-                                     "replicated_step_s": replicated})
+    return dataclasses.replace(table, layers=tuple(fixed(la) for la in table.layers))
 
 
-def _replica_fraction(table, device: str, busy: float) -> float:
-    """The fraction f in [0, 1] for which a replica of two is `busy` seconds
-    as `evaluate_data_parallel` prices it once layers take `fixed_s` = max(0,
-    f t - update): a layer costs (t + max(f t, min(update, t))) / 2, or with a
-    `fixed_s` of its own (t + fixed + update) / 2. Monotone in f: bisection."""
-    own, free = 0.0, []
-    for layer in table.layers:
-        t = layer.time_s.get(device)
-        if t is None or not math.isfinite(t):
-            continue
-        u = (layer.update_s or {}).get(device) or 0.0
-        u = min(max(0.0, u), t) if math.isfinite(u) else 0.0
-        fixed = (layer.fixed_s or {}).get(device)
-        if fixed is not None:
-            own += (t + fixed + min(u, max(0.0, t - fixed))) / 2
-        else:
-            free.append((t, u))
+def _replica_fraction(table, pair: Sequence[str], measured_s: float) -> float:
+    """The fraction f in [0, 1] for which the planner's data-parallel
+    prediction over `pair` (`evaluate_data_parallel`: the all-reduce as the
+    links price it, replicas sharing a compute group adding up) is the step
+    `measured_s`. The prediction grows with f: bisection."""
+    from hetpar.planner import evaluate_data_parallel
 
-    def cost(f: float) -> float:
-        return own + sum((t + max(f * t, u)) / 2 for t, u in free)
+    def step(f: float) -> float:
+        return evaluate_data_parallel(_with_fraction(table, dict.fromkeys(pair, f)),
+                                      pair).step_time_s
 
-    if cost(0.0) >= busy:
+    if step(0.0) >= measured_s:
         return 0.0
-    if cost(1.0) <= busy:
+    if step(1.0) <= measured_s:
         return 1.0
     lo, hi = 0.0, 1.0
-    for _ in range(50):
+    for _ in range(40):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cost(mid) < busy else (lo, mid)
+        lo, hi = (mid, hi) if step(mid) < measured_s else (lo, mid)
     return (lo + hi) / 2
 
 
