@@ -273,6 +273,7 @@ def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, m
                  activation_bytes=float(info.activation_bytes),
                  fixed_s=times.fixed.get(name), param_bytes=float(info.param_bytes),
                  opt_state_bytes=float(info.opt_state_bytes),
+                 recompute_fraction=float(info.recompute_fraction),
                  update_s=None if upd is None else {d.name: predict(d.profile, upd)
                                                     for d in devs})
 

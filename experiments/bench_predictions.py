@@ -9,7 +9,8 @@ or more): one GPU, data parallel over two, and the two-GPU pipeline (first
 half of the layers on one GPU, the rest on the other) at M = 1, 2, 4, 8
 (1F1B); the memory-bound pipeline the planner chooses when each GPU may hold
 0.7x (--memory_fraction) what the step needs, at M=4 (--memory_microbatches);
-one GPU holding half of it (the planner offloads).
+one GPU holding half of it (--offload_fraction; the planner recomputes
+activations or offloads).
 Each plan runs under `hetpar.auto` with each profile; the prediction is
 `step.predicted()` (the planner's for a plan it made; for a pipeline given
 as a dict, its replay under the schedule, costed when the step was built),
@@ -102,6 +103,10 @@ def _run_plan(row, w, example, kwargs, plan, steps, profiles) -> None:
         row[f"predicted_{profile}_s"] = predicted
         row[f"plan_time_{profile}_s"] = time.perf_counter() - t0
         row[f"breakdown_{profile}"] = _breakdown(step, example)
+        # Before the (possibly long) measurement: a timeout still shows what was chosen.
+        print(f"{row['plan']:<24} {profile:<8} predicted {predicted * 1e3:9.2f} ms "
+              f"(planned in {row[f'plan_time_{profile}_s']:.0f} s; {row.get('chosen', 'given')})",
+              flush=True)
         measured = _measure(step, example, steps)
         row.setdefault("measured_s", []).append(measured)
         print(f"{row['plan']:<24} {profile:<8} predicted {predicted * 1e3:9.2f} ms  "
@@ -142,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="default: 256 (--quick: 8)")
     ap.add_argument("--memory_fraction", type=float, default=0.7)
     ap.add_argument("--memory_microbatches", type=int, default=4)
+    ap.add_argument("--offload_fraction", type=float, default=0.5,
+                    help="the one-GPU memory-bound plan's share of what the step needs "
+                         "(small enough, state leaves the GPU, not only activations)")
     ap.add_argument("--plans", nargs="*", default=None,
                     help="run only the plans named, or whose names contain one of these")
     ap.add_argument("--anchors", action="store_true",
@@ -175,8 +183,9 @@ def main(argv=None) -> int:
         plans += [(f"memory-bound x2 ({frac}x) M={mm} 1f1b",
                    dict(devices=names, memory=dict.fromkeys(names, frac * need),
                         microbatches=mm, schedule="1f1b", data_parallel=False), None, 4)]
-    plans += [("one device, 0.5x memory (offload)",
-               dict(devices=[names[0], host], memory={names[0]: 0.5 * need}), None, 1)]
+    off = args.offload_fraction
+    plans += [(f"one device, {off}x memory (offload)",
+               dict(devices=[names[0], host], memory={names[0]: off * need}), None, 1)]
     if args.plans:
         exact = {p[0] for p in plans} & set(args.plans)  # "one device" alone, not the offload
         plans = [p for p in plans

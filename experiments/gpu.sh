@@ -53,7 +53,8 @@ two GPUs (env PROFILES: the profile file, default results/profile_2gpu_h200x2.js
   peer                GPU -> GPU copy speed at pipeline sizes (probe_peer.py)
   predictions [PLANS] predicted against measured under hetpar.auto, spec sheets and
                       profile='measure' (bench_predictions.py; PLANS: names or parts of
-                      names, default all; env BATCH=256, MEMORY_FRACTION=0.7, BUDGET=560,
+                      names, default all; env BATCH=256, MEMORY_FRACTION=0.7,
+                      OFFLOAD_FRACTION=0.5, BUDGET=560,
                       PROFILE_KINDS="auto measure", ANCHORS=1: time a pipeline's anchors)
   step-timing [BATCHES]
                       the step every way, interleaved, one GPU and data parallel over two
@@ -281,7 +282,7 @@ predictions)
   [ $# -gt 0 ] && plans=(--plans "$@")
   (cd experiments && timeout "${BUDGET:-560}" python3 bench_predictions.py \
     --out "$OUT/predictions_${CARD}_b${BATCH:-256}" --batch "${BATCH:-256}" \
-    --memory_fraction "${MEMORY_FRACTION:-0.7}" --profiles ${PROFILE_KINDS:-auto measure} \
+    --memory_fraction "${MEMORY_FRACTION:-0.7}" --offload_fraction "${OFFLOAD_FRACTION:-0.5}" --profiles ${PROFILE_KINDS:-auto measure} \
     ${ANCHORS:+--anchors} "${plans[@]}" 2>&1 | grep "predicted\|failed\|anchors")
   ;;
 step-timing)

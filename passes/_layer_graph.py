@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import networkx as nx
@@ -43,6 +43,13 @@ class LayerInfo:
     opt_state_bytes: int
     activation_bytes: int  # forward results its backward (or a later layer's) keeps
     work: Work
+    #: Share of the layer's forward work that recomputing its activations
+    #: repeats (activations="remat"): only the forward equations whose results
+    #: its backward reads, directly or through other such equations (the split
+    #: pass recomputes exactly these). By FLOPs; by bytes where the forward has
+    #: none. A GPT-2 block's is 0.68: its output and attention projections'
+    #: results are not read by its backward.
+    recompute_fraction: float = 1.0
 
     @property
     def flops(self) -> float:
@@ -60,6 +67,27 @@ class LayerInfo:
     def memory_bytes(self) -> int:
         """Resident bytes while training: params, their gradients, optimizer state, activations."""
         return 2 * self.param_bytes + self.opt_state_bytes + self.activation_bytes
+
+
+def _recompute_fraction(eqns, ids: Sequence[int], producer: Mapping) -> float:
+    """`LayerInfo.recompute_fraction` of the layer made of equations `ids`."""
+    forward = [i for i in ids if is_forward(str(eqns[i].source_info.name_stack))]
+    own = set(forward)
+    needed: set[int] = set()
+    frontier = [a for i in ids if i not in own for a in eqns[i].invars
+                if isinstance(a, jcore.Var)]
+    while frontier:
+        i = producer.get(frontier.pop())
+        if i is None or i not in own or i in needed:
+            continue
+        needed.add(i)
+        frontier.extend(a for a in eqns[i].invars if isinstance(a, jcore.Var))
+    total, again = eqns_work(eqns[i] for i in forward), eqns_work(eqns[i] for i in needed)
+    if total.flops > 0:
+        return again.flops / total.flops
+    if total.bytes_accessed > 0:
+        return again.bytes_accessed / total.bytes_accessed
+    return 1.0
 
 
 class LayerGraph:
@@ -139,6 +167,8 @@ class LayerGraph:
         order, members = self._program_order()
         param_b, opt_b = self._state_bytes(order)
         saved, flow = self._flows(order)
+        producer = {o: i for i, e in enumerate(eqns) for o in e.outvars
+                    if not isinstance(o, jcore.DropVar)}
         g = nx.DiGraph()
         for name, ids in members.items():
             g.add_node(name, info=LayerInfo(
@@ -148,6 +178,7 @@ class LayerGraph:
                 opt_state_bytes=int(opt_b[name]),
                 activation_bytes=int(saved[name]),
                 work=eqns_work(eqns[i] for i in ids),
+                recompute_fraction=_recompute_fraction(eqns, ids, producer),
             ))
         for (u, v), (fwd, bwd) in flow.items():
             g.add_edge(u, v, bytes=fwd, bytes_backward=bwd)

@@ -240,6 +240,25 @@ def test_planner_recomputes_activations_when_that_keeps_state_on_the_gpu():
     assert {pl.activations for pl in roomy.placements.values()} == {"keep"}
 
 
+def test_recompute_costs_only_the_forward_the_backward_reads():
+    """A layer whose backward reads half its forward (recompute_fraction 0.5,
+    as traced) recomputes 20 ms x 1/3 x 0.5, not a whole forward."""
+    import dataclasses
+
+    t = table()
+    half = dataclasses.replace(t, layers=tuple(dataclasses.replace(la, recompute_fraction=0.5)
+                                                for la in t.layers))
+    whole = plan(t, memory={"gpu:0": 42 * GB})
+    p = plan(half, memory={"gpu:0": 42 * GB})
+    assert {pl.activations for pl in p.placements.values()} == {"remat"}
+    assert p.predicted.step_time_s < whole.predicted.step_time_s
+    from hetpar.planner import evaluate
+    from hetpar.planner._plan import with_memory
+    capped = with_memory(half, {"gpu:0": 42 * GB})
+    assert evaluate(capped, p.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
+    assert "23.3 ms" in p.summary(capped)  # 20 ms x (1 + 1/3 x 0.5)
+
+
 def test_state_beyond_host_ram_names_the_smallest_footprint():
     with pytest.raises(InfeasibleError) as e:
         plan(table(gpu_gb=20, host_gb=5, cpu_compute=False))

@@ -239,6 +239,8 @@ BAD_GRAPHS = {
     "string number": (lambda d: d["devices"][0].update(memory_bytes="lots"),
                       r"devices\[0\]\.memory_bytes must be a number"),
     "pinned unknown": (lambda d: d["layers"][0].update(pinned="gpu:7"), r"pinned.*'gpu:7'"),
+    "recompute share": (lambda d: d["layers"][0].update(recompute_fraction=1.5),
+                        r"layers\[0\] \(conv1\)\.recompute_fraction is 1.5.*between 0 and 1"),
 }
 
 
@@ -256,6 +258,9 @@ def test_graph_round_trip_and_fingerprint(tmp_path):
     table.save(tmp_path / "g.json")
     again = CostTable.load(tmp_path / "g.json")
     assert again == table
+    shared = _bad(lambda d: d["layers"][0].update(recompute_fraction=0.25))
+    assert CostTable.from_json(shared).layers[0].recompute_fraction == 0.25
+    assert CostTable.from_json(CostTable.from_json(shared).to_json()) == CostTable.from_json(shared)
     retimed = _bad(lambda d: d["layers"][0]["time_s"].update({"gpu:0": 5.0}))
     assert CostTable.from_json(retimed).fingerprint() == table.fingerprint()
     renamed = _bad(lambda d: d["devices"][1].update(name="gpu:1"))

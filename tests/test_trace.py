@@ -107,6 +107,26 @@ def test_named_scopes_in_plain_jax():
     assert g.input_layers[:2] == ("first", "second")
 
 
+def test_recompute_fraction_is_the_forward_the_backward_reads():
+    """`first` is linear: its backward reads only its input, nothing of its
+    forward to recompute. `second`'s tanh backward reads tanh's result, so
+    recomputing it repeats its matmul and tanh, but not the loss's sum."""
+    def step(w, x):
+        def loss(w):
+            with hetpar.layer("first"):
+                h = x @ w[0]
+            with hetpar.layer("second"):
+                h = jnp.tanh(h @ w[1])
+            return h.sum()
+
+        val, g = jax.value_and_grad(loss)(w)
+        return [a - 0.1 * b for a, b in zip(w, g)], val
+
+    g = trace(step, [jnp.ones((4, 4)), jnp.ones((4, 4))], jnp.ones((2, 4)))
+    assert g["first"].recompute_fraction == 0.0
+    assert 0.85 < g["second"].recompute_fraction < 1.0
+
+
 def test_automatic_clustering_when_nothing_is_named():
     def step(ws, x):
         def loss(ws):

@@ -111,6 +111,10 @@ class Layer:
         layer cannot compute on: a host CPU that updates state it holds).
         None (or a device missing): unknown there, and the offload planner
         runs no update of the layer on that device.
+      recompute_fraction: share of the layer's forward that recomputing its
+        activations repeats (activations="remat"), in [0, 1]: the forward
+        equations its backward reads from (a GPT-2 block's: 0.68 of its
+        forward FLOPs). None means 1: the whole forward runs again.
     """
 
     name: str
@@ -123,6 +127,7 @@ class Layer:
     param_bytes: float | None = None
     opt_state_bytes: float | None = None
     update_s: Mapping[str, float] | None = None
+    recompute_fraction: float | None = None
 
     def devices(self) -> tuple[str, ...]:
         """Devices this layer may run on: timed there, allowed, and the pin if any."""
@@ -254,6 +259,8 @@ class CostTable:
                 out["opt_state_bytes"] = layer.opt_state_bytes
             if layer.update_s:
                 out["update_s"] = dict(layer.update_s)
+            if layer.recompute_fraction is not None:
+                out["recompute_fraction"] = layer.recompute_fraction
             return out
 
         out = {
@@ -339,7 +346,9 @@ class CostTable:
                 opt_state_bytes=None if layer.get("opt_state_bytes") is None else _field(
                     layer, "opt_state_bytes", where, float),
                 update_s=_number_map(layer, "update_s", where) if layer.get(
-                    "update_s") is not None else None))
+                    "update_s") is not None else None,
+                recompute_fraction=None if layer.get("recompute_fraction") is None else _field(
+                    layer, "recompute_fraction", where, float)))
         edges = tuple(
             Edge(src=_field(e, "src", f"edges[{i}]", str),
                  dst=_field(e, "dst", f"edges[{i}]", str),
@@ -505,6 +514,10 @@ def _validate_layer(i: int, layer: Layer, layers: Mapping[str, int], names: Mapp
         _check_number(layer.param_bytes, f"{where}.param_bytes")
     if layer.opt_state_bytes is not None:
         _check_number(layer.opt_state_bytes, f"{where}.opt_state_bytes")
+    if layer.recompute_fraction is not None and not 0 <= layer.recompute_fraction <= 1:
+        raise GraphFormatError(f"{where}.recompute_fraction is {layer.recompute_fraction}; it "
+                               "is a share of the layer's forward, between 0 and 1 (omit it "
+                               "for 1: the whole forward recomputed)")
     for dev, u in (layer.update_s or {}).items():
         if dev not in names:
             raise GraphFormatError(f"{where}.update_s names unknown device {dev!r}; known "

@@ -233,6 +233,9 @@ class Arrays:
                                for layer in table.layers], dtype=float).reshape(L)
         out_bytes = np.bincount(self.eu, weights=self.fwd, minlength=L) if E else np.zeros(L)
         self.act = np.where(np.isnan(act), out_bytes, act)
+        # Share of a layer's forward a recomputation of its activations repeats.
+        self.recompute = np.array([1.0 if layer.recompute_fraction is None
+                                   else layer.recompute_fraction for layer in table.layers])
         self.order = table.topological_order()
         given = np.array([np.nan if layer.opt_state_bytes is None else layer.opt_state_bytes
                           for layer in table.layers], dtype=float).reshape(L, 1)

@@ -328,8 +328,9 @@ class Plan:
                 d, pl = a[n], self.placements[n]
                 extra = f" {pl.state:<10} {pl.update:<10}" if apart else ""
                 extra += f" {pl.activations:<11}" if acts else ""
-                # A recomputed layer runs its forward twice.
-                again = 1 + FORWARD_SHARE if pl.activations == "remat" else 1.0
+                # A recomputed layer runs (the part its backward reads of) its forward twice.
+                again = (1 + FORWARD_SHARE * arr.recompute[arr.lindex[n]]
+                         if pl.activations == "remat" else 1.0)
                 lines.append(f"{n:<{w}}  {arr.devices[d]:<10}{extra} "
                              f"{seconds(again * t[arr.lindex[n], d] / M):>10} "
                              f"{seconds(xfer[n]):>13}")
@@ -567,8 +568,9 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
 def _remat_table(table: CostTable, arr: Arrays) -> CostTable:
     """`table` priced as if every layer recomputed its activations on its
     accelerators: their bytes leave the layer's memory there, and its time
-    gains one more forward (the replay's FORWARD_SHARE of forward + backward).
-    CPU devices keep their figures (memory is not what they lack)."""
+    gains the forward its backward reads again (the replay's FORWARD_SHARE of
+    forward + backward, times the layer's recompute_fraction). CPU devices
+    keep their figures (memory is not what they lack)."""
     cpus = {d.name for d in table.devices if d.kind in ("cpu", "pinned_host")}
     layers = []
     for i, layer in enumerate(table.layers):
@@ -579,7 +581,7 @@ def _remat_table(table: CostTable, arr: Arrays) -> CostTable:
         accs = [d for d in layer.time_s if d not in cpus]
         layers.append(dataclasses.replace(
             layer,
-            time_s={d: t * (1 + FORWARD_SHARE) if d in accs else t
+            time_s={d: t * (1 + FORWARD_SHARE * float(arr.recompute[i])) if d in accs else t
                     for d, t in layer.time_s.items()},
             memory_bytes={d: max(m - act, 0.0) if d in accs else m
                           for d, m in layer.memory_bytes.items()},

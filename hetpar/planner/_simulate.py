@@ -265,8 +265,10 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
             dev = arr.devices[a[i]]
             keys[fwd(i, m)], keys[bwd(i, m)] = key(dev, mb, pf, i), key(dev, mb, pb, i)
             dur[fwd(i, m)] = FORWARD_SHARE * per_mb[i]
-            # Recomputed activations: the backward runs the forward again.
-            dur[bwd(i, m)] = (1 - FORWARD_SHARE + FORWARD_SHARE * remat[i]) * per_mb[i]
+            # Recomputed activations: the backward runs (the part it reads of) the
+            # forward again.
+            again = FORWARD_SHARE * arr.recompute[i] if remat[i] else 0.0
+            dur[bwd(i, m)] = (1 - FORWARD_SHARE + again) * per_mb[i]
             layer_of[fwd(i, m)] = layer_of[bwd(i, m)] = i
             deps[bwd(i, m)].add(fwd(i, m))
         for k in range(len(arr.eu)):
