@@ -33,7 +33,7 @@ from hetpar.cost_models._devices import (
     spec_kind_of,
 )
 from hetpar.cost_models._layer_fit import fit_on_layers, fit_samples, layer_samples
-from hetpar.cost_models._layer_timing import measure_layer, random_inputs
+from hetpar.cost_models._layer_timing import measure_layer, measure_update, random_inputs
 from hetpar.cost_models._layer_work import (
     count_kernels,
     graph_layer_work,
@@ -151,6 +151,7 @@ __all__ = [
     "layer_samples",
     "measure_cached",
     "measure_layer",
+    "measure_update",
     "nearest_sibling",
     "override_network_links",
     "parse_network_link",

@@ -3,9 +3,10 @@
 `measure_layer` runs the layer's stage (forward, backward and update: its
 slice of the step's jaxpr) as its own executable, on arguments from
 `random_inputs`, and caches the timing on disk under a hash of the layer's
-jaxpr (`layer_key`). Integer inputs that index something (embedding rows,
-label classes) are drawn below the bound their uses set, so gathers and
-dynamic slices stay in range.
+jaxpr (`layer_key`); `measure_update` times the layer's optimizer update
+alone. Integer inputs that index something (embedding rows, label classes)
+are drawn below the bound their uses set, so gathers and dynamic slices stay
+in range.
 """
 
 from __future__ import annotations
@@ -61,8 +62,36 @@ def _index_bounds(jaxpr) -> dict:
     return bounds
 
 
-def random_inputs(graph, layer: str, seed: int = 0) -> tuple[Callable, list]:
-    """The layer's callable and random arguments of the right shapes and dtypes.
+def update_eqns(graph, layer: str) -> tuple[int, ...]:
+    """The layer's optimizer update: its equations neither forward nor backward
+    (`hetpar.passes.is_forward` / `is_backward` on the name stack)."""
+    from hetpar.passes import is_backward, is_forward  # JAX: only with a graph
+
+    eqns = graph.program.eqns
+    return tuple(i for i in graph[layer].eqns
+                 if not (is_forward(s := str(eqns[i].source_info.name_stack))
+                         or is_backward(s)))
+
+
+def _piece(graph, layer: str, update: bool):
+    """(closed jaxpr, fn, input shapes) of the layer's stage, or of its update alone."""
+    import jax
+    from jax.extend import core as jcore
+
+    from hetpar.passes import subjaxpr
+
+    if not update:
+        closed, _, _ = graph.layer_jaxpr(layer)
+        return (closed, *graph.layer_callable(layer))
+    closed, inputs, _ = subjaxpr(graph.program, update_eqns(graph, layer))
+    return (closed, jcore.jaxpr_as_fun(closed),
+            [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs])
+
+
+def random_inputs(graph, layer: str, seed: int = 0, *, update: bool = False
+                  ) -> tuple[Callable, list]:
+    """The layer's callable (its update's alone with `update`) and random
+    arguments of the right shapes and dtypes.
 
     Floats are standard normal, booleans fair coins, integers uniform below
     the bound their uses as indices set (embedding rows, label classes; 128
@@ -73,8 +102,7 @@ def random_inputs(graph, layer: str, seed: int = 0) -> tuple[Callable, list]:
     """
     import jax
 
-    closed, _, _ = graph.layer_jaxpr(layer)
-    fn, shapes = graph.layer_callable(layer)
+    closed, fn, shapes = _piece(graph, layer, update)
     bounds = _index_bounds(closed.jaxpr)
     rng = np.random.default_rng(seed)
     args = []
@@ -94,10 +122,11 @@ def random_inputs(graph, layer: str, seed: int = 0) -> tuple[Callable, list]:
     return fn, args
 
 
-def layer_key(graph, layer: str) -> str:
-    """The layer's fingerprint for the measurement cache: a hash of its jaxpr."""
-    closed, _, _ = graph.layer_jaxpr(layer)
-    return "layer/" + hashlib.sha256(str(closed).encode()).hexdigest()[:24]
+def layer_key(graph, layer: str, *, update: bool = False) -> str:
+    """The layer's (or its update's) fingerprint for the measurement cache: a hash of its jaxpr."""
+    closed = _piece(graph, layer, update)[0]
+    return ("update/" if update else "layer/") + hashlib.sha256(
+        str(closed).encode()).hexdigest()[:24]
 
 
 def measure_layer(graph, layer: str, device, *, k: int = 10, warmup: int = 2,
@@ -129,3 +158,23 @@ def measure_layer(graph, layer: str, device, *, k: int = 10, warmup: int = 2,
     # Keyed by the inputs' shapes and dtypes, as random_inputs draws them.
     return measure_cached(layer_key(graph, layer), fn, shapes, device, k=k, warmup=warmup,
                           budget_s=budget_s, measure_fn=on_miss)
+
+
+def measure_update(graph, layer: str, device, *, k: int = 10, warmup: int = 2,
+                   budget_s: float | None = 2.0) -> Timing | None:
+    """Times the layer's optimizer update alone on a present device (cached on
+    disk), as the runtime runs an update kept apart from the layer's compute
+    (on the host CPU that holds its state): its own executable. None when the
+    layer has no update. Arguments as `measure_layer`'s."""
+    from hetpar.cost_models._measure import measure
+
+    if not update_eqns(graph, layer):
+        return None
+    _, fn, shapes = _piece(graph, layer, True)
+
+    def on_miss(fn, _shapes, device, *, k, warmup, budget_s=None):
+        return measure(fn, random_inputs(graph, layer, update=True)[1], device, k=k,
+                       warmup=warmup, budget_s=budget_s)
+
+    return measure_cached(layer_key(graph, layer, update=True), fn, shapes, device, k=k,
+                          warmup=warmup, budget_s=budget_s, measure_fn=on_miss)

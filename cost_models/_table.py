@@ -23,8 +23,9 @@ Optimizer updates
 Each layer also gets `opt_state_bytes` and `update_s`: its optimizer
 update's time on every device, priced by the same roofline from the
 update's equations alone (`update_work`), so the offload planner can move
-the update to the host CPU that holds the state. Measured tables keep the
-predicted update times (a layer is measured whole).
+the update to the host CPU that holds the state. Measured tables time each
+update alone on the present devices (`measure_update`) where an update may
+run apart: a present CPU beside a device of another class.
 
 Devices
 -------
@@ -55,7 +56,7 @@ from typing import Any
 from absl import logging
 
 from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
-from hetpar.cost_models._layer_timing import measure_layer
+from hetpar.cost_models._layer_timing import measure_layer, measure_update
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes, update_work
 from hetpar.cost_models._profiles import ProfileSet
 from hetpar.cost_models._resolve import (
@@ -93,13 +94,16 @@ class TimingBudget:
     256 takes seconds a layer on the host CPU, ~15 ms on the GPU: timing
     each CPU layer three times and the whole step there took past 340 s,
     for a device that computes no layer of the plan chosen. Devices of the
-    fastest one's kind (virtual CPU devices, two GPUs) are always timed.
+    fastest one's kind (virtual CPU devices, two GPUs) are always timed,
+    and so are the (layer, device) pairs in `timed`: those a plan made on
+    the predictions computes (`hetpar.auto` times them and plans again).
     `None` in place of a budget times everything.
     """
 
     slower: float = 10.0
     floor_s: float = 0.25
     step_floor_s: float = 1.0
+    timed: frozenset[tuple[str, str]] = frozenset()
 
     def __post_init__(self):
         if not self.slower >= 1.0 or not (self.floor_s >= 0 and self.step_floor_s >= 0):
@@ -211,6 +215,8 @@ def cost_table(
         info_meta["measured_iqr_s"] = times.measured_iqr
         if times.kept:
             info_meta["kept_predicted"] = times.kept
+        if times.updates:
+            info_meta["measured_update_s"] = times.updates
     if times.fixed:
         info_meta["fixed_s"] = f"fitted from each layer measured at batch and batch/{microbatches}"
     info_meta.update(meta or {})
@@ -243,6 +249,7 @@ class _Times:
     measured: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     measured_iqr: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     kept: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # not measured
+    updates: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     fixed: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
@@ -269,13 +276,45 @@ def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, m
         row.update(_from_siblings(devs, measured, times.predicted[name]))
     mem = float(info.memory_bytes)
     upd = update_work(graph, name)
+    update_s = None if upd is None else {d.name: predict(d.profile, upd) for d in devs}
+    if measure and update_s is not None and _updates_apart(devs):
+        update_s.update(_measure_updates(graph, name, devs, times, k=k, say=say))
     return Layer(name=name, time_s=row, memory_bytes={d.name: mem for d in devs},
                  activation_bytes=float(info.activation_bytes),
                  fixed_s=times.fixed.get(name), param_bytes=float(info.param_bytes),
                  opt_state_bytes=float(info.opt_state_bytes),
                  recompute_fraction=float(info.recompute_fraction),
-                 update_s=None if upd is None else {d.name: predict(d.profile, upd)
-                                                    for d in devs})
+                 update_s=update_s)
+
+
+def _updates_apart(devs: Sequence[ResolvedDevice]) -> bool:
+    """Whether a plan may run an update apart from its layer's compute: a
+    present CPU beside a present device of another class (the host CPU that
+    updates the state it holds, `hetpar.core.Placement.update`)."""
+    present = {d.profile.device_class for d in devs if d.jax_device is not None}
+    return "cpu" in present and len(present) > 1
+
+
+def _measure_updates(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *,
+                     k: int, say: Callable[[str], None] | None) -> dict[str, float]:
+    """The layer's optimizer update timed alone on every present device
+    (recorded in `times.updates`). Every one, whatever the budget: an update
+    is elementwise over the layer's state, milliseconds even on a host CPU,
+    and the offload planner's host updates stand on it. The spec sheet's
+    CPU update of GPT-2 small's layers was 2-3x the measured one on an H200
+    host (experiments/results/predictions_offload_h200)."""
+    out = {}
+    for d in devs:
+        if d.jax_device is None:
+            continue
+        t = measure_update(graph, name, d.jax_device, k=k)
+        if t is None:
+            return out
+        out[d.name] = times.updates.setdefault(name, {})[d.name] = t.median_s
+        if say:
+            say(f"{name}'s update on {d.name}: {seconds(t.median_s)}"
+                + (" cached" if t.cached else ""))
+    return out
 
 
 def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *,
@@ -298,6 +337,7 @@ def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
         if d.jax_device is None:
             continue
         if (budget is not None and d.profile.kind != fastest.profile.kind
+                and (name, d.name) not in budget.timed
                 and budget.skips(predicted[d.name], predicted[fastest.name])):
             times.kept.setdefault(name, []).append(d.name)
             if say:

@@ -195,6 +195,61 @@ def test_prediction_warning_names_what_measure_left_untimed(monkeypatch):
     assert "left cpu:1, t4 untimed" in warning and "--measure-all" in warning
 
 
+def _train_step(w, x):
+    def loss(w):
+        with hetpar.layer("first"):
+            h = jnp.tanh(x @ w[0])
+        with hetpar.layer("second"):
+            h = h @ w[1]
+        return jnp.mean(h**2)
+
+    val, g = jax.value_and_grad(loss)(w)
+    return [a - 0.1 * b for a, b in zip(w, g)], val
+
+
+def test_measure_times_what_the_plan_computes_on_an_untimed_device(monkeypatch, tmp_path):
+    # cpu:1 profiled as a far slower kind (the host CPU beside a GPU, inverted):
+    # profile="measure" leaves its layers predicted. A memory cap on cpu:0
+    # makes the plan compute there all the same (the offload case, where a
+    # plan made on the CPU's spec sheet predicted 3x its step): hetpar then
+    # times those layers there and plans again on the measured figures.
+    from hetpar.cost_models import ProfileSet, save_profiles, spec, spec_kinds
+
+    base = spec("cpu")
+    save_profiles(tmp_path / "far.json", ProfileSet({
+        **{k: spec(k) for k in spec_kinds()},
+        "cpu:0": base.replace(name="cpu:0", origin="measured"),
+        "cpu:1": base.replace(name="cpu:1", kind="t4", origin="measured",
+                              launch_overhead_s=1.0)}))  # over the budget's floors
+    monkeypatch.setenv("HETPAR_PROFILES", str(tmp_path / "far.json"))
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path / "cache"))
+    graph = hetpar.trace(_train_step, W, X)
+    roomy = hetpar.auto(_train_step, devices=["cpu:0", "cpu:1"], profile="measure").lower(W, X)
+    assert set(roomy.table.meta["kept_predicted"]) == set(graph.layers)  # cpu:1 untimed
+    auto = hetpar.auto(_train_step, devices=["cpu:0", "cpu:1"], profile="measure",
+                       memory={"cpu:0": graph["first"].memory_bytes})
+    compiled = auto.lower(W, X)
+    on_1 = [n for n, p in compiled.placements.items() if p.compute == "cpu:1"]
+    assert on_1  # the cap moved work there
+    kept = compiled.table.meta.get("kept_predicted", {})
+    rows = {layer.name: layer for layer in compiled.table.layers}
+    for n in on_1:
+        assert "cpu:1" not in kept.get(n, ())
+        assert "cpu:1" in compiled.table.meta["measured_s"][n]
+        assert rows[n].time_s["cpu:1"] < 0.1  # not the profile's 1 s launch
+    # The updates were timed alone on both (a present CPU beside another class).
+    updates = compiled.table.meta["measured_update_s"]
+    assert set(updates) == set(graph.layers)
+    scale = compiled.table.meta["step_scale"]  # as the layers' times, to the whole step
+    for layer in compiled.table.layers:
+        assert layer.update_s == pytest.approx(
+            {d: u * scale.get(d, 1.0) for d, u in updates[layer.name].items()})
+    new_w, _ = auto(W, X)
+    ref_w, _ = jax.jit(_train_step)(W, X)
+    for a, b in zip(new_w, ref_w):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_no_prediction_warning_within_tolerance(monkeypatch, recwarn):
     from hetpar._auto import StepClock
 

@@ -454,6 +454,15 @@ def test_measure_leaves_a_far_slower_device_predicted(monkeypatch):
         measured, predicted = (table.meta[k][layer.name] for k in ("measured_s", "predicted_s"))
         assert set(measured) == {"cpu:0"} and layer.time_s["cpu:0"] == measured["cpu:0"]
         assert layer.time_s["cpu:1"] == predicted["cpu:1"]
+    # A pair a plan computes on is timed whatever the budget says.
+    first = graph.layers[0]
+    timed.clear()
+    again = cost_models.cost_table(
+        graph, ["cpu:0", "cpu:1"], profiles=profiles, measure=True, k=2,
+        budget=cost_models.TimingBudget(floor_s=0.0, timed=frozenset({(first, "cpu:1")})))
+    assert sorted(timed) == [0] * len(graph.layers) + [1]
+    assert first not in again.meta["kept_predicted"]
+    assert set(again.meta["measured_s"][first]) == {"cpu:0", "cpu:1"}
     # Over the floor only: under a floor of 10 s a run, both are timed.
     timed.clear()
     both = cost_models.cost_table(graph, ["cpu:0", "cpu:1"], profiles=profiles, measure=True,
@@ -519,3 +528,21 @@ def test_timed_step_leaves_a_far_slower_kind_predicted():
 def test_timing_budget_rejects_what_would_skip_the_fastest_or_everything(kw):
     with pytest.raises(ProfileError, match="budget=None"):
         cost_models.TimingBudget(**kw)
+
+
+def test_measure_update_times_the_optimizer_update_alone():
+    # The offload planner's host updates stand on update_s: timed alone, an
+    # executable of the layer's update equations (Adam's, here) on random inputs.
+    from hetpar.cost_models import measure_update
+    from hetpar.cost_models._layer_timing import update_eqns
+
+    _, graph = _lm()
+    assert graph.layers[0] == "vectorize"  # no parameters, no update
+    assert measure_update(graph, "vectorize", "cpu:0") is None
+    layer = "embedding"
+    ids = update_eqns(graph, layer)
+    assert ids and set(ids) < set(graph[layer].eqns)
+    t = measure_update(graph, layer, "cpu:0", k=3)
+    assert t.median_s > 0 and not t.cached
+    assert measure_update(graph, layer, "cpu:0", k=3).cached  # keyed apart from the layer
+    assert cost_models.measure_layer(graph, layer, "cpu:0", k=3).cached is False
