@@ -300,9 +300,9 @@ def _measure_updates(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
     """The layer's optimizer update timed alone on every present device
     (recorded in `times.updates`). Every one, whatever the budget: an update
     is elementwise over the layer's state, milliseconds even on a host CPU,
-    and the offload planner's host updates stand on it. The spec sheet's
-    CPU update of GPT-2 small's layers was 2-3x the measured one on an H200
-    host (experiments/results/predictions_offload_h200)."""
+    and the offload planner's host updates stand on it: on spec-sheet CPU
+    figures, GPT-2's offload plans on an H200 host predicted 3x their
+    measured step (experiments/results/predictions_memory_bound)."""
     out = {}
     for d in devs:
         if d.jax_device is None:

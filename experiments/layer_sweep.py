@@ -303,6 +303,26 @@ def _per_equation_rows(swept, zoo_train, tests, label) -> list[str]:
     return lines
 
 
+def _worst(train, test, label, n: int) -> list[str]:
+    """The held-out layers M2 (fitted on the sweep + the zoo's train models)
+    misses most: what sets its p90."""
+    import per_equation_model as pem
+
+    if n <= 0 or not test:
+        return []
+    spec = {"util": (64, 64, 32)}
+    X, t, names = pem.design(train, _EQ, label, spec)
+    x = pem.fit(X, t, names, "log")
+    Xe, te, _ = pem.design(test, _EQ, label, spec)
+    err = (Xe @ x - te) / te
+    lines = ["", "Worst held-out layers, M2 on the sweep + the zoo's train models:", "",
+             "| model | layer | measured ms | predicted ms | error |", "|---|---|---|---|---|"]
+    for i in np.argsort(-np.abs(err))[:n]:
+        lines.append(f"| {test[i]['model']} | {test[i]['layer']} | {te[i] * 1e3:.3f} | "
+                     f"{(Xe @ x)[i] * 1e3:.3f} | {err[i]:+.0%} |")
+    return lines
+
+
 _EQ: dict = {}  # per_equation_model's rows of every layer evaluated
 
 
@@ -356,6 +376,9 @@ def _evaluate(args) -> int:
             lines += _per_equation_rows(
                 [r for r in swept if r in known], [r for r in zoo_train if r in known],
                 {k: [r for r in t if r in known] for k, t in tests.items()}, pem.LABEL[kind])
+            lines += _worst([r for r in swept + zoo_train if r in known],
+                            [r for r in tests["held-out models"] if r in known],
+                            pem.LABEL[kind], args.worst)
     text = "\n".join(lines) + "\n"
     if args.out:
         pathlib.Path(args.out).write_text(text)
@@ -379,6 +402,8 @@ def main(argv=None) -> int:
     e.add_argument("--sweep", required=True)
     e.add_argument("--records", nargs="+", required=True)
     e.add_argument("--out", default=None)
+    e.add_argument("--worst", type=int, default=8,
+                   help="list this many held-out layers M2 misses most (0: none)")
     e.add_argument("--cpu_hw_scale", type=float, default=0.5,
                    help="the CPU sweep's image-side scale (files without it recorded)")
     args = ap.parse_args(argv)
