@@ -349,7 +349,7 @@ class LayerGraph:
             {"format": "hetpar.layers", "version": 1,
              "layers": [{"name", "flops", "bytes_accessed", "transcendentals",
                          "param_bytes", "opt_state_bytes", "activation_bytes",
-                         "resident_bytes"}, ...],
+                         "resident_bytes", "recompute_fraction"}, ...],
              "edges": [{"src", "dst", "bytes", "bytes_backward"}, ...],
              "meta": {"fingerprint", "depth"}}
         """
@@ -365,6 +365,7 @@ class LayerGraph:
                 "opt_state_bytes": info.opt_state_bytes,
                 "activation_bytes": info.activation_bytes,
                 "resident_bytes": info.memory_bytes,
+                "recompute_fraction": info.recompute_fraction,
             })
         edges = [
             {"src": u, "dst": v, "bytes": d["bytes"], "bytes_backward": d["bytes_backward"]}
