@@ -167,7 +167,7 @@ def test_report_sets_the_measured_step_beside_the_predicted(monkeypatch):
     assert "measured: not yet" in str(early)
     monkeypatch.setattr(StepClock, "TOLERANCE", 0.0)  # any difference warns
     with pytest.warns(hetpar.PredictionWarning, match="the planner's prediction"):
-        for _ in range(StepClock.STEPS):
+        for _ in range(StepClock.SETTLE + StepClock.STEPS):
             auto(W, X)
     rep = auto.report()
     assert rep.step["steps"] == StepClock.STEPS and rep.step["measured_s"] > 0
@@ -185,7 +185,7 @@ def test_prediction_warning_names_what_measure_left_untimed(monkeypatch):
     monkeypatch.setattr(StepClock, "TOLERANCE", 0.0)
     auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure")
     with pytest.warns(hetpar.PredictionWarning, match="overlap"):
-        for _ in range(StepClock.STEPS + 1):
+        for _ in range(StepClock.SETTLE + StepClock.STEPS + 1):
             auto(W, X)
     compiled = auto.lower(W, X)
     layer = compiled.table.layer_names[0]
@@ -255,7 +255,7 @@ def test_no_prediction_warning_within_tolerance(monkeypatch, recwarn):
 
     monkeypatch.setattr(StepClock, "TOLERANCE", float("inf"))
     auto = hetpar.auto(step)
-    for _ in range(StepClock.STEPS + 2):
+    for _ in range(StepClock.SETTLE + StepClock.STEPS + 2):
         auto(W, X)
     assert auto.report().step["warning"] is None
     assert not [w for w in recwarn if issubclass(w.category, hetpar.PredictionWarning)]
