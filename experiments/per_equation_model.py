@@ -57,7 +57,7 @@ THR = 100e-6
 P = {"H200": 494.7e12, "H100": 494.7e12, "CPU": 3.69e12}
 BW = {"H200": 4.8e12, "H100": 3.35e12, "CPU": 307.2e9}
 PAR = {"H200": 132, "H100": 132, "CPU": 16}   # SMs / cores: tiles that run at once
-MMC = ("dot", "conv", "wgrad", "dw")
+MMC = ("dot", "conv", "wgrad", "dw", "tr")
 
 # ---------------------------------------------------------------- per-equation features
 
@@ -125,11 +125,16 @@ def key(r):
     return f"{r['model']}|{int(r['small'])}|{r['batch']}|{r['layer']}"
 
 
-def mm_class(g, ex):
+def mm_class(g, ex, transposed=False):
     if g == "dot":
         return "dot"
     if g == "conv_dw":
         return "dw"
+    if transposed and g == "conv_tr" and not ex.get("rhs_rev"):
+        # input-dilated without a reversed kernel (a ConvTranspose's forward and its
+        # kernel gradient): the layer sweep's transposed layers, fitted as
+        # "conv"/"wgrad", ran 4-14x slower than fitted (H100)
+        return "tr"
     if ex["osp"] < ex["ksp"]:
         return "wgrad"  # output kernel-shaped, reduction over the activations
     return "conv"       # forward and data-gradient (input-dilated) convolutions
@@ -162,7 +167,7 @@ def columns(r, eqf, dev, spec):
     for g, times, f, _bytes, _, ex in rows:
         if g not in ("dot", "conv", "conv_dw", "conv_tr"):
             continue
-        c = mm_class(g, ex)
+        c = mm_class(g, ex, spec.get("transposed", False))
         if g == "conv_tr" and not ex.get("rhs_rev"):
             # input-dilated without a reversed kernel: not cuDNN's backward-data pattern,
             # run densely over the zero-stuffed input (cyclegan's ConvTranspose)
@@ -180,7 +185,7 @@ def columns(r, eqf, dev, spec):
     return cols
 
 
-FALLBACK = {"wgrad": "conv", "dw": "conv", "conv": "dot", "dot": "conv"}
+FALLBACK = {"wgrad": "conv", "dw": "conv", "conv": "dot", "dot": "conv", "tr": "conv"}
 
 
 def fit(X, t, names, loss):
