@@ -240,6 +240,23 @@ def test_planner_recomputes_activations_when_that_keeps_state_on_the_gpu():
     assert {pl.activations for pl in roomy.placements.values()} == {"keep"}
 
 
+def test_only_as_many_layers_recompute_as_memory_needs():
+    """45 GB resident, 0.5 GB of activations a block: under 43.5 GB, three
+    blocks recomputed fit, and the other three keep their activations (each
+    recomputation costs 20 ms / 3). No pinned host memory: the state could
+    only go to the CPU device, whose updates cost more."""
+    t = table(place=False)
+    p = plan(t, memory={"gpu:0": 43.5 * GB})
+    acts = [pl.activations for pl in p.placements.values()]
+    assert acts.count("remat") == 3 and acts.count("keep") == 3, p.placements
+    assert all(pl.state == "gpu:0" for pl in p.placements.values())
+    assert p.predicted.step_time_s == pytest.approx(6 * 0.02 + 3 * 0.02 / 3)
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 43.5 * GB
+    everything = plan(t, memory={"gpu:0": 42 * GB})  # all six must recompute
+    assert [pl.activations for pl in everything.placements.values()] == ["remat"] * 6
+    assert p.predicted.step_time_s < everything.predicted.step_time_s
+
+
 def test_recompute_costs_only_the_forward_the_backward_reads():
     """A layer whose backward reads half its forward (recompute_fraction 0.5,
     as traced) recomputes 20 ms x 1/3 x 0.5, not a whole forward."""
