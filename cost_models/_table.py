@@ -308,8 +308,8 @@ def _measure_updates(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
         if d.jax_device is None:
             continue
         t = measure_update(graph, name, d.jax_device, k=k)
-        if t is None:
-            return out
+        if t is None:  # no update equations (the caller checks update_work first)
+            continue
         out[d.name] = times.updates.setdefault(name, {})[d.name] = t.median_s
         if say:
             say(f"{name}'s update on {d.name}: {seconds(t.median_s)}"
@@ -500,13 +500,17 @@ def scale_to_step(table, step_s: Mapping[str, float], *, siblings: bool = False)
     factor = {d: step_s[d] / totals[d] for d in step_s if totals[d] > 0}
     borrowed = _sibling_factors(table, factor) if siblings else {}
     factor.update({d: f for d, (f, _) in borrowed.items()})
+    # An update timed alone (`measure_update`) is what it costs run apart, its
+    # own executable: the factor corrects layers timed alone to the step.
+    timed_updates = table.meta.get("measured_update_s", {})
     layers = tuple(dataclasses.replace(
         layer,
         time_s={d: t * factor.get(d, 1.0) for d, t in layer.time_s.items()},
         fixed_s=None if layer.fixed_s is None else {
             d: f * factor.get(d, 1.0) for d, f in layer.fixed_s.items()},
         update_s=None if layer.update_s is None else {
-            d: u * factor.get(d, 1.0) for d, u in layer.update_s.items()})
+            d: u * (1.0 if d in timed_updates.get(layer.name, {}) else factor.get(d, 1.0))
+            for d, u in layer.update_s.items()})
         for layer in table.layers)
     meta = {**table.meta, "step_scale": factor, "step_s": dict(step_s)}
     if borrowed:

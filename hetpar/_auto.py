@@ -375,6 +375,7 @@ class CompiledStep:
         self.table = None
         self.plan = None
         self._given_prediction = None
+        self._whole_steps: dict = {}  # profile="measure"'s whole-step timings, while planning
         self.placements: dict[str, Placement] = parse_placements(self._assign(options))
         if self._share is not None and self.plan is not None:
             if self.plan.replicas:
@@ -702,9 +703,22 @@ class CompiledStep:
         # microbatched step's layers were measured per microbatch already.
         dp = (options.microbatches == 1 and bool(options.data_parallel)
               and (options.plan is None or _replicates(options.plan)))
+        def whole(_, dev) -> float:
+            # Timed once per device while planning: a re-planning round
+            # (`_solve`) builds the table again.
+            if dev not in self._whole_steps:
+                self._whole_steps[dev] = _whole_step_s(step, args, dev, batch)
+            return self._whole_steps[dev]
+
+        def replicas_once(names: list[str], devs: list) -> float | None:
+            key = ("replicas", *names)
+            if key not in self._whole_steps:
+                self._whole_steps[key] = replicas(names, devs)
+            return self._whole_steps[key]
+
         scaled = scale_to_timed_step(
-            table, self.devices, lambda _, dev: _whole_step_s(step, args, dev, batch),
-            *_runtime_costs(), time_replicas=replicas if dp else None)
+            table, self.devices, whole, *_runtime_costs(),
+            time_replicas=replicas_once if dp else None)
         logging.info("hetpar: calibrated to whole steps measured here: %s",
                      scaled.meta.get("step_s"))
         return scaled
@@ -790,6 +804,11 @@ class CompiledStep:
             timed |= used
             self.table = self._cost_table(devices, options, timed=timed)
             self.plan = planned()
+        else:
+            left = _untimed_used(self.plan, self.table) - timed
+            if left:
+                logging.warning("hetpar: after 3 rounds the plan still computes %d layers on "
+                                "devices left untimed; their figures are predicted", len(left))
         return dict(self.plan.placements)
 
     def predicted(self):

@@ -46,9 +46,10 @@ class LayerInfo:
     #: Share of the layer's forward work that recomputing its activations
     #: repeats (activations="remat"): only the forward equations whose results
     #: its backward reads, directly or through other such equations (the split
-    #: pass recomputes exactly these). By FLOPs; by bytes where the forward has
-    #: none. A GPT-2 block's is 0.68: its output and attention projections'
-    #: results are not read by its backward.
+    #: pass recomputes exactly these, through cheap equations of other layers
+    #: too). By FLOPs; by bytes where the forward has none. A GPT-2 block's is
+    #: 0.68: its output and attention projections' results are not read by
+    #: its backward.
     recompute_fraction: float = 1.0
 
     @property
@@ -69,20 +70,39 @@ class LayerInfo:
         return 2 * self.param_bytes + self.opt_state_bytes + self.activation_bytes
 
 
-def _recompute_fraction(eqns, ids: Sequence[int], producer: Mapping) -> float:
-    """`LayerInfo.recompute_fraction` of the layer made of equations `ids`."""
+def _recompute_fraction(eqns, ids: Sequence[int], producer: Mapping,
+                        program_inputs: set) -> float:
+    """`LayerInfo.recompute_fraction` of the layer made of equations `ids`.
+
+    The walk of the split pass (`_split._recomputed`) for the layer's
+    backward stage with the layer recomputed: back from what its backward
+    (and update) equations read, through the layer's own forward equations
+    (any, at any depth) and other equations cheap enough to recompute
+    (`RECOMPUTABLE`, up to `RECOMPUTE_DEPTH`: a ReLU's backward `select_n`,
+    filed under the next layer, leads back to this layer's matmul). What it
+    reaches of the layer's forward is recomputed.
+    """
+    from hetpar.passes._split import RECOMPUTABLE, RECOMPUTE_DEPTH  # _split imports us
+
     forward = [i for i in ids if is_forward(str(eqns[i].source_info.name_stack))]
     own = set(forward)
-    needed: set[int] = set()
-    frontier = [a for i in ids if i not in own for a in eqns[i].invars
-                if isinstance(a, jcore.Var)]
+    run = set(ids) - own
+    reached: set[int] = set()
+    frontier = [(a, 0) for i in run for a in eqns[i].invars
+                if isinstance(a, jcore.Var) and a not in program_inputs]
     while frontier:
-        i = producer.get(frontier.pop())
-        if i is None or i not in own or i in needed:
+        a, depth = frontier.pop()
+        i = producer.get(a)
+        if i is None or i in run or i in reached:
             continue
-        needed.add(i)
-        frontier.extend(a for a in eqns[i].invars if isinstance(a, jcore.Var))
-    total, again = eqns_work(eqns[i] for i in forward), eqns_work(eqns[i] for i in needed)
+        cheap = eqns[i].primitive.name in RECOMPUTABLE and depth < RECOMPUTE_DEPTH
+        if eqns[i].effects or not (i in own or cheap):
+            continue
+        reached.add(i)
+        frontier.extend((b, depth + 1) for b in eqns[i].invars
+                        if isinstance(b, jcore.Var) and b not in program_inputs)
+    total = eqns_work(eqns[i] for i in forward)
+    again = eqns_work(eqns[i] for i in reached & own)
     if total.flops > 0:
         return again.flops / total.flops
     if total.bytes_accessed > 0:
@@ -169,6 +189,7 @@ class LayerGraph:
         saved, flow = self._flows(order)
         producer = {o: i for i, e in enumerate(eqns) for o in e.outvars
                     if not isinstance(o, jcore.DropVar)}
+        inputs = set(self.program.jaxpr.jaxpr.invars)
         g = nx.DiGraph()
         for name, ids in members.items():
             g.add_node(name, info=LayerInfo(
@@ -178,7 +199,7 @@ class LayerGraph:
                 opt_state_bytes=int(opt_b[name]),
                 activation_bytes=int(saved[name]),
                 work=eqns_work(eqns[i] for i in ids),
-                recompute_fraction=_recompute_fraction(eqns, ids, producer),
+                recompute_fraction=_recompute_fraction(eqns, ids, producer, inputs),
             ))
         for (u, v), (fwd, bwd) in flow.items():
             g.add_edge(u, v, bytes=fwd, bytes_backward=bwd)

@@ -257,6 +257,22 @@ def test_only_as_many_layers_recompute_as_memory_needs():
     assert p.predicted.step_time_s < everything.predicted.step_time_s
 
 
+def test_layers_with_parameters_elsewhere_keep_their_activations():
+    """A layer whose parameters stay on the CPU (state and update there) is
+    not recomputed: the split pass would not read them again and would keep
+    the matmuls' results instead, freeing nothing the plan counted on."""
+    from hetpar.planner._plan import with_memory
+
+    p = plan(table(place=False), memory={"gpu:0": 38 * GB})
+    places = list(p.placements.values())
+    assert any(pl.activations == "remat" for pl in places)
+    assert any(pl.params != pl.compute for pl in places)
+    assert all(pl.params == pl.compute for pl in places if pl.activations == "remat")
+    recomputed = sum(pl.activations == "remat" for pl in places)
+    assert p.solver["recomputed"] == f"{recomputed} of 6 layers"
+    assert not violations(with_memory(table(place=False), {"gpu:0": 38 * GB}), p.placements)
+
+
 def test_recompute_costs_only_the_forward_the_backward_reads():
     """A layer whose backward reads half its forward (recompute_fraction 0.5,
     as traced) recomputes 20 ms x 1/3 x 0.5, not a whole forward."""

@@ -127,6 +127,37 @@ def test_recompute_fraction_is_the_forward_the_backward_reads():
     assert 0.85 < g["second"].recompute_fraction < 1.0
 
 
+def test_recompute_fraction_follows_the_split_pass_through_other_layers():
+    # Flax's `nn.relu(nn.Dense(...)(x))`: the ReLU's backward (`select_n`) is
+    # filed under the next layer, reads this layer's mask, and leads back to
+    # its matmul: the split pass recomputes (nearly) the whole forward.
+    from hetpar.core import Placement
+    from hetpar.passes import _split
+    from hetpar.passes._costs import eqns_work
+
+    _, g = zoo.trace_model("mlp", small=True)
+    eqns = g.program.eqns
+    seen = {}
+    real = _split._recomputed
+
+    def spy(*args, **kwargs):
+        seen["extra"], seen["runs"] = real(*args, **kwargs), args[1]
+        return seen["extra"]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_split, "_recomputed", spy)
+        _split.split(g, {n: Placement("cpu:0", activations="remat").to_json() for n in g.layers})
+    for name in g.layers:
+        forward = [i for i in g[name].eqns if is_forward(str(eqns[i].source_info.name_stack))]
+        again = {i for run, extra in zip(seen["runs"], seen["extra"])
+                 if name in {g.eqn_layers[j] for j in run}
+                 for i in extra if g.eqn_layers[i] == name}
+        split = eqns_work(eqns[i] for i in again).flops / eqns_work(
+            eqns[i] for i in forward).flops
+        assert g[name].recompute_fraction == pytest.approx(split, abs=0.01), name
+    assert g["fc1"].recompute_fraction > 0.9
+
+
 def test_automatic_clustering_when_nothing_is_named():
     def step(ws, x):
         def loss(ws):

@@ -514,7 +514,9 @@ def _validate_layer(i: int, layer: Layer, layers: Mapping[str, int], names: Mapp
         _check_number(layer.param_bytes, f"{where}.param_bytes")
     if layer.opt_state_bytes is not None:
         _check_number(layer.opt_state_bytes, f"{where}.opt_state_bytes")
-    if layer.recompute_fraction is not None and not 0 <= layer.recompute_fraction <= 1:
+    if layer.recompute_fraction is not None:
+        _check_number(layer.recompute_fraction, f"{where}.recompute_fraction")
+    if layer.recompute_fraction is not None and not layer.recompute_fraction <= 1:
         raise GraphFormatError(f"{where}.recompute_fraction is {layer.recompute_fraction}; it "
                                "is a share of the layer's forward, between 0 and 1 (omit it "
                                "for 1: the whole forward recomputed)")

@@ -616,19 +616,31 @@ def _with_remat(table: CostTable, arr: Arrays, req: _Request, result: Plan | Non
     placements = {}
     for n, p in remat.placements.items():
         i = arr.lindex[n]
-        if p.compute in cpus or arr.act[i] <= 0:
+        # Parameters kept on another device (streamed in for the forward) are
+        # not read again to recompute: the split pass would hand the matmuls'
+        # results across instead, freeing nothing. Such layers keep theirs.
+        if p.compute in cpus or arr.act[i] <= 0 or p.params != p.compute:
             placements[n] = p
         else:
             placements[n] = dataclasses.replace(p, activations="remat")
+    if violations(table, placements, arrays=arr):  # what stays kept does not fit
+        return result
     predicted = remat.predicted
     if req.mode == "sequential":
         placements = _fewest_recomputed(table, arr, placements)
         predicted = evaluate(table, placements, arrays=arr)
+    elif any(p.activations != "remat" for n, p in placements.items()
+             if arr.act[arr.lindex[n]] > 0 and p.compute not in cpus):
+        predicted = _predict(table, arr, placements, req)
     if result is not None and result.predicted is not None and (
             predicted.objective(req.objective) >= result.predicted.objective(req.objective)):
         return result
-    return dataclasses.replace(remat, assignment={n: p.to_json() for n, p in placements.items()},
-                               offloaded={}, predicted=predicted)
+    recomputed = sum(p.activations == "remat" for p in placements.values())
+    return dataclasses.replace(
+        remat, assignment={n: p.to_json() for n, p in placements.items()}, offloaded={},
+        predicted=predicted,
+        # The ILP's objective was the plan recomputing every layer it could.
+        solver={**remat.solver, "recomputed": f"{recomputed} of {len(placements)} layers"})
 
 
 def _fewest_recomputed(table: CostTable, arr: Arrays,
