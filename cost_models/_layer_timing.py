@@ -124,7 +124,10 @@ def random_inputs(graph, layer: str, seed: int = 0, *, update: bool = False
 
 def layer_key(graph, layer: str, *, update: bool = False) -> str:
     """The layer's (or its update's) fingerprint for the measurement cache: a hash of its jaxpr."""
-    closed = _piece(graph, layer, update)[0]
+    return _key(_piece(graph, layer, update)[0], update)
+
+
+def _key(closed, update: bool) -> str:
     return ("update/" if update else "layer/") + hashlib.sha256(
         str(closed).encode()).hexdigest()[:24]
 
@@ -170,11 +173,11 @@ def measure_update(graph, layer: str, device, *, k: int = 10, warmup: int = 2,
 
     if not update_eqns(graph, layer):
         return None
-    _, fn, shapes = _piece(graph, layer, True)
+    closed, fn, shapes = _piece(graph, layer, True)
 
     def on_miss(fn, _shapes, device, *, k, warmup, budget_s=None):
         return measure(fn, random_inputs(graph, layer, update=True)[1], device, k=k,
                        warmup=warmup, budget_s=budget_s)
 
-    return measure_cached(layer_key(graph, layer, update=True), fn, shapes, device, k=k,
+    return measure_cached(_key(closed, True), fn, shapes, device, k=k,
                           warmup=warmup, budget_s=budget_s, measure_fn=on_miss)

@@ -74,7 +74,7 @@ def _recompute_fraction(eqns, ids: Sequence[int], producer: Mapping,
                         program_inputs: set) -> float:
     """`LayerInfo.recompute_fraction` of the layer made of equations `ids`.
 
-    The walk of the split pass (`_split._recomputed`) for the layer's
+    The walk of the split pass (`_split.walk_back`) for the layer's
     backward stage with the layer recomputed: back from what its backward
     (and update) equations read, through the layer's own forward equations
     (any, at any depth) and other equations cheap enough to recompute
@@ -82,25 +82,12 @@ def _recompute_fraction(eqns, ids: Sequence[int], producer: Mapping,
     filed under the next layer, leads back to this layer's matmul). What it
     reaches of the layer's forward is recomputed.
     """
-    from hetpar.passes._split import RECOMPUTABLE, RECOMPUTE_DEPTH  # _split imports us
+    from hetpar.passes._split import walk_back  # _split imports this module
 
     forward = [i for i in ids if is_forward(str(eqns[i].source_info.name_stack))]
     own = set(forward)
-    run = set(ids) - own
-    reached: set[int] = set()
-    frontier = [(a, 0) for i in run for a in eqns[i].invars
-                if isinstance(a, jcore.Var) and a not in program_inputs]
-    while frontier:
-        a, depth = frontier.pop()
-        i = producer.get(a)
-        if i is None or i in run or i in reached:
-            continue
-        cheap = eqns[i].primitive.name in RECOMPUTABLE and depth < RECOMPUTE_DEPTH
-        if eqns[i].effects or not (i in own or cheap):
-            continue
-        reached.add(i)
-        frontier.extend((b, depth + 1) for b in eqns[i].invars
-                        if isinstance(b, jcore.Var) and b not in program_inputs)
+    run = [i for i in ids if i not in own]
+    reached = walk_back(eqns, producer, run, program_inputs, lambda i: (i in own) or None)
     total = eqns_work(eqns[i] for i in forward)
     again = eqns_work(eqns[i] for i in reached & own)
     if total.flops > 0:

@@ -314,38 +314,55 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
     producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
     out = []
     for s, run in enumerate(runs):
-        own = set(run)
         here = keys[run[0]][0]
         where = keys[run[0]][:2]
         layers = {eqn_layers[i] for i in run} if remat else set()
-        extra: set[int] = set()
-        frontier = [(a, 0) for i in run for a in eqns[i].invars
-                    if isinstance(a, jcore.Var) and a not in program_inputs]
-        while frontier:
-            a, depth = frontier.pop()
-            i = producer.get(a)
-            if i is None or i in own or i in extra or stage_of[i] == s:
-                continue
+
+        def may(i: int, s=s, run=run, here=here, where=where, layers=layers) -> bool | None:
             # Only work of the same device and microbatch: recomputing another
             # device's values would pull their inputs across instead (a host
-            # update re-summing every microbatch's gradient).
-            # A remat layer's own forward is recomputed whole; else only cheap
-            # equations, not too far back.
-            whole = bool(remat) and eqn_layers[i] in remat and eqn_layers[i] in layers
-            cheap = eqns[i].primitive.name in RECOMPUTABLE and depth < RECOMPUTE_DEPTH
-            # Nor into an update kept apart from the work it reads (update_apart):
-            # what crosses there is what a hierarchical plan averages.
+            # update re-summing every microbatch's gradient). Nor into an
+            # update kept apart from the work it reads (update_apart): what
+            # crosses there is what a hierarchical plan averages.
             apart = (keys[i][2] == "update") != (keys[run[0]][2] == "update")
-            if eqns[i].effects or not (whole or cheap) or keys[i][:2] != where or apart or any(
+            if stage_of[i] == s or keys[i][:2] != where or apart or any(
                     (input_home.get(b, here) if b in program_inputs
                      else keys[producer[b]][0] if b in producer else here) != here
                     for b in eqns[i].invars if isinstance(b, jcore.Var)):
-                continue
-            extra.add(i)
-            frontier.extend((b, depth + 1) for b in eqns[i].invars
-                            if isinstance(b, jcore.Var) and b not in program_inputs)
-        out.append(sorted(extra))
+                return False
+            # A remat layer's own forward is recomputed whole; else only cheap
+            # equations (`walk_back`).
+            return True if remat and eqn_layers[i] in remat and eqn_layers[i] in layers else None
+
+        out.append(sorted(walk_back(eqns, producer, run, program_inputs, may)))
     return out
+
+
+def walk_back(eqns, producer: Mapping, run, program_inputs, may) -> set[int]:
+    """The equations a stage made of `run` recomputes rather than reads.
+
+    Back from what `run` reads (program inputs excepted), through
+    equations `may(i)` admits: True recomputes it at any depth (a remat
+    layer's own forward), None only if cheap (`RECOMPUTABLE`, fewer than
+    `RECOMPUTE_DEPTH` steps back), False never. Effectful equations never.
+    """
+    own = set(run)
+    reached: set[int] = set()
+    frontier = [(a, 0) for i in run for a in eqns[i].invars
+                if isinstance(a, jcore.Var) and a not in program_inputs]
+    while frontier:
+        a, depth = frontier.pop()
+        i = producer.get(a)
+        if i is None or i in own or i in reached or eqns[i].effects:
+            continue
+        admit = may(i)
+        if admit is False or (admit is None and not (
+                eqns[i].primitive.name in RECOMPUTABLE and depth < RECOMPUTE_DEPTH)):
+            continue
+        reached.add(i)
+        frontier.extend((b, depth + 1) for b in eqns[i].invars
+                        if isinstance(b, jcore.Var) and b not in program_inputs)
+    return reached
 
 
 def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int],
