@@ -37,6 +37,9 @@ one GPU (the card and its host CPU):
   layer-sweep         issue 17: time the synthetic layer sweep (layer_sweep.py) on the GPU and
                       its host CPU, then fit on it and test on every zoo model's saved layers
                       (env SWEEP_TIMEOUT=420)
+  repro               issue 17: every zoo and sweep layer timed by two processes (the second in
+                      reverse order), every sample kept; how well estimators reproduce
+                      (measure_repro.py; env DEADLINE=250 per run)
   hetpar ARGS...      any hetpar command, e.g. `hetpar run resnet18 --steps 8`
                       (output in run_resnet18_<card>.txt)
 
@@ -116,7 +119,7 @@ job=${1:-help}
 [ $# -gt 0 ] && shift
 case "$job" in
 help|-h|--help) usage; exit 0 ;;
-profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|hetpar) TWO_GPUS= ;;
+profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
 two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions|step-timing) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
@@ -274,6 +277,19 @@ layer-sweep)
   case "$CARD" in h100*) zoo+=(experiments/results/cross_card/accuracy_v3_h100.json) ;; esac
   python3 experiments/layer_sweep.py evaluate --sweep "$OUT/sweep_$CARD.json" \
     --records "${zoo[@]}" --out "$OUT/sweep_$CARD.md" 2>&1 | grep "^|"
+  ;;
+repro)
+  # Run-to-run reproducibility of a layer's measured time (issue 17, deliverable 2).
+  export HETPAR_CACHE_DIR=/tmp/hetpar_cache JAX_COMPILATION_CACHE_DIR=/tmp/jax_cc
+  export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
+  for run in 1 2; do
+    rev=(); [ $run = 2 ] && rev=(--reverse)
+    timeout $(( ${DEADLINE:-250} + 40 )) python3 experiments/measure_repro.py measure \
+      --out "$OUT" --tag "$CARD" --run $run --sweep --deadline_s "${DEADLINE:-250}" "${rev[@]}" \
+      2>&1 | grep -E "done at|deadline" || echo "run $run failed"
+  done
+  python3 experiments/measure_repro.py compare "$OUT/repro_${CARD}_run1.json" \
+    "$OUT/repro_${CARD}_run2.json" --out "$OUT/repro_$CARD.md"
   ;;
 predictions)
   # Issue 17's table: every plan (or those named) predicted and measured, as a user runs it.
