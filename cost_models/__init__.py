@@ -33,7 +33,12 @@ from hetpar.cost_models._devices import (
     spec_kind_of,
 )
 from hetpar.cost_models._layer_fit import fit_on_layers, fit_samples, layer_samples
-from hetpar.cost_models._layer_timing import measure_layer, measure_update, random_inputs
+from hetpar.cost_models._layer_timing import (
+    LAYER_RUNS,
+    measure_layer,
+    measure_update,
+    random_inputs,
+)
 from hetpar.cost_models._layer_work import (
     count_kernels,
     graph_layer_work,
@@ -165,6 +170,7 @@ __all__ = [
     "profile_link",
     "profile_network",
     "random_inputs",
+    "LAYER_RUNS",
     "resolve_device",
     "resolve_devices",
     "resolve_links",

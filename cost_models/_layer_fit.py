@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from hetpar.core import ProfileError, seconds
-from hetpar.cost_models._layer_timing import measure_layer
+from hetpar.cost_models._layer_timing import LAYER_RUNS, measure_layer
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes
 from hetpar.cost_models._profile import DeviceProfile
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict
@@ -31,7 +31,7 @@ from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 _FUSED = frozenset({"gpu", "tpu"})
 
 
-def layer_samples(graphs: Sequence, device, profile: DeviceProfile, *, k: int = 10,
+def layer_samples(graphs: Sequence, device, profile: DeviceProfile, *, k: int = LAYER_RUNS,
                   progress: Callable[[str], None] | None = None
                   ) -> list[tuple[str, str, LayerWork, float]]:
     """(graph name, layer, work, measured seconds) of every layer of `graphs` on `device`.
@@ -52,14 +52,15 @@ def layer_samples(graphs: Sequence, device, profile: DeviceProfile, *, k: int = 
                 nbytes = layer_fused_bytes(graph, layer, device.platform)
                 if nbytes is not None:
                     work = dataclasses.replace(work, fused_bytes=nbytes)
-            t = measure_layer(graph, layer, device, k=k).median_s
+            t = measure_layer(graph, layer, device, k=k).typical_s
             out.append((name, layer, work, t))
             if progress:
                 progress(f"{name}/{layer} on {device}: {seconds(t)}")
     return out
 
 
-def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *, k: int = 10,
+def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
+                  k: int = LAYER_RUNS,
                   progress: Callable[[str], None] | None = None) -> DeviceProfile:
     """`profile` with efficiencies and overheads fitted on `graphs`' layers measured on `device`.
 

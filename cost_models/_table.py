@@ -56,7 +56,7 @@ from typing import Any
 from absl import logging
 
 from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
-from hetpar.cost_models._layer_timing import measure_layer, measure_update
+from hetpar.cost_models._layer_timing import LAYER_RUNS, measure_layer, measure_update
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes, update_work
 from hetpar.cost_models._profiles import ProfileSet
 from hetpar.cost_models._resolve import (
@@ -124,7 +124,7 @@ def cost_table(
     *,
     profiles: ProfileSet | None = None,
     measure: bool = False,
-    k: int = 10,
+    k: int = LAYER_RUNS,
     progress: Callable[[str], None] | None = None,
     host_cpu_included: bool = True,
     meta: Mapping[str, Any] | None = None,
@@ -148,7 +148,8 @@ def cost_table(
         their predicted ratio; other spec-sheet devices stay predicted. The predictions
         kept in `meta` then use XLA's after-fusion bytes of each layer
         (`_fused_works`); without `measure` they use the unfused count.
-      k: timed runs per measurement.
+      k: timed runs per measurement (at most: fewer for slow layers); a
+        layer's time is their lower quartile (`Timing.typical_s`).
       progress: called with one line per measured layer.
       host_cpu_included: price the host CPU beside an accelerator at its
         `host_price_per_hour` (see `plan_prices`).
@@ -310,9 +311,9 @@ def _measure_updates(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
         t = measure_update(graph, name, d.jax_device, k=k)
         if t is None:  # no update equations (the caller checks update_work first)
             continue
-        out[d.name] = times.updates.setdefault(name, {})[d.name] = t.median_s
+        out[d.name] = times.updates.setdefault(name, {})[d.name] = t.typical_s
         if say:
-            say(f"{name}'s update on {d.name}: {seconds(t.median_s)}"
+            say(f"{name}'s update on {d.name}: {seconds(t.typical_s)}"
                 + (" cached" if t.cached else ""))
     return out
 
@@ -346,15 +347,15 @@ def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
                     f"{seconds(predicted[fastest.name])})")
             continue
         t = measure_layer(graph, name, d.jax_device, k=k)
-        times.measured.setdefault(name, {})[d.name] = t.median_s
+        times.measured.setdefault(name, {})[d.name] = t.typical_s
         times.measured_iqr.setdefault(name, {})[d.name] = t.iqr_s
-        out[d.name] = t.median_s
+        out[d.name] = t.typical_s
         if microbatch_graph is not None and name in microbatch_graph.layers:
-            small = measure_layer(microbatch_graph, name, d.jax_device, k=k).median_s
-            f = (microbatches * small - t.median_s) / (microbatches - 1)
-            times.fixed.setdefault(name, {})[d.name] = min(max(f, 0.0), t.median_s)
+            small = measure_layer(microbatch_graph, name, d.jax_device, k=k).typical_s
+            f = (microbatches * small - t.typical_s) / (microbatches - 1)
+            times.fixed.setdefault(name, {})[d.name] = min(max(f, 0.0), t.typical_s)
         if say:
-            say(f"{name} on {d.name}: {seconds(t.median_s)}"
+            say(f"{name} on {d.name}: {seconds(t.typical_s)}"
                 f" (predicted {seconds(times.predicted[name][d.name])})"
                 + (" cached" if t.cached else ""))
     return out

@@ -85,7 +85,7 @@ _OUT = flags.DEFINE_string("out_dir", "experiments/results", "where to write the
 _TAG = flags.DEFINE_string("tag", None, "file tag (default: the accelerator's kind, else 'cpu')")
 _RECORDS = flags.DEFINE_list("records", None, "recompute from these accuracy_*.json (merged)")
 _BUDGET = flags.DEFINE_float("budget_s", 300.0, "stop starting new models after this long")
-_K = flags.DEFINE_integer("k", 10, "timed runs per layer")
+_K = flags.DEFINE_integer("k", 40, "timed runs per layer (at most; the time: lower quartile)")
 _CPU_BATCH = flags.DEFINE_integer("cpu_batch", 32, "batch of the small configs on the CPU")
 _MODELS = flags.DEFINE_list("models", None, "zoo models (default: all)")
 _PLATFORMS = flags.DEFINE_list("platforms", None,
@@ -127,7 +127,7 @@ def layer_records(
     *,
     small: bool = False,
     batch: int | None = None,
-    k: int = 10,
+    k: int = 40,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Measures every layer of a zoo model on one present device.
@@ -147,7 +147,7 @@ def layer_records(
 
 
 def graph_records(graph, model: str, device, *, batch: int | None, small: bool = False,
-                  k: int = 10, progress: Callable[[str], None] | None = None,
+                  k: int = 40, progress: Callable[[str], None] | None = None,
                   ) -> list[dict[str, Any]]:
     """`layer_records` of any traced step (`graph`), named `model`
     (experiments/layer_sweep.py's synthetic layers)."""
@@ -168,10 +168,10 @@ def graph_records(graph, model: str, device, *, batch: int | None, small: bool =
             "xla": None if xla is None else dataclasses.asdict(xla),
             "equations": int(info.work.launches),
             "kernels": layer_kernels(graph, name, dev.platform),
-            "measured_s": t.median_s, "iqr_s": t.iqr_s,
+            "measured_s": t.typical_s, "median_s": t.median_s, "iqr_s": t.iqr_s,
         })
         if progress:
-            progress(f"{model}/{name} on {device_name(dev)}: {seconds(t.median_s)}")
+            progress(f"{model}/{name} on {device_name(dev)}: {seconds(t.typical_s)}")
     return out
 
 

@@ -188,7 +188,7 @@ costs)
   MODELS="${MODELS:-mlp,lm_embed,conv6,rnn,cnn_preprocess,mobilenet_v1,resnet18,transformer,alexnet,cyclegan_generator,resnet50,vgg16}"
   TAG="${TAG:-}"
   timeout "${ACC_TIMEOUT:-300}" python3 experiments/cost_accuracy.py --out_dir "$OUT" \
-    --models "$MODELS" --budget_s "${BUDGET:-150}" --k 10 ${TAG:+--tag "$TAG"} 2>&1 \
+    --models "$MODELS" --budget_s "${BUDGET:-150}" ${TAG:+--tag "$TAG"} 2>&1 \
     | grep -vE "^I.* (on (cpu|gpu):0): " || echo "accuracy run failed or timed out"
   echo "accuracy took $(( $(date +%s) - start )) s"
   if [ -z "${SKIP_FIGURES:-}" ]; then
@@ -211,7 +211,7 @@ cross-card)
   if [ -z "${SKIP_LAYERS:-}" ]; then
     MODELS="${MODELS:-mlp,lm_embed,conv6,rnn,cnn_preprocess,mobilenet_v1,resnet18,transformer,alexnet,cyclegan_generator,resnet50,vgg16}"
     timeout "${ACC_TIMEOUT:-260}" python3 experiments/cost_accuracy.py --out_dir "$OUT" \
-      --platforms gpu --models "$MODELS" --budget_s "${BUDGET:-170}" --k 10 --tag "gpu_$CARD" \
+      --platforms gpu --models "$MODELS" --budget_s "${BUDGET:-170}" --tag "gpu_$CARD" \
       2>&1 | grep -vE "^I.* on gpu:0: " | tail -25 || echo "accuracy run failed or timed out"
   fi
   ;;

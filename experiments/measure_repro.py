@@ -28,6 +28,12 @@ evaluate` and `per_equation_model.py` can score predictors against them.
     python experiments/measure_repro.py measure --out DIR --run 1 [--sweep]
     python experiments/measure_repro.py compare DIR/repro_<tag>_run1.json DIR/repro_<tag>_run2.json
     python experiments/measure_repro.py compare --records A.json B.json
+    python experiments/measure_repro.py merge RUN1.json RUN2.json --into results/accuracy_v3.json \
+        --estimator single_p25 --out NEW.json
+
+`merge` writes the `--into` file's records (their work, XLA costs, kernel
+counts, equation rows) with `measured_s` from the runs: the mean of the
+runs' estimates where both timed the layer; records no run timed are left out.
 """
 
 from __future__ import annotations
@@ -210,6 +216,24 @@ def _compare(args) -> int:
     return 0
 
 
+def _merge(args) -> int:
+    runs = [{_key(r): r for r in json.loads(pathlib.Path(f).read_text())["records"]}
+            for f in args.files]
+    data = json.loads(pathlib.Path(args.into).read_text())
+    out, dropped = [], 0
+    for r in data["records"]:
+        timed = [run[_key(r)] for run in runs if _key(r) in run]
+        if not timed:
+            dropped += 1
+            continue
+        est = [estimate(t, args.estimator) for t in timed]
+        out.append(dict(r, measured_s=float(np.mean(est)), runs=est))
+    data = dict(data, records=out, merged_from=list(args.files), estimator=args.estimator)
+    pathlib.Path(args.out).write_text(json.dumps(data) + "\n")
+    print(f"{args.out}: {len(out)} records ({dropped} not re-timed, left out)")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -237,8 +261,13 @@ def main(argv=None) -> int:
     c.add_argument("--records", action="store_true",
                    help="files of plain records (measured_s only), e.g. cost_accuracy.py's")
     c.add_argument("--out", default=None)
+    g = sub.add_parser("merge")
+    g.add_argument("files", nargs="+")
+    g.add_argument("--into", required=True, help="the records whose measured_s to replace")
+    g.add_argument("--estimator", default="single_p25", choices=ESTIMATORS)
+    g.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    return _measure(args) if args.cmd == "measure" else _compare(args)
+    return {"measure": _measure, "compare": _compare, "merge": _merge}[args.cmd](args)
 
 
 if __name__ == "__main__":

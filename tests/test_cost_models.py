@@ -220,6 +220,15 @@ def test_cache_hit_skips_measurement(tmp_path, monkeypatch):
     assert len(calls) == 2
 
 
+def test_typical_time_is_the_lower_quartile_of_the_runs():
+    # Interruptions only add time: two slow runs of eight move the median, not the typical time.
+    t = Timing.of([1e-3, 1e-3, 1.1e-3, 1.2e-3, 1.2e-3, 1.3e-3, 9e-3, 9e-3])
+    assert t.typical_s == pytest.approx(1.075e-3)
+    assert t.typical_s < t.median_s == pytest.approx(1.2e-3)
+    assert Timing.of([2e-3]).typical_s == 2e-3
+    assert Timing.from_json(t.to_json()).typical_s == t.typical_s  # from the cached samples
+
+
 def test_far_more_work_measures_slower():
     # ~30000x the FLOPs: a loaded CI machine cannot reorder these (4x once did).
     small = measure(jnp.matmul, (jnp.ones((8, 64)), jnp.ones((64, 64))), "cpu:0", k=15)

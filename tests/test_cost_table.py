@@ -69,6 +69,23 @@ def test_measure_uses_the_cache_the_second_time(monkeypatch):
     assert second.layers == first.layers
 
 
+def test_measured_layers_are_planned_at_their_typical_time(monkeypatch):
+    # A layer whose runs were sometimes interrupted: the table holds the lower
+    # quartile of its runs (Timing.typical_s), not the median the interruptions moved.
+    _, graph = _lm()
+    runs = [1e-3] * 5 + [1.5e-3] + [8e-3] * 4
+
+    def fake(fn, args, device, *, k, warmup, budget_s=None):
+        assert k == cost_models.LAYER_RUNS  # the default
+        return _measure.Timing.of(runs)
+
+    monkeypatch.setattr(_measure, "measure", fake)
+    table = cost_models.cost_table(graph, ["cpu:0"], measure=True)
+    for layer in graph.layers:
+        assert table.meta["measured_s"][layer]["cpu:0"] == pytest.approx(1e-3)
+    assert _measure.Timing.of(runs).median_s == pytest.approx(1.25e-3)
+
+
 def test_measure_on_an_absent_device_is_a_clear_error():
     _, graph = _lm()
     with pytest.raises(ProfileError, match="not present"):

@@ -26,7 +26,9 @@ def register(sub) -> None:
                    help="comma-separated devices, e.g. cpu:0,gpu:0,h100")
     p.add_argument("--measure", action="store_true",
                    help="measure every layer on the present devices (cached on disk)")
-    p.add_argument("--k", type=int, default=10, help="timed runs per measurement")
+    p.add_argument("--k", type=int, default=None,
+                   help="timed runs per measurement (default: 40 per layer, at most, whose "
+                        "lower quartile is its time; 10 per whole step)")
     p.add_argument("--microbatches", type=int, default=1,
                    help="with --measure: also measure at batch/M and fit each layer's fixed_s "
                         "(what every microbatch of a pipeline pays whole)")

@@ -58,7 +58,7 @@ def cost_table(
     config: Mapping[str, Any] | None = None,
     measure: bool = False,
     profiles: ProfileSet | str | None = None,
-    k: int = 10,
+    k: int | None = None,
     progress: Callable[[str], None] | None = None,
     microbatches: int = 1,
     calibrate: bool = False,
@@ -74,7 +74,8 @@ def cost_table(
       config: model config overrides.
       measure: measure present devices instead of predicting.
       profiles: a ProfileSet, or the path of a profile file.
-      k: timed runs per measurement.
+      k: timed runs per measurement (default: `cost_models.LAYER_RUNS` per
+        layer, 10 per whole step).
       progress: as for `hetpar.cost_models.cost_table`.
       microbatches: with `measure` and M > 1, also measure every layer at
         batch / M and fit its `fixed_s` (see `hetpar.cost_models.cost_table`),
@@ -111,11 +112,12 @@ def cost_table(
         _, small_graph = trace_model(model, small=small, batch=full // microbatches,
                                      config=config)
     table = cost_models.cost_table(
-        graph, devices, profiles=profiles, measure=measure, k=k, progress=progress,
+        graph, devices, profiles=profiles, measure=measure,
+        k=cost_models.LAYER_RUNS if k is None else k, progress=progress,
         microbatch_graph=small_graph, microbatches=microbatches, budget=budget,
         fused_bytes=True if calibrate else None,
         meta={"model": model, "batch": w.config.get("batch_size"), "small": small})
-    return _calibrated(table, w, k, progress, budget) if calibrate else table
+    return _calibrated(table, w, 10 if k is None else k, progress, budget) if calibrate else table
 
 
 def _calibrated(table: CostTable, w: Workload, k: int,
