@@ -173,26 +173,45 @@ def _stream_samples(dev, cfg: BenchConfig, say: Callable[[str], None]):
     return samples, results
 
 
-def _launch_overhead(dev, cfg: BenchConfig) -> tuple[float, float]:
-    """(round trip of one blocking call, per call when pipelined) of a tiny op."""
+def _launch_overhead(dev, cfg: BenchConfig) -> tuple[float, float, float]:
+    """(round trip of one blocking call, per call when pipelined, per extra
+    input or output array) of a tiny op.
+
+    The last is the round trip of the op over 16 arrays in and 16 out, less
+    that over one, per array: a layer's call passes its parameters, optimizer
+    state and gradients (GPT-2 blocks under Adam: dozens), and each costs the
+    runtime a little, apart from any work (`DeviceProfile.buffer_overhead_s`).
+    """
     import jax
     import jax.numpy as jnp
 
+    def roundtrip(f, args) -> float:
+        for _ in range(5):
+            _block(f(*args))
+        rt = []
+        for _ in range(cfg.launch_calls):
+            t0 = time.perf_counter()
+            _block(f(*args))
+            rt.append(time.perf_counter() - t0)
+        return statistics.median(rt)
+
     x = jax.device_put(jnp.zeros((1,), jnp.float32), dev)
     f = jax.jit(lambda v: v + 1.0)
-    for _ in range(5):
-        _block(f(x))
-    rt = []
-    for _ in range(cfg.launch_calls):
-        t0 = time.perf_counter()
-        _block(f(x))
-        rt.append(time.perf_counter() - t0)
+    one = roundtrip(f, (x,))
     t0 = time.perf_counter()
     y = x
     for _ in range(cfg.launch_calls):
         y = f(y)
     _block(y)
-    return statistics.median(rt), (time.perf_counter() - t0) / cfg.launch_calls
+    pipelined = (time.perf_counter() - t0) / cfg.launch_calls
+    n = _BUFFER_ARRAYS
+    xs = tuple(jax.device_put(jnp.full((1,), float(i), jnp.float32), dev) for i in range(n))
+    many = roundtrip(jax.jit(lambda *vs: tuple(v + 1.0 for v in vs)), xs)
+    return one, pipelined, max(0.0, (many - one) / (2 * (n - 1)))
+
+
+#: Arrays in (and out) of the tiny op that prices a call's arrays.
+_BUFFER_ARRAYS = 16
 
 
 def _memory_bytes(dev) -> tuple[float | None, str]:
@@ -235,8 +254,9 @@ def profile_device(
 
     mm_samples, mm = _matmul_samples(dev, cfg, say)
     st_samples, st = _stream_samples(dev, cfg, say)
-    roundtrip, pipelined = _launch_overhead(dev, cfg)
-    say(f"  dispatch: {seconds(roundtrip)} round trip, {seconds(pipelined)} pipelined")
+    roundtrip, pipelined, per_buffer = _launch_overhead(dev, cfg)
+    say(f"  dispatch: {seconds(roundtrip)} round trip, {seconds(pipelined)} pipelined, "
+        f"{seconds(per_buffer)} per array in or out")
 
     base, peaks, bw, sources = _paper_figures(dev, kind)
     _raise_to_measured(peaks, sources, mm, cfg.dtypes, where)
@@ -250,6 +270,10 @@ def profile_device(
     sources["launch_overhead_s"] = (
         f"round trip of a tiny jitted op (median of {cfg.launch_calls}), {where}"
     )
+    if per_buffer > 0:
+        sources["buffer_overhead_s"] = (
+            f"round trip of a tiny jitted op over {_BUFFER_ARRAYS} arrays in and out, less "
+            f"over one, per array (medians of {cfg.launch_calls}), {where}")
     prof = base.replace(
         name=name,
         kind=kind,
@@ -257,6 +281,7 @@ def profile_device(
         memory_bandwidth_bytes_per_s=bw,
         memory_bytes=mem if mem is not None else base.memory_bytes,
         launch_overhead_s=roundtrip,
+        buffer_overhead_s=per_buffer,
         sources=sources,
         origin="measured",
         benchmarks={
@@ -265,6 +290,7 @@ def profile_device(
             "stream_bytes_per_s": st,
             "dispatch_roundtrip_s": roundtrip,
             "dispatch_pipelined_s": pipelined,
+            "dispatch_per_buffer_s": per_buffer,
         },
     )
     return _calibrated(prof, mm_samples + st_samples, say)

@@ -287,6 +287,11 @@ def test_cli_profile_quick_end_to_end(tmp_path):
     ps = load_profiles(out)
     assert {"cpu:0", "cpu:1"} <= set(ps.devices)
     assert ps.devices["cpu:0"].origin == "measured"
+    # the cost per array a call passes is measured (a tiny op over 16 arrays
+    # against one) and priced, not left at 0 until a fit on layers
+    cpu = ps.devices["cpu:0"]
+    assert cpu.buffer_overhead_s == cpu.benchmarks["dispatch_per_buffer_s"] > 0
+    assert "16 arrays" in cpu.sources["buffer_overhead_s"]
     assert {(lk.src, lk.dst) for lk in ps.links} == {("cpu:0", "cpu:1"), ("cpu:1", "cpu:0")}
     assert ps.fastest_link("cpu:0", "cpu:1", 1 << 20).bandwidth_bytes_per_s > 0
     # a measured cpu lends its calibration to the cpu spec sheet
