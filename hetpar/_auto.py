@@ -304,6 +304,20 @@ def _untimed_used(plan, table) -> frozenset[tuple[str, str]]:
                      if p.compute in kept.get(n, ()))
 
 
+def _untimed_steps(plan, table) -> frozenset[str]:
+    """Device kinds whose whole step `table` left untimed (`untimed_kinds`)
+    on which the plan spends at least half its predicted step: their layers,
+    timed alone, are scaled to no step of theirs."""
+    untimed = set(table.meta.get("untimed_kinds", ()))
+    busy: dict[str, float] = {}
+    for name, s in plan.predicted.busy_s.items():
+        kind = table.device(name).kind
+        if kind in untimed:
+            busy[kind] = busy.get(kind, 0.0) + s
+    step = plan.predicted.step_time_s
+    return frozenset(k for k, s in busy.items() if s >= 0.5 * step)
+
+
 def _untimed(table) -> list[str]:
     """The devices and kinds a measured table left predicted (`TimingBudget`)."""
     if table is None:
@@ -659,7 +673,8 @@ class CompiledStep:
         return dict(plan.placements)
 
     def _cost_table(self, devices: list[str], options: Options, graph: LayerGraph | None = None,
-                    timed: frozenset[tuple[str, str]] = frozenset()):
+                    timed: frozenset[tuple[str, str]] = frozenset(),
+                    steps: frozenset[str] = frozenset()):
         from hetpar.cost_models import TimingBudget, cost_table
 
         calibrate = (options.profile == "measure" and graph is None
@@ -667,16 +682,18 @@ class CompiledStep:
         # profile="measure" times each layer alone on the present devices
         # (cached on disk by its jaxpr), then scales them to the whole step:
         # the roofline's layer shares put a pipeline's cut 10% off on GPT-2.
-        # Far slower devices stay predicted, but for the `timed` pairs.
+        # Far slower devices stay predicted, but for the `timed` pairs and
+        # the whole step on the `steps` kinds.
+        budget = TimingBudget(timed=timed, steps=steps)
         table = cost_table(graph or self.graph, devices, profiles=_profiles(options),
-                           measure=calibrate, budget=TimingBudget(timed=timed),
+                           measure=calibrate, budget=budget,
                            progress=(lambda line: logging.info("hetpar: %s", line))
                            if calibrate else None)
         if calibrate:
-            table = self._calibrated(table)
+            table = self._calibrated(table, budget)
         return table
 
-    def _calibrated(self, table):
+    def _calibrated(self, table, budget=None):
         """`table` scaled to the whole step measured under `jax.jit` on one
         present device of each kind it has (`profile="measure"`)."""
         from hetpar.cost_models import batch_share, scale_to_timed_step
@@ -718,7 +735,8 @@ class CompiledStep:
 
         scaled = scale_to_timed_step(
             table, self.devices, whole, *_runtime_costs(),
-            time_replicas=replicas_once if dp else None)
+            time_replicas=replicas_once if dp else None,
+            **({} if budget is None else {"budget": budget}))
         logging.info("hetpar: calibrated to whole steps measured here: %s",
                      scaled.meta.get("step_s"))
         return scaled
@@ -793,16 +811,23 @@ class CompiledStep:
         # layers there and plan again (GPT-2 at batch 16 on an H200 host,
         # planned on the CPU's spec sheet with a quarter of the GPU's memory,
         # predicted 1.08 s and ran in 0.36 s).
+        # A plan that spends most of its step on such a device also has the
+        # whole step timed there, as the fastest device has: its layers timed
+        # alone summed to 1.2x the step (GPT-2, batch 16, an H100 host's CPU).
         timed: frozenset[tuple[str, str]] = frozenset()
+        steps: frozenset[str] = frozenset()
         for _ in range(3):  # each round times what the last plan used; few rounds move
             used = _untimed_used(self.plan, self.table) - timed
-            if not used:
+            busy = _untimed_steps(self.plan, self.table) - steps
+            if not used and not busy:
                 break
-            logging.info("hetpar: the plan computes %d layers on devices left untimed (%s); "
+            logging.info("hetpar: the plan computes %d layers on devices left untimed (%s)%s; "
                          "timing them and planning again", len(used),
-                         ", ".join(sorted({d for _, d in used})))
+                         ", ".join(sorted({d for _, d in used})),
+                         f", most of its step on {', '.join(sorted(busy))}" if busy else "")
             timed |= used
-            self.table = self._cost_table(devices, options, timed=timed)
+            steps |= busy
+            self.table = self._cost_table(devices, options, timed=timed, steps=steps)
             self.plan = planned()
         else:
             left = _untimed_used(self.plan, self.table) - timed

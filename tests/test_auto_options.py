@@ -255,6 +255,53 @@ def test_measure_times_what_the_plan_computes_on_an_untimed_device(monkeypatch, 
         np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+def test_measure_times_the_whole_step_where_the_plan_spends_most_of_it(monkeypatch, tmp_path):
+    # As above, with no room on cpu:0 at all: the plan computes everything on
+    # the untimed kind. Its layers timed alone are then scaled to its whole
+    # step, timed there too (GPT-2 at batch 16 on an H100 host's CPU: layers
+    # alone summed to 2.42 s, the plan ran in 2.02 s), as the fastest device's are.
+    from hetpar import _auto
+    from hetpar.cost_models import ProfileSet, save_profiles, spec, spec_kinds
+
+    base = spec("cpu")
+    save_profiles(tmp_path / "far.json", ProfileSet({
+        **{k: spec(k) for k in spec_kinds()},
+        "cpu:0": base.replace(name="cpu:0", origin="measured"),
+        "cpu:1": base.replace(name="cpu:1", kind="t4", origin="measured",
+                              launch_overhead_s=1.0)}))
+    monkeypatch.setenv("HETPAR_PROFILES", str(tmp_path / "far.json"))
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path / "cache"))
+    # cpu:0's layers timed at 0.1 us and no floor under a step: cpu:1's
+    # whole step is always over the budget, as the CPU's beside a GPU.
+    import functools
+
+    from hetpar import cost_models
+    from hetpar.cost_models import _measure, _table
+
+    monkeypatch.setattr(cost_models, "TimingBudget",
+                        functools.partial(cost_models.TimingBudget, step_floor_s=0.0))
+    real_layer = _table.measure_layer
+    monkeypatch.setattr(_table, "measure_layer", lambda g, name, dev, **kw: (
+        _measure.Timing.of([1e-7]) if dev.id == 0 else real_layer(g, name, dev, **kw)))
+    timed_steps = []
+    real = _auto._whole_step_s
+    monkeypatch.setattr(_auto, "_whole_step_s",
+                        lambda *a, **kw: timed_steps.append(a[2]) or real(*a, **kw))
+    auto = hetpar.auto(_train_step, devices=["cpu:0", "cpu:1"], profile="measure",
+                       memory={"cpu:0": 1})
+    compiled = auto.lower(W, X)
+    assert {p.compute for p in compiled.placements.values()} == {"cpu:1"}
+    assert sorted(map(str, timed_steps)) == sorted(map(str, set(timed_steps)))  # once each
+    assert "cpu:1" in compiled.table.meta["step_s"]
+    assert "t4" not in compiled.table.meta.get("untimed_kinds", ())
+    total = sum(layer.time_s["cpu:1"] for layer in compiled.table.layers)
+    assert total == pytest.approx(compiled.table.meta["step_s"]["cpu:1"])
+    new_w, _ = auto(W, X)
+    ref_w, _ = jax.jit(_train_step)(W, X)
+    for a, b in zip(new_w, ref_w):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 def test_no_prediction_warning_within_tolerance(monkeypatch, recwarn):
     from hetpar._auto import StepClock
 
