@@ -97,10 +97,12 @@ class TimingBudget:
     fastest one's kind (virtual CPU devices, two GPUs) are always timed,
     and so are the (layer, device) pairs in `timed`: those a plan made on
     the predictions computes (`hetpar.auto` times them and plans again),
-    and the whole step on the device kinds in `steps`: those such a plan
-    spends most of its step on (layers timed alone sum past the stage that
-    runs them together: GPT-2 at batch 16 on an H100 host's CPU, 2.42 s
-    against 2.02 s). `None` in place of a budget times everything.
+    and the whole step and every layer on the device kinds in `steps`:
+    those such a plan spends most of its step on (layers timed alone sum
+    past the stage that runs them together: GPT-2 at batch 16 on an H100
+    host's CPU, 2.42 s against 2.02 s), scaled to the step as the fastest
+    kind is; every layer, since a scale over spec-sheet figures is not
+    one. `None` in place of a budget times everything.
     """
 
     slower: float = 10.0
@@ -342,7 +344,7 @@ def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
         if d.jax_device is None:
             continue
         if (budget is not None and d.profile.kind != fastest.profile.kind
-                and (name, d.name) not in budget.timed
+                and (name, d.name) not in budget.timed and d.profile.kind not in budget.steps
                 and budget.skips(predicted[d.name], predicted[fastest.name])):
             times.kept.setdefault(name, []).append(d.name)
             if say:

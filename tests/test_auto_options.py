@@ -294,6 +294,9 @@ def test_measure_times_the_whole_step_where_the_plan_spends_most_of_it(monkeypat
     assert sorted(map(str, timed_steps)) == sorted(map(str, set(timed_steps)))  # once each
     assert "cpu:1" in compiled.table.meta["step_s"]
     assert "t4" not in compiled.table.meta.get("untimed_kinds", ())
+    # every layer timed there, so that the step scales measured figures only
+    assert not compiled.table.meta.get("kept_predicted")
+    assert all("cpu:1" in m for m in compiled.table.meta["measured_s"].values())
     total = sum(layer.time_s["cpu:1"] for layer in compiled.table.layers)
     assert total == pytest.approx(compiled.table.meta["step_s"]["cpu:1"])
     new_w, _ = auto(W, X)
