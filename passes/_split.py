@@ -289,8 +289,8 @@ RECOMPUTE_DEPTH = 8
 
 
 def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: set,
-                input_home: Mapping, eqn_layers=(), remat: frozenset = frozenset()
-                ) -> list[list[int]]:
+                input_home: Mapping, eqn_layers=(), remat: frozenset = frozenset(),
+                param_layer: Mapping | None = None) -> list[list[int]]:
     """Per stage, the equations of other stages it recomputes.
 
     Split at layer boundaries, a forward stage hands its backward every
@@ -310,8 +310,15 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
     its own forward that its later stages read, matmuls included, at any
     depth: its forward stage then hands on only what other layers made (its
     input, the checkpoint), as `jax.checkpoint` would at the layer's edge.
+    It reads its own parameters again wherever they live (`param_layer`:
+    program input -> the layer whose parameter it is): streamed from host
+    memory, a block's weights come to its backward stage anyway (its input
+    gradient reads them), so recomputing costs the small ones (biases,
+    norms) another trip, where keeping the matmuls' results would free
+    nothing of what the plan recomputes for.
     """
     producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
+    param_layer = param_layer or {}
     out = []
     for s, run in enumerate(runs):
         here = keys[run[0]][0]
@@ -325,14 +332,21 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
             # update kept apart from the work it reads (update_apart): what
             # crosses there is what a hierarchical plan averages.
             apart = (keys[i][2] == "update") != (keys[run[0]][2] == "update")
-            if stage_of[i] == s or keys[i][:2] != where or apart or any(
-                    (input_home.get(b, here) if b in program_inputs
-                     else keys[producer[b]][0] if b in producer else here) != here
-                    for b in eqns[i].invars if isinstance(b, jcore.Var)):
+            if stage_of[i] == s or keys[i][:2] != where or apart:
                 return False
+            own_remat = bool(remat) and eqn_layers[i] in remat and eqn_layers[i] in layers
+            for b in eqns[i].invars:
+                if not isinstance(b, jcore.Var):
+                    continue
+                if b in program_inputs:
+                    if input_home.get(b, here) != here and not (
+                            own_remat and param_layer.get(b) == eqn_layers[i]):
+                        return False
+                elif b in producer and keys[producer[b]][0] != here:
+                    return False
             # A remat layer's own forward is recomputed whole; else only cheap
             # equations (`walk_back`).
-            return True if remat and eqn_layers[i] in remat and eqn_layers[i] in layers else None
+            return True if own_remat else None
 
         out.append(sorted(walk_back(eqns, producer, run, program_inputs, may)))
     return out
@@ -375,8 +389,10 @@ def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int],
     jaxpr = graph.program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     consts = dict(zip(jaxpr.constvars, graph.program.jaxpr.consts))
+    param_layer = {v: layer for v, layer, role in zip(jaxpr.invars, graph.input_layers,
+                                                      graph.input_roles) if role == "param"}
     extra = _recomputed(eqns, runs, keys, stage_of, set(jaxpr.invars) | set(consts), input_home,
-                        graph.eqn_layers, remat)
+                        graph.eqn_layers, remat, param_layer)
     members = [sorted(set(run) | set(more)) for run, more in zip(runs, extra)]
     readers: dict[jcore.Var, set[int]] = {}
     for s, ids in enumerate(members):

@@ -257,17 +257,18 @@ def test_only_as_many_layers_recompute_as_memory_needs():
     assert p.predicted.step_time_s < everything.predicted.step_time_s
 
 
-def test_layers_with_parameters_elsewhere_keep_their_activations():
-    """A layer whose parameters stay on the CPU (state and update there) is
-    not recomputed: the split pass would not read them again and would keep
-    the matmuls' results instead, freeing nothing the plan counted on."""
+def test_layers_with_parameters_elsewhere_recompute_too():
+    """A layer whose parameters stay on the CPU (state and update there) may
+    recompute its activations: the split pass reads its parameters again
+    for the backward (test_user_steps checks it), so its activations are
+    freed as the plan counts. Until that was built such layers kept theirs,
+    and GPT-2's batch-16 plans at 0.25x and 0.1x of the GPU's memory moved
+    to the CPU, 4.8x and 2.5x slower (experiments/results/predictions_memory_bound)."""
     from hetpar.planner._plan import with_memory
 
     p = plan(table(place=False), memory={"gpu:0": 38 * GB})
     places = list(p.placements.values())
-    assert any(pl.activations == "remat" for pl in places)
-    assert any(pl.params != pl.compute for pl in places)
-    assert all(pl.params == pl.compute for pl in places if pl.activations == "remat")
+    assert any(pl.activations == "remat" and pl.params != pl.compute for pl in places)
     recomputed = sum(pl.activations == "remat" for pl in places)
     assert p.solver["recomputed"] == f"{recomputed} of 6 layers"
     assert not violations(with_memory(table(place=False), {"gpu:0": 38 * GB}), p.placements)

@@ -616,10 +616,10 @@ def _with_remat(table: CostTable, arr: Arrays, req: _Request, result: Plan | Non
     placements = {}
     for n, p in remat.placements.items():
         i = arr.lindex[n]
-        # Parameters kept on another device (streamed in for the forward) are
-        # not read again to recompute: the split pass would hand the matmuls'
-        # results across instead, freeing nothing. Such layers keep theirs.
-        if p.compute in cpus or arr.act[i] <= 0 or p.params != p.compute:
+        # A layer whose parameters live on another device recomputes too: the
+        # split pass reads them again for its backward, which reads its
+        # weights anyway (the input gradient); its biases and norms come twice.
+        if p.compute in cpus or arr.act[i] <= 0:
             placements[n] = p
         else:
             placements[n] = dataclasses.replace(p, activations="remat")
