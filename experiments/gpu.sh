@@ -37,6 +37,8 @@ one GPU (the card and its host CPU):
   layer-sweep         issue 17: time the synthetic layer sweep (layer_sweep.py) on the GPU and
                       its host CPU, then fit on it and test on every zoo model's saved layers
                       (env SWEEP_TIMEOUT=420)
+  plan-memory         issue 17: GPT-2 b16 planned with the GPU capped (FRACTIONS="0.25 0.1"), then
+                      each plan and jax.jit run in fresh processes: the GPU's real peak bytes
   repro               issue 17: every zoo and sweep layer timed by two processes (the second in
                       reverse order), every sample kept; how well estimators reproduce
                       (measure_repro.py; env DEADLINE=250 per run)
@@ -119,7 +121,7 @@ job=${1:-help}
 [ $# -gt 0 ] && shift
 case "$job" in
 help|-h|--help) usage; exit 0 ;;
-profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|hetpar) TWO_GPUS= ;;
+profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
 two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions|step-timing) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
@@ -277,6 +279,18 @@ layer-sweep)
   case "$CARD" in h100*) zoo+=(experiments/results/cross_card/accuracy_v3_h100.json) ;; esac
   python3 experiments/layer_sweep.py evaluate --sweep "$OUT/sweep_$CARD.json" \
     --records "${zoo[@]}" --out "$OUT/sweep_$CARD.md" 2>&1 | grep "^|"
+  ;;
+plan-memory)
+  # Does a capped plan fit its cap on the real GPU? (probe_plan_memory.py)
+  export HETPAR_CACHE_DIR=/tmp/hetpar_cache
+  for f in ${FRACTIONS:-0.25 0.1}; do
+    timeout 240 python3 experiments/probe_plan_memory.py plan --batch "${BATCH:-16}" \
+      --fraction "$f" --out "$OUT" 2>&1 | grep -E '^\{|Error' | cut -c1-600
+    timeout 120 python3 experiments/probe_plan_memory.py run --batch "${BATCH:-16}" \
+      --plan "$OUT/plan_$f.json" --out "$OUT" 2>&1 | grep -E '^\{|Error' | cut -c1-600
+  done
+  timeout 120 python3 experiments/probe_plan_memory.py jit --batch "${BATCH:-16}" --out "$OUT" \
+    2>&1 | grep -E '^\{|Error' | cut -c1-600
   ;;
 repro)
   # Run-to-run reproducibility of a layer's measured time (issue 17, deliverable 2).

@@ -1,0 +1,136 @@
+"""Does a memory-capped plan fit its cap on the real GPU? (issue 17)
+
+The planner's GPU memory caps (`hetpar.auto(memory=...)`) are a constraint
+it plans under; the cards it ran on had room, so a plan that held more than
+it counted still ran (the batch-16 offload plans of
+results/predictions_memory_bound recomputed layers the runtime could not).
+This checks the other side: each step in a fresh process, where the GPU's
+`peak_bytes_in_use` counts only that step.
+
+    python experiments/probe_plan_memory.py plan --fraction 0.25 --batch 16 --out DIR
+        # plans GPT-2 small under hetpar.auto(profile="measure") with the GPU
+        # capped at fraction x what the step needs; writes DIR/plan_<f>.json
+    python experiments/probe_plan_memory.py run --plan DIR/plan_<f>.json --batch 16 --out DIR
+        # fresh process: 5 steps under the plan, the GPU's peak bytes
+    python experiments/probe_plan_memory.py jit --batch 16 --out DIR
+        # fresh process: 5 steps under jax.jit on the GPU, its peak bytes
+    python experiments/probe_plan_memory.py plan --small --batch 8 --device cpu:1 --out DIR
+        # a smoke test on virtual CPU devices (no peak bytes there)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import time
+
+import jax
+import numpy as np
+
+import hetpar
+from hetpar import zoo
+
+
+def _workload(batch: int, small: bool = False):
+    w = zoo.get("transformer", batch=batch, small=small)
+    example = jax.tree_util.tree_map(np.asarray, w.example_args())  # on the host
+    return w, example
+
+
+def _peak(device: str) -> float | None:
+    """The device's peak bytes in use in this process (None: not reported, a CPU)."""
+    from hetpar.cost_models import resolve_device
+
+    stats = resolve_device(device).memory_stats() or {}
+    return float(stats["peak_bytes_in_use"]) if "peak_bytes_in_use" in stats else None
+
+
+def _in_use(device: str) -> float | None:
+    from hetpar.cost_models import resolve_device
+
+    return (resolve_device(device).memory_stats() or {}).get("bytes_in_use")
+
+
+def _resident(tree, device: str) -> float:
+    """Bytes of `tree`'s arrays in `device`'s own memory (not its pinned host memory)."""
+    from hetpar.cost_models import resolve_device
+
+    dev = resolve_device(device)
+    return float(sum(x.nbytes for x in jax.tree_util.tree_leaves(tree)
+                     if isinstance(x, jax.Array) and dev in x.devices()
+                     and x.sharding.memory_kind in (None, "device")))
+
+
+def _steps(step, args, n: int = 5) -> float:
+    state, batch = tuple(args[:-1]), args[-1]
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        *state, loss = step(*state, batch)
+        jax.block_until_ready((state, loss))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times[1:]))
+
+
+def _write(out: pathlib.Path, name: str, data: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(data, indent=1) + "\n")
+    print(json.dumps(data), flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("plan", "run", "jit"))
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--fraction", type=float, default=0.25)
+    ap.add_argument("--plan", default=None)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--device", default="gpu:0", help="the capped accelerator")
+    ap.add_argument("--host", default="cpu:0", help="where state may go")
+    ap.add_argument("--small", action="store_true", help="the small config (a smoke test)")
+    args = ap.parse_args(argv)
+    out = pathlib.Path(args.out)
+    w, example = _workload(args.batch, args.small)
+    from hetpar.cost_models import resolve_device
+
+    kind = resolve_device(args.device).device_kind
+    if args.what == "plan":
+        graph = hetpar.trace(w.train_step, *example)
+        need = sum(graph[la].memory_bytes for la in graph.layers)
+        cap = args.fraction * need
+        step = hetpar.auto(w.train_step, devices=[args.device, args.host],
+                           memory={args.device: cap}, profile="measure")
+        compiled = step.lower(*example)
+        path = out / f"plan_{args.fraction:g}.json"
+        out.mkdir(parents=True, exist_ok=True)
+        compiled.plan.save(path)
+        p = compiled.plan.predicted
+        _write(out, f"planned_{args.fraction:g}.json", {
+            "batch": args.batch, "fraction": args.fraction, "need_bytes": need,
+            "cap_bytes": cap, "plan": str(path),
+            "predicted_bytes": p.memory_bytes.get(args.device),
+            "predicted_peak_bytes": (p.peak_memory_bytes or {}).get(args.device),
+            "predicted_step_s": p.step_time_s, "solver": compiled.plan.solver})
+    elif args.what == "run":
+        step = hetpar.auto(w.train_step, plan=args.plan)
+        step.lower(*example)  # compiles: XLA's autotuning takes memory of its own
+        compiled_peak = _peak(args.device)
+        placed = step.place(*example)
+        after_place = {"peak": _peak(args.device), "in_use": _in_use(args.device),
+                       "resident": _resident(placed, args.device)}
+        t = _steps(step, placed)
+        _write(out, f"ran_{pathlib.Path(args.plan).stem}.json", {
+            "batch": args.batch, "plan": args.plan, "peak_bytes_in_use": _peak(args.device),
+            "peak_after_compile": compiled_peak, "after_place": after_place,
+            "in_use_after_steps": _in_use(args.device), "step_s": t, "device": kind})
+    else:
+        step = jax.jit(w.train_step)
+        t = _steps(step, jax.device_put(example, resolve_device(args.device)))
+        _write(out, "ran_jit.json", {"batch": args.batch, "peak_bytes_in_use": _peak(args.device),
+                                     "step_s": t, "device": kind})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
