@@ -1535,7 +1535,11 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         the default backend's devices, of every process under jax.distributed).
       memory: {device: bytes} caps on devices' memory for planning (e.g.
         `{"gpu:0": 40e9}`), so the planner keeps state off a device (offload)
-        as if it were that small.
+        as if it were that small. A cap bounds what the layers hold across
+        the step (parameters, state, gradients, kept activations), not a
+        stage's own working set while it runs: leave room for the largest
+        (GPT-2's head at batch 16 x 128 tokens, ~1.2 GB; capped offload
+        plans peaked at 1.7-3.9x their cap, experiments/results/plan_memory).
       batch: under `jax.distributed` with several processes, what each process
         passes as the batch arguments: "global" (the whole batch, the same on
         every process; each process uses its devices' share) or "local" (only
