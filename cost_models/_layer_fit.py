@@ -9,7 +9,7 @@ where the cards measured 0.8-1.1 (they share the GH100 die); fitted on the
 measured layers of one card, it says 1.0-1.1 (experiments/results/cross_card/).
 
 So `fit_on_layers` measures every layer of a few traced models on a device
-(each layer alone, median of k runs, cached on disk), counts its work (with
+(each layer alone, the lower quartile of up to k runs, cached on disk), counts its work (with
 XLA's after-fusion bytes on GPUs and TPUs), and fits the efficiencies and
 per-call overheads (`calibrate(fit_overhead=True)`). A spec-sheet sibling
 borrows them (`transfer_calibration`).

@@ -294,7 +294,9 @@ def measure_cached(
       measure_fn: what to call on a miss (default `measure`; tests count calls).
 
     Returns:
-      The Timing; `cached` is True when no measurement ran.
+      The Timing; `cached` is True when no measurement ran. An entry of
+      fewer runs than k that did not run out of `budget_s` (a `--k 3`, or
+      10 runs before `LAYER_RUNS` was 40) is measured again.
     """
     digest = cache_key(key, args, device)
     cached = []
@@ -303,19 +305,27 @@ def measure_cached(
         extra = {} if budget_s is None else {"budget_s": budget_s}
         timing = (measure_fn or measure)(fn, args, device, k=k, warmup=warmup, **extra)
         cached.append(False)
-        return timing.to_json() | {"key": key}
+        return timing.to_json() | {"key": key, "k": k}
 
-    data = cached_json("measure", digest, timed, required=("median_s", "iqr_s", "samples"))
+    def enough(data: dict) -> bool:
+        runs = data["samples"]
+        return (int(data.get("k", len(runs))) >= k or len(runs) >= k
+                or (budget_s is not None and sum(runs) >= budget_s))
+
+    data = cached_json("measure", digest, timed, required=("median_s", "iqr_s", "samples"),
+                       valid=enough)
     return Timing.from_json(data, cached=not cached)
 
 
 def cached_json(kind: str, digest: str, compute: Callable[[], dict],
-                required: Sequence[str] = ()) -> dict:
+                required: Sequence[str] = (),
+                valid: Callable[[dict], bool] | None = None) -> dict:
     """`compute()`'s JSON object, remembered on disk under `cache_dir()/kind/digest.json`.
 
     An unreadable entry, or one missing a `required` key, is computed again
-    (with a warning); entries are written atomically, so concurrent
-    processes never read half a file.
+    (with a warning), and so is one `valid` refuses (silently: it is only
+    short of what the caller asks now); entries are written atomically, so
+    concurrent processes never read half a file.
     """
     path = cache_dir() / kind / f"{digest}.json"
     if path.exists():
@@ -323,8 +333,10 @@ def cached_json(kind: str, digest: str, compute: Callable[[], dict],
             data = json.loads(path.read_text())
             missing = [k for k in required if k not in data]
             if not missing:
-                return data
-            logging.warning("ignoring cache entry %s without %s", path, missing)
+                if valid is None or valid(data):
+                    return data
+            else:
+                logging.warning("ignoring cache entry %s without %s", path, missing)
         except ValueError as e:
             logging.warning("ignoring unreadable cache entry %s: %s", path, e)
     data = compute()

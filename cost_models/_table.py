@@ -11,7 +11,8 @@ Predicted by the roofline (`predict`) from the layer's counted work (the op
 class `data_movement` and control flow count as `other`), with one launch:
 a layer is one executable. With `measure=True`, present devices are measured
 instead: the layer's callable alone, random inputs of the right dtypes,
-median of k runs, cached on disk (`measure_layer`). The predictions are
+the lower quartile of up to k runs (`Timing.typical_s`), cached on disk
+(`measure_layer`). The predictions are
 kept in `meta` next to the measurements so reports can show both. A
 spec-sheet device of a measured device's class (planning for an `h100` on
 an H200 host) takes the measured time x the two rooflines' ratio.
@@ -334,7 +335,7 @@ def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
     `fixed_s` fitted (see `cost_table`).
 
     Returns:
-      {device name: measured median seconds}.
+      {device name: measured seconds (`Timing.typical_s`)}.
     """
     out = {}
     predicted = times.predicted[name]

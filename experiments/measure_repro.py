@@ -176,7 +176,10 @@ def _measure(args) -> int:
 
 
 def _key(r):
-    return (r["model"], r["layer"], r["device"], r.get("batch"), bool(r.get("small")))
+    # The card too: "gpu:0" names an H100 and an H200 alike (the hosts' CPUs
+    # are one model, "cpu" on both, and pair up on purpose).
+    return (r["model"], r["layer"], r["device"], r.get("device_kind"), r.get("batch"),
+            bool(r.get("small")), r.get("scale"), r.get("hw_scale"))
 
 
 def _agreement(a: dict, b: dict, how) -> tuple[np.ndarray, list]:
@@ -227,7 +230,8 @@ def _merge(args) -> int:
             dropped += 1
             continue
         est = [estimate(t, args.estimator) for t in timed]
-        out.append(dict(r, measured_s=float(np.mean(est)), runs=est))
+        out.append({k: v for k, v in r.items() if k not in ("median_s", "iqr_s")}
+                   | {"measured_s": float(np.mean(est)), "runs": est})
     data = dict(data, records=out, merged_from=list(args.files), estimator=args.estimator)
     pathlib.Path(args.out).write_text(json.dumps(data) + "\n")
     print(f"{args.out}: {len(out)} records ({dropped} not re-timed, left out)")

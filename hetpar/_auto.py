@@ -309,6 +309,8 @@ def _untimed_steps(plan, table) -> frozenset[str]:
     on which the plan spends at least half its predicted step: their layers,
     timed alone, are scaled to no step of theirs."""
     untimed = set(table.meta.get("untimed_kinds", ()))
+    if plan.predicted is None or not untimed:
+        return frozenset()
     busy: dict[str, float] = {}
     for name, s in plan.predicted.busy_s.items():
         kind = table.device(name).kind
@@ -693,7 +695,7 @@ class CompiledStep:
             table = self._calibrated(table, budget)
         return table
 
-    def _calibrated(self, table, budget=None):
+    def _calibrated(self, table, budget):
         """`table` scaled to the whole step measured under `jax.jit` on one
         present device of each kind it has (`profile="measure"`)."""
         from hetpar.cost_models import batch_share, scale_to_timed_step
@@ -735,8 +737,7 @@ class CompiledStep:
 
         scaled = scale_to_timed_step(
             table, self.devices, whole, *_runtime_costs(),
-            time_replicas=replicas_once if dp else None,
-            **({} if budget is None else {"budget": budget}))
+            time_replicas=replicas_once if dp else None, budget=budget)
         logging.info("hetpar: calibrated to whole steps measured here: %s",
                      scaled.meta.get("step_s"))
         return scaled
@@ -831,6 +832,11 @@ class CompiledStep:
             self.plan = planned()
         else:
             left = _untimed_used(self.plan, self.table) - timed
+            busy = _untimed_steps(self.plan, self.table) - steps
+            if busy:
+                logging.warning("hetpar: after 3 rounds the plan spends most of its step on %s, "
+                                "whose whole step is not timed; its layers are not scaled to it",
+                                ", ".join(sorted(busy)))
             if left:
                 logging.warning("hetpar: after 3 rounds the plan still computes %d layers on "
                                 "devices left untimed; their figures are predicted", len(left))

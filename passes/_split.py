@@ -290,7 +290,7 @@ RECOMPUTE_DEPTH = 8
 
 def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: set,
                 input_home: Mapping, eqn_layers=(), remat: frozenset = frozenset(),
-                param_layer: Mapping | None = None) -> list[list[int]]:
+                params: frozenset = frozenset()) -> list[list[int]]:
     """Per stage, the equations of other stages it recomputes.
 
     Split at layer boundaries, a forward stage hands its backward every
@@ -310,15 +310,15 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
     its own forward that its later stages read, matmuls included, at any
     depth: its forward stage then hands on only what other layers made (its
     input, the checkpoint), as `jax.checkpoint` would at the layer's edge.
-    It reads its own parameters again wherever they live (`param_layer`:
-    program input -> the layer whose parameter it is): streamed from host
-    memory, a block's weights come to its backward stage anyway (its input
-    gradient reads them), so recomputing costs the small ones (biases,
-    norms) another trip, where keeping the matmuls' results would free
-    nothing of what the plan recomputes for.
+    It reads the parameters its own equations read again wherever they
+    live (`params`: the program's parameter inputs; a tied embedding's
+    too, which another layer owns): streamed from host memory, a block's
+    weights come to its backward stage anyway (its input gradient reads
+    them), so recomputing costs the small ones (biases, norms) another
+    trip, where keeping the matmuls' results would free nothing of what the
+    plan recomputes for.
     """
     producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
-    param_layer = param_layer or {}
     out = []
     for s, run in enumerate(runs):
         here = keys[run[0]][0]
@@ -339,8 +339,7 @@ def _recomputed(eqns, runs, keys, stage_of: Mapping[int, int], program_inputs: s
                 if not isinstance(b, jcore.Var):
                     continue
                 if b in program_inputs:
-                    if input_home.get(b, here) != here and not (
-                            own_remat and param_layer.get(b) == eqn_layers[i]):
+                    if input_home.get(b, here) != here and not (own_remat and b in params):
                         return False
                 elif b in producer and keys[producer[b]][0] != here:
                     return False
@@ -389,10 +388,9 @@ def _stages(graph: LayerGraph, runs, keys, stage_of: Mapping[int, int],
     jaxpr = graph.program.jaxpr.jaxpr
     eqns = jaxpr.eqns
     consts = dict(zip(jaxpr.constvars, graph.program.jaxpr.consts))
-    param_layer = {v: layer for v, layer, role in zip(jaxpr.invars, graph.input_layers,
-                                                      graph.input_roles) if role == "param"}
+    params = frozenset(v for v, role in zip(jaxpr.invars, graph.input_roles) if role == PARAM)
     extra = _recomputed(eqns, runs, keys, stage_of, set(jaxpr.invars) | set(consts), input_home,
-                        graph.eqn_layers, remat, param_layer)
+                        graph.eqn_layers, remat, params)
     members = [sorted(set(run) | set(more)) for run, more in zip(runs, extra)]
     readers: dict[jcore.Var, set[int]] = {}
     for s, ids in enumerate(members):

@@ -220,6 +220,30 @@ def test_cache_hit_skips_measurement(tmp_path, monkeypatch):
     assert len(calls) == 2
 
 
+def test_cache_entry_of_fewer_runs_than_asked_is_measured_again(tmp_path, monkeypatch):
+    # A `hetpar costs --k 3` entry, or one of 10 runs from before LAYER_RUNS was
+    # 40, is not the 40-run lower quartile asked for now; one that ran out of
+    # its time budget is.
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_measure(fn, args, device, *, k, warmup, budget_s=None):
+        calls.append(k)
+        return Timing.of([1e-3] * min(k, 5))
+
+    args = (jnp.ones((4, 4)),)
+    measure_cached("layer-k", jnp.sin, args, "cpu:0", k=3, measure_fn=fake_measure)
+    measure_cached("layer-k", jnp.sin, args, "cpu:0", k=3, measure_fn=fake_measure)
+    assert calls == [3]
+    measure_cached("layer-k", jnp.sin, args, "cpu:0", k=10, measure_fn=fake_measure)
+    assert calls == [3, 10]
+    again = measure_cached("layer-k", jnp.sin, args, "cpu:0", k=10, measure_fn=fake_measure)
+    assert again.cached and calls == [3, 10]  # 5 runs of the 10 asked, recorded as asked
+    short = measure_cached("layer-k", jnp.sin, args, "cpu:0", k=40, budget_s=4e-3,
+                           measure_fn=fake_measure)
+    assert short.cached and calls == [3, 10]  # its runs reached the budget
+
+
 def test_typical_time_is_the_lower_quartile_of_the_runs():
     # Interruptions only add time: two slow runs of eight move the median, not the typical time.
     t = Timing.of([1e-3, 1e-3, 1.1e-3, 1.2e-3, 1.2e-3, 1.3e-3, 9e-3, 9e-3])

@@ -249,8 +249,8 @@ def test_recomputed_layers_read_their_parameters_again_from_where_they_live():
         def loss(p):
             with hetpar.layer("first"):
                 h = jax.nn.gelu(x @ p["w0"] + p["b0"])
-            with hetpar.layer("second"):
-                y = jax.nn.gelu(h @ p["w1"] + p["b1"])
+            with hetpar.layer("second"):  # reads the first layer's w0 too (tied)
+                y = jax.nn.gelu(h @ p["w1"] + p["b1"] + (h @ p["w0"].T)[:, :4])
             return jnp.mean(y ** 2)
 
         val, g = jax.value_and_grad(loss)(params)
@@ -279,6 +279,9 @@ def test_recomputed_layers_read_their_parameters_again_from_where_they_live():
     assert not set(fwd.outputs) & set(bwd.inputs)  # recomputed instead
     assert {params["w0"].shape, params["b0"].shape} <= {
         v.aval.shape for v in bwd.inputs if v in invars}  # from cpu:1 again
+    fwd, bwd = forward_and_backward(remat, "second")  # a tied weight is read again too
+    assert not set(fwd.outputs) & set(bwd.inputs)
+    assert params["w0"].shape in {v.aval.shape for v in bwd.inputs if v in invars}
     homes = dict(zip(invars, remat.input_devices))
     for st in remat.stages:  # what comes from cpu:1 to cpu:0: parameters alone
         for v in st.inputs:
