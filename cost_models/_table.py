@@ -119,6 +119,11 @@ class TimingBudget:
                 f"step_floor_s={self.step_floor_s!r}): slower must be >= 1 (how many times "
                 "the fastest device's time) and the floors >= 0 seconds; pass budget=None "
                 "to time every device")
+        if isinstance(self.steps, str) or not all(isinstance(k, str) for k in self.steps):
+            raise ProfileError(
+                f"TimingBudget(steps={self.steps!r}): steps is a set of device kinds, e.g. "
+                "frozenset({'cpu'})")
+        object.__setattr__(self, "steps", frozenset(self.steps))
 
     def skips(self, predicted_s: float, fastest_s: float, *, step: bool = False) -> bool:
         floor = self.step_floor_s if step else self.floor_s

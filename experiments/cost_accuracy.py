@@ -63,6 +63,7 @@ from hetpar import zoo
 from hetpar.core import ProfileError, seconds
 from hetpar.cost_models import (
     FUSED_BYTES_CLASSES,
+    LAYER_RUNS,
     DeviceProfile,
     LayerWork,
     calibrate,
@@ -85,7 +86,8 @@ _OUT = flags.DEFINE_string("out_dir", "experiments/results", "where to write the
 _TAG = flags.DEFINE_string("tag", None, "file tag (default: the accelerator's kind, else 'cpu')")
 _RECORDS = flags.DEFINE_list("records", None, "recompute from these accuracy_*.json (merged)")
 _BUDGET = flags.DEFINE_float("budget_s", 300.0, "stop starting new models after this long")
-_K = flags.DEFINE_integer("k", 40, "timed runs per layer (at most; the time: lower quartile)")
+_K = flags.DEFINE_integer("k", LAYER_RUNS,
+                         "timed runs per layer (at most; the time: lower quartile)")
 _CPU_BATCH = flags.DEFINE_integer("cpu_batch", 32, "batch of the small configs on the CPU")
 _MODELS = flags.DEFINE_list("models", None, "zoo models (default: all)")
 _PLATFORMS = flags.DEFINE_list("platforms", None,
@@ -127,7 +129,7 @@ def layer_records(
     *,
     small: bool = False,
     batch: int | None = None,
-    k: int = 40,
+    k: int = LAYER_RUNS,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Measures every layer of a zoo model on one present device.
@@ -147,7 +149,7 @@ def layer_records(
 
 
 def graph_records(graph, model: str, device, *, batch: int | None, small: bool = False,
-                  k: int = 40, progress: Callable[[str], None] | None = None,
+                  k: int = LAYER_RUNS, progress: Callable[[str], None] | None = None,
                   ) -> list[dict[str, Any]]:
     """`layer_records` of any traced step (`graph`), named `model`
     (experiments/layer_sweep.py's synthetic layers)."""

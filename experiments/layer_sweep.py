@@ -400,7 +400,9 @@ def main(argv=None) -> int:
     m.add_argument("--scale", type=float, default=1.0)
     m.add_argument("--cpu_scale", type=float, default=0.25)
     m.add_argument("--cpu_hw_scale", type=float, default=0.5)
-    m.add_argument("--k", type=int, default=40)
+    from hetpar.cost_models import LAYER_RUNS
+
+    m.add_argument("--k", type=int, default=LAYER_RUNS)
     m.add_argument("--only", nargs="*", default=None, help="layers whose names contain these")
     m.add_argument("--tag", default=None)
     e = sub.add_parser("evaluate")

@@ -30,6 +30,7 @@ import numpy as np
 
 import hetpar
 from hetpar import zoo
+from hetpar.cost_models import resolve_device
 
 
 def _workload(batch: int, small: bool = False):
@@ -40,22 +41,16 @@ def _workload(batch: int, small: bool = False):
 
 def _peak(device: str) -> float | None:
     """The device's peak bytes in use in this process (None: not reported, a CPU)."""
-    from hetpar.cost_models import resolve_device
-
     stats = resolve_device(device).memory_stats() or {}
     return float(stats["peak_bytes_in_use"]) if "peak_bytes_in_use" in stats else None
 
 
 def _in_use(device: str) -> float | None:
-    from hetpar.cost_models import resolve_device
-
     return (resolve_device(device).memory_stats() or {}).get("bytes_in_use")
 
 
 def _resident(tree, device: str) -> float:
     """Bytes of `tree`'s arrays in `device`'s own memory (not its pinned host memory)."""
-    from hetpar.cost_models import resolve_device
-
     dev = resolve_device(device)
     return float(sum(x.nbytes for x in jax.tree_util.tree_leaves(tree)
                      if isinstance(x, jax.Array) and dev in x.devices()
@@ -92,8 +87,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     w, example = _workload(args.batch, args.small)
-    from hetpar.cost_models import resolve_device
-
     kind = resolve_device(args.device).device_kind
     if args.what == "plan":
         graph = hetpar.trace(w.train_step, *example)

@@ -563,3 +563,10 @@ def test_measure_update_times_the_optimizer_update_alone():
     assert t.median_s > 0 and not t.cached
     assert measure_update(graph, layer, "cpu:0", k=3).cached  # keyed apart from the layer
     assert cost_models.measure_layer(graph, layer, "cpu:0", k=3).cached is False
+
+
+def test_timing_budget_steps_is_a_set_of_kinds():
+    # A bare string would match kinds by substring ("cpu" in "cpu" but also "c").
+    with pytest.raises(ProfileError, match="steps is a set of device kinds"):
+        cost_models.TimingBudget(steps="cpu")
+    assert cost_models.TimingBudget(steps={"cpu"}).steps == frozenset({"cpu"})
