@@ -297,6 +297,7 @@ def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, m
                  fixed_s=times.fixed.get(name), param_bytes=float(info.param_bytes),
                  opt_state_bytes=float(info.opt_state_bytes),
                  recompute_fraction=float(info.recompute_fraction),
+                 workspace_bytes=float(info.workspace_bytes),
                  update_s=update_s)
 
 

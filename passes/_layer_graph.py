@@ -14,6 +14,7 @@ gradient, an activation read by an earlier layer's backward) adds to its
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
@@ -51,6 +52,12 @@ class LayerInfo:
     #: 0.68: its output and attention projections' results are not read by
     #: its backward.
     recompute_fraction: float = 1.0
+    #: Bytes of its own results alive at once that live and die within one
+    #: unbroken run of its equations: what its stage holds only while it
+    #: runs, beyond what `memory_bytes` counts (a GPT-2 head's logits'
+    #: softmax and gradient). Program order, unfused: XLA fuses elementwise
+    #: chains away, so this bounds from above what they take.
+    workspace_bytes: int = 0
 
     @property
     def flops(self) -> float:
@@ -68,6 +75,50 @@ class LayerInfo:
     def memory_bytes(self) -> int:
         """Resident bytes while training: params, their gradients, optimizer state, activations."""
         return 2 * self.param_bytes + self.opt_state_bytes + self.activation_bytes
+
+
+def _last_uses(jaxpr) -> dict:
+    """{variable: index of the last equation that reads it}; the program's
+    results are read after its last equation."""
+    last = {}
+    for i, e in enumerate(jaxpr.eqns):
+        for a in e.invars:
+            if isinstance(a, jcore.Var):
+                last[a] = i
+    for a in jaxpr.outvars:
+        if isinstance(a, jcore.Var):
+            last[a] = len(jaxpr.eqns)
+    return last
+
+
+def _live_peak(eqns, ids: Sequence[int], last_use: Mapping) -> int:
+    """The most bytes alive at once, in program order, of the equations' own
+    results that live and die within one unbroken run of them: what the
+    layer's stage holds only while it runs. A result that outlives the run
+    (an activation kept for the backward, an output to the next layer, a
+    gradient for the update, the step's new state) is counted elsewhere
+    (`memory_bytes`, the edges)."""
+    import bisect
+
+    ids = sorted(ids)
+    delta = [0] * (len(ids) + 1)
+    for k, i in enumerate(ids):
+        for o in eqns[i].outvars:
+            if isinstance(o, jcore.DropVar) or not hasattr(o.aval, "shape"):
+                continue
+            last = last_use.get(o, i)
+            end = bisect.bisect_left(ids, last)
+            if last >= len(eqns) or (last > i and (
+                    end >= len(ids) or ids[end] != last or end - k != last - i)):
+                continue  # read after another layer's equation, or a result
+            size = math.prod(o.aval.shape) * o.aval.dtype.itemsize
+            delta[k] += size
+            delta[max(end, k) + 1] -= size
+    peak = live = 0
+    for d in delta[:-1]:
+        live += d
+        peak = max(peak, live)
+    return int(peak)
 
 
 def _recompute_fraction(eqns, ids: Sequence[int], producer: Mapping,
@@ -177,6 +228,7 @@ class LayerGraph:
         producer = {o: i for i, e in enumerate(eqns) for o in e.outvars
                     if not isinstance(o, jcore.DropVar)}
         inputs = set(self.program.jaxpr.jaxpr.invars)
+        last_use = _last_uses(self.program.jaxpr.jaxpr)
         g = nx.DiGraph()
         for name, ids in members.items():
             g.add_node(name, info=LayerInfo(
@@ -187,6 +239,7 @@ class LayerGraph:
                 activation_bytes=int(saved[name]),
                 work=eqns_work(eqns[i] for i in ids),
                 recompute_fraction=_recompute_fraction(eqns, ids, producer, inputs),
+                workspace_bytes=_live_peak(eqns, ids, last_use),
             ))
         for (u, v), (fwd, bwd) in flow.items():
             g.add_edge(u, v, bytes=fwd, bytes_backward=bwd)
@@ -357,7 +410,8 @@ class LayerGraph:
             {"format": "hetpar.layers", "version": 1,
              "layers": [{"name", "flops", "bytes_accessed", "transcendentals",
                          "param_bytes", "opt_state_bytes", "activation_bytes",
-                         "resident_bytes", "recompute_fraction"}, ...],
+                         "resident_bytes", "recompute_fraction",
+                         "workspace_bytes"}, ...],
              "edges": [{"src", "dst", "bytes", "bytes_backward"}, ...],
              "meta": {"fingerprint", "depth"}}
         """
@@ -374,6 +428,7 @@ class LayerGraph:
                 "activation_bytes": info.activation_bytes,
                 "resident_bytes": info.memory_bytes,
                 "recompute_fraction": info.recompute_fraction,
+                "workspace_bytes": info.workspace_bytes,
             })
         edges = [
             {"src": u, "dst": v, "bytes": d["bytes"], "bytes_backward": d["bytes_backward"]}

@@ -207,23 +207,24 @@ def test_link_profile_keeps_its_duplex_bandwidth():
 
 
 def test_planner_recomputes_activations_when_that_keeps_state_on_the_gpu():
-    """Six blocks hold 6 x 7.5 = 45 GB resident; recomputed, 6 x 7 = 42 GB.
-    Under a 42 GB GPU the plan that keeps activations must stream some
+    """Six blocks hold 6 x 7.5 = 45 GB resident; recomputed, 6 x 7 = 42 GB,
+    plus one block's 0.5 GB of activations back while its backward runs.
+    Under a 42.5 GB GPU the plan that keeps activations must stream some
     blocks' state; recomputing them all keeps everything on the GPU for a
     second forward each (20 ms x 1/3), far less than the state's copies."""
     t = table()
-    keep = plan(t, memory={"gpu:0": 42 * GB}, activations=False)
+    keep = plan(t, memory={"gpu:0": 42.5 * GB}, activations=False)
     assert keep.offloaded  # some state goes to the place
-    p = plan(t, memory={"gpu:0": 42 * GB})
+    p = plan(t, memory={"gpu:0": 42.5 * GB})
     acts = {pl.activations for pl in p.placements.values()}
     assert acts == {"remat"}, p.placements
     assert all(pl.state == "gpu:0" for pl in p.placements.values())
     assert p.predicted.step_time_s < keep.predicted.step_time_s
-    assert p.predicted.peak_memory_bytes["gpu:0"] <= 42 * GB
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 42.5 * GB
     # The table itself, told the layers recompute, agrees: it fits, same step.
     from hetpar.planner import evaluate
     from hetpar.planner._plan import with_memory
-    capped = with_memory(t, {"gpu:0": 42 * GB})
+    capped = with_memory(t, {"gpu:0": 42.5 * GB})
     assert not violations(capped, p.placements)
     assert violations(capped, {n: pl.compute for n, pl in p.placements.items()})
     assert evaluate(capped, p.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
@@ -241,18 +242,19 @@ def test_planner_recomputes_activations_when_that_keeps_state_on_the_gpu():
 
 
 def test_only_as_many_layers_recompute_as_memory_needs():
-    """45 GB resident, 0.5 GB of activations a block: under 43.5 GB, three
-    blocks recomputed fit, and the other three keep their activations (each
+    """45 GB resident, 0.5 GB of activations a block: under 44 GB, three
+    blocks recomputed fit (43.5 GB, and one block's activations back while
+    its backward runs), and the other three keep their activations (each
     recomputation costs 20 ms / 3). No pinned host memory: the state could
     only go to the CPU device, whose updates cost more."""
     t = table(place=False)
-    p = plan(t, memory={"gpu:0": 43.5 * GB})
+    p = plan(t, memory={"gpu:0": 44 * GB})
     acts = [pl.activations for pl in p.placements.values()]
     assert acts.count("remat") == 3 and acts.count("keep") == 3, p.placements
     assert all(pl.state == "gpu:0" for pl in p.placements.values())
     assert p.predicted.step_time_s == pytest.approx(6 * 0.02 + 3 * 0.02 / 3)
-    assert p.predicted.peak_memory_bytes["gpu:0"] <= 43.5 * GB
-    everything = plan(t, memory={"gpu:0": 42 * GB})  # all six must recompute
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 44 * GB
+    everything = plan(t, memory={"gpu:0": 42.5 * GB})  # all six must recompute
     assert [pl.activations for pl in everything.placements.values()] == ["remat"] * 6
     assert p.predicted.step_time_s < everything.predicted.step_time_s
 
@@ -282,13 +284,13 @@ def test_recompute_costs_only_the_forward_the_backward_reads():
     t = table()
     half = dataclasses.replace(t, layers=tuple(dataclasses.replace(la, recompute_fraction=0.5)
                                                 for la in t.layers))
-    whole = plan(t, memory={"gpu:0": 42 * GB})
-    p = plan(half, memory={"gpu:0": 42 * GB})
+    whole = plan(t, memory={"gpu:0": 42.5 * GB})
+    p = plan(half, memory={"gpu:0": 42.5 * GB})
     assert {pl.activations for pl in p.placements.values()} == {"remat"}
     assert p.predicted.step_time_s < whole.predicted.step_time_s
     from hetpar.planner import evaluate
     from hetpar.planner._plan import with_memory
-    capped = with_memory(half, {"gpu:0": 42 * GB})
+    capped = with_memory(half, {"gpu:0": 42.5 * GB})
     assert evaluate(capped, p.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
     assert "23.3 ms" in p.summary(capped)  # 20 ms x (1 + 1/3 x 0.5)
 
@@ -366,3 +368,35 @@ def test_a_measured_staged_path_prices_the_place():
     assert t.link("gpu:0:pinned_host", "gpu:0").bandwidth_bytes_per_s == 50e9
     assert t.link("gpu:0", "gpu:0:pinned_host").bandwidth_bytes_per_s == 45e9
     assert t.link("cpu:0", "gpu:0").bandwidth_bytes_per_s == 7e9  # the CPU device's path
+
+
+def test_a_stages_working_set_counts_against_the_cap():
+    """A head whose stage holds 3 GB while it runs (its logits' softmax and
+    gradient, `workspace_bytes`) beside six blocks: the largest working set
+    on a device is held on top of what its layers hold. Under a cap that the
+    blocks and the head's resident bytes fit but not its working set too,
+    the plan streams state out to make room; the table without it says the
+    GPU fits as is, and the replay and `violations` agree with the planner."""
+    from hetpar.planner._evaluate import held_bytes
+
+    t = table(place=True)
+    head = dataclasses.replace(t.layers[-1], name="head", workspace_bytes=3 * GB,
+                               param_bytes=0.0, opt_state_bytes=0.0, update_s=None,
+                               memory_bytes={"cpu:0": ACT, "gpu:0": ACT})
+    with_head = dataclasses.replace(t, layers=t.layers + (head,),
+                                    edges=t.edges + (Edge("b5", "head", 1e7, 1e7),))
+    all_gpu = {n.name: "gpu:0" for n in with_head.layers}
+    arr = Arrays(with_head)
+    held = held_bytes(arr, arr.placed(all_gpu))
+    assert held[arr.dindex["gpu:0"]] == pytest.approx(6 * HELD + ACT + 3 * GB)
+    cap = 6 * HELD + ACT + 1 * GB  # room for everything it holds, not the head's working set
+    from hetpar.planner._plan import with_memory
+    capped = with_memory(with_head, {"gpu:0": cap})
+    assert any("gpu:0 memory exceeded" in v for v in violations(capped, all_gpu))
+    without = dataclasses.replace(with_head, layers=tuple(
+        dataclasses.replace(la, workspace_bytes=None) for la in with_head.layers))
+    assert not violations(with_memory(without, {"gpu:0": cap}), all_gpu)
+    p = plan(with_head, memory={"gpu:0": cap}, activations=False)
+    assert p.offloaded  # state streamed out to make room for the head's working set
+    assert not violations(capped, p.placements)
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= cap

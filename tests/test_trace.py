@@ -233,3 +233,32 @@ def test_every_zoo_step_is_fully_attributed(name):
     g = trace(w.train_step, *args)
     assert len(g) >= 2
     _check_attribution(g)
+
+
+def test_workspace_bytes_counts_what_a_layer_holds_only_while_it_runs():
+    """A language-model head's logits' softmax and their gradient live only
+    while its stage runs: its working set is at least the logits' size,
+    beyond the activations it keeps; a small dense body's is near nothing.
+    It round-trips through layers.json."""
+    batch, width, vocab = 8, 16, 512
+
+    def step(params, x, labels):
+        def loss(p):
+            with hetpar.layer("body"):
+                h = jnp.tanh(x @ p["body"])
+            with hetpar.layer("head"):
+                logits = h @ p["head"]
+                logp = jax.nn.log_softmax(logits)
+                nll = -jnp.take_along_axis(logp, labels[:, None], axis=1).mean()
+            return nll
+
+        val, g = jax.value_and_grad(loss)(params)
+        return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, params, g), val
+
+    params = {"body": jnp.ones((width, width)) * 0.1, "head": jnp.ones((width, vocab)) * 0.1}
+    g = hetpar.trace(step, params, jnp.ones((batch, width)), jnp.zeros(batch, jnp.int32))
+    logits = batch * vocab * 4
+    assert g["head"].workspace_bytes >= logits
+    assert g["body"].workspace_bytes < logits / 4
+    layers = {row["name"]: row for row in g.to_json()["layers"]}
+    assert layers["head"]["workspace_bytes"] == g["head"].workspace_bytes

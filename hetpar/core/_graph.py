@@ -115,6 +115,11 @@ class Layer:
         activations repeats (activations="remat"), in [0, 1]: the forward
         equations its backward reads from (a GPT-2 block's: 0.68 of its
         forward FLOPs). None means 1: the whole forward runs again.
+      workspace_bytes: bytes the layer's stage holds only while it runs,
+        beyond `memory_bytes` (its temporaries: a GPT-2 head's logits'
+        softmax and gradient). The planner adds the largest on each device
+        to what it holds, and the layer's activations too where it
+        recomputes them. None means 0.
     """
 
     name: str
@@ -128,6 +133,7 @@ class Layer:
     opt_state_bytes: float | None = None
     update_s: Mapping[str, float] | None = None
     recompute_fraction: float | None = None
+    workspace_bytes: float | None = None
 
     def devices(self) -> tuple[str, ...]:
         """Devices this layer may run on: timed there, allowed, and the pin if any."""
@@ -261,6 +267,8 @@ class CostTable:
                 out["update_s"] = dict(layer.update_s)
             if layer.recompute_fraction is not None:
                 out["recompute_fraction"] = layer.recompute_fraction
+            if layer.workspace_bytes is not None:
+                out["workspace_bytes"] = layer.workspace_bytes
             return out
 
         out = {
@@ -348,7 +356,9 @@ class CostTable:
                 update_s=_number_map(layer, "update_s", where) if layer.get(
                     "update_s") is not None else None,
                 recompute_fraction=None if layer.get("recompute_fraction") is None else _field(
-                    layer, "recompute_fraction", where, float)))
+                    layer, "recompute_fraction", where, float),
+                workspace_bytes=None if layer.get("workspace_bytes") is None else _field(
+                    layer, "workspace_bytes", where, float)))
         edges = tuple(
             Edge(src=_field(e, "src", f"edges[{i}]", str),
                  dst=_field(e, "dst", f"edges[{i}]", str),
@@ -514,6 +524,8 @@ def _validate_layer(i: int, layer: Layer, layers: Mapping[str, int], names: Mapp
         _check_number(layer.param_bytes, f"{where}.param_bytes")
     if layer.opt_state_bytes is not None:
         _check_number(layer.opt_state_bytes, f"{where}.opt_state_bytes")
+    if layer.workspace_bytes is not None:
+        _check_number(layer.workspace_bytes, f"{where}.workspace_bytes")
     if layer.recompute_fraction is not None:
         _check_number(layer.recompute_fraction, f"{where}.recompute_fraction")
     if layer.recompute_fraction is not None and not layer.recompute_fraction <= 1:

@@ -233,6 +233,8 @@ class Arrays:
                                for layer in table.layers], dtype=float).reshape(L)
         out_bytes = np.bincount(self.eu, weights=self.fwd, minlength=L) if E else np.zeros(L)
         self.act = np.where(np.isnan(act), out_bytes, act)
+        # What a layer's stage holds only while it runs (0: unknown).
+        self.ws = np.array([layer.workspace_bytes or 0.0 for layer in table.layers], dtype=float)
         # Share of a layer's forward a recomputation of its activations repeats.
         self.recompute = np.array([1.0 if layer.recompute_fraction is None
                                    else layer.recompute_fraction for layer in table.layers])
@@ -471,10 +473,14 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     home = HOST_STATE_COPIES * o + np.where(placed.host_update, p, 0.0)
     np.add.at(out, s[state_apart], home[state_apart])
     np.add.at(out, w[params_apart], HOST_STATE_COPIES * p[params_apart])
+    # One at a time on a device: the largest of an update's visiting state
+    # and a layer's working set (its activations too where it recomputes them).
     visiting = placed.streamed & state_apart
+    transient = np.zeros(len(out))
     for j in np.unique(c[visiting]):
-        out[j] += float(o[visiting & (c == j)].max())
-    return out
+        transient[j] = float(o[visiting & (c == j)].max())
+    np.maximum.at(transient, c, arr.ws + np.where(placed.remat, arr.act, 0.0))
+    return out + transient
 
 
 def ram_bytes(arr: Arrays, held: np.ndarray) -> np.ndarray:
@@ -589,6 +595,8 @@ def evaluate(table: CostTable, assignment: Mapping[str, Any], mode: str = "seque
     t = arr.t_at(M)[np.arange(L), a]
     busy = np.bincount(a, weights=t, minlength=D)
     memory = np.bincount(a, weights=arr.mem[np.arange(L), a], minlength=D)
+    np.maximum.at(working := np.zeros(D), a, arr.ws)
+    memory = memory + working
     used = np.bincount(a, minlength=D) > 0
     f, b = arr.edge_parts(M)
     ia, ib = a[arr.eu], a[arr.ev]

@@ -186,14 +186,22 @@ def _add_placement(m: _Model) -> None:
 
 
 def _add_memory(m: _Model) -> None:
-    """Each device's capacity; skips devices that could hold every layer at once anyway."""
+    """Each device's capacity: what its layers hold plus the largest working
+    set among them (`w_j >= ws_i x_ij`); skips devices that could hold every
+    layer at once anyway."""
     arr = m.arr
     for j in range(arr.ok.shape[1]):
         rows = np.nonzero(arr.ok[:, j])[0]
-        if arr.mem[rows, j].sum() > arr.cap[j]:
-            m.prob.addConstraint(
-                _affine([(m.x[i, j], float(arr.mem[i, j])) for i in rows]) <= float(arr.cap[j]),
-                f"mem{j}")
+        if arr.mem[rows, j].sum() + arr.ws[rows].max(initial=0.0) > arr.cap[j]:
+            terms = [(m.x[i, j], float(arr.mem[i, j])) for i in rows]
+            big = [i for i in rows if arr.ws[i] > 0]
+            if big:
+                w = m.prob.add_variable(f"ws{j}", lowBound=0)
+                for i in big:
+                    m.prob.addConstraint(_affine([(w, 1.0), (m.x[i, j], -float(arr.ws[i]))]) >= 0,
+                                         f"ws{j}_{i}")
+                terms.append((w, 1.0))
+            m.prob.addConstraint(_affine(terms) <= float(arr.cap[j]), f"mem{j}")
 
 
 def _add_transfers(m: _Model, time_terms: list) -> tuple[dict[tuple[int, int], list], float]:

@@ -174,9 +174,11 @@ def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Optio
 
 
 def memory_tight(arr: Arrays) -> bool:
-    """Whether some device with offload options could not hold every layer it may run."""
+    """Whether some device with offload options could not hold every layer it
+    may run, with the largest working set among them."""
     devs = {o.compute for o in options(arr)}
-    return any(arr.resident[arr.ok[:, j], j].sum() > arr.cap[j] * (1 + 1e-9) for j in devs)
+    return any(arr.resident[arr.ok[:, j], j].sum() + arr.ws[arr.ok[:, j]].max(initial=0.0)
+               > arr.cap[j] * (1 + 1e-9) for j in devs)
 
 
 def placements_of(arr: Arrays, compute: np.ndarray, chosen: Mapping[int, Option]
@@ -319,9 +321,11 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     # Memory, in GB.
     D = len(arr.devices)
     use: list[list] = [[] for _ in range(D)]
+    transient: dict[int, list] = {}
     for (i, j), v in x.items():
         use[j].append((v, float(arr.resident[i, j]) / _GB))
-    transient: dict[int, list] = {}
+        if arr.ws[i] > 0:  # its working set, while it runs (`held_bytes`)
+            transient.setdefault(j, []).append((v, float(arr.ws[i]) / _GB))
     for o, v in y.items():
         opt = float(arr.opt[o.layer, o.compute])
         # The old and new optimizer state leave the device (`held_bytes`), and

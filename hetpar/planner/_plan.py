@@ -585,6 +585,8 @@ def _remat_table(table: CostTable, arr: Arrays) -> CostTable:
                     for d, t in layer.time_s.items()},
             memory_bytes={d: max(m - act, 0.0) if d in accs else m
                           for d, m in layer.memory_bytes.items()},
+            # recomputed, they come back while its backward runs
+            workspace_bytes=(layer.workspace_bytes or 0.0) + act,
             activation_bytes=0.0))
     return dataclasses.replace(table, layers=tuple(layers))
 
