@@ -14,6 +14,7 @@ gradient, an activation read by an earlier layer's backward) adds to its
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -91,34 +92,43 @@ def _last_uses(jaxpr) -> dict:
     return last
 
 
-def _live_peak(eqns, ids: Sequence[int], last_use: Mapping) -> int:
-    """The most bytes alive at once, in program order, of the equations' own
-    results that live and die within one unbroken run of them: what the
-    layer's stage holds only while it runs. A result that outlives the run
-    (an activation kept for the backward, an output to the next layer, a
-    gradient for the update, the step's new state) is counted elsewhere
-    (`memory_bytes`, the edges)."""
+def _live_peak(eqns, ids: Sequence[int], last_use: Mapping, kept: set,
+               layered: Sequence[int]) -> int:
+    """What the layer's stage holds only while it runs, beyond the
+    activations it keeps (`memory_bytes` counts those): the most bytes alive
+    at once, in program order, of the equations' own results that live and
+    die within one unbroken run of them, less the kept activations among
+    them. A result that outlives the run (an activation its backward reads
+    later, an output to the next layer, a gradient for the update, the
+    step's new state) is counted elsewhere. A GPT-2 head's forward and
+    backward run unbroken: its logits are kept and inside; the peak, not the
+    peak plus the logits, is what the head needs, kept or recomputed.
+    `layered[i]`: how many of the first i equations belong to a layer (not
+    shared); shared equations (a label's index arithmetic) run with
+    whichever stage reads them, so they do not break a run."""
     import bisect
 
     ids = sorted(ids)
     delta = [0] * (len(ids) + 1)
+    inside = 0
     for k, i in enumerate(ids):
         for o in eqns[i].outvars:
             if isinstance(o, jcore.DropVar) or not hasattr(o.aval, "shape"):
                 continue
             last = last_use.get(o, i)
             end = bisect.bisect_left(ids, last)
-            if last >= len(eqns) or (last > i and (
-                    end >= len(ids) or ids[end] != last or end - k != last - i)):
+            own = bisect.bisect_right(ids, last) - k  # own equations in [i, last]
+            if last >= len(eqns) or layered[last + 1] - layered[i] != own:
                 continue  # read after another layer's equation, or a result
             size = math.prod(o.aval.shape) * o.aval.dtype.itemsize
+            inside += size if o in kept else 0
             delta[k] += size
             delta[max(end, k) + 1] -= size
     peak = live = 0
     for d in delta[:-1]:
         live += d
         peak = max(peak, live)
-    return int(peak)
+    return max(int(peak) - inside, 0)
 
 
 def _recompute_fraction(eqns, ids: Sequence[int], producer: Mapping,
@@ -224,11 +234,12 @@ class LayerGraph:
         eqns = self.program.jaxpr.jaxpr.eqns
         order, members = self._program_order()
         param_b, opt_b = self._state_bytes(order)
-        saved, flow = self._flows(order)
+        saved, kept, flow = self._flows(order)
         producer = {o: i for i, e in enumerate(eqns) for o in e.outvars
                     if not isinstance(o, jcore.DropVar)}
         inputs = set(self.program.jaxpr.jaxpr.invars)
         last_use = _last_uses(self.program.jaxpr.jaxpr)
+        layered = [0, *itertools.accumulate(name != SHARED for name in self.eqn_layers)]
         g = nx.DiGraph()
         for name, ids in members.items():
             g.add_node(name, info=LayerInfo(
@@ -239,7 +250,7 @@ class LayerGraph:
                 activation_bytes=int(saved[name]),
                 work=eqns_work(eqns[i] for i in ids),
                 recompute_fraction=_recompute_fraction(eqns, ids, producer, inputs),
-                workspace_bytes=_live_peak(eqns, ids, last_use),
+                workspace_bytes=_live_peak(eqns, ids, last_use, kept, layered),
             ))
         for (u, v), (fwd, bwd) in flow.items():
             g.add_edge(u, v, bytes=fwd, bytes_backward=bwd)
@@ -307,8 +318,9 @@ class LayerGraph:
         return param_b, opt_b
 
     def _flows(self, order: dict[str, int]
-               ) -> tuple[Counter, dict[tuple[str, str], list[float]]]:
-        """(saved activation bytes per layer, {(earlier, later): [forward, backward bytes]}).
+               ) -> tuple[Counter, set, dict[tuple[str, str], list[float]]]:
+        """(saved activation bytes per layer, the saved activations,
+        {(earlier, later): [forward, backward bytes]}).
 
         Every tensor a layer reads from another counts once per reader; a
         forward result read by backward code is an activation its producer
@@ -357,7 +369,7 @@ class LayerGraph:
                     flow.setdefault((src, dst), [0.0, 0.0])[0] += b
                 else:
                     flow.setdefault((dst, src), [0.0, 0.0])[1] += b
-        return saved, flow
+        return saved, saved_seen, flow
 
     # -- pieces ------------------------------------------------------------
 

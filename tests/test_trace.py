@@ -260,5 +260,12 @@ def test_workspace_bytes_counts_what_a_layer_holds_only_while_it_runs():
     logits = batch * vocab * 4
     assert g["head"].workspace_bytes >= logits
     assert g["body"].workspace_bytes < logits / 4
+    # The head's forward and backward run unbroken (the labels' shared index
+    # arithmetic between them does not break the run), so the logits it keeps
+    # are inside its peak: counted in activation_bytes, not again on top.
+    # Unfused, its peak is 4 logits-sized arrays (logits, log-softmax, their
+    # gradients).
+    assert g["head"].activation_bytes >= logits
+    assert g["head"].workspace_bytes + g["head"].activation_bytes <= 4 * logits + 1024
     layers = {row["name"]: row for row in g.to_json()["layers"]}
     assert layers["head"]["workspace_bytes"] == g["head"].workspace_bytes
