@@ -68,6 +68,35 @@ def _steps(step, args, n: int = 5) -> float:
     return float(np.median(times[1:]))
 
 
+def _stage_times(step, args, n: int = 3) -> dict:
+    """Each stage's median compute seconds over `n` steps (`Executor.record_events`
+    serialises the step: a breakdown, not the step time), by device, with its
+    layers and phase, the slowest first."""
+    state, batch = tuple(args[:-1]), args[-1]
+    ex = step.lower(*state, batch)._executor
+    if ex is None:  # the whole step on one device: one executable
+        return None
+    stages = {s.index: s for s in ex.stages.stages}
+    ex.record_events = True
+    per: dict[int, list[float]] = {}
+    try:
+        for _ in range(n):
+            *state, loss = step(*state, batch)
+            jax.block_until_ready((state, loss))
+            for ev in ex.last_events:
+                if ev.what == "compute":
+                    per.setdefault(ev.stage, []).append(ev.end_s - ev.start_s)
+    finally:
+        ex.record_events = False
+    rows = sorted(({"stage": i, "device": stages[i].device, "phase": stages[i].phase,
+                    "layers": list(stages[i].layers), "s": float(np.median(v))}
+                   for i, v in per.items()), key=lambda r: -r["s"])
+    busy: dict[str, float] = {}
+    for r in rows:
+        busy[r["device"]] = busy.get(r["device"], 0.0) + r["s"]
+    return {"busy_s": busy, "stages": rows[:12]}
+
+
 def _write(out: pathlib.Path, name: str, data: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(data, indent=1) + "\n")
@@ -84,6 +113,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="gpu:0", help="the capped accelerator")
     ap.add_argument("--host", default="cpu:0", help="where state may go")
     ap.add_argument("--small", action="store_true", help="the small config (a smoke test)")
+    ap.add_argument("--stages", action="store_true",
+                    help="run: also time each stage alone (a serialised breakdown)")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     w, example = _workload(args.batch, args.small)
@@ -113,10 +144,13 @@ def main(argv=None) -> int:
         after_place = {"peak": _peak(args.device), "in_use": _in_use(args.device),
                        "resident": _resident(placed, args.device)}
         t = _steps(step, placed)
+        peak = _peak(args.device)
+        stages = _stage_times(step, placed) if args.stages else None
         _write(out, f"ran_{pathlib.Path(args.plan).stem}.json", {
-            "batch": args.batch, "plan": args.plan, "peak_bytes_in_use": _peak(args.device),
+            "batch": args.batch, "plan": args.plan, "peak_bytes_in_use": peak,
             "peak_after_compile": compiled_peak, "after_place": after_place,
-            "in_use_after_steps": _in_use(args.device), "step_s": t, "device": kind})
+            "in_use_after_steps": _in_use(args.device), "step_s": t, "device": kind,
+            "stage_breakdown": stages})
     else:
         step = jax.jit(w.train_step)
         t = _steps(step, jax.device_put(example, resolve_device(args.device)))

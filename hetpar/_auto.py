@@ -618,7 +618,7 @@ class CompiledStep:
                     predicted=predicted,
                     solver={"name": "none", "status": "given",
                             "chosen": "data parallel " + "+".join(replicas)},
-                    replicas=replicas)
+                    replicas=replicas, devices=self.table.device_names)
 
     # -- planning ---------------------------------------------------------
 
@@ -664,8 +664,10 @@ class CompiledStep:
         if isinstance(plan, Mapping):
             return assignment
         # The plan's fingerprint names the devices it was planned over: those it
-        # uses, or (a plan that left some idle) every device given or present.
-        table = self._cost_table(wanted, options)
+        # records (idle ones too), or, in a plan from before it recorded them,
+        # those it uses or every device given or present.
+        over = [d for d in plan.devices if d in self.devices] if plan.devices else []
+        table = self._cost_table(over if len(over) == len(plan.devices) > 0 else wanted, options)
         if plan.fingerprint != table.fingerprint():
             wider = self._cost_table(self._candidate_devices(options), options)
             if plan.fingerprint == wider.fingerprint():

@@ -12,6 +12,7 @@ Tolerance: the relative L2 error over all floating-point state, <= 1e-5
 """
 
 import dataclasses
+import json
 import threading
 
 import flax.linen as nn
@@ -255,6 +256,14 @@ def test_saved_plan_that_leaves_a_device_idle_loads(tmp_path):
     again = hetpar.auto(w.train_step, devices=["cpu:0", "cpu:1"], plan=tmp_path / "plan.json")
     check_steps(w.train_step, again, args, steps=1)
     assert again.plan == idle and set(again.assignment.values()) == {"cpu:1"}
+    # The plan records the devices it was planned over, so it loads without
+    # them named again, among more devices present (the fingerprint of every
+    # present device's table would not match).
+    assert len(CPU) > 2 and idle.devices == ("cpu:0", "cpu:1")
+    assert json.loads((tmp_path / "plan.json").read_text())["devices"] == ["cpu:0", "cpu:1"]
+    bare = hetpar.auto(w.train_step, plan=tmp_path / "plan.json")
+    check_steps(w.train_step, bare, args, steps=1)
+    assert set(bare.assignment.values()) == {"cpu:1"}
 
 
 def test_plan_dict_with_unknown_layers_is_a_clear_error():

@@ -75,6 +75,9 @@ class Plan:
       offloaded: {layer: Placement} of the layers whose state or update lives
         apart from their compute device (the rest keep everything there).
         `placements` gives every layer's.
+      devices: the devices it was planned over (its table's), idle ones
+        included: `hetpar.auto(plan=...)` prices the plan over them again.
+        Empty in plans written before it was recorded.
     """
 
     fingerprint: str
@@ -89,6 +92,7 @@ class Plan:
     constraints: Mapping[str, float | None] = dataclasses.field(default_factory=dict)
     replicas: tuple[str, ...] = ()
     offloaded: Mapping[str, Placement] = dataclasses.field(default_factory=dict)
+    devices: tuple[str, ...] = ()
 
     def __post_init__(self):
         placements = {**parse_placements(self.assignment),
@@ -127,6 +131,7 @@ class Plan:
             "solver": dict(self.solver),
             "baselines": {k: v.to_json() for k, v in self.baselines.items()},
             **({"replicas": list(self.replicas)} if self.replicas else {}),
+            **({"devices": list(self.devices)} if self.devices else {}),
         }
 
     @classmethod
@@ -177,13 +182,17 @@ class Plan:
         if not isinstance(replicas, list) or not all(isinstance(d, str) for d in replicas) or (
                 len(replicas) == 1):
             raise PlanError(f"replicas must list two or more device names, got {replicas!r}")
+        devices = data.get("devices", [])
+        if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+            raise PlanError(f"devices must list device names, got {devices!r}")
         return cls(
             fingerprint=str(data["fingerprint"]), mode=data["mode"],
             objective=data["objective"], microbatches=mb, assignment=dict(assignment),
             predicted=predicted, solver=dict(data["solver"]),
             baselines={k: BaselineResult.from_json(k, v) for k, v in baselines.items()},
             contiguous=bool(data.get("contiguous", False)),
-            constraints=dict(data.get("constraints", {})), replicas=tuple(replicas))
+            constraints=dict(data.get("constraints", {})), replicas=tuple(replicas),
+            devices=tuple(devices))
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes plan.json."""
@@ -810,7 +819,7 @@ class _Request:
             "microbatches": self.microbatches if self.mode == "pipelined" else 1,
             "contiguous": self.contiguous,
             "constraints": {"max_cost": self.max_cost, "max_step_time": self.max_step_time},
-            **fields})
+            "devices": table.device_names, **fields})
 
 
 def _check_prices(arr: Arrays, req: _Request) -> None:
