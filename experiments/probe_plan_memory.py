@@ -14,6 +14,8 @@ This checks the other side: each step in a fresh process, where the GPU's
         # fresh process: 5 steps under the plan, the GPU's peak bytes
     python experiments/probe_plan_memory.py jit --batch 16 --out DIR
         # fresh process: 5 steps under jax.jit on the GPU, its peak bytes
+    python experiments/probe_plan_memory.py layers --layers lm_head,wte --device cpu:0 --out DIR
+        # those layers timed alone (10 runs, every sample), as profile="measure" does
     python experiments/probe_plan_memory.py plan --small --batch 8 --device cpu:1 --out DIR
         # a smoke test on virtual CPU devices (no peak bytes there)
 """
@@ -68,7 +70,7 @@ def _steps(step, args, n: int = 5) -> float:
     return float(np.median(times[1:]))
 
 
-def _stage_times(step, args, n: int = 3) -> dict:
+def _stage_times(step, args, n: int = 5) -> dict:
     """Each stage's median compute seconds over `n` steps (`Executor.record_events`
     serialises the step: a breakdown, not the step time), by device, with its
     layers and phase, the slowest first."""
@@ -79,10 +81,13 @@ def _stage_times(step, args, n: int = 3) -> dict:
     stages = {s.index: s for s in ex.stages.stages}
     ex.record_events = True
     per: dict[int, list[float]] = {}
+    walls = []
     try:
         for _ in range(n):
+            t0 = time.perf_counter()
             *state, loss = step(*state, batch)
             jax.block_until_ready((state, loss))
+            walls.append(time.perf_counter() - t0)
             for ev in ex.last_events:
                 if ev.what == "compute":
                     per.setdefault(ev.stage, []).append(ev.end_s - ev.start_s)
@@ -94,7 +99,7 @@ def _stage_times(step, args, n: int = 3) -> dict:
     busy: dict[str, float] = {}
     for r in rows:
         busy[r["device"]] = busy.get(r["device"], 0.0) + r["s"]
-    return {"busy_s": busy, "stages": rows[:12]}
+    return {"serialised_step_s": float(np.median(walls)), "busy_s": busy, "stages": rows[:12]}
 
 
 def _write(out: pathlib.Path, name: str, data: dict) -> None:
@@ -105,7 +110,7 @@ def _write(out: pathlib.Path, name: str, data: dict) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("plan", "run", "jit"))
+    ap.add_argument("what", choices=("plan", "run", "jit", "layers"))
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--fraction", type=float, default=0.25)
     ap.add_argument("--plan", default=None)
@@ -113,6 +118,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="gpu:0", help="the capped accelerator")
     ap.add_argument("--host", default="cpu:0", help="where state may go")
     ap.add_argument("--small", action="store_true", help="the small config (a smoke test)")
+    ap.add_argument("--layers", default="lm_head",
+                    help="layers: comma-separated layers to time alone on --device")
     ap.add_argument("--stages", action="store_true",
                     help="run: also time each stage alone (a serialised breakdown)")
     args = ap.parse_args(argv)
@@ -129,6 +136,7 @@ def main(argv=None) -> int:
         path = out / f"plan_{args.fraction:g}.json"
         out.mkdir(parents=True, exist_ok=True)
         compiled.plan.save(path)
+        compiled.table.save(out / f"table_{args.fraction:g}.json")  # what it planned with
         p = compiled.plan.predicted
         _write(out, f"planned_{args.fraction:g}.json", {
             "batch": args.batch, "fraction": args.fraction, "need_bytes": need,
@@ -151,6 +159,17 @@ def main(argv=None) -> int:
             "peak_after_compile": compiled_peak, "after_place": after_place,
             "in_use_after_steps": _in_use(args.device), "step_s": t, "device": kind,
             "stage_breakdown": stages})
+    elif args.what == "layers":
+        from hetpar.cost_models import measure_layer
+
+        graph = hetpar.trace(w.train_step, *example)
+        rows = {}
+        for layer in args.layers.split(","):
+            t = measure_layer(graph, layer, args.device, k=10, budget_s=None)
+            rows[layer] = {"typical_s": t.typical_s, "median_s": t.median_s,
+                           "samples": list(t.samples), "cached": t.cached}
+        _write(out, f"layers_{args.device.replace(':', '')}.json",
+               {"batch": args.batch, "device": args.device, "kind": kind, "layers": rows})
     else:
         step = jax.jit(w.train_step)
         t = _steps(step, jax.device_put(example, resolve_device(args.device)))

@@ -1544,10 +1544,13 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
       memory: {device: bytes} caps on devices' memory for planning (e.g.
         `{"gpu:0": 40e9}`), so the planner keeps state off a device (offload)
         as if it were that small. A cap bounds what the layers hold across
-        the step (parameters, state, gradients, kept activations), not a
-        stage's own working set while it runs: leave room for the largest
-        (GPT-2's head at batch 16 x 128 tokens, ~1.2 GB; capped offload
-        plans peaked at 1.7-3.9x their cap, experiments/results/plan_memory).
+        the step (parameters, state, gradients, kept activations) plus the
+        largest working set of a layer on the device while it runs (its
+        temporaries, counted unfused from the trace: GPT-2's head at batch
+        16 x 128 tokens, 1.23 GB). Not counted: weights streamed in ahead,
+        XLA's own workspace and compiling; leave room for those (capped
+        GPT-2 plans peaked at 1.3-1.4x a 1.30 GB cap on an H100,
+        experiments/results/plan_memory).
       batch: under `jax.distributed` with several processes, what each process
         passes as the batch arguments: "global" (the whole batch, the same on
         every process; each process uses its devices' share) or "local" (only
