@@ -32,7 +32,18 @@ from hetpar.cost_models._devices import (
     resolve_device,
     spec_kind_of,
 )
-from hetpar.cost_models._layer_fit import fit_on_layers, fit_samples, layer_samples
+from hetpar.cost_models._equation_model import (
+    MatmulEquation,
+    fit_equation_model,
+    matmul_equations,
+    predict_layer,
+)
+from hetpar.cost_models._layer_fit import (
+    fit_on_layers,
+    fit_samples,
+    layer_samples,
+    with_layer_model,
+)
 from hetpar.cost_models._layer_timing import (
     LAYER_RUNS,
     measure_layer,
@@ -151,6 +162,11 @@ __all__ = [
     "batch_share",
     "measure",
     "measure_step",
+    "MatmulEquation",
+    "fit_equation_model",
+    "matmul_equations",
+    "predict_layer",
+    "with_layer_model",
     "fit_on_layers",
     "fit_samples",
     "layer_samples",

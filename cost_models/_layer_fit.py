@@ -20,7 +20,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from hetpar.core import ProfileError, seconds
+from hetpar.cost_models._equation_model import (
+    fit_equation_model,
+    matmul_equations,
+    predict_layer,
+)
 from hetpar.cost_models._layer_timing import LAYER_RUNS, measure_layer
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes
 from hetpar.cost_models._profile import DeviceProfile
@@ -74,8 +81,52 @@ def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
     if not samples:
         raise ProfileError("fit_on_layers: the models given have no layers to measure")
     names = ", ".join(sorted({n for n, *_ in samples}))
-    return fit_samples(profile, [(w, t) for _, _, w, t in samples],
-                       what=f"{len(samples)} layers of {names} measured alone")
+    what = f"{len(samples)} layers of {names} measured alone"
+    fitted = fit_samples(profile, [(w, t) for _, _, w, t in samples], what=what)
+    by_name = dict(graphs)
+    return with_layer_model(profile, fitted, [
+        (n, matmul_equations(by_name[n], layer), w, t) for n, layer, w, t in samples], what=what)
+
+
+#: Layers faster than this are left out of the choice between the models
+#: (their times are mostly fixed costs, and noise).
+CHOICE_FLOOR_S = 100e-6
+
+
+def with_layer_model(profile: DeviceProfile, fitted: DeviceProfile, samples: Sequence,
+                     *, what: str = "measured layers") -> DeviceProfile:
+    """`fitted` (the roofline fitted on `samples`) with the per-equation layer
+    model fitted on them too (`DeviceProfile.layer_model`), where it predicts
+    better: each model's layers held out in turn, both fitted on the rest
+    (the roofline from `profile`), and the held-out layers' median errors
+    compared. Its `sources["layer_model"]` says how each did.
+
+    Args:
+      samples: `(model name, matmul_equations, LayerWork, seconds)` per layer.
+    """
+    models = sorted({m for m, *_ in samples})
+    if len(models) < 2:
+        return fitted  # nothing to hold out: no evidence for either
+    eq_err, roof_err = [], []
+    for m in models:
+        train = [s for s in samples if s[0] != m]
+        test = [s for s in samples if s[0] == m and s[3] >= CHOICE_FLOOR_S] or [
+            s for s in samples if s[0] == m]
+        roof = fit_samples(profile, [(w, t) for _, _, w, t in train])
+        eq = roof.replace(layer_model=fit_equation_model(roof, [(e, w, t) for _, e, w, t in train]))
+        for _, e, w, t in test:
+            roof_err.append(abs(predict(roof, w) / t - 1))
+            eq_err.append(abs(predict_layer(eq, w, e) / t - 1))
+    eq_med, roof_med = float(np.median(eq_err)), float(np.median(roof_err))
+    verdict = (f"each of {len(models)} models left out: median {eq_med:.0%} off, the "
+               f"roofline {roof_med:.0%}")
+    sources = dict(fitted.sources)
+    if eq_med >= roof_med:
+        sources["layer_model"] = f"not used (fitted on {what}; {verdict})"
+        return fitted.replace(sources=sources, layer_model=None)
+    sources["layer_model"] = f"fitted on {what}; {verdict}"
+    coef = fit_equation_model(fitted, [(e, w, t) for _, e, w, t in samples])
+    return fitted.replace(layer_model=coef, sources=sources)
 
 
 def fit_samples(profile: DeviceProfile, samples: Sequence[tuple[LayerWork, float]], *,

@@ -272,6 +272,11 @@ class DeviceProfile:
         FLOPs (`LayerWork.conv_flops`), in (0, 1]; None unless calibrated
         with `calibrate(fit_conv=True)`, when convolutions run at the
         matmul class's FLOP efficiency. See `conv_flops_efficiency`.
+      layer_model: coefficients of the per-equation layer model
+        (`hetpar.cost_models.fit_equation_model`), fitted by `hetpar profile
+        --fit` on measured layers where it predicted them better than the
+        roofline; layers that are not measured are then predicted by it
+        (`predict_layer`). None: the roofline.
       price_per_hour: on-demand dollars per device-hour when rented alone.
       host_price_per_hour: marginal dollars per hour when this device is the
         host CPU of an accelerator instance whose price already covers it
@@ -306,6 +311,7 @@ class DeviceProfile:
     buffer_overhead_s: float = 0.0
     fused_bytes_efficiency: float | None = None
     conv_efficiency: float | None = None
+    layer_model: Mapping[str, float] | None = None
 
     def conv_flops_efficiency(self) -> float:
         """Efficiency on convolution FLOPs: calibrated, else the matmul class's."""
@@ -356,6 +362,8 @@ class DeviceProfile:
             out["fused_bytes_efficiency"] = self.fused_bytes_efficiency
         if self.conv_efficiency is not None:
             out["conv_efficiency"] = self.conv_efficiency
+        if self.layer_model:
+            out["layer_model"] = dict(self.layer_model)
         out["host_link"] = self.host_link.to_json() if self.host_link else None
         out["efficiencies"] = {c: dict(e) for c, e in self.efficiencies.items()}
         out["sources"] = dict(self.sources)
@@ -400,6 +408,19 @@ class DeviceProfile:
                                 "after-fusion bytes faster than its peak bandwidth")
         conv_eff = _efficiency(where, data, "conv_efficiency",
                                "no device runs convolutions faster than its matmul peak")
+        layer_model = data.get("layer_model")
+        if layer_model is not None:
+            if not isinstance(layer_model, Mapping) or not layer_model:
+                raise ProfileError(f"{where}: field 'layer_model' must be an object of "
+                                   "coefficients (hetpar profile --fit writes it)")
+            from hetpar.cost_models._equation_model import TERMS
+
+            unknown = sorted(set(map(str, layer_model)) - set(TERMS))
+            if unknown:
+                raise ProfileError(f"{where}: layer_model has unknown terms {unknown}; "
+                                   f"known: {', '.join(TERMS)}")
+            layer_model = {str(k): _num(where, f"layer_model.{k}", v, allow_zero=True)
+                           for k, v in layer_model.items()}
         link = data.get("host_link")
         host_link = LinkProfile.from_json(link, f"{where} host_link") if link else None
         effs = _require(where, data, "efficiencies", "{op_class: {'flops': e, 'bytes': e}}")
@@ -434,6 +455,7 @@ class DeviceProfile:
             buffer_overhead_s=buffer_overhead,
             fused_bytes_efficiency=fused_eff,
             conv_efficiency=conv_eff,
+            layer_model=layer_model,
             **figures,
         )
 

@@ -401,7 +401,11 @@ def transfer_calibration(measured: DeviceProfile, spec_profile: DeviceProfile) -
     if measured.conv_efficiency is not None:
         sources["conv_efficiency"] = f"transferred from {measured.name!r}: " + \
             measured.sources.get("conv_efficiency", "measured")
+    if measured.layer_model:
+        sources["layer_model"] = f"transferred from {measured.name!r}: " + \
+            measured.sources.get("layer_model", "measured")
     return spec_profile.replace(
+        layer_model=dict(measured.layer_model) if measured.layer_model else None,
         efficiencies={c: dict(e) for c, e in measured.efficiencies.items()},
         fused_bytes_efficiency=measured.fused_bytes_efficiency,
         conv_efficiency=measured.conv_efficiency,

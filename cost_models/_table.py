@@ -57,6 +57,7 @@ from typing import Any
 from absl import logging
 
 from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
+from hetpar.cost_models._equation_model import matmul_equations, predict_layer
 from hetpar.cost_models._layer_timing import LAYER_RUNS, measure_layer, measure_update
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes, update_work
 from hetpar.cost_models._profiles import ProfileSet
@@ -279,7 +280,10 @@ def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *, m
     work = graph_layer_work(graph, name)
     works = (_fused_works(graph, name, work, devs) if fused_bytes
              else {d.name: work for d in devs})
-    times.predicted[name] = {d.name: predict(d.profile, works[d.name]) for d in devs}
+    eqs = (matmul_equations(graph, name) if any(d.profile.layer_model for d in devs)
+           else ())
+    times.predicted[name] = {d.name: predict_layer(d.profile, works[d.name], eqs)
+                             for d in devs}
     row = dict(times.predicted[name])
     if measure:
         measured = _measure_present(graph, name, devs, times, k=k,

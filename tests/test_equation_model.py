@@ -1,0 +1,247 @@
+"""The per-equation layer model (`hetpar.cost_models._equation_model`): what it
+counts, its fit, the profile field, and its use in cost tables."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import hetpar
+from hetpar import ProfileError
+from hetpar.cost_models import (
+    DeviceProfile,
+    cost_table,
+    fit_equation_model,
+    fit_samples,
+    graph_layer_work,
+    load_profiles,
+    matmul_equations,
+    predict,
+    predict_layer,
+    spec,
+    transfer_calibration,
+    with_layer_model,
+)
+from hetpar.cost_models._equation_model import TERMS, terms, useful_fraction
+
+
+class _Net(nn.Module):
+    """Written as Flax users write it: a conv stem, a transposed conv, a
+    depthwise conv and a dense head, each a named module."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), name="conv")(x))
+        x = nn.relu(nn.ConvTranspose(8, (3, 3), strides=(2, 2), name="up")(x))
+        x = nn.relu(nn.Conv(8, (3, 3), feature_group_count=8, name="depthwise")(x))
+        return nn.Dense(10, name="head")(x.reshape(x.shape[0], -1))
+
+
+def _graph(batch=4):
+    model, tx = _Net(), optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    x = jnp.ones((batch, 8, 8, 3))
+    y = jnp.zeros((batch,), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), x)
+    opt = tx.init(params)
+
+    def step(params, opt, x, y):
+        def loss(p):
+            logits = model.apply(p, x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value
+
+    return hetpar.trace(step, params, opt, x, y, depth=2)
+
+
+def _layer(graph, part):
+    return next(n for n in graph.layers if part in n)
+
+
+def test_each_convolution_kind_gets_its_class():
+    g = _graph()
+    classes = {part: {e.cls for e in matmul_equations(g, _layer(g, part))}
+               for part in ("conv", "up", "depthwise", "head")}
+    assert classes["head"] == {"dot"}  # forward, input and weight gradients
+    assert classes["depthwise"] == {"dw"}
+    # a conv's weight gradient has a kernel-shaped output
+    assert {"conv", "wgrad"} <= classes["conv"]
+    # Flax's ConvTranspose is an input-dilated convolution without a reversed kernel
+    assert "tr" in classes["up"]
+    up = [e for e in matmul_equations(g, _layer(g, "up")) if e.cls == "tr"]
+    assert all(e.flops > 0 and e.m > 0 and e.n > 0 and e.k > 0 for e in up)
+
+
+def test_useful_fraction_of_tiles_and_waves():
+    assert useful_fraction(64 * 132, 64, 32, 132) == pytest.approx(1.0)
+    # one 64x64 tile of 132 units: 1/132 of a wave busy
+    assert useful_fraction(64, 64, 32, 132) == pytest.approx(1 / 132)
+    # a ragged edge pads the tile
+    assert useful_fraction(32 * 132, 64, 32, 132) == pytest.approx(0.5)
+
+
+def _samples(profile, truth, graph):
+    out = []
+    for layer in graph.layers:
+        eqs, work = matmul_equations(graph, layer), graph_layer_work(graph, layer)
+        t = terms(eqs, work, peak=profile.peak("f32", "matmul"),
+                  bandwidth=profile.memory_bandwidth_bytes_per_s, units=132,
+                  cpu=profile.device_class == "cpu")
+        out.append((eqs, work, sum(truth.get(k, 0.0) * v for k, v in t.items())))
+    return out
+
+
+def test_fit_recovers_times_made_by_known_coefficients():
+    prof = spec("h100")
+    truth = {"c0": 20e-6, "buffers": 2e-6, "flops_dot": 3.0, "flops_conv": 5.0,
+             "flops_wgrad": 8.0, "flops_dw": 40.0, "flops_tr": 12.0, "bytes": 1.5}
+    samples = []
+    for batch in (2, 4, 8, 16):
+        samples += _samples(prof, truth, _graph(batch))
+    coef = fit_equation_model(prof, samples)
+    assert set(coef) == set(TERMS)
+    fitted = prof.replace(layer_model=coef)
+    for eqs, work, t in samples:
+        assert predict_layer(fitted, work, eqs) == pytest.approx(t, rel=0.02)
+
+
+def test_unseen_class_borrows_its_parent():
+    prof = spec("h100")
+    truth = {"c0": 10e-6, "flops_dot": 2.0, "bytes": 1.0}
+    g = _graph()
+    dense = [s for s, layer in zip(_samples(prof, truth, g), g.layers) if "head" in layer]
+    coef = fit_equation_model(prof, dense * 3)
+    assert coef["flops_conv"] == coef["flops_dot"] == coef["flops_wgrad"]
+
+
+def test_fit_refuses_no_samples_and_bad_times():
+    with pytest.raises(ProfileError, match="no measured layers"):
+        fit_equation_model(spec("h100"), [])
+    g = _graph()
+    layer = g.layers[0]
+    bad = [(matmul_equations(g, layer), graph_layer_work(g, layer), 0.0)]
+    with pytest.raises(ProfileError, match="positive"):
+        fit_equation_model(spec("h100"), bad)
+
+
+def test_profile_round_trips_the_layer_model_and_names_unknown_terms():
+    coef = dict.fromkeys(TERMS, 1e-3)
+    prof = spec("h100").replace(layer_model=coef)
+    again = DeviceProfile.from_json(json.loads(json.dumps(prof.to_json())))
+    assert again.layer_model == coef
+    assert "layer_model" not in spec("h100").to_json()
+    data = prof.to_json()
+    data["layer_model"] = {"c0": 1e-5, "flops_gemm": 1.0}
+    with pytest.raises(ProfileError, match="unknown terms.*flops_gemm"):
+        DeviceProfile.from_json(data)
+    data["layer_model"] = {"c0": -1.0}
+    with pytest.raises(ProfileError, match="layer_model.c0"):
+        DeviceProfile.from_json(data)
+
+
+def test_a_sibling_spec_sheet_borrows_the_layer_model():
+    coef = dict.fromkeys(TERMS, 1e-3)
+    moved = transfer_calibration(spec("h100").replace(name="gpu:0", origin="measured",
+                                                      layer_model=coef), spec("h200"))
+    assert moved.layer_model == coef and "transferred" in moved.sources["layer_model"]
+    # its own peak and bandwidth price the terms
+    g = _graph()
+    layer = _layer(g, "head")
+    eqs, work = matmul_equations(g, layer), graph_layer_work(g, layer)
+    assert predict_layer(moved, work, eqs) != predict_layer(
+        spec("h100").replace(layer_model=coef), work, eqs)
+
+
+def test_cost_table_predicts_with_the_layer_model_where_a_profile_has_one():
+    g = _graph()
+    coef = dict.fromkeys(TERMS, 0.0) | {"c0": 1e-3, "flops_dot": 10.0, "flops_conv": 10.0,
+                                        "flops_wgrad": 10.0, "flops_dw": 10.0,
+                                        "flops_tr": 10.0}
+    profiles = load_profiles()
+    profiles = profiles.replace_devices({**profiles.devices,
+                                         "h100": spec("h100").replace(layer_model=coef)})
+    table = cost_table(g, ["h100", "h200"], profiles=profiles)
+    for layer in table.layers:
+        work = graph_layer_work(g, layer.name)
+        eqs = matmul_equations(g, layer.name)
+        assert layer.time_s["h100:0"] == pytest.approx(predict_layer(
+            profiles.device("h100"), work, eqs))
+        assert layer.time_s["h100:0"] >= 1e-3  # the layer model's fixed part
+        assert layer.time_s["h200:0"] == pytest.approx(predict(profiles.device("h200"), work))
+
+
+def test_with_layer_model_keeps_it_only_where_it_predicts_better():
+    prof = spec("h100").replace(name="gpu:0", origin="measured")
+    truth = {"c0": 20e-6, "flops_dot": 3.0, "flops_conv": 5.0, "flops_wgrad": 30.0,
+             "flops_dw": 40.0, "flops_tr": 12.0, "bytes": 1.5}
+    samples = []
+    for batch in (2, 4, 8, 16, 32):
+        g = _graph(batch)
+        samples += [(f"b{batch}", *s) for s in _samples(prof, truth, g)]
+    roof = fit_samples(prof, [(w, t) for _, _, w, t in samples])
+    kept = with_layer_model(prof, roof, samples, what="synthetic layers")
+    assert kept.layer_model is not None and "left out" in kept.sources["layer_model"]
+    # Times set by matmul FLOPs, with the equation model shown no equations:
+    # only the roofline sees what sets them.
+    plain = [(m, (), w, 1e-5 + w.flops_by_class.get("matmul", 0.0) / 1e12)
+             for m, _, w, _ in samples]
+    roof = fit_samples(prof, [(w, t) for _, _, w, t in plain])
+    dropped = with_layer_model(prof, roof, plain, what="elementwise times")
+    assert dropped.layer_model is None and "not used" in dropped.sources["layer_model"]
+    # one model: nothing to hold out, no choice made
+    one = [("only", *s[1:]) for s in samples]
+    assert with_layer_model(prof, roof, one).layer_model is None
+
+
+def test_a_layer_without_matmuls_has_only_fixed_and_bytes_terms():
+    work = graph_layer_work(_graph(), _graph().layers[0])
+    t = terms((), work, peak=1e12, bandwidth=1e12, units=132, cpu=False)
+    assert tuple(t) == TERMS
+    assert all(v == 0 for k, v in t.items() if k.startswith(("flops_", "calls_")))
+    assert t["c0"] == 1 and t["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_held_out_zoo_layers_on_the_h100_within_ten_percent():
+    """Issue 17's per-layer goal, on the committed H100 measurements
+    (experiments/results: the zoo's layers and the layer sweep, timed there):
+    fitted on the sweep and the zoo's train models, the held-out models'
+    layers above 100 us are predicted within 10% median, and better than the
+    calibrated roofline fitted on the same layers. Every layer is traced
+    again here (~1 min)."""
+    import pathlib
+    import sys
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "experiments"))
+    import layer_model_check as check
+
+    from hetpar.cost_models import LayerWork
+
+    train_models = {"alexnet", "conv6", "lm_embed", "mobilenet_v1", "resnet50", "transformer"}
+    res = repo / "experiments/results"
+    zoo = check._records(res / "cross_card/accuracy_v3_h100.json", "gpu:0")
+    sweep = check._records(res / "layer_sweep_gpu/sweep_h100.json", "gpu:0")
+    eqs = check._equations(zoo + sweep)
+
+    def sample(r):
+        return eqs[id(r)], LayerWork.from_json(r["work"]), r["measured_s"]
+
+    train = [sample(r) for r in sweep + zoo
+             if id(r) in eqs and (r["model"] == "sweep" or r["model"] in train_models)]
+    test = [sample(r) for r in zoo if id(r) in eqs and r["model"] not in train_models
+            and r["measured_s"] > 100e-6]
+    assert len(train) > 100 and len(test) > 30
+    base = spec("h100").replace(name="gpu:0", origin="measured")
+    roof = fit_samples(base, [(w, t) for _, w, t in train])
+    eq = roof.replace(layer_model=fit_equation_model(roof, train))
+    err_eq = sorted(abs(predict_layer(eq, w, e) / t - 1) for e, w, t in test)
+    err_roof = sorted(abs(predict(roof, w) / t - 1) for _, w, t in test)
+    median = err_eq[len(err_eq) // 2]
+    assert median <= 0.10, f"held-out median {median:.1%}"
+    assert median < err_roof[len(err_roof) // 2]
