@@ -380,10 +380,16 @@ def test_cli_profile_fit(tmp_path, monkeypatch):
     monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "fitted.json"
     base = ["profile", "--quick", "--no-transfers", "--devices", "cpu:0"]
-    r = _run_cli(*base, "--fit", "mlp", "--out", str(out))
+    r = _run_cli(*base, "--fit", "mlp,conv6", "--out", str(out))
     assert r.returncode == 0, r.stderr
     assert "mlp/" in r.stderr  # a line per layer measured
-    assert "fitted on" in load_profiles(out).devices["cpu:0"].sources["efficiencies"]
+    fitted = load_profiles(out).devices["cpu:0"]
+    assert "fitted on" in fitted.sources["efficiencies"]
+    # The per-equation model was fitted too and judged, each model left out;
+    # the verdict is in the file and on the screen either way.
+    assert "left out" in fitted.sources["layer_model"]
+    assert "cpu:0: per-equation layer model" in r.stdout
+    assert (fitted.layer_model is None) == fitted.sources["layer_model"].startswith("not used")
 
 
 def test_cli_profile_fit_names_zoo_models():

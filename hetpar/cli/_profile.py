@@ -92,6 +92,9 @@ def _measure(args, links, process: int) -> int:
         return 0
     save_profiles(args.out, profiles)
     print(summary_table(profiles))
+    for name, prof in profiles.devices.items():
+        if "layer_model" in prof.sources:  # what --fit chose for unmeasured layers
+            print(f"{name}: per-equation layer model {prof.sources['layer_model']}")
     print(f"wrote {args.out}")
     return 0
 
