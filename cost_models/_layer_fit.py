@@ -92,14 +92,24 @@ def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
 #: (their times are mostly fixed costs, and noise).
 CHOICE_FLOOR_S = 100e-6
 
+#: The per-equation model is kept unless, left-out model by model, its median
+#: error exceeds the roofline's by more than this factor. On every device
+#: measured (H100, H200, their hosts' CPUs) it predicted held-out models'
+#: layers 2-5x better, while the left-out comparison on the five fit models
+#: came within a point either way (H100: 18% vs 17% in one run, 19% vs 20%
+#: in another; experiments/results/layer_model): the guard is for a device
+#: unlike those (a 2-core laptop CPU: 44% vs 30%), not a coin flip.
+KEEP_MARGIN = 1.1
+
 
 def with_layer_model(profile: DeviceProfile, fitted: DeviceProfile, samples: Sequence,
                      *, what: str = "measured layers") -> DeviceProfile:
     """`fitted` (the roofline fitted on `samples`) with the per-equation layer
-    model fitted on them too (`DeviceProfile.layer_model`), where it predicts
-    better: each model's layers held out in turn, both fitted on the rest
-    (the roofline from `profile`), and the held-out layers' median errors
-    compared. Its `sources["layer_model"]` says how each did.
+    model fitted on them too (`DeviceProfile.layer_model`), unless it predicts
+    clearly worse: each model's layers held out in turn, both fitted on the
+    rest (the roofline from `profile`), and the held-out layers' median
+    errors compared (`KEEP_MARGIN`). Its `sources["layer_model"]` says how
+    each did.
 
     Args:
       samples: `(model name, matmul_equations, LayerWork, seconds)` per layer.
@@ -121,7 +131,7 @@ def with_layer_model(profile: DeviceProfile, fitted: DeviceProfile, samples: Seq
     verdict = (f"each of {len(models)} models left out: median {eq_med:.0%} off, the "
                f"roofline {roof_med:.0%}")
     sources = dict(fitted.sources)
-    if eq_med >= roof_med:
+    if eq_med > KEEP_MARGIN * roof_med:
         sources["layer_model"] = f"not used (fitted on {what}; {verdict})"
         return fitted.replace(sources=sources, layer_model=None)
     sources["layer_model"] = f"fitted on {what}; {verdict}"
