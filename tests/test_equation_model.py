@@ -245,3 +245,37 @@ def test_held_out_zoo_layers_on_the_h100_within_ten_percent():
     median = err_eq[len(err_eq) // 2]
     assert median <= 0.10, f"held-out median {median:.1%}"
     assert median < err_roof[len(err_roof) // 2]
+
+
+def test_the_layer_sweep_is_the_one_the_model_was_scored_on():
+    """hetpar's sweep (what `hetpar profile --fit default` times) has the
+    layers, shapes included, of the committed sweep records the layer model
+    was scored on (experiments/results/layer_model)."""
+    import pathlib
+
+    from hetpar import zoo
+    from hetpar.cli._profile import FIT_MODELS, _fit_models
+
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    path = repo / "experiments/results/layer_sweep_gpu/sweep_h100.json"
+    records = json.loads(path.read_text())["records"]
+    for cpu in (False, True):
+        names = {sp.name for sp in (zoo.sweep_grid(0.25, 0.5) if cpu else zoo.sweep_grid())}
+        recorded = {r["layer"] for r in records if (r["device"] == "cpu:0") == cpu}
+        assert names == recorded
+    graph = zoo.trace_sweep(cpu=True)
+    assert len(graph.layers) == 55
+    assert "sweep" in FIT_MODELS and _fit_models("default")[-1] == "sweep"
+    assert _fit_models("mlp,sweep") == ["mlp", "sweep"]
+
+
+def test_fit_leaves_the_sweep_out_on_a_cpu():
+    from hetpar.cli._profile import _fitted
+
+    profiles = load_profiles()
+    measured = spec("cpu").replace(name="cpu:0", origin="measured")
+    profiles = profiles.replace_devices({**profiles.devices, "cpu:0": measured})
+    lines = []
+    out = _fitted(profiles, ["sweep"], quick=True, progress=lines.append)
+    assert out.devices["cpu:0"] == measured
+    assert any("the sweep is for accelerators" in line for line in lines)
