@@ -269,3 +269,24 @@ def test_workspace_bytes_counts_what_a_layer_holds_only_while_it_runs():
     assert g["head"].workspace_bytes + g["head"].activation_bytes <= 4 * logits + 1024
     layers = {row["name"]: row for row in g.to_json()["layers"]}
     assert layers["head"]["workspace_bytes"] == g["head"].workspace_bytes
+
+
+def test_workspace_of_a_result_a_shared_equation_reads_last():
+    """A step that returns its gradients' global norm: each layer's gradient
+    is last read by shared equations after every equation of its own (a
+    trace that indexed past the layer's run crashed here)."""
+    def step(params, x):
+        def loss(p):
+            with hetpar.layer("a"):
+                h = jnp.tanh(x @ p["a"])
+            with hetpar.layer("b"):
+                y = jnp.tanh(h @ p["b"])
+            return (y ** 2).mean()
+
+        value, grads = jax.value_and_grad(loss)(params)
+        new = jax.tree_util.tree_map(lambda a, g: a - 0.1 * g, params, grads)
+        return new, value, optax.global_norm(grads)  # after the updates
+
+    params = {"a": jnp.ones((8, 8)) * 0.1, "b": jnp.ones((8, 8)) * 0.1}
+    g = hetpar.trace(step, params, jnp.ones((4, 8)))
+    assert all(g[layer].workspace_bytes >= 0 for layer in g.layers)
