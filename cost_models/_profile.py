@@ -274,9 +274,10 @@ class DeviceProfile:
         matmul class's FLOP efficiency. See `conv_flops_efficiency`.
       layer_model: coefficients of the per-equation layer model
         (`hetpar.cost_models.fit_equation_model`), fitted by `hetpar profile
-        --fit` on measured layers where it predicted them better than the
-        roofline; layers that are not measured are then predicted by it
-        (`predict_layer`). None: the roofline.
+        --fit` on measured layers unless, each fit model left out in turn,
+        it predicted them clearly worse than the roofline; layers that are
+        not measured are then predicted by it (`predict_layer`). None: the
+        roofline.
       price_per_hour: on-demand dollars per device-hour when rented alone.
       host_price_per_hour: marginal dollars per hour when this device is the
         host CPU of an accelerator instance whose price already covers it
@@ -416,9 +417,12 @@ class DeviceProfile:
             from hetpar.cost_models._equation_model import TERMS
 
             unknown = sorted(set(map(str, layer_model)) - set(TERMS))
-            if unknown:
-                raise ProfileError(f"{where}: layer_model has unknown terms {unknown}; "
-                                   f"known: {', '.join(TERMS)}")
+            missing = [t for t in TERMS if t not in layer_model]
+            if unknown or missing:
+                raise ProfileError(
+                    f"{where}: layer_model must have exactly the terms {', '.join(TERMS)}; "
+                    + (f"unknown: {unknown}" if unknown else f"missing: {missing}")
+                    + " (hetpar profile --fit writes it)")
             layer_model = {str(k): _num(where, f"layer_model.{k}", v, allow_zero=True)
                            for k, v in layer_model.items()}
         link = data.get("host_link")

@@ -45,6 +45,7 @@ from hetpar.core import (
     HetparError,
     Placement,
     PlanError,
+    is_memory_place,
     memory_place,
     parse_placements,
 )
@@ -666,8 +667,10 @@ class CompiledStep:
         # The plan's fingerprint names the devices it was planned over: those it
         # records (idle ones too), or, in a plan from before it recorded them,
         # those it uses or every device given or present.
-        over = [d for d in plan.devices if d in self.devices] if plan.devices else []
-        table = self._cost_table(over if len(over) == len(plan.devices) > 0 else wanted, options)
+        # (Memory places in it come with their devices' table.)
+        recorded = [d for d in plan.devices if not is_memory_place(d)]
+        over = [d for d in recorded if d in self.devices]
+        table = self._cost_table(over if len(over) == len(recorded) > 0 else wanted, options)
         if plan.fingerprint != table.fingerprint():
             wider = self._cost_table(self._candidate_devices(options), options)
             if plan.fingerprint == wider.fingerprint():

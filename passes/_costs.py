@@ -167,6 +167,18 @@ def dot_general_flops(lhs_shape, rhs_shape, dimension_numbers) -> int:
     return 2 * batch * lhs_free * rhs_free * contract
 
 
+def ragged_dot_flops(lhs_shape, rhs_shape, ragged_dimension_numbers) -> int:
+    """A grouped matmul's (`jax.lax.ragged_dot`, a mixture of experts'): each
+    row of the ragged dimension meets one group, so the FLOPs are a
+    dot_general's over the operands with the rhs's group dimensions left out."""
+    (lc, rc), (lb, rb) = ragged_dimension_numbers.dot_dimension_numbers
+    groups = set(ragged_dimension_numbers.rhs_group_dimensions)
+    keep = [d for d in range(len(rhs_shape)) if d not in groups]
+    at = {d: i for i, d in enumerate(keep)}
+    return dot_general_flops(lhs_shape, [rhs_shape[d] for d in keep],
+                             ((lc, [at[d] for d in rc]), (lb, [at[d] for d in rb])))
+
+
 def conv_flops(lhs_shape, rhs_shape, out_shape, params) -> int:
     """2 x (real multiply-adds): output positions x kernel taps that land on real input.
 
@@ -253,6 +265,9 @@ def eqn_work(eqn) -> Work:
                                   params["dimension_numbers"])
     elif name == "conv_general_dilated":
         flops = conv_flops(in_avals[0].shape, in_avals[1].shape, out_avals[0].shape, params)
+    elif name == "ragged_dot_general":
+        flops = ragged_dot_flops(in_avals[0].shape, in_avals[1].shape,
+                                 params["ragged_dot_dimension_numbers"])
     elif cls == "reduction":
         flops = float(sum(_size(a) for a in in_avals[:1]))
     elif name in ("gather", "dynamic_slice"):

@@ -136,10 +136,14 @@ def test_profile_round_trips_the_layer_model_and_names_unknown_terms():
     assert again.layer_model == coef
     assert "layer_model" not in spec("h100").to_json()
     data = prof.to_json()
-    data["layer_model"] = {"c0": 1e-5, "flops_gemm": 1.0}
-    with pytest.raises(ProfileError, match="unknown terms.*flops_gemm"):
+    data["layer_model"] = {**coef, "flops_gemm": 1.0}
+    with pytest.raises(ProfileError, match="unknown.*flops_gemm"):
         DeviceProfile.from_json(data)
-    data["layer_model"] = {"c0": -1.0}
+    # a partial model would price the terms it lacks at nothing
+    data["layer_model"] = {"c0": 1e-5}
+    with pytest.raises(ProfileError, match="missing.*flops_dot"):
+        DeviceProfile.from_json(data)
+    data["layer_model"] = {**coef, "c0": -1.0}
     with pytest.raises(ProfileError, match="layer_model.c0"):
         DeviceProfile.from_json(data)
 
@@ -279,3 +283,45 @@ def test_fit_leaves_the_sweep_out_on_a_cpu():
     out = _fitted(profiles, ["sweep"], quick=True, progress=lines.append)
     assert out.devices["cpu:0"] == measured
     assert any("the sweep is for accelerators" in line for line in lines)
+
+
+def test_a_patch_embedding_forward_is_a_conv_not_a_weight_gradient():
+    """A ViT's 16x16 stride-16 patch embedding: its output (2x2 per image
+    here) is smaller than its kernel, like a weight gradient's, yet it is a
+    forward convolution; its weight gradient is the `wgrad`."""
+    class Patches(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Conv(8, (16, 16), strides=(16, 16), padding="VALID", name="embed")(x)
+
+    model = Patches()
+    x = jnp.ones((2, 32, 32, 3))
+    params = model.init(jax.random.PRNGKey(0), x)
+
+    def step(params, x):
+        grads = jax.grad(lambda p: (model.apply(p, x) ** 2).mean())(params)
+        return jax.tree_util.tree_map(lambda a, g: a - 0.1 * g, params, grads)
+
+    g = hetpar.trace(step, params, x, depth=2)
+    eqs = matmul_equations(g, _layer(g, "embed"))
+    assert sorted(e.cls for e in eqs) == ["conv", "wgrad"]
+    forward = next(e for e in eqs if e.cls == "conv")
+    assert (forward.m, forward.n, forward.k) == (2 * 2 * 2, 8, 16 * 16 * 3)
+
+
+def test_a_mixture_of_experts_grouped_matmul_is_priced():
+    """`jax.lax.ragged_dot` (a mixture of experts' grouped matmul) counts as a
+    dot: its FLOPs are not lost from the model."""
+    def step(w, x, sizes):
+        def loss(w):
+            with hetpar.layer("experts"):
+                return (jax.lax.ragged_dot(x, w, sizes) ** 2).mean()
+
+        return w - 0.1 * jax.grad(loss)(w)
+
+    g = hetpar.trace(step, jnp.ones((2, 16, 32)), jnp.ones((64, 16)),
+                     jnp.array([24, 40], jnp.int32))
+    eqs = matmul_equations(g, "experts")
+    # the forward and the weight gradient (one group per row)
+    assert sorted((e.m, e.n, e.k) for e in eqs) == [(16, 32, 64), (64, 32, 16)]
+    assert all(e.cls == "dot" and e.flops == 2 * 64 * 32 * 16 for e in eqs)

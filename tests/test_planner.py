@@ -628,3 +628,30 @@ def test_replay_rejects_bad_input():
         simulate(table, {"l0": "a", "l1": "b"}, 2, "zigzag")
     with pytest.raises(PlanError, match="schedule"):
         plan(table, mode="pipelined", microbatches=2, schedule="zigzag")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_working_sets_ilp_matches_exhaustive_and_baselines_respect_them(seed):
+    """Layers with working sets (`Layer.workspace_bytes`: held one at a time
+    on a device, on top of what its layers hold) on tight devices: the ILP's
+    `ws_j` finds the exhaustive optimum, and every plan and baseline fits
+    memory as `violations` counts it (with the largest working set)."""
+    table = random_cost_table(seed, layers=8, devices=3, shape="dag", memory="tight")
+    rng = np.random.default_rng(seed)
+    caps = {d.name: d.memory_bytes for d in table.devices}
+    table = dataclasses.replace(table, layers=tuple(
+        dataclasses.replace(layer, workspace_bytes=float(
+            rng.uniform(0, 0.3) * min(caps.values())))
+        for layer in table.layers))
+    try:
+        p = plan(table, objective="time", gap=EXACT)
+    except InfeasibleError:
+        assert exhaustive(table, "time").predicted is None
+        return
+    assert violations(table, p.assignment) == []
+    oracle = p.baselines["exhaustive"]
+    assert oracle.predicted is not None and violations(table, oracle.assignment) == []
+    assert _rel(p.predicted.step_time_s, oracle.predicted.step_time_s) < 1e-6
+    for name, r in p.baselines.items():
+        if r.predicted is not None:
+            assert violations(table, r.assignment) == [], name

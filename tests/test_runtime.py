@@ -475,3 +475,16 @@ def test_run_compares_with_jit_on_the_fastest_single_device_baseline():
     assert _best_single_device(compiled) == "cpu:1"
     compiled.plan = None
     assert _best_single_device(compiled) == "cpu:0"
+
+
+def test_plan_devices_must_cover_its_placements(tmp_path):
+    w = small("mlp")
+    args = w.example_args()
+    plan = hetpar.auto(w.train_step, devices=["cpu:0", "cpu:1"]).lower(*args).plan
+    data = plan.to_json()
+    data["devices"] = ["cpu:2"]
+    with pytest.raises(hetpar.PlanError, match="leave out"):
+        hetpar.Plan.from_json(data)
+    data["devices"] = ["cpu:0", "cpu:0"]
+    with pytest.raises(hetpar.PlanError, match="distinct"):
+        hetpar.Plan.from_json(data)

@@ -88,17 +88,37 @@ def single_device(table: CostTable, device: str, mode: str = "sequential",
                    arr)
 
 
+class _Room:
+    """What each device has left: its cap less its layers' `memory_bytes` and
+    the largest working set among them (`Arrays.ws`, held one at a time)."""
+
+    def __init__(self, arr: Arrays):
+        self.arr = arr
+        self.left = arr.cap.astype(float).copy()
+        self.ws = np.zeros(len(arr.cap))
+
+    def need(self, i: int, j: int) -> float:
+        return float(self.arr.mem[i, j] + max(self.arr.ws[i] - self.ws[j], 0.0))
+
+    def fits(self, i: int, j: int) -> bool:
+        return bool(self.arr.ok[i, j]) and self.need(i, j) <= self.left[j]
+
+    def take(self, i: int, j: int) -> None:
+        self.left[j] -= self.need(i, j)
+        self.ws[j] = max(self.ws[j], self.arr.ws[i])
+
+
 def greedy_fastest(table: CostTable, mode: str = "sequential", microbatches: int = 1, *,
                    arrays: Arrays | None = None) -> BaselineResult:
     """Each layer on its fastest allowed device with room left (transfers ignored)."""
     arr = arrays or Arrays(table)
     t = arr.t_at(microbatches if mode == "pipelined" else 1)
-    left = arr.cap.astype(float).copy()
+    room = _Room(arr)
     out = {}
     for i in arr.order:
         for j in np.argsort(np.where(arr.ok[i], t[i], np.inf), kind="stable"):
-            if arr.ok[i, j] and arr.mem[i, j] <= left[j]:
-                left[j] -= arr.mem[i, j]
+            if room.fits(i, j):
+                room.take(i, j)
                 out[arr.layers[i]] = arr.devices[j]
                 break
         else:
@@ -114,14 +134,14 @@ def memory_fill(table: CostTable, mode: str = "sequential", microbatches: int = 
     total = np.where(arr.ok, arr.t, 0.0).sum(axis=0) / np.maximum(arr.ok.sum(axis=0), 1)
     # A device no layer may use (a memory place) would rank first and hold the pointer.
     rank = [j for j in np.argsort(total, kind="stable") if arr.ok[:, j].any()]
-    left = arr.cap.astype(float).copy()
+    room = _Room(arr)
     pointer = 0
     out = {}
     for i in arr.order:
         placed = False
         while pointer < len(rank):
             j = rank[pointer]
-            if arr.ok[i, j] and arr.mem[i, j] <= left[j]:
+            if room.fits(i, j):
                 placed = True
                 break
             if not arr.ok[i, j]:
@@ -129,13 +149,13 @@ def memory_fill(table: CostTable, mode: str = "sequential", microbatches: int = 
             pointer += 1  # current device is full: move on for good
         if not placed:
             for j in rank:
-                if arr.ok[i, j] and arr.mem[i, j] <= left[j]:
+                if room.fits(i, j):
                     placed = True
                     break
         if not placed:
             return _result("memory fill", table, None, mode, microbatches, arr,
                            reason=f"no allowed device has room for {arr.layers[i]}")
-        left[j] -= arr.mem[i, j]
+        room.take(i, j)
         out[arr.layers[i]] = arr.devices[j]
     return _result("memory fill", table, out, mode, microbatches, arr)
 
@@ -169,11 +189,11 @@ def heft(table: CostTable, mode: str = "sequential", microbatches: int = 1, *,
     avail = np.zeros(D)
     finish = np.zeros(L)
     where = np.full(L, -1)
-    left = arr.cap.astype(float).copy()
+    room = _Room(arr)
     for i in order:
         best, best_j = np.inf, -1
         for j in range(D):
-            if not arr.ok[i, j] or arr.mem[i, j] > left[j]:
+            if not room.fits(i, j):
                 continue
             ready = 0.0
             for k, p in pred[i]:
@@ -189,7 +209,7 @@ def heft(table: CostTable, mode: str = "sequential", microbatches: int = 1, *,
                            reason=f"no device with room and links for {arr.layers[i]}")
         where[i], finish[i] = best_j, best
         avail[arr.resource[best_j]] = best  # devices of one compute group wait together
-        left[best_j] -= arr.mem[i, best_j]
+        room.take(i, best_j)
     out = {arr.layers[i]: arr.devices[where[i]] for i in range(L)}
     return _result("heft", table, out, mode, microbatches, arr)
 
@@ -223,7 +243,8 @@ def exhaustive(table: CostTable, objective: str = "time", mode: str = "sequentia
     for j in range(D):
         on = A == j
         busy[:, j] = np.where(on, t, 0.0).sum(axis=1)
-        memory[:, j] = np.where(on, arr.mem[rows, A], 0.0).sum(axis=1)
+        memory[:, j] = (np.where(on, arr.mem[rows, A], 0.0).sum(axis=1)
+                        + np.where(on, arr.ws[None, :], 0.0).max(axis=1))  # one working set
     feasible &= np.all(memory <= arr.cap[None] * (1 + 1e-9), axis=1)
     f, b = arr.edge_parts(M)
     ia, ib = A[:, arr.eu], A[:, arr.ev]  # [n, E]

@@ -676,9 +676,10 @@ def data_parallel_obstacle(table: CostTable, replicas: Sequence[str], *,
 
 
 def _replica_memory(arr: Arrays, idx: list[int]) -> np.ndarray:
-    """[N] bytes each replica holds: everything but activations whole, activations / N."""
+    """[N] bytes each replica holds: everything but activations whole, activations
+    and the largest working set (both per example) / N."""
     mem, act = arr.mem[:, idx], np.minimum(arr.act[:, None], arr.mem[:, idx])
-    return (mem - act + act / len(idx)).sum(axis=0)
+    return (mem - act + act / len(idx)).sum(axis=0) + arr.ws.max(initial=0.0) / len(idx)
 
 
 def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,

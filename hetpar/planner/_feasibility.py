@@ -31,11 +31,13 @@ def memory_shortfall(arr: Arrays) -> str | None:
     minmem = big.min(axis=1)
     for i in range(L):
         devs = np.nonzero(arr.ok[i])[0]
-        if np.all(arr.mem[i, devs] > arr.cap[devs]):
-            j = devs[np.argmax(arr.cap[devs] - arr.mem[i, devs])]
-            return (f"layer {arr.layers[i]} needs at least {nbytes(arr.mem[i, j])} on "
+        need = arr.mem[i, devs] + arr.ws[i]  # its working set too, while it runs
+        if np.all(need > arr.cap[devs]):
+            k = int(np.argmax(arr.cap[devs] - need))
+            j = devs[k]
+            return (f"layer {arr.layers[i]} needs at least {nbytes(need[k])} on "
                     f"{arr.devices[j]} but {arr.devices[j]} holds {nbytes(arr.cap[j])} "
-                    f"({nbytes(arr.mem[i, j] - arr.cap[j])} missing); raise memory_bytes of "
+                    f"({nbytes(need[k] - arr.cap[j])} missing); raise memory_bytes of "
                     f"{arr.devices[j]}, allow the layer on a larger device, or split it")
     masks = (arr.ok * (1 << np.arange(D))).sum(axis=1)
     # Devices no layer may use (memory places) hold no layer: leave them out.

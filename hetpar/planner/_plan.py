@@ -183,8 +183,13 @@ class Plan:
                 len(replicas) == 1):
             raise PlanError(f"replicas must list two or more device names, got {replicas!r}")
         devices = data.get("devices", [])
-        if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
-            raise PlanError(f"devices must list device names, got {devices!r}")
+        if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices) or (
+                len(set(devices)) != len(devices)):
+            raise PlanError(f"devices must list distinct device names, got {devices!r}")
+        unplanned = sorted({d for p in assignment.values() for d in p.devices} - set(devices))
+        if devices and unplanned:
+            raise PlanError(f"the plan places layers on {unplanned}, which its devices "
+                            f"{devices} (the devices it was planned over) leave out")
         return cls(
             fingerprint=str(data["fingerprint"]), mode=data["mode"],
             objective=data["objective"], microbatches=mb, assignment=dict(assignment),
