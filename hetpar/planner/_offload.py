@@ -337,11 +337,11 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         use[o.state].append((v, host / _GB))
         if o.way == "streamed":
             transient.setdefault(o.compute, []).append((v, opt / _GB))
-    slacks = {}
+    slacks, held_once = {}, {}
     for j in range(D):
         terms = list(use[j])
         if j in transient:
-            s = prob.add_variable(f"S{j}", lowBound=0)
+            s = held_once[j] = prob.add_variable(f"S{j}", lowBound=0)
             for v, opt in transient[j]:
                 prob.addConstraint(_ilp._affine([(s, 1.0), (v, -opt)]) >= 0, f"tr{j}_{v.name}")
             terms.append((s, 1.0))
@@ -362,6 +362,7 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         if arr.place[j] or not any(use[k] for k in sharing):
             continue  # a place without a CPU device in the table has its own cap only
         shared = [t for k in (j, *sharing) for t in use[k]]
+        shared += [(held_once[k], 1.0) for k in (j, *sharing) if k in held_once]
         if elastic[j]:
             if j not in slacks:
                 slacks[j] = prob.add_variable(f"over{j}", lowBound=0)
