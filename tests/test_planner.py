@@ -655,3 +655,23 @@ def test_working_sets_ilp_matches_exhaustive_and_baselines_respect_them(seed):
     for name, r in p.baselines.items():
         if r.predicted is not None:
             assert violations(table, r.assignment) == [], name
+
+
+def test_explain_counts_a_working_set_in_memory_full():
+    """Layer b would run faster on the GPU but its 6 GB working set does not
+    fit beside a's 5 GB in 10 GB: the plan puts it on the CPU, and the
+    explanation says why (memory, its working set included)."""
+    gb = 1e9
+    devices = (Device("cpu:0", "cpu", 100 * gb, 0.0, 100.0, 50.0),
+               Device("gpu:0", "h100", 10 * gb, 1.0, 700.0, 70.0))
+    links = (Link("cpu:0", "gpu:0", 10e9, 1e-5), Link("gpu:0", "cpu:0", 10e9, 1e-5))
+    layers = (Layer("a", time_s={"cpu:0": 1.0, "gpu:0": 0.01},
+                    memory_bytes={"cpu:0": 5 * gb, "gpu:0": 5 * gb}),
+              Layer("b", time_s={"cpu:0": 0.02, "gpu:0": 0.01},
+                    memory_bytes={"cpu:0": 1 * gb, "gpu:0": 1 * gb}, workspace_bytes=6 * gb))
+    table = CostTable(devices, links, layers, (Edge("a", "b", 1e3, 1e3),))
+    p = plan(table, gap=EXACT)
+    assert p.assignment == {"a": "gpu:0", "b": "cpu:0"}
+    text = p.explain(table)
+    b_lines = text[text.index("b -> cpu:0"):]
+    assert "memory full: would exceed gpu:0 by 2 GB" in b_lines

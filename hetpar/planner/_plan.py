@@ -262,6 +262,8 @@ class Plan:
         comm = f + b
         L, D = arr.ok.shape
         memory = held_bytes(arr, arr.placed(self.placements))
+        working = np.zeros(D)  # the largest working set on each device
+        np.maximum.at(working, a, arr.ws)
         incident: list[list[tuple[int, int, bool]]] = [[] for _ in range(L)]
         for k in range(len(arr.eu)):
             incident[arr.eu[k]].append((k, int(arr.ev[k]), True))
@@ -304,7 +306,8 @@ class Plan:
                 dt, dx = t[i, j] / M - t_here, x_there - x_here
                 why = (f"compute {signed_seconds(dt)}, transfers {signed_seconds(dx)} "
                        f"(net {signed_seconds(dt + dx)})")
-                over = memory[j] + arr.mem[i, j] - arr.cap[j]
+                over = (memory[j] + arr.mem[i, j] + max(arr.ws[i] - working[j], 0.0)
+                        - arr.cap[j])
                 if over > 0:
                     why += f"; memory full: would exceed {d} by {nbytes(over)}"
                 lines.append(f"    {d}: {why}")
