@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from hetpar.core import ProfileError
+from hetpar.cost_models._roofline import physical_floor, predict
 
 #: The matmul-like equation classes, and the one each borrows from when the
 #: fit saw none of it.
@@ -209,11 +210,7 @@ _SMS = {"h100": 132, "h200": 132, "a100": 108, "l4": 58, "t4": 40}
 
 def device_units(profile) -> int:
     """Parallel units of the profile's device, for the last wave's rounding:
-    `benchmarks["units"]` where recorded, else its spec sheet's SMs, else
-    132 (an H100's). Unused on CPUs."""
-    units = (profile.benchmarks or {}).get("units")
-    if isinstance(units, int | float) and not isinstance(units, bool) and units >= 1:
-        return int(units)
+    its spec sheet's SMs, else 132 (an H100's). Unused on CPUs."""
     return _SMS.get(profile.kind, 132)
 
 
@@ -237,8 +234,6 @@ def predict_layer(profile, work, eqs: Sequence[MatmulEquation] = ()) -> float:
     """Seconds for a layer on `profile`'s device: its equation model where it
     has one (`DeviceProfile.layer_model`), else the roofline; never less than
     the time at the device's physical peak."""
-    from hetpar.cost_models._roofline import physical_floor, predict
-
     t = predict_equations(profile, eqs, work)
     if t is None:
         return predict(profile, work)
