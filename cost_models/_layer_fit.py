@@ -84,8 +84,14 @@ def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
     what = f"{len(samples)} layers of {names} measured alone"
     fitted = fit_samples(profile, [(w, t) for _, _, w, t in samples], what=what)
     by_name = dict(graphs)
-    return with_layer_model(profile, fitted, [
+    out = with_layer_model(profile, fitted, [
         (n, matmul_equations(by_name[n], layer), w, t) for n, layer, w, t in samples], what=what)
+    # What the fit saw, kept in the file: a maintainer can audit the fit, or
+    # refit another model offline, without the device (the after-fusion
+    # bytes need a compile for it).
+    return out.replace(benchmarks={**out.benchmarks, "fit_layers": [
+        {"model": n, "layer": layer, "measured_s": t, "fused_bytes": w.fused_bytes}
+        for n, layer, w, t in samples]})
 
 
 #: Layers faster than this are left out of the choice between the models

@@ -39,6 +39,8 @@ one GPU (the card and its host CPU):
                       (env SWEEP_TIMEOUT=420)
   plan-memory         issue 17: GPT-2 b16 planned with the GPU capped (FRACTIONS="0.25 0.1"), then
                       each plan and jax.jit run in fresh processes: the GPU's real peak bytes
+  fit-check           issue 17: hetpar profile --fit default, then the file checked on held-out
+                      zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT, CHECK_TIMEOUT)
   repro               issue 17: every zoo and sweep layer timed by two processes (the second in
                       reverse order), every sample kept; how well estimators reproduce
                       (measure_repro.py; env DEADLINE=250 per run)
@@ -121,7 +123,7 @@ job=${1:-help}
 [ $# -gt 0 ] && shift
 case "$job" in
 help|-h|--help) usage; exit 0 ;;
-profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|hetpar) TWO_GPUS= ;;
+profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|fit-check|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
 two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions|step-timing) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
@@ -291,6 +293,23 @@ plan-memory)
   done
   timeout 120 python3 experiments/probe_plan_memory.py jit --batch "${BATCH:-16}" --out "$OUT" \
     2>&1 | grep -E '^\{|Error' | cut -c1-600
+  ;;
+fit-check)
+  # Issue 17 as a user gets it: `hetpar profile --fit default` on this machine, then
+  # the fitted file checked on held-out zoo models' layers (check_fitted_profile.py).
+  export HETPAR_CACHE_DIR=/tmp/hetpar_cache
+  {
+    t0=$(date +%s)
+    timeout "${FIT_TIMEOUT:-330}" python3 -m hetpar profile --fit default \
+      --out "$OUT/profile_fit_$CARD.json"
+    echo "profile --fit took $(( $(date +%s) - t0 )) s"
+    t0=$(date +%s)
+    timeout "${CHECK_TIMEOUT:-200}" python3 experiments/check_fitted_profile.py \
+      --profiles "$OUT/profile_fit_$CARD.json" --out "$OUT/check_$CARD"
+    echo "check took $(( $(date +%s) - t0 )) s"
+    # The layer timings behind the fit, so it can be refitted offline.
+    tar czf "$OUT/hetpar_cache_$CARD.tgz" -C /tmp hetpar_cache 2>/dev/null
+  } 2>&1 | quiet | tee "$OUT/fit_check_$CARD.log"
   ;;
 repro)
   # Run-to-run reproducibility of a layer's measured time (issue 17, deliverable 2).

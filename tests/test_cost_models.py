@@ -322,6 +322,14 @@ def test_cli_profile_quick_end_to_end(tmp_path):
     assert ps.device("cpu").origin == "transferred"
 
 
+def load_profiles_text(profile):
+    """The benchmarks of `profile` after a round trip through the profile file format."""
+    from hetpar.cost_models import ProfileSet
+
+    data = json.loads(json.dumps(ProfileSet(devices={profile.name: profile}).to_json()))
+    return ProfileSet.from_json(data).devices[profile.name].benchmarks
+
+
 def test_fit_on_layers_predicts_the_measured_layers_better(tmp_path, monkeypatch):
     # The microbenchmarks' (here: the spec sheet's) efficiencies against those
     # fitted on the layers: the fit predicts them better, and says what it was fitted on.
@@ -337,6 +345,11 @@ def test_fit_on_layers_predicts_the_measured_layers_better(tmp_path, monkeypatch
     after = fit_on_layers(before, dev, [("mlp", graph)], k=3)
     assert "fitted on" in after.sources["efficiencies"] and "mlp" in after.sources["efficiencies"]
     samples = layer_samples([("mlp", graph)], dev, before, k=3)  # cached: the same timings
+    # The file keeps what the fit saw, in order, so it can be audited or refitted offline.
+    kept = after.benchmarks["fit_layers"]
+    assert [(r["model"], r["layer"], r["measured_s"]) for r in kept] == [
+        (n, layer, t) for n, layer, _, t in samples]
+    assert load_profiles_text(after)["fit_layers"] == kept
 
     def median_error(profile):
         return statistics.median(abs(predict(profile, w) / t - 1) for *_, w, t in samples)
