@@ -19,8 +19,9 @@ call's fixed costs:
 with every coefficient >= 0, fitted per device on measured layers
 (`fit_equation_model`: non-negative least squares on the relative error,
 refined in log space). `u_e` is the useful fraction of a tiled GEMM's work
-on an accelerator (64x64x32 tiles over its parallel units: tile padding x
-the idle units of the last wave); 1 on a CPU. A class the fit never saw borrows its parent's
+on an accelerator (tile padding x the idle units of the last wave: a
+GPU's 64x64x32 tiles over its SMs, a TPU's 8x128x128 over its MXUs); 1 on
+a CPU. A class the fit never saw borrows its parent's
 coefficients (wgrad, dw, tr -> conv -> dot).
 
 On held-out zoo models (experiments/results/measure_repro, fitted on the
@@ -167,7 +168,7 @@ def useful_fraction(m: int, n: int, k: int, units: int, tile: Sequence[int] = TI
 
 
 def terms(eqs: Sequence[MatmulEquation], work, *, peak: float, bandwidth: float, units: int,
-          cpu: bool) -> dict[str, float]:
+          cpu: bool, tile: Sequence[int] = TILE) -> dict[str, float]:
     """The model's terms of one layer, each in seconds at the device's peak
     (or a count), in the order of `TERMS`.
 
@@ -177,8 +178,9 @@ def terms(eqs: Sequence[MatmulEquation], work, *, peak: float, bandwidth: float,
         after-fusion bytes where known).
       peak: the device's f32 matmul FLOP/s (sets units only: the fit absorbs it).
       bandwidth: its memory bandwidth, bytes/s (likewise).
-      units: its parallel units (SMs, cores): tiles that run at once.
+      units: its parallel units (SMs, MXUs): tiles that run at once.
       cpu: whether the device is a CPU (its GEMMs count whole, not in tiles).
+      tile: the (M, N, K) block one unit works on (`device_tiling`).
     """
     out = {"c0": 1.0, "buffers": float(work.buffers)}
     for c in MATMUL_CLASSES:
@@ -187,7 +189,7 @@ def terms(eqs: Sequence[MatmulEquation], work, *, peak: float, bandwidth: float,
     for e in eqs:
         # A CPU's GEMMs are not issued in waves of tiles: on its layers the
         # fraction made held-out predictions worse (21% median, from 9%).
-        u = 1.0 if e.cls == "dw" or cpu else useful_fraction(e.m, e.n, e.k, units)
+        u = 1.0 if e.cls == "dw" or cpu else useful_fraction(e.m, e.n, e.k, units, tile)
         out["flops_" + e.cls] += e.reps * e.flops / max(u, 1e-9) / peak
         out["calls_" + e.cls] += e.reps
     unfused = sum(work.bytes_by_class.values()) or 1.0
@@ -207,16 +209,30 @@ TERMS = ("c0", "buffers", *(f"{p}_{c}" for c in MATMUL_CLASSES for p in ("flops"
 #: H100 SXM and H200 132, A100 108, L4 58, T4 40).
 _SMS = {"h100": 132, "h200": 132, "a100": 108, "l4": 58, "t4": 40}
 
+#: A TPU's matrix units (Cloud TPU system architecture pages: a v4 chip has
+#: two TensorCores of four 128x128 MXUs each, a v5e chip one of four). An
+#: MXU holds a 128x128 block of the weights (K x N) and streams the rows
+#: through, which XLA pads to 8 (a vreg's sublanes).
+_MXUS = {"tpu-v4": 8, "tpu-v5e": 4}
+TPU_TILE = (8, 128, 128)
 
-def device_units(profile) -> int:
-    """Parallel units of the profile's device, for the last wave's rounding:
-    its spec sheet's SMs, else 132 (an H100's). Unused on CPUs."""
-    return _SMS.get(profile.kind, 132)
+
+def device_tiling(profile) -> tuple[tuple[int, int, int], int]:
+    """The (M, N, K) tile one parallel unit of the profile's device works on,
+    and how many units run at once: a GPU's 64x64x32 over its spec sheet's
+    SMs (132, an H100's, for a GPU without one), a TPU's 8x128x128 over its
+    MXUs. Unused on CPUs."""
+    if profile.kind in _MXUS:
+        return TPU_TILE, _MXUS[profile.kind]
+    return TILE, _SMS.get(profile.kind, 132)
 
 
-def _scales(profile) -> tuple[float, float, int, bool]:
-    return (profile.peak("f32", "matmul"), profile.memory_bandwidth_bytes_per_s,
-            device_units(profile), profile.device_class == "cpu")
+def _terms_of(profile, eqs: Sequence[MatmulEquation], work) -> dict[str, float]:
+    """`terms` on the profile's device (its peak, bandwidth and tiling)."""
+    tile, units = device_tiling(profile)
+    return terms(eqs, work, peak=profile.peak("f32", "matmul"),
+                 bandwidth=profile.memory_bandwidth_bytes_per_s, units=units,
+                 cpu=profile.device_class == "cpu", tile=tile)
 
 
 def predict_equations(profile, eqs: Sequence[MatmulEquation], work) -> float | None:
@@ -225,8 +241,7 @@ def predict_equations(profile, eqs: Sequence[MatmulEquation], work) -> float | N
     coef = profile.layer_model
     if not coef:
         return None
-    peak, bw, units, cpu = _scales(profile)
-    t = terms(eqs, work, peak=peak, bandwidth=bw, units=units, cpu=cpu)
+    t = _terms_of(profile, eqs, work)
     return float(sum(coef.get(name, 0.0) * v for name, v in t.items()))
 
 
@@ -260,10 +275,8 @@ def fit_equation_model(profile, samples: Sequence[tuple[Sequence[MatmulEquation]
     t = np.array([s for *_, s in samples], dtype=float)
     if not np.all(t > 0):
         raise ProfileError("fit_equation_model: every measured time must be positive")
-    peak, bw, units, cpu = _scales(profile)
     names = list(TERMS)
-    rows = [terms(eqs, work, peak=peak, bandwidth=bw, units=units, cpu=cpu)
-            for eqs, work, _ in samples]
+    rows = [_terms_of(profile, eqs, work) for eqs, work, _ in samples]
     X = np.array([[r[n] for n in names] for r in rows])
     A = X / t[:, None]
     scale = np.linalg.norm(A, axis=0)

@@ -25,7 +25,13 @@ from hetpar.cost_models import (
     transfer_calibration,
     with_layer_model,
 )
-from hetpar.cost_models._equation_model import TERMS, terms, useful_fraction
+from hetpar.cost_models._equation_model import (
+    TERMS,
+    MatmulEquation,
+    device_tiling,
+    terms,
+    useful_fraction,
+)
 
 
 class _Net(nn.Module):
@@ -208,6 +214,27 @@ def test_a_layer_without_matmuls_has_only_fixed_and_bytes_terms():
     assert tuple(t) == TERMS
     assert all(v == 0 for k, v in t.items() if k.startswith(("flops_", "calls_")))
     assert t["c0"] == 1 and t["bytes"] > 0
+
+
+def test_a_tpu_prices_matmuls_in_mxu_blocks_not_gpu_tiles():
+    # A v4 chip: 8 MXUs of 128x128; a 10-column dense layer fills 10/128 of
+    # each block there, 10/64 of a GPU tile. With a GPU's 132 units the
+    # model had priced TPUs as H100s.
+    assert device_tiling(spec("tpu-v4")) == ((8, 128, 128), 8)
+    assert device_tiling(spec("tpu-v5e"))[1] == 4
+    assert device_tiling(spec("h100")) == ((64, 64, 32), 132)
+    eq = MatmulEquation("dot", 1.0, 2 * 128 * 10 * 1024, 128, 10, 1024)
+    work = graph_layer_work(_graph(), _graph().layers[0])
+
+    def flops_term(kind):
+        p = spec(kind)
+        tile, units = device_tiling(p)
+        return terms((eq,), work, peak=p.peak("f32", "matmul"), units=units, tile=tile,
+                     bandwidth=p.memory_bandwidth_bytes_per_s, cpu=False)["flops_dot"] * \
+            p.peak("f32", "matmul") / eq.flops
+
+    assert flops_term("tpu-v4") == pytest.approx(128 / 10)  # 1 / the useful fraction
+    assert flops_term("h100") == pytest.approx(132 / 2 * 64 / 10)  # 2 tiles: 130 SMs idle
 
 
 @pytest.mark.slow
