@@ -69,42 +69,6 @@ class MatmulEquation:
     k: int
 
 
-def _leaves(eqns, times: float = 1.0):
-    """(equation, times, producers) for every equation that is not control
-    flow or a call: a scan's body `length` times, a while's by its trip
-    count, a cond's costliest branch, a call's body. `producers` maps the
-    outputs of the equation's own level (by id) to their primitive's name."""
-    from jax.extend import core as jcore
-
-    from hetpar.passes import jaxpr_work
-    from hetpar.passes._costs import _while_trip_count
-
-    producers = {id(o): e.primitive.name for e in eqns for o in e.outvars}
-    for e in eqns:
-        name = e.primitive.name
-        if name == "scan":
-            yield from _leaves(e.params["jaxpr"].jaxpr.eqns, times * e.params["length"])
-        elif name == "while":
-            trips = _while_trip_count(e) or 1
-            yield from _leaves(e.params["body_jaxpr"].jaxpr.eqns, times * trips)
-        elif name == "cond":
-            def work(branch):
-                w = jaxpr_work(branch.jaxpr)
-                return (w.flops, w.bytes_accessed)
-
-            best = max(e.params["branches"], key=work)
-            yield from _leaves(best.jaxpr.eqns, times)
-        else:
-            subs = [s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s
-                    for v in e.params.values()
-                    for s in (v if isinstance(v, (list, tuple)) else [v])]
-            subs = [s for s in subs if isinstance(s, jcore.Jaxpr)]
-            if subs:
-                yield from _leaves(subs[0].eqns, times)
-            else:
-                yield e, times, producers
-
-
 def _matmul(e, reps: float, producers: Mapping) -> MatmulEquation | None:
     from hetpar.passes import eqn_work
 
@@ -154,7 +118,9 @@ def matmul_equations(graph, layer: str) -> tuple[MatmulEquation, ...]:
     """The matmul-like equations of one traced layer (forward, backward and
     update, as the layer holds them)."""
     eqns = [graph.program.eqns[i] for i in graph[layer].eqns]
-    out = (_matmul(e, reps, producers) for e, reps, producers in _leaves(eqns))
+    from hetpar.passes import leaf_equations  # loads JAX: only when tracing
+
+    out = (_matmul(e, reps, producers) for e, reps, producers in leaf_equations(eqns))
     return tuple(m for m in out if m is not None)
 
 

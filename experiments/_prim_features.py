@@ -69,36 +69,22 @@ def group_of(eqn) -> str:
 
 def leaf_equations(eqns, times: float = 1, in_loop: bool = False):
     """Yields `(eqn, times, in_loop, producers)` for every equation that is no
-    control flow or call: a scan's body `length` times, a while's by its trip
-    count, a cond's costliest branch (as eqn_work counts it), a call's (pjit,
-    custom_jvp_call, remat, ...) primal body. `producers` maps each output
-    variable of the equation's own level (by id) to its primitive's name."""
-    from jax.extend import core as jcore
+    control flow or call, walked as hetpar walks them (`hetpar.passes.inner_jaxprs`:
+    a scan's body `length` times, a while's by its trip count, a cond's
+    costliest branch, a call's primal body), less a while's condition (these
+    features never counted it). `producers` maps each output variable of the
+    equation's own level (by id) to its primitive's name."""
+    from hetpar.passes import inner_jaxprs
 
     producers = {id(o): e.primitive.name for e in eqns for o in e.outvars}
     for e in eqns:
+        inner = inner_jaxprs(e)
+        if inner is None:
+            yield e, times, in_loop, producers
+            continue
         name = e.primitive.name
-        if name == "scan":
-            yield from leaf_equations(e.params["jaxpr"].jaxpr.eqns, times * e.params["length"],
-                                      True)
-            continue
-        if name == "while":
-            from hetpar.passes._costs import _while_trip_count
-            trips = _while_trip_count(e) or 1
-            yield from leaf_equations(e.params["body_jaxpr"].jaxpr.eqns, times * trips, True)
-            continue
-        if name == "cond":
-            best = max(e.params["branches"], key=lambda b: eqn_work_of(b.jaxpr))
-            yield from leaf_equations(best.jaxpr.eqns, times, in_loop)
-            continue
-        subs = [s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s
-                for v in e.params.values()
-                for s in (v if isinstance(v, (list, tuple)) else [v])]
-        subs = [s for s in subs if isinstance(s, jcore.Jaxpr)]
-        if subs:
-            yield from leaf_equations(subs[0].eqns, times, in_loop)
-            continue
-        yield e, times, in_loop, producers
+        for jaxpr, n in inner[:1] if name == "while" else inner:
+            yield from leaf_equations(jaxpr.eqns, times * n, in_loop or name in ("scan", "while"))
 
 
 def _walk(eqns, times, in_loop, acc):
@@ -122,13 +108,6 @@ def _walk(eqns, times, in_loop, acc):
         acc["n_all"] += reps
         acc["b_all"] += reps * b
         acc["f_all"] += reps * f
-
-
-def eqn_work_of(jaxpr) -> tuple[float, float]:
-    from hetpar.passes import jaxpr_work
-
-    w = jaxpr_work(jaxpr)
-    return (w.flops, w.bytes_accessed)
 
 
 def layer_features(graph, layer: str) -> dict[str, float]:

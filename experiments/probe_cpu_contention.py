@@ -112,7 +112,8 @@ def main(argv=None) -> int:
                   f"  x{q25 / base:.2f}", flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(batch=args.batch, small=args.small, cpu_cores=os.cpu_count(), gpu=gpus[0].device_kind if gpus else None, jax=jax.__version__)
+    meta = dict(batch=args.batch, small=args.small, cpu_cores=os.cpu_count(),
+                gpu=gpus[0].device_kind if gpus else None, jax=jax.__version__)
     (out / "cpu_contention.json").write_text(json.dumps(dict(meta, rows=rows), indent=1))
     return 0
 

@@ -12,7 +12,9 @@ from hetpar.passes._costs import (
     conv_flops,
     dot_general_flops,
     eqn_work,
+    inner_jaxprs,
     jaxpr_work,
+    leaf_equations,
     op_class,
 )
 from hetpar.passes._layer_graph import (
@@ -69,6 +71,8 @@ __all__ = [
     "dot_general_flops",
     "eqn_path",
     "eqn_work",
+    "inner_jaxprs",
+    "leaf_equations",
     "hlo_text",
     "is_backward",
     "is_forward",

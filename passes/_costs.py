@@ -224,38 +224,67 @@ def _while_trip_count(eqn) -> int | None:
     return max(0, int(rhs.val) - int(init.val))
 
 
+def inner_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, float]] | None:
+    """The jaxprs a control-flow or call equation runs, each with how many
+    times a step runs it; None for an equation that holds none.
+
+    A scan's body `length` times; a while's body and condition by its trip
+    count (`_while_trip_count`; once when not a literal bound); a cond's
+    costliest branch (FLOPs, then bytes) once; a call's (pjit, remat,
+    custom_jvp/vjp_call, closed_call) primal body once: its jvp, fwd and bwd
+    rules are not what runs. The one place these choices are made:
+    `eqn_work` and `leaf_equations` both walk by them.
+    """
+    name, params = eqn.primitive.name, eqn.params
+    if name == "scan":
+        return [(params["jaxpr"].jaxpr, float(params["length"]))]
+    if name == "while":
+        trips = float(_while_trip_count(eqn) or 1)
+        return [(params["body_jaxpr"].jaxpr, trips), (params["cond_jaxpr"].jaxpr, trips)]
+    if name == "cond":
+        def cost(branch):
+            w = jaxpr_work(branch.jaxpr)
+            return (w.flops, w.bytes_accessed)
+
+        return [(max(params["branches"], key=cost).jaxpr, 1.0)]
+    sub = [v for v in params.values() if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))]
+    if sub:
+        s = sub[0]
+        return [(s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s, 1.0)]
+    return None
+
+
+def leaf_equations(eqns, times: float = 1.0):
+    """(equation, times, producers) for every equation under `eqns` that
+    holds no jaxpr, walked into control flow and calls by `inner_jaxprs`;
+    `times` is how many times a step runs it, and `producers` maps the
+    outputs of its own level's equations (by id) to their primitive's name."""
+    producers = {id(o): e.primitive.name for e in eqns for o in e.outvars}
+    for e in eqns:
+        inner = inner_jaxprs(e)
+        if inner is None:
+            yield e, times, producers
+        else:
+            for jaxpr, n in inner:
+                yield from leaf_equations(jaxpr.eqns, times * n)
+
+
 def eqn_work(eqn) -> Work:
     """What one equation costs, recursing into the jaxprs it holds."""
     w = Work()
     name = eqn.primitive.name
     params = eqn.params
+    inner = inner_jaxprs(eqn)
+    if inner is not None:
+        for jaxpr, times in inner:
+            w.add(jaxpr_work(jaxpr), times=times)
+        if name == "while" and _while_trip_count(eqn) is None:
+            w.unknown_trip_counts += 1
+        return w
     in_avals = [_aval(a) for a in eqn.invars]
     out_avals = [_aval(o) for o in eqn.outvars]
     io_bytes = sum(_bytes(a) for a in in_avals) + sum(_bytes(a) for a in out_avals)
     out_size = sum(_size(a) for a in out_avals)
-
-    if name == "scan":
-        body = jaxpr_work(params["jaxpr"].jaxpr)
-        w.add(body, times=params["length"])
-        return w
-    if name == "while":
-        trips = _while_trip_count(eqn)
-        body = jaxpr_work(params["body_jaxpr"].jaxpr)
-        body.add(jaxpr_work(params["cond_jaxpr"].jaxpr))
-        if trips is None:
-            w.unknown_trip_counts += 1
-            trips = 1
-        w.add(body, times=trips)
-        return w
-    if name == "cond":
-        branches = [jaxpr_work(b.jaxpr) for b in params["branches"]]
-        w.add(max(branches, key=lambda b: (b.flops, b.bytes_accessed)))
-        return w
-    sub = [v for v in params.values() if isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr))]
-    if sub:  # custom_jvp_call, custom_vjp_call, remat, pjit, closed_call...
-        for s in sub[:1]:  # the primal computation only (jvp/fwd/bwd rules are not run)
-            w.add(jaxpr_work(s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s))
-        return w
 
     cls = op_class(name)
     flops = trans = 0.0

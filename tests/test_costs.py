@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hetpar.passes import eqn_work, jaxpr_work, op_class
+from hetpar.passes import eqn_work, jaxpr_work, leaf_equations, op_class
 
 
 def work_of(fn, *args):
@@ -155,6 +155,25 @@ def test_cond_counts_the_costlier_branch():
     w = jnp.ones((8, 8))
     f = lambda p, x: jax.lax.cond(p, lambda x: x @ w @ w, lambda x: x, x)
     assert work_of(f, True, jnp.ones((4, 8))).flops == 2 * (2 * 4 * 8 * 8)
+
+
+def test_leaf_equations_walk_loops_branches_and_calls_as_eqn_work_counts_them():
+    # The per-equation layer model and the work counts walk one way: a scan's
+    # body `length` times, a fori_loop's by its bound, a cond's costlier
+    # branch, a jitted call's body; the walk's FLOPs are eqn_work's.
+    w = jnp.ones((8, 8))
+
+    def f(p, x):
+        x = jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=3)[0]
+        x = jax.lax.fori_loop(0, 5, lambda i, c: c @ w, x)
+        x = jax.lax.cond(p, lambda x: x @ w @ w, lambda x: x, x)
+        return jax.jit(lambda x: x @ w)(x)
+
+    jaxpr = jax.make_jaxpr(f)(True, jnp.ones((4, 8))).jaxpr
+    dots = [t for e, t, _ in leaf_equations(jaxpr.eqns) if e.primitive.name == "dot_general"]
+    assert sorted(dots) == [1.0, 1.0, 1.0, 3.0, 5.0]
+    flops = sum(t * eqn_work(e).flops for e, t, _ in leaf_equations(jaxpr.eqns))
+    assert flops == pytest.approx(jaxpr_work(jaxpr).flops)
 
 
 def test_intensity():
