@@ -187,9 +187,9 @@ def device_tiling(profile) -> tuple[tuple[int, int, int], int]:
     """The (M, N, K) tile one parallel unit of the profile's device works on,
     and how many units run at once: a GPU's 64x64x32 over its spec sheet's
     SMs (132, an H100's, for a GPU without one), a TPU's 8x128x128 over its
-    MXUs. Unused on CPUs."""
-    if profile.kind in _MXUS:
-        return TPU_TILE, _MXUS[profile.kind]
+    MXUs (4 for a TPU without a spec sheet). Unused on CPUs."""
+    if profile.device_class == "tpu":  # one without a spec sheet: a v5e's 4 MXUs
+        return TPU_TILE, _MXUS.get(profile.kind, 4)
     return TILE, _SMS.get(profile.kind, 132)
 
 

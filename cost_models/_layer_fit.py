@@ -28,7 +28,7 @@ from hetpar.cost_models._equation_model import (
     matmul_equations,
     predict_layer,
 )
-from hetpar.cost_models._layer_timing import LAYER_RUNS, measure_layer
+from hetpar.cost_models._layer_timing import LAYER_RUNS, layer_key, measure_layer
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes
 from hetpar.cost_models._profile import DeviceProfile
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict
@@ -89,8 +89,11 @@ def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
     # What the fit saw, kept in the file: a maintainer can audit the fit, or
     # refit another model offline, without the device (the after-fusion
     # bytes need a compile for it).
+    # `key` is the layer's fingerprint (its jaxpr and input shapes, as the
+    # timing cache keys it): which configuration was traced.
     return out.replace(benchmarks={**out.benchmarks, "fit_layers": [
-        {"model": n, "layer": layer, "measured_s": t, "fused_bytes": w.fused_bytes}
+        {"model": n, "layer": layer, "key": layer_key(by_name[n], layer), "measured_s": t,
+         "fused_bytes": w.fused_bytes}
         for n, layer, w, t in samples]})
 
 

@@ -39,8 +39,9 @@ one GPU (the card and its host CPU):
                       (env SWEEP_TIMEOUT=420)
   plan-memory         issue 17: GPT-2 b16 planned with the GPU capped (FRACTIONS="0.25 0.1"), then
                       each plan and jax.jit run in fresh processes: the GPU's real peak bytes
-  fit-check           issue 17: hetpar profile --fit default, then the file checked on held-out
-                      zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT, CHECK_TIMEOUT)
+  fit-check [FLAGS]   issue 17: hetpar profile --fit default [FLAGS], then the file checked on
+                      held-out zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT,
+                      CHECK_TIMEOUT)
   repro               issue 17: every zoo and sweep layer timed by two processes (the second in
                       reverse order), every sample kept; how well estimators reproduce
                       (measure_repro.py; env DEADLINE=250 per run)
@@ -301,7 +302,7 @@ fit-check)
   {
     t0=$(date +%s)
     timeout "${FIT_TIMEOUT:-330}" python3 -m hetpar profile --fit default \
-      --out "$OUT/profile_fit_$CARD.json"
+      --out "$OUT/profile_fit_$CARD.json" "$@"
     echo "profile --fit took $(( $(date +%s) - t0 )) s"
     t0=$(date +%s)
     timeout "${CHECK_TIMEOUT:-200}" python3 experiments/check_fitted_profile.py \

@@ -13,8 +13,10 @@ beside what a plan runs at the same time on that host:
 - `fresh_inputs`: alone, but every run's inputs are new host arrays (a
   stage's inputs arrive freshly allocated, not reused).
 
-Each condition: the lower quartile and median of k runs (hetpar's
-`measure`, no cache), and its ratio to `alone`.
+Each condition: the lower quartile and median of k runs (each run's
+inputs placed first, then the call timed to its results being ready; no
+cache), and its ratio to `alone`. Writes DIR/cpu_contention.json (committed
+as results/cpu_contention/cpu_contention_<card>.json).
 
     python experiments/probe_cpu_contention.py --batch 16 --layers lm_head,wte --out DIR
 """

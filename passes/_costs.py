@@ -229,7 +229,7 @@ def inner_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, float]] | None:
     times a step runs it; None for an equation that holds none.
 
     A scan's body `length` times; a while's body and condition by its trip
-    count (`_while_trip_count`; once when not a literal bound); a cond's
+    count (`_while_trip_count`; once when not literal bounds); a cond's
     costliest branch (FLOPs, then bytes) once; a call's (pjit, remat,
     custom_jvp/vjp_call, closed_call) primal body once: its jvp, fwd and bwd
     rules are not what runs. The one place these choices are made:
@@ -239,7 +239,8 @@ def inner_jaxprs(eqn) -> list[tuple[jcore.Jaxpr, float]] | None:
     if name == "scan":
         return [(params["jaxpr"].jaxpr, float(params["length"]))]
     if name == "while":
-        trips = float(_while_trip_count(eqn) or 1)
+        known = _while_trip_count(eqn)
+        trips = 1.0 if known is None else float(known)  # a known 0 runs nothing
         return [(params["body_jaxpr"].jaxpr, trips), (params["cond_jaxpr"].jaxpr, trips)]
     if name == "cond":
         def cost(branch):

@@ -349,6 +349,8 @@ def test_fit_on_layers_predicts_the_measured_layers_better(tmp_path, monkeypatch
     kept = after.benchmarks["fit_layers"]
     assert [(r["model"], r["layer"], r["measured_s"]) for r in kept] == [
         (n, layer, t) for n, layer, _, t in samples]
+    assert all(set(r) == {"model", "layer", "key", "measured_s", "fused_bytes"} for r in kept)
+    assert len({r["key"] for r in kept}) == len(kept)  # each layer's fingerprint
     assert load_profiles_text(after)["fit_layers"] == kept
 
     def median_error(profile):

@@ -159,21 +159,40 @@ def test_cond_counts_the_costlier_branch():
 
 def test_leaf_equations_walk_loops_branches_and_calls_as_eqn_work_counts_them():
     # The per-equation layer model and the work counts walk one way: a scan's
-    # body `length` times, a fori_loop's by its bound, a cond's costlier
-    # branch, a jitted call's body; the walk's FLOPs are eqn_work's.
+    # body `length` times, a while's by its literal bound (a fori_loop with
+    # literal bounds is a scan), a cond's costlier branch, a jitted call's
+    # body; a while that never runs counts nothing. The walk's FLOPs are
+    # eqn_work's, summed equation by equation.
     w = jnp.ones((8, 8))
+
+    def while_dot(start, stop):
+        def body(c):
+            return c[0] + 1, c[1] @ w
+        return lambda x: jax.lax.while_loop(lambda c: c[0] < stop, body, (start, x))[1]
 
     def f(p, x):
         x = jax.lax.scan(lambda c, _: (c @ w, None), x, None, length=3)[0]
-        x = jax.lax.fori_loop(0, 5, lambda i, c: c @ w, x)
+        x = while_dot(0, 5)(x)
+        x = while_dot(4, 2)(x)  # zero trips
         x = jax.lax.cond(p, lambda x: x @ w @ w, lambda x: x, x)
         return jax.jit(lambda x: x @ w)(x)
 
     jaxpr = jax.make_jaxpr(f)(True, jnp.ones((4, 8))).jaxpr
+    assert [e.primitive.name for e in jaxpr.eqns].count("while") == 2
     dots = [t for e, t, _ in leaf_equations(jaxpr.eqns) if e.primitive.name == "dot_general"]
-    assert sorted(dots) == [1.0, 1.0, 1.0, 3.0, 5.0]
+    assert sorted(dots) == [0.0, 1.0, 1.0, 1.0, 3.0, 5.0]
     flops = sum(t * eqn_work(e).flops for e, t, _ in leaf_equations(jaxpr.eqns))
     assert flops == pytest.approx(jaxpr_work(jaxpr).flops)
+    assert flops == pytest.approx((3 + 5 + 0 + 2 + 1) * 2 * 4 * 8 * 8, rel=0.01)
+
+
+def test_a_while_that_never_runs_costs_nothing():
+    w = jnp.ones((8, 8))
+    f = lambda x: jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ w),
+                                     (4, x))[1]
+    work = work_of(f, jnp.ones((4, 8)))
+    assert work.by_primitive.get("dot_general", [0.0])[0] == 0.0
+    assert work.unknown_trip_counts == 0
 
 
 def test_intensity():

@@ -29,6 +29,7 @@ from hetpar.cost_models._equation_model import (
     TERMS,
     MatmulEquation,
     device_tiling,
+    predict_equations,
     terms,
     useful_fraction,
 )
@@ -223,15 +224,15 @@ def test_a_tpu_prices_matmuls_in_mxu_blocks_not_gpu_tiles():
     assert device_tiling(spec("tpu-v4")) == ((8, 128, 128), 8)
     assert device_tiling(spec("tpu-v5e"))[1] == 4
     assert device_tiling(spec("h100")) == ((64, 64, 32), 132)
+    # a TPU without a spec sheet (a measured v5p, say) is still a TPU
+    assert device_tiling(spec("tpu-v4").replace(kind="tpu")) == ((8, 128, 128), 4)
     eq = MatmulEquation("dot", 1.0, 2 * 128 * 10 * 1024, 128, 10, 1024)
     work = graph_layer_work(_graph(), _graph().layers[0])
 
     def flops_term(kind):
-        p = spec(kind)
-        tile, units = device_tiling(p)
-        return terms((eq,), work, peak=p.peak("f32", "matmul"), units=units, tile=tile,
-                     bandwidth=p.memory_bandwidth_bytes_per_s, cpu=False)["flops_dot"] * \
-            p.peak("f32", "matmul") / eq.flops
+        # through what predict_layer and fit_equation_model price with
+        p = spec(kind).replace(layer_model=dict.fromkeys(TERMS, 0.0) | {"flops_dot": 1.0})
+        return predict_equations(p, (eq,), work) * p.peak("f32", "matmul") / eq.flops
 
     assert flops_term("tpu-v4") == pytest.approx(128 / 10)  # 1 / the useful fraction
     assert flops_term("h100") == pytest.approx(132 / 2 * 64 / 10)  # 2 tiles: 130 SMs idle
