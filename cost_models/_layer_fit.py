@@ -33,12 +33,8 @@ from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes
 from hetpar.cost_models._profile import DeviceProfile
 from hetpar.cost_models._roofline import LayerWork, calibrate, predict
 
-#: Device classes whose fit counts XLA's after-fusion bytes (as the cost table
-#: does with measured layers: `FUSED_BYTES_CLASSES`).
-_FUSED = frozenset({"gpu", "tpu"})
 
-
-def layer_samples(graphs: Sequence, device, profile: DeviceProfile, *, k: int = LAYER_RUNS,
+def layer_samples(graphs: Sequence, device, *, k: int = LAYER_RUNS,
                   progress: Callable[[str], None] | None = None
                   ) -> list[tuple[str, str, LayerWork, float]]:
     """(graph name, layer, work, measured seconds) of every layer of `graphs` on `device`.
@@ -46,19 +42,20 @@ def layer_samples(graphs: Sequence, device, profile: DeviceProfile, *, k: int = 
     Args:
       graphs: `(name, LayerGraph)` pairs.
       device: a present JAX device.
-      profile: the device's profile (its class decides the byte count).
       k: timed runs per layer.
       progress: called with a line per layer.
+
+    Each work carries XLA's after-fusion bytes for the device's backend
+    (where the compile gives them): the layer model prices them on every
+    class, the roofline where `FUSED_BYTES_CLASSES` says.
     """
-    fused = profile.device_class in _FUSED
     out = []
     for name, graph in graphs:
         for layer in graph.layers:
             work = graph_layer_work(graph, layer)
-            if fused:
-                nbytes = layer_fused_bytes(graph, layer, device.platform)
-                if nbytes is not None:
-                    work = dataclasses.replace(work, fused_bytes=nbytes)
+            nbytes = layer_fused_bytes(graph, layer, device.platform)
+            if nbytes is not None:
+                work = dataclasses.replace(work, fused_bytes=nbytes)
             t = measure_layer(graph, layer, device, k=k).typical_s
             out.append((name, layer, work, t))
             if progress:
@@ -77,7 +74,7 @@ def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
     Raises:
       ProfileError: no layers to fit on.
     """
-    samples = layer_samples(graphs, device, profile, k=k, progress=progress)
+    samples = layer_samples(graphs, device, k=k, progress=progress)
     if not samples:
         raise ProfileError("fit_on_layers: the models given have no layers to measure")
     names = ", ".join(sorted({n for n, *_ in samples}))

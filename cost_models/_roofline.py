@@ -166,14 +166,27 @@ def _compute_times(profile: DeviceProfile, work: LayerWork, comp: np.ndarray) ->
     return t
 
 
+#: Device classes whose roofline prices after-fusion bytes where a layer has
+#: them. Measured on the H200 host (experiments/results/accuracy_h200_v2.md):
+#: they cut the GPU's held-out error (28.8% -> 25.6% median) but raised the
+#: CPU's (24.8% -> 43.5%: XLA:CPU's byte count says little about its
+#: loop-nest time), so on a CPU the roofline keeps hetpar's unfused count.
+#: The per-equation layer model uses them on every class: its bytes term is
+#: the non-matmul share of the fused traffic, and on the two hosts' CPUs it
+#: predicted held-out layers at 10.9% / 18.2% median with them, 34.5% /
+#: 39.8% without (experiments/results/layer_model).
+FUSED_BYTES_CLASSES = frozenset({"gpu", "tpu"})
+
+
 def _terms(profile: DeviceProfile, work: LayerWork) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-class times at efficiency 1: (compute, unfused memory, fused memory) seconds.
 
-    Exactly one of the two memory arrays is non-zero: fused when known.
+    Exactly one of the two memory arrays is non-zero: fused when known and
+    the device's class prices them (`FUSED_BYTES_CLASSES`).
     """
     bw = profile.memory_bandwidth_bytes_per_s
     comp = np.array([work.flops(c) / profile.peak(work.dtype, c) for c in OP_CLASSES])
-    fused = fused_by_class(work)
+    fused = fused_by_class(work) if profile.device_class in FUSED_BYTES_CLASSES else None
     if fused is None:
         return comp, np.array([work.bytes(c) / bw for c in OP_CLASSES]), np.zeros(len(comp))
     return comp, np.zeros(len(comp)), fused / bw

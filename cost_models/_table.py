@@ -70,15 +70,8 @@ from hetpar.cost_models._resolve import (
     resolve_links,
     split_places,
 )
-from hetpar.cost_models._roofline import LayerWork, predict
+from hetpar.cost_models._roofline import FUSED_BYTES_CLASSES, LayerWork, predict
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
-
-#: Device classes whose predictions use after-fusion bytes. Measured on the
-#: H200 host (experiments/results/accuracy_h200_v2.md): they cut the GPU's
-#: held-out error (28.8% -> 25.6% median) but raise the CPU's (24.8% ->
-#: 43.5%: XLA:CPU's byte count says little about its loop-nest time), so the
-#: CPU keeps hetpar's unfused count. Fused bytes are still recorded for it.
-FUSED_BYTES_CLASSES = frozenset({"gpu", "tpu"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,13 +439,17 @@ def _fused_works(graph, layer: str, work: LayerWork,
     for it to be measured anyway). A spec-sheet device borrows the figure
     of a present device of its class (same compiler, same fusion; the
     fused/unfused ratio of the layer carries over), else keeps the
-    unfused count, as does every device of a class outside
-    `FUSED_BYTES_CLASSES` (the CPU).
+    unfused count. Only devices that price with them get them: a class in
+    `FUSED_BYTES_CLASSES`, or a profile with a per-equation layer model
+    (a CPU's, whose bytes term is fitted on them).
     """
+    def uses(d) -> bool:
+        return d.profile.device_class in FUSED_BYTES_CLASSES or bool(d.profile.layer_model)
+
     by_backend: dict[str, float | None] = {}
     by_class: dict[str, float] = {}
     for d in devs:
-        if d.jax_device is None or d.profile.device_class not in FUSED_BYTES_CLASSES:
+        if d.jax_device is None or not uses(d):
             continue
         platform = d.jax_device.platform
         if platform not in by_backend:
@@ -461,7 +458,7 @@ def _fused_works(graph, layer: str, work: LayerWork,
             by_class.setdefault(d.profile.device_class, by_backend[platform])
     out = {}
     for d in devs:
-        if d.profile.device_class not in FUSED_BYTES_CLASSES:
+        if not uses(d):
             fused = None
         elif d.jax_device is not None:
             fused = by_backend.get(d.jax_device.platform)

@@ -344,13 +344,14 @@ def test_fit_on_layers_predicts_the_measured_layers_better(tmp_path, monkeypatch
     dev = jax.devices("cpu")[0]
     after = fit_on_layers(before, dev, [("mlp", graph)], k=3)
     assert "fitted on" in after.sources["efficiencies"] and "mlp" in after.sources["efficiencies"]
-    samples = layer_samples([("mlp", graph)], dev, before, k=3)  # cached: the same timings
+    samples = layer_samples([("mlp", graph)], dev, k=3)  # cached: the same timings
     # The file keeps what the fit saw, in order, so it can be audited or refitted offline.
     kept = after.benchmarks["fit_layers"]
     assert [(r["model"], r["layer"], r["measured_s"]) for r in kept] == [
         (n, layer, t) for n, layer, _, t in samples]
     assert all(set(r) == {"model", "layer", "key", "measured_s", "fused_bytes"} for r in kept)
     assert len({r["key"] for r in kept}) == len(kept)  # each layer's fingerprint
+    assert all(r["fused_bytes"] > 0 for r in kept)  # the layer model prices them on CPUs too
     assert load_profiles_text(after)["fit_layers"] == kept
 
     def median_error(profile):
