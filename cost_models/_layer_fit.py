@@ -31,7 +31,7 @@ from hetpar.cost_models._equation_model import (
 from hetpar.cost_models._layer_timing import LAYER_RUNS, layer_key, measure_layer
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes
 from hetpar.cost_models._profile import DeviceProfile
-from hetpar.cost_models._roofline import LayerWork, calibrate, predict
+from hetpar.cost_models._roofline import FUSED_BYTES_CLASSES, LayerWork, calibrate, predict
 
 
 def layer_samples(graphs: Sequence, device, *, k: int = LAYER_RUNS,
@@ -83,11 +83,10 @@ def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
     by_name = dict(graphs)
     out = with_layer_model(profile, fitted, [
         (n, matmul_equations(by_name[n], layer), w, t) for n, layer, w, t in samples], what=what)
-    # What the fit saw, kept in the file: a maintainer can audit the fit, or
-    # refit another model offline, without the device (the after-fusion
-    # bytes need a compile for it).
-    # `key` is the layer's fingerprint (its jaxpr and input shapes, as the
-    # timing cache keys it): which configuration was traced.
+    # What the fit saw, kept in the file, so a maintainer can audit it or
+    # refit offline without the device (the after-fusion bytes need a compile
+    # for it); `key`, the layer's fingerprint as the timing cache keys it,
+    # says which configuration was traced.
     return out.replace(benchmarks={**out.benchmarks, "fit_layers": [
         {"model": n, "layer": layer, "key": layer_key(by_name[n], layer), "measured_s": t,
          "fused_bytes": w.fused_bytes}
@@ -153,15 +152,19 @@ def fit_samples(profile: DeviceProfile, samples: Sequence[tuple[LayerWork, float
     Two fits. On hetpar's unfused byte counts: the per-class bytes
     efficiencies, which tables without after-fusion bytes use (a table for an
     absent GPU planned on a CPU host). Then on the after-fusion bytes, where
-    known: the compute efficiencies, the fused-bytes efficiency and the
-    per-call costs. A fit on fused bytes alone leaves the per-class bytes
-    efficiencies unconstrained: on the H100's layers they fell to 0.1, and
+    known and the device's roofline prices them (`FUSED_BYTES_CLASSES`): the
+    compute efficiencies, the fused-bytes efficiency and the per-call costs.
+    A fit on fused bytes alone leaves the per-class bytes efficiencies
+    unconstrained: on the H100's layers they fell to 0.1, and
     unfused predictions came out 15x the measured times.
     """
     unfused = calibrate(profile, [(dataclasses.replace(w, fused_bytes=None), t)
                                   for w, t in samples], fit_overhead=True)
     fitted = unfused
-    if any(w.fused_bytes is not None for w, _ in samples):
+    # A CPU's roofline ignores fused bytes (`FUSED_BYTES_CLASSES`): a second
+    # fit there would repeat the first.
+    if profile.device_class in FUSED_BYTES_CLASSES and any(
+            w.fused_bytes is not None for w, _ in samples):
         fused = calibrate(unfused, list(samples), fit_overhead=True)
         fitted = fused.replace(efficiencies={
             c: {"flops": e["flops"], "bytes": unfused.efficiencies[c]["bytes"]}
