@@ -8,15 +8,24 @@ model where the profile kept one, else the roofline) and measured alone
 (`measure_layer`, the lower quartile of up to 40 runs). Prints and writes
 median / p90 |predicted / measured - 1| over layers above 100 us.
 
+With `--refit DEVICES` (e.g. `cpu:0`), it then times the fit's layers
+again (a fresh timing cache), right after the held-out ones, refits the
+device on them (`fit_on_layers`, as `--fit` did) and scores the held-out
+layers again: how far the machine drifted between the fit and the check
+(the re-timed fit layers against the profile's `fit_layers`), and what the
+model predicts when its layers and the held-out ones are timed together.
+
     python -m hetpar profile --fit default --out P.json
-    python experiments/check_fitted_profile.py --profiles P.json --out DIR
+    python experiments/check_fitted_profile.py --profiles P.json --out DIR [--refit cpu:0]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
+import tempfile
 
 import numpy as np
 
@@ -37,6 +46,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profiles", required=True)
     ap.add_argument("--models", default=",".join(HELD_OUT))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--refit", default="", help="devices to refit on their fit layers timed "
+                    "again after the check, and score again (e.g. cpu:0)")
     args = ap.parse_args(argv)
     profiles = load_profiles(args.profiles)
     present = present_devices()
@@ -57,16 +68,65 @@ def main(argv=None) -> int:
                              "layer": layer.name, "predicted_s": p, "measured_s": t})
                 if t > 100e-6:
                     errs.append(abs(p / t - 1))
-        e = np.array(errs)
         summary[name] = {"layer_model": prof.sources.get("layer_model", "none"),
-                         "n": int(e.size), "median": float(np.median(e)) if e.size else None,
-                         "p90": float(np.percentile(e, 90)) if e.size else None}
+                         **_stats(errs)}
         print(name, json.dumps(summary[name]), flush=True)
+        if name in args.refit.split(","):
+            summary[name]["refit"] = _refit(profiles, name, prof, present[name],
+                                            [r for r in rows if r["device"] == name])
+            print(name, "refit", json.dumps(summary[name]["refit"]), flush=True)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "check_fitted_profile.json").write_text(
         json.dumps({"profiles": args.profiles, "summary": summary, "rows": rows}, indent=1))
     return 0
+
+
+def _stats(errs) -> dict:
+    e = np.array(errs)
+    return {"n": int(e.size), "median": float(np.median(e)) if e.size else None,
+            "p90": float(np.percentile(e, 90)) if e.size else None}
+
+
+def _refit(profiles, name, prof, device, rows) -> dict:
+    """The device refitted on its fit layers timed again now, and the held-out
+    `rows` (measured just before) predicted by it."""
+    from hetpar.cost_models import cost_table, fit_on_layers
+    from hetpar.zoo import trace_model
+
+    cpu = device.platform == "cpu"
+    before = {(r["model"], r["layer"]): r["measured_s"]
+              for r in prof.benchmarks.get("fit_layers", [])}
+    models = sorted({m for m, _ in before} - {"sweep"})
+    graphs = [(m, trace_model(m, small=cpu, batch=32 if cpu else None)[1]) for m in models]
+    old = os.environ.get("HETPAR_CACHE_DIR")
+    with tempfile.TemporaryDirectory() as fresh:
+        os.environ["HETPAR_CACHE_DIR"] = fresh  # time every fit layer again
+        try:
+            refit = fit_on_layers(prof, device, graphs)
+        finally:
+            if old is None:
+                os.environ.pop("HETPAR_CACHE_DIR")
+            else:
+                os.environ["HETPAR_CACHE_DIR"] = old
+    drift = [r["measured_s"] / before[k] for r in refit.benchmarks["fit_layers"]
+             if (k := (r["model"], r["layer"])) in before and before[k] > 100e-6]
+    moved = profiles.replace_devices({**profiles.devices, name: refit})
+    errs, by_model = [], {}
+    for r in rows:
+        by_model.setdefault(r["model"], []).append(r)
+    for model, rs in by_model.items():
+        _, g = trace_model(model, small=cpu, batch=32 if cpu else None)
+        table = cost_table(g, [name], profiles=moved, fused_bytes=True, host_cpu_included=False)
+        pred = {layer.name: layer.time_s[name] for layer in table.layers}
+        for r in rs:
+            r["refit_predicted_s"] = pred[r["layer"]]
+            if r["measured_s"] > 100e-6:
+                errs.append(abs(pred[r["layer"]] / r["measured_s"] - 1))
+    return {"layer_model": refit.sources.get("layer_model", "none"), **_stats(errs),
+            "fit_layers_now_over_then": {"n": len(drift), "median": float(np.median(drift)),
+                                         "p10": float(np.percentile(drift, 10)),
+                                         "p90": float(np.percentile(drift, 90))}}
 
 
 if __name__ == "__main__":

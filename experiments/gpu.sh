@@ -41,7 +41,8 @@ one GPU (the card and its host CPU):
                       each plan and jax.jit run in fresh processes: the GPU's real peak bytes
   fit-check [FLAGS]   issue 17: hetpar profile --fit default [FLAGS], then the file checked on
                       held-out zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT,
-                      CHECK_TIMEOUT)
+                      CHECK_TIMEOUT, REFIT=cpu:0: also refit that device on its fit layers
+                      timed again after the check, and score again)
   repro               issue 17: every zoo and sweep layer timed by two processes (the second in
                       reverse order), every sample kept; how well estimators reproduce
                       (measure_repro.py; env DEADLINE=250 per run)
@@ -306,7 +307,8 @@ fit-check)
     echo "profile --fit took $(( $(date +%s) - t0 )) s"
     t0=$(date +%s)
     timeout "${CHECK_TIMEOUT:-200}" python3 experiments/check_fitted_profile.py \
-      --profiles "$OUT/profile_fit_$CARD.json" --out "$OUT/check_$CARD"
+      --profiles "$OUT/profile_fit_$CARD.json" --out "$OUT/check_$CARD" \
+      ${REFIT:+--refit "$REFIT"}
     echo "check took $(( $(date +%s) - t0 )) s"
     # The layer timings behind the fit, so it can be refitted offline.
     tar czf "$OUT/hetpar_cache_$CARD.tgz" -C /tmp hetpar_cache 2>/dev/null
