@@ -62,24 +62,13 @@ _INIT = {"conv": 3.0, "grp": 20.0, "dil": 5.0, "mmadd": 0.5, "mmkern": 5e-6, "ex
 
 
 def _walk(eqns, times, acc):
-    from jax.extend import core as jcore
+    """Every matmul-like leaf equation under `eqns` (control flow and calls
+    walked by hetpar's `leaf_equations`: scan x length, while x trips, the
+    costlier cond branch), its features added to `acc`."""
+    from hetpar.passes import eqn_work, leaf_equations
 
-    from hetpar.passes import eqn_work
-
-    for e in eqns:
+    for e, reps, _ in leaf_equations(eqns, times):
         name = e.primitive.name
-        if name == "scan":
-            _walk(e.params["jaxpr"].jaxpr.eqns, times * e.params["length"], acc)
-            continue
-        if name not in ("while", "cond"):
-            subs = [s.jaxpr if isinstance(s, jcore.ClosedJaxpr) else s
-                    for v in e.params.values()
-                    for s in (v if isinstance(v, (list, tuple)) else [v])]
-            subs = [s for s in subs if isinstance(s, jcore.Jaxpr)]
-            if subs:
-                for s in subs:
-                    _walk(s.eqns, times, acc)
-                continue
         if name not in ("dot_general", "conv_general_dilated"):
             continue
         f, _, b = eqn_work(e).by_class["matmul"]
@@ -101,9 +90,9 @@ def _walk(eqns, times, acc):
             n = rhs[dn.rhs_spec[0]] // groups
             k = rhs[dn.rhs_spec[1]] * math.prod(rhs[d] for d in dn.rhs_spec[2:])
             bsz = groups
-        acc["n_" + key] += times
-        acc["f_" + key] += times * f
-        acc.setdefault("sizes", []).append((f, times, bsz, m, n, k))
+        acc["n_" + key] += reps
+        acc["f_" + key] += reps * f
+        acc.setdefault("sizes", []).append((f, reps, bsz, m, n, k))
 
 
 def features(records):
