@@ -205,10 +205,16 @@ def sweep_step(specs):
     return step, params, batch
 
 
-def trace_sweep(cpu: bool = False):
+def trace_sweep(cpu: bool = False, kinds: tuple[str, ...] | None = None):
     """The sweep's training step traced (`hetpar.trace`): a CPU's sizes or an
-    accelerator's."""
+    accelerator's; with `kinds`, only the layers of those kinds (the start
+    of their names: "transposed", "conv", "dense", ...)."""
     import hetpar
 
-    step, params, batch = sweep_step(grid(*CPU_SCALE) if cpu else grid())
+    specs = grid(*CPU_SCALE) if cpu else grid()
+    if kinds is not None:
+        specs = [sp for sp in specs if sp.name.startswith(tuple(kinds))]
+        if not specs:
+            raise ValueError(f"trace_sweep: no sweep layers of kinds {kinds}")
+    step, params, batch = sweep_step(specs)
     return hetpar.trace(step, params, batch)
