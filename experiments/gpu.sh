@@ -43,6 +43,8 @@ one GPU (the card and its host CPU):
                       held-out zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT,
                       CHECK_TIMEOUT, REFIT=cpu:0: also refit that device on its fit layers
                       timed again after the check, and score again)
+  cpu-reference       issue 17: the host CPU's layer model fitted and checked on the zoo's
+                      reference configs (batch <= 8; cpu_reference_layers.py)
   repro               issue 17: every zoo and sweep layer timed by two processes (the second in
                       reverse order), every sample kept; how well estimators reproduce
                       (measure_repro.py; env DEADLINE=250 per run)
@@ -125,7 +127,7 @@ job=${1:-help}
 [ $# -gt 0 ] && shift
 case "$job" in
 help|-h|--help) usage; exit 0 ;;
-profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|fit-check|hetpar) TWO_GPUS= ;;
+profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|fit-check|cpu-reference|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
 two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions|step-timing) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
@@ -313,6 +315,17 @@ fit-check)
     # The layer timings behind the fit, so it can be refitted offline.
     tar czf "$OUT/hetpar_cache_$CARD.tgz" -C /tmp hetpar_cache 2>/dev/null
   } 2>&1 | quiet | tee "$OUT/fit_check_$CARD.log"
+  ;;
+cpu-reference)
+  # Issue 17: the CPU's layer model at reference sizes on this host's CPU.
+  export HETPAR_CACHE_DIR=/tmp/hetpar_cache
+  {
+    python3 -m hetpar profile --devices cpu:0 --no-transfers --out "$OUT/profile_cpu_$CARD.json"
+    t0=$(date +%s)
+    timeout "${REF_TIMEOUT:-480}" python3 experiments/cpu_reference_layers.py \
+      --profiles "$OUT/profile_cpu_$CARD.json" --batch "${BATCH:-8}" --out "$OUT"
+    echo "cpu_reference_layers took $(( $(date +%s) - t0 )) s"
+  } 2>&1 | quiet | tee "$OUT/cpu_reference_$CARD.log"
   ;;
 repro)
   # Run-to-run reproducibility of a layer's measured time (issue 17, deliverable 2).
