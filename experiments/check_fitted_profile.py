@@ -22,6 +22,7 @@ model predicts when its layers and the held-out ones are timed together.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -91,19 +92,20 @@ def _stats(errs) -> dict:
 def _refit(profiles, name, prof, device, rows) -> dict:
     """The device refitted on its fit layers timed again now, and the held-out
     `rows` (measured just before) predicted by it."""
-    from hetpar.cost_models import cost_table, fit_on_layers
+    from hetpar.cli._profile import _fitted
+    from hetpar.cost_models import cost_table
     from hetpar.zoo import trace_model
 
     cpu = device.platform == "cpu"
     before = {(r["model"], r["layer"]): r["measured_s"]
               for r in prof.benchmarks.get("fit_layers", [])}
-    models = sorted({m for m, _ in before} - {"sweep"})
-    graphs = [(m, trace_model(m, small=cpu, batch=32 if cpu else None)[1]) for m in models]
+    models = list(dict.fromkeys(m for m, _ in before))  # --fit's models, in its order
     old = os.environ.get("HETPAR_CACHE_DIR")
     with tempfile.TemporaryDirectory() as fresh:
         os.environ["HETPAR_CACHE_DIR"] = fresh  # time every fit layer again
-        try:
-            refit = fit_on_layers(prof, device, graphs)
+        try:  # as `hetpar profile --fit` fits (its graphs, sweep and runs)
+            alone = dataclasses.replace(profiles, devices={name: prof})  # this device only
+            refit = _fitted(alone, models, quick=False, progress=lambda _: None).devices[name]
         finally:
             if old is None:
                 os.environ.pop("HETPAR_CACHE_DIR")
