@@ -13,8 +13,9 @@ update, all placed on one device (DESIGN, "Layers"). The rules, in order:
    layers read is shared.
 3. Unnamed equations (optimizer updates, glue between modules, the loss) join
    the layer of their producer: the most recent layer, in layer order, among
-   the producers of their inputs. They carry activations, so they must not
-   form a group of their own that would force extra transfers.
+   the producers of their inputs (in the backward the earliest, so glue's
+   gradient joins the layer its forward joined). They carry activations, so
+   they must not form a group of their own that would force extra transfers.
 4. Tiny unnamed scalar equations that read no layer's data (the step counter,
    Adam's bias-correction powers) form the explicit "shared" group: the
    runtime recomputes them wherever they are needed.
@@ -321,7 +322,14 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
                 combined.update((o, origins) for o in e.outvars
                                 if not isinstance(o, jcore.DropVar))
             elif layered:  # rule 3
-                layer[i] = max(layered, key=order.__getitem__)
+                # The backward mirrors the forward: glue between two layers
+                # joined the earlier one (its producer), so its gradient,
+                # reading the later layer's cotangent and the earlier one's
+                # saved input, joins the earlier one too. Else a max-pool
+                # between a stem and a block sends its 4x larger input
+                # forward and its gradient back across that cut.
+                pick = min if is_backward(str(e.source_info.name_stack)) else max
+                layer[i] = pick(layered, key=order.__getitem__)
             elif all(_is_scalar(o) for o in e.outvars) and all(
                 s is None or s == SHARED for s in srcs
             ) and all(_is_scalar(a) or not isinstance(a, jcore.Var) for a in e.invars):

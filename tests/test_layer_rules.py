@@ -401,3 +401,38 @@ def test_equinox_module_passed_whole_keeps_its_roles():
     roles = list(g.input_roles)
     assert roles.count("param") == 8 and roles[-2:] == ["batch", "batch"]
     assert updates_in_own_layer(g) == 1.0
+
+
+# -- glue between modules ---------------------------------------------------
+
+
+class PooledConvs(nn.Module):
+    """A stem, a max-pool in the parent's own code (as Flax's ResNet calls
+    `nn.max_pool`), then a block: the pool belongs to no module."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), name="stem")(x))
+        x = nn.max_pool(x, (2, 2), strides=(2, 2))
+        x = nn.relu(nn.Conv(8, (3, 3), name="block")(x))
+        return x.mean(axis=(1, 2))
+
+
+def test_glue_and_its_gradient_join_the_same_layer():
+    """Unnamed glue between two layers joins the earlier (its producer) and
+    so does its gradient: the cut between them then carries the pooled
+    activation forward and its cotangent back (2 x 8x8x8 floats a image),
+    not also the stem's 4x larger output forward and its cotangent back."""
+    model = PooledConvs()
+    x = jnp.ones((2, 16, 16, 3))
+    params = model.init(jax.random.PRNGKey(0), x)
+    step, tx = adam_step(model.apply)
+    batch = {"x": x, "y": jnp.ones((2, 8))}
+    graph = hetpar.trace(step, params, tx.init(params), batch)
+
+    eqns = graph.program.jaxpr.jaxpr.eqns
+    where = {eqns[i].primitive.name: graph.eqn_layers[i] for i in range(len(eqns))}
+    assert where["reduce_window_max"] == where["select_and_scatter_add"] == "stem"
+    edge = graph.graph.edges["stem", "block"]
+    pooled = 2 * 8 * 8 * 8 * 4
+    assert edge["bytes"] == pooled and edge["bytes_backward"] == pooled
