@@ -13,8 +13,9 @@ update, all placed on one device (DESIGN, "Layers"). The rules, in order:
    layers read is shared.
 3. Unnamed equations (optimizer updates, glue between modules, the loss) join
    the layer of their producer: the most recent layer, in layer order, among
-   the producers of their inputs (in the backward the earliest, so glue's
-   gradient joins the layer its forward joined). They carry activations, so
+   the producers of their inputs (in the backward, for leaf glue, the
+   earliest that has a backward of its own, so glue's gradient joins the
+   layer its forward joined). They carry activations, so
    they must not form a group of their own that would force extra transfers.
 4. Tiny unnamed scalar equations that read no layer's data (the step counter,
    Adam's bias-correction powers) form the explicit "shared" group: the
@@ -311,6 +312,12 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
             if not isinstance(o, jcore.DropVar):
                 producer[o] = layer[i]
 
+    # Layers with a backward of their own (named backward equations): where
+    # the gradient of glue may go. A layer without one (a tokenizer, a mask
+    # builder) would gain a backward stage and send the gradient forward.
+    backward = {layer[i] for i, e in enumerate(eqns)
+                if layer[i] is not None and is_backward(str(e.source_info.name_stack))}
+
     pending: list[int] = []
     for i, e in enumerate(eqns):
         if layer[i] is None:
@@ -327,9 +334,15 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
                 # reading the later layer's cotangent and the earlier one's
                 # saved input, joins the earlier one too. Else a max-pool
                 # between a stem and a block sends its 4x larger input
-                # forward and its gradient back across that cut.
-                pick = min if is_backward(str(e.source_info.name_stack)) else max
-                layer[i] = pick(layered, key=order.__getitem__)
+                # forward and its gradient back across that cut. Only leaf
+                # glue: a region (a remat's whole backward at a split scope)
+                # keeps the latest layer.
+                earlier = [s for s in layered if s in backward]
+                if earlier and not any(True for _ in _subjaxprs(e)) and is_backward(
+                        str(e.source_info.name_stack)):
+                    layer[i] = min(earlier, key=order.__getitem__)
+                else:
+                    layer[i] = max(layered, key=order.__getitem__)
             elif all(_is_scalar(o) for o in e.outvars) and all(
                 s is None or s == SHARED for s in srcs
             ) and all(_is_scalar(a) or not isinstance(a, jcore.Var) for a in e.invars):

@@ -436,3 +436,18 @@ def test_glue_and_its_gradient_join_the_same_layer():
     edge = graph.graph.edges["stem", "block"]
     pooled = 2 * 8 * 8 * 8 * 4
     assert edge["bytes"] == pooled and edge["bytes_backward"] == pooled
+
+
+def test_glue_gradient_never_goes_to_a_layer_without_a_backward():
+    """`lm_embed` masks its embeddings with `x * mask`, the mask from the
+    parameter-free `vectorize` layer: the product's gradient stays with the
+    embedding (a layer with a backward of its own), so `vectorize` gains no
+    backward stage and the cut after it carries no gradient."""
+    from hetpar import zoo
+    from hetpar.passes import is_backward
+
+    graph = zoo.trace_model("lm_embed", small=True)[1]
+    eqns = graph.program.jaxpr.jaxpr.eqns
+    assert not any(is_backward(str(eqns[i].source_info.name_stack))
+                   for i in graph["vectorize"].eqns)
+    assert graph.graph.edges["vectorize", "embedding"]["bytes_backward"] == 0
