@@ -65,24 +65,39 @@ def layer_samples(graphs: Sequence, device, *, k: int = LAYER_RUNS,
 
 def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
                   k: int = LAYER_RUNS,
-                  progress: Callable[[str], None] | None = None) -> DeviceProfile:
+                  progress: Callable[[str], None] | None = None,
+                  layer_model_only: Sequence = ()) -> DeviceProfile:
     """`profile` with efficiencies and overheads fitted on `graphs`' layers measured on `device`.
 
     Its `sources["efficiencies"]` says what it was fitted on and how well
     (the fitted layers' median error).
 
+    Args:
+      layer_model_only: more `(name, LayerGraph)` pairs whose layers the
+        per-equation layer model is fitted on too, never the roofline (a
+        CPU's transposed convolutions: a class of their own there, which
+        would drag the roofline's shared convolution efficiency).
+
     Raises:
-      ProfileError: no layers to fit on.
+      ProfileError: no layers to fit on (in `graphs`).
     """
     samples = layer_samples(graphs, device, k=k, progress=progress)
     if not samples:
         raise ProfileError("fit_on_layers: the models given have no layers to measure")
+    extra = layer_samples(layer_model_only, device, k=k, progress=progress)
     names = ", ".join(sorted({n for n, *_ in samples}))
     what = f"{len(samples)} layers of {names} measured alone"
     fitted = fit_samples(profile, [(w, t) for _, _, w, t in samples], what=what)
-    by_name = dict(graphs)
-    out = with_layer_model(profile, fitted, [
-        (n, matmul_equations(by_name[n], layer), w, t) for n, layer, w, t in samples], what=what)
+    by_name = {**dict(graphs), **dict(layer_model_only)}
+
+    def with_equations(rows):
+        return [(n, matmul_equations(by_name[n], layer), w, t) for n, layer, w, t in rows]
+
+    if extra:
+        what += (f"; the layer model also on {len(extra)} of "
+                 f"{', '.join(sorted({n for n, *_ in extra}))}")
+    out = with_layer_model(profile, fitted, with_equations(samples), what=what,
+                           extra=with_equations(extra))
     # What the fit saw, kept in the file, so a maintainer can audit it or
     # refit offline without the device (the after-fusion bytes need a compile
     # for it); `key`, the layer's fingerprint as the timing cache keys it,
@@ -90,7 +105,7 @@ def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
     return out.replace(benchmarks={**out.benchmarks, "fit_layers": [
         {"model": n, "layer": layer, "key": layer_key(by_name[n], layer), "measured_s": t,
          "fused_bytes": w.fused_bytes}
-        for n, layer, w, t in samples]})
+        for n, layer, w, t in [*samples, *extra]]})
 
 
 #: Layers faster than this are left out of the choice between the models
@@ -108,7 +123,7 @@ KEEP_MARGIN = 1.1
 
 
 def with_layer_model(profile: DeviceProfile, fitted: DeviceProfile, samples: Sequence,
-                     *, what: str = "measured layers") -> DeviceProfile:
+                     *, what: str = "measured layers", extra: Sequence = ()) -> DeviceProfile:
     """`fitted` (the roofline fitted on `samples`) with the per-equation layer
     model fitted on them too (`DeviceProfile.layer_model`), unless it predicts
     clearly worse: each model's layers held out in turn, both fitted on the
@@ -118,6 +133,8 @@ def with_layer_model(profile: DeviceProfile, fitted: DeviceProfile, samples: Seq
 
     Args:
       samples: `(model name, matmul_equations, LayerWork, seconds)` per layer.
+      extra: more such layers the layer model is always fitted on, neither
+        left out nor scored, nor given to the roofline.
     """
     models = sorted({m for m, *_ in samples})
     if len(models) < 2:
@@ -128,7 +145,8 @@ def with_layer_model(profile: DeviceProfile, fitted: DeviceProfile, samples: Seq
         test = [s for s in samples if s[0] == m and s[3] >= CHOICE_FLOOR_S] or [
             s for s in samples if s[0] == m]
         roof = fit_samples(profile, [(w, t) for _, _, w, t in train])
-        eq = roof.replace(layer_model=fit_equation_model(roof, [(e, w, t) for _, e, w, t in train]))
+        eq = roof.replace(layer_model=fit_equation_model(
+            roof, [(e, w, t) for _, e, w, t in [*train, *extra]]))
         for _, e, w, t in test:
             roof_err.append(abs(predict(roof, w) / t - 1))
             eq_err.append(abs(predict_layer(eq, w, e) / t - 1))
@@ -140,7 +158,7 @@ def with_layer_model(profile: DeviceProfile, fitted: DeviceProfile, samples: Seq
         sources["layer_model"] = f"not used (fitted on {what}; {verdict})"
         return fitted.replace(sources=sources, layer_model=None)
     sources["layer_model"] = f"fitted on {what}; {verdict}"
-    coef = fit_equation_model(fitted, [(e, w, t) for _, e, w, t in samples])
+    coef = fit_equation_model(fitted, [(e, w, t) for _, e, w, t in [*samples, *extra]])
     return fitted.replace(layer_model=coef, sources=sources)
 
 

@@ -97,9 +97,13 @@ def _refit(profiles, name, prof, device, rows) -> dict:
     from hetpar.zoo import trace_model
 
     cpu = device.platform == "cpu"
-    before = {(r["model"], r["layer"]): r["measured_s"]
-              for r in prof.benchmarks.get("fit_layers", [])}
-    models = list(dict.fromkeys(m for m, _ in before))  # --fit's models, in its order
+    fit_layers = prof.benchmarks.get("fit_layers", [])
+    if not fit_layers:
+        return {"error": f"{name}'s profile keeps no fit_layers (not from hetpar profile --fit "
+                         "at this code): nothing to time again"}
+    # By fingerprint: a --quick profile's layers (other sizes) match none.
+    before = {r["key"]: r["measured_s"] for r in fit_layers}
+    models = list(dict.fromkeys(r["model"] for r in fit_layers))  # --fit's, in its order
     old = os.environ.get("HETPAR_CACHE_DIR")
     with tempfile.TemporaryDirectory() as fresh:
         os.environ["HETPAR_CACHE_DIR"] = fresh  # time every fit layer again
@@ -111,8 +115,8 @@ def _refit(profiles, name, prof, device, rows) -> dict:
                 os.environ.pop("HETPAR_CACHE_DIR")
             else:
                 os.environ["HETPAR_CACHE_DIR"] = old
-    drift = [r["measured_s"] / before[k] for r in refit.benchmarks["fit_layers"]
-             if (k := (r["model"], r["layer"])) in before and before[k] > 100e-6]
+    drift = [r["measured_s"] / before[r["key"]] for r in refit.benchmarks["fit_layers"]
+             if before.get(r["key"], 0.0) > 100e-6]
     moved = profiles.replace_devices({**profiles.devices, name: refit})
     errs, by_model = [], {}
     for r in rows:
@@ -126,9 +130,9 @@ def _refit(profiles, name, prof, device, rows) -> dict:
             if r["measured_s"] > 100e-6:
                 errs.append(abs(pred[r["layer"]] / r["measured_s"] - 1))
     return {"layer_model": refit.sources.get("layer_model", "none"), **_stats(errs),
-            "fit_layers_now_over_then": {"n": len(drift), "median": float(np.median(drift)),
-                                         "p10": float(np.percentile(drift, 10)),
-                                         "p90": float(np.percentile(drift, 90))}}
+            "fit_layers_now_over_then": {"n": len(drift), **({
+                "median": float(np.median(drift)), "p10": float(np.percentile(drift, 10)),
+                "p90": float(np.percentile(drift, 90))} if drift else {})}}
 
 
 if __name__ == "__main__":

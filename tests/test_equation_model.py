@@ -330,16 +330,15 @@ def test_the_layer_sweep_is_the_one_the_model_was_scored_on():
     assert _fit_models("mlp,sweep") == ["mlp", "sweep"]
 
 
-def test_fit_default_is_the_training_split():
+def test_fit_default_is_the_training_split(monkeypatch):
     """`--fit default` times the zoo models every offline figure was fitted on
     (experiments/cost_accuracy.py's `TRAIN_MODELS`), none held out: without
     resnet50 the hosts' CPU fits predicted held-out layers 1.6-1.9x worse."""
     import pathlib
-    import sys
 
     from hetpar.cli._profile import FIT_MODELS
 
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
     import cost_accuracy
 
     assert set(FIT_MODELS) - {"sweep"} == set(cost_accuracy.TRAIN_MODELS)
@@ -347,24 +346,36 @@ def test_fit_default_is_the_training_split():
 
 def test_a_cpu_fits_only_the_sweeps_transposed_convolutions():
     """On a CPU, `--fit` takes from the sweep only the kinds the zoo's fit
-    models lack (transposed convolutions): the whole sweep made its held-out
-    predictions worse, while a class it never timed borrowed the
-    convolutions' coefficients, ~200x too fast per FLOP on XLA's CPU."""
+    models lack (transposed convolutions), and for the layer model only: the
+    whole sweep made its held-out predictions worse, a class it never timed
+    borrowed the convolutions' coefficients (~200x too fast per FLOP on XLA's
+    CPU), and the roofline's one convolution efficiency is not theirs."""
     from hetpar import zoo
     from hetpar.cli._profile import CPU_SWEEP_KINDS, _fitted
 
     graph = zoo.trace_sweep(cpu=True, kinds=CPU_SWEEP_KINDS)
     assert graph.layers and all(la.startswith("transposed") for la in graph.layers)
-    assert [e.cls for e in matmul_equations(graph, graph.layers[0])].count("tr") >= 1
+    assert all("tr" in {e.cls for e in matmul_equations(graph, la)} for la in graph.layers)
     with pytest.raises(ValueError, match="no sweep layers"):
         zoo.trace_sweep(cpu=True, kinds=("nosuchkind",))
 
     profiles = load_profiles()
     measured = spec("cpu").replace(name="cpu:0", origin="measured")
     profiles = profiles.replace_devices({**profiles.devices, "cpu:0": measured})
-    out = _fitted(profiles, ["sweep"], quick=True, progress=lambda _: None)
-    fit = out.devices["cpu:0"].benchmarks["fit_layers"]
-    assert sorted(r["layer"] for r in fit) == sorted(graph.layers)
+    lines = []
+    alone = _fitted(profiles, ["sweep"], quick=True, progress=lines.append)
+    assert alone.devices["cpu:0"] == measured  # four layers fit no CPU
+    assert any("nothing to fit a CPU on" in line for line in lines)
+
+    def fit(names):
+        return _fitted(profiles, names, quick=True, progress=lambda _: None).devices["cpu:0"]
+
+    zoo_only, with_sweep = fit(["conv6", "lm_embed"]), fit(["conv6", "lm_embed", "sweep"])
+    assert with_sweep.efficiencies == zoo_only.efficiencies  # the roofline never saw them
+    assert sorted(r["layer"] for r in with_sweep.benchmarks["fit_layers"]
+                  if r["model"] == "sweep") == sorted(graph.layers)
+    if with_sweep.layer_model:  # kept by the left-out choice: tr fitted, not borrowed
+        assert with_sweep.layer_model["flops_tr"] != with_sweep.layer_model["flops_conv"]
 
 
 def test_a_patch_embedding_forward_is_a_conv_not_a_weight_gradient():

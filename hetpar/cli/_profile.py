@@ -139,22 +139,29 @@ def _fitted(profiles, names: list[str], *, quick: bool, progress):
         dev = present[name]
         cpu = dev.platform == "cpu"
         # On a CPU only the sweep's transposed convolutions, the kind the zoo's
-        # fit models lack: fitted with the whole sweep, the layer model
-        # predicted an H100 host's held-out zoo layers at 50% median, 8-13%
-        # without it. The transposed ones move only their own class's
-        # coefficients (each fit model left out: the same 24% and 31% on the
-        # hosts' records), where the class had borrowed the convolutions':
-        # held-out p90 53% -> 49% and 66% -> 52% there, and at reference
-        # sizes XLA's CPU runs a transposed convolution ~200x slower per
-        # FLOP than a convolution (experiments/results/layer_model).
-        kinds = CPU_SWEEP_KINDS if cpu else None
-        graphs = [(m, zoo.trace_sweep(cpu=quick or cpu, kinds=kinds) if m == "sweep" else
+        # fit models lack, and for the layer model only: fitted with the whole
+        # sweep, the layer model predicted an H100 host's held-out zoo layers
+        # at 50% median, 8-13% without it. The transposed ones move only their
+        # own class's coefficients (each fit model left out: the same 24% and
+        # 31% on the hosts' records), where the class had borrowed the
+        # convolutions': held-out p90 53% -> 49% and 66% -> 52% there, and at
+        # reference sizes XLA's CPU runs a transposed convolution ~200x slower
+        # per FLOP than a convolution (experiments/results/layer_model). The
+        # roofline has one convolution efficiency, which they would drag.
+        sweep = ([("sweep", zoo.trace_sweep(cpu=True, kinds=CPU_SWEEP_KINDS))]
+                 if cpu and "sweep" in names else [])
+        graphs = [(m, zoo.trace_sweep(cpu=quick) if m == "sweep" else
                    zoo.trace_model(m, small=cpu or quick, batch=32 if cpu else None)[1])
-                  for m in names]
+                  for m in names if not (cpu and m == "sweep")]
+        if not graphs:
+            progress(f"{name}: --fit {','.join(names)} has nothing to fit a CPU on (the "
+                     "sweep gives a CPU's layer model its transposed convolutions only, "
+                     "beside zoo models); left as measured")
+            continue
         progress(f"fitting {name} on the layers of {', '.join(names)}")
         # Each layer's lower quartile of up to LAYER_RUNS calls, as measured
         # layers are planned with: two runs agree to 7-8% median that way, to
         # 9-12% with the median of 10 (experiments/results/measure_repro).
         fitted[name] = fit_on_layers(prof, dev, graphs, k=3 if quick else LAYER_RUNS,
-                                     progress=progress)
+                                     progress=progress, layer_model_only=sweep)
     return profiles.replace_devices(fitted)
