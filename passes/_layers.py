@@ -337,12 +337,21 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
                 # forward and its gradient back across that cut. Only leaf
                 # glue: a region (a remat's whole backward at a split scope)
                 # keeps the latest layer.
+                # And only when no named reader of its results, through
+                # unnamed ones, is a later layer: glue reading several layers
+                # (a gate written in the parent) would send a gradient forward
+                # during the backward.
                 earlier = [s for s in layered if s in backward]
-                if earlier and not any(True for _ in _subjaxprs(e)) and is_backward(
-                        str(e.source_info.name_stack)):
-                    layer[i] = min(earlier, key=order.__getitem__)
-                else:
-                    layer[i] = max(layered, key=order.__getitem__)
+                first = min(earlier, key=order.__getitem__) if earlier else None
+                if first is not None and is_backward(str(e.source_info.name_stack)) and not any(
+                        True for _ in _subjaxprs(e)):
+                    readers = _named_readers(eqns, i, layer, consumers)
+                    if readers is not None and all(order.get(r, -1) <= order[first]
+                                                   for r in readers):
+                        layer[i] = first
+                        define(i)
+                        continue
+                layer[i] = max(layered, key=order.__getitem__)
             elif all(_is_scalar(o) for o in e.outvars) and all(
                 s is None or s == SHARED for s in srcs
             ) and all(_is_scalar(a) or not isinstance(a, jcore.Var) for a in e.invars):
@@ -365,6 +374,30 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
             order.setdefault(found, len(order))
         layer[i] = found
         define(i)
+
+
+def _named_readers(eqns, i: int, layer: list[str | None], consumers: dict,
+                   limit: int = 256) -> list[str] | None:
+    """The layers of the named equations that read equation i's results,
+    directly or through unnamed ones (not yet placed); None past `limit`
+    equations, when it is not worth knowing."""
+    out: list[str] = []
+    frontier, visited = [i], {i}
+    while frontier:
+        for o in eqns[frontier.pop()].outvars:
+            if isinstance(o, jcore.DropVar):
+                continue
+            for j in consumers.get(o, ()):
+                if j in visited:
+                    continue
+                visited.add(j)
+                if len(visited) > limit:
+                    return None
+                if layer[j] is None:
+                    frontier.append(j)
+                elif layer[j] != SHARED:
+                    out.append(layer[j])
+    return out
 
 
 def _combine_origins(eqn, producer: dict, combined: dict, light: set) -> frozenset[str] | None:

@@ -451,3 +451,54 @@ def test_glue_gradient_never_goes_to_a_layer_without_a_backward():
     assert not any(is_backward(str(eqns[i].source_info.name_stack))
                    for i in graph["vectorize"].eqns)
     assert graph.graph.edges["vectorize", "embedding"]["bytes_backward"] == 0
+
+
+class Film(nn.Module):
+    """A gate written in the parent: `tanh(h) * g` reads two modules' results."""
+
+    @nn.compact
+    def __call__(self, x):
+        g = nn.Dense(16, name="A")(x)
+        h = nn.Dense(16, name="B")(x)
+        h = nn.Dense(16, name="B2")(jnp.tanh(h))
+        return nn.Dense(3, name="C")(jnp.tanh(h) * g)
+
+
+def backward_results_sent_forward(graph) -> list:
+    """(producer layer, reader layer) of every value a backward equation makes
+    that a later layer reads: a gradient moving forward during the backward."""
+    from hetpar.passes import is_backward
+
+    eqns = graph.program.jaxpr.jaxpr.eqns
+    order = {name: k for k, name in enumerate(graph.layers)}
+    made = {o: i for i, e in enumerate(eqns) for o in e.outvars
+            if isinstance(o, jax.extend.core.Var)}
+    out = []
+    for j, e in enumerate(eqns):
+        for a in e.invars:
+            i = made.get(a) if isinstance(a, jax.extend.core.Var) else None
+            if i is None or not is_backward(str(eqns[i].source_info.name_stack)):
+                continue
+            src, dst = graph.eqn_layers[i], graph.eqn_layers[j]
+            if src in order and dst in order and order[src] < order[dst]:
+                out.append((src, dst))
+    return out
+
+
+def test_a_gate_in_the_parent_keeps_its_gradient_out_of_the_earlier_layer():
+    """The gate's gradient reads `C`'s cotangent and both inputs; were it in
+    `A` (the earliest), its gradient for `B2` would move forward, A to B2,
+    during the backward. It stays in the latest layer that reads it."""
+    model = Film()
+    x = jnp.ones((4, 5))
+    params = model.init(jax.random.PRNGKey(0), x)
+    step, tx = adam_step(model.apply)
+    graph = hetpar.trace(step, params, tx.init(params), {"x": x, "y": jnp.ones((4, 3))})
+    assert backward_results_sent_forward(graph) == []
+    # and the pool case keeps its gradient with the stem (the test above), likewise
+    pooled = PooledConvs()
+    xi = jnp.ones((2, 16, 16, 3))
+    p2 = pooled.init(jax.random.PRNGKey(0), xi)
+    step2, tx2 = adam_step(pooled.apply)
+    g2 = hetpar.trace(step2, p2, tx2.init(p2), {"x": xi, "y": jnp.ones((2, 8))})
+    assert backward_results_sent_forward(g2) == []
