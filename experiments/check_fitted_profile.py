@@ -52,6 +52,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     profiles = load_profiles(args.profiles)
     present = present_devices()
+    measured = [n for n, p in profiles.devices.items() if p.origin == "measured" and n in present]
+    unknown = [d for d in args.refit.split(",") if d and d not in measured]
+    if unknown:
+        ap.error(f"--refit {','.join(unknown)}: not a measured device of {args.profiles} "
+                 f"present here (those: {', '.join(measured)})")
     rows, summary = [], {}
     for name, prof in profiles.devices.items():
         if prof.origin != "measured" or name not in present:

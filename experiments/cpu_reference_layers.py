@@ -52,7 +52,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="largest batch (default %(default)s)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
-    prof = load_profiles(args.profiles).devices["cpu:0"]
+    prof = load_profiles(args.profiles).devices.get("cpu:0")
+    if prof is None or prof.origin != "measured":
+        ap.error(f"{args.profiles} has no measured cpu:0; make one with "
+                 "`python -m hetpar profile --devices cpu:0 --no-transfers --out P.json`")
     dev = present_devices()["cpu:0"]
 
     def samples(name, graph):

@@ -343,8 +343,8 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
                 # during the backward.
                 earlier = [s for s in layered if s in backward]
                 first = min(earlier, key=order.__getitem__) if earlier else None
-                if first is not None and is_backward(str(e.source_info.name_stack)) and not any(
-                        True for _ in _subjaxprs(e)):
+                if first is not None and is_backward(str(e.source_info.name_stack)) and next(
+                        _subjaxprs(e), None) is None:
                     readers = _named_readers(eqns, i, layer, consumers)
                     if readers is not None and all(order.get(r, -1) <= order[first]
                                                    for r in readers):

@@ -148,8 +148,6 @@ def _fitted(profiles, names: list[str], *, quick: bool, progress):
         # reference sizes XLA's CPU runs a transposed convolution ~200x slower
         # per FLOP than a convolution (experiments/results/layer_model). The
         # roofline has one convolution efficiency, which they would drag.
-        sweep = ([("sweep", zoo.trace_sweep(cpu=True, kinds=CPU_SWEEP_KINDS))]
-                 if cpu and "sweep" in names else [])
         graphs = [(m, zoo.trace_sweep(cpu=quick) if m == "sweep" else
                    zoo.trace_model(m, small=cpu or quick, batch=32 if cpu else None)[1])
                   for m in names if not (cpu and m == "sweep")]
@@ -158,6 +156,8 @@ def _fitted(profiles, names: list[str], *, quick: bool, progress):
                      "sweep gives a CPU's layer model its transposed convolutions only, "
                      "beside zoo models); left as measured")
             continue
+        sweep = ([("sweep", zoo.trace_sweep(cpu=True, kinds=CPU_SWEEP_KINDS))]
+                 if cpu and "sweep" in names else [])
         progress(f"fitting {name} on the layers of {', '.join(names)}")
         # Each layer's lower quartile of up to LAYER_RUNS calls, as measured
         # layers are planned with: two runs agree to 7-8% median that way, to
