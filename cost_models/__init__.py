@@ -47,6 +47,7 @@ from hetpar.cost_models._layer_fit import (
 from hetpar.cost_models._layer_timing import (
     LAYER_RUNS,
     measure_layer,
+    measure_layers,
     measure_update,
     random_inputs,
 )
@@ -172,6 +173,7 @@ __all__ = [
     "layer_samples",
     "measure_cached",
     "measure_layer",
+    "measure_layers",
     "measure_update",
     "nearest_sibling",
     "override_network_links",

@@ -28,7 +28,7 @@ from hetpar.cost_models._equation_model import (
     matmul_equations,
     predict_layer,
 )
-from hetpar.cost_models._layer_timing import LAYER_RUNS, layer_key, measure_layer
+from hetpar.cost_models._layer_timing import LAYER_RUNS, layer_key, measure_layers
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes
 from hetpar.cost_models._profile import DeviceProfile
 from hetpar.cost_models._roofline import FUSED_BYTES_CLASSES, LayerWork, calibrate, predict
@@ -51,12 +51,16 @@ def layer_samples(graphs: Sequence, device, *, k: int = LAYER_RUNS,
     """
     out = []
     for name, graph in graphs:
-        for layer in graph.layers:
+        if progress:
+            progress(f"timing {len(graph.layers)} layers of {name} on {device}")
+        # A model's layers timed together (interleaved on a CPU: `measure_layers`).
+        timings = measure_layers(graph, list(graph.layers), device, k=k)
+        for layer, timing in zip(graph.layers, timings, strict=True):
             work = graph_layer_work(graph, layer)
             nbytes = layer_fused_bytes(graph, layer, device.platform)
             if nbytes is not None:
                 work = dataclasses.replace(work, fused_bytes=nbytes)
-            t = measure_layer(graph, layer, device, k=k).typical_s
+            t = timing.typical_s
             out.append((name, layer, work, t))
             if progress:
                 progress(f"{name}/{layer} on {device}: {seconds(t)}")

@@ -142,9 +142,51 @@ LAYER_RUNS = 40
 LAYER_BUDGET_S = 2.0
 
 
+#: Platforms whose layers are timed interleaved (`measure_layers`): a host
+#: CPU's back-to-back runs were up to 2.9x faster than the same layer's
+#: after the others, and drifted twice as much between passes
+#: (experiments/results/cpu_timing). Accelerators, whose per-layer goals were
+#: met back to back, keep that until they are measured the same way.
+INTERLEAVED_PLATFORMS = ("cpu",)
+
+
+def measure_layers(graph, layers, device, *, k: int = LAYER_RUNS, warmup: int = 2,
+                   budget_s: float | None = LAYER_BUDGET_S) -> list[Timing]:
+    """Times several layers' stages on a present device (each cached on disk).
+
+    On `INTERLEAVED_PLATFORMS` the layers not cached yet are timed together
+    (`measure_interleaved`: one run of each per round), as a step runs
+    them, each after other layers; elsewhere one after another
+    (`measure_layer`). Arguments as `measure_layer`'s.
+
+    Returns:
+      The Timings, in the order of `layers`.
+    """
+    from hetpar.cost_models._devices import resolve_device
+    from hetpar.cost_models._measure import Timed, measure_interleaved
+
+    dev = resolve_device(device)
+    if dev.platform not in INTERLEAVED_PLATFORMS:
+        return [measure_layer(graph, layer, dev, k=k, warmup=warmup, budget_s=budget_s)
+                for layer in layers]
+
+    def timed(layer):
+        fn, shapes = graph.layer_callable(layer)
+        # Keyed apart from back-to-back timings of the same layer.
+        return Timed(layer_key(graph, layer) + "/interleaved", fn, shapes,
+                     lambda: random_inputs(graph, layer)[1])
+
+    return measure_interleaved([timed(layer) for layer in layers], dev, k=k, warmup=warmup,
+                               budget_s=budget_s)
+
+
 def measure_layer(graph, layer: str, device, *, k: int = LAYER_RUNS, warmup: int = 2,
                   budget_s: float | None = LAYER_BUDGET_S) -> Timing:
     """Times one layer's stage alone on a present device (cached on disk).
+
+    On `INTERLEAVED_PLATFORMS` it reads what `measure_layers` timed (the
+    layer among others); timed here, the layer has no others to alternate
+    with.
 
     Args:
       graph: the LayerGraph.
@@ -159,8 +201,11 @@ def measure_layer(graph, layer: str, device, *, k: int = LAYER_RUNS, warmup: int
     Returns:
       The Timing; `cached` when it came from the disk cache.
     """
+    from hetpar.cost_models._devices import resolve_device
     from hetpar.cost_models._measure import measure
 
+    if resolve_device(device).platform in INTERLEAVED_PLATFORMS:
+        return measure_layers(graph, [layer], device, k=k, warmup=warmup, budget_s=budget_s)[0]
     fn, shapes = graph.layer_callable(layer)
 
     def on_miss(fn, _shapes, device, *, k, warmup, budget_s=None):

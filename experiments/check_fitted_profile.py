@@ -4,8 +4,9 @@ For each present device in the file: the held-out zoo models' layers
 (reference configs on accelerators, small ones at batch 32 on the CPU, as
 `--fit` uses), each predicted by hetpar's cost table from the profile
 (`cost_table(..., profiles=..., fused_bytes=True)`: the per-equation layer
-model where the profile kept one, else the roofline) and measured alone
-(`measure_layer`, the lower quartile of up to 40 runs). Prints and writes
+model where the profile kept one, else the roofline) and measured as
+`--fit` measures its layers (`measure_layers`: the lower quartile of up to
+40 runs; on a CPU one model's layers interleaved). Prints and writes
 median / p90 |predicted / measured - 1| over layers above 100 us.
 
 With `--refit DEVICES` (e.g. `cpu:0`), it then times the fit's layers
@@ -37,7 +38,7 @@ def main(argv=None) -> int:
     from hetpar.cost_models import (
         cost_table,
         load_profiles,
-        measure_layer,
+        measure_layers,
         present_devices,
         resolve_device,
     )
@@ -47,19 +48,26 @@ def main(argv=None) -> int:
     ap.add_argument("--profiles", required=True)
     ap.add_argument("--models", default=",".join(HELD_OUT))
     ap.add_argument("--out", required=True)
+    ap.add_argument("--devices", default="",
+                    help="check only these of the file's devices (default: every one present)")
     ap.add_argument("--refit", default="", help="devices to refit on their fit layers timed "
                     "again after the check, and score again (e.g. cpu:0)")
     args = ap.parse_args(argv)
     profiles = load_profiles(args.profiles)
     present = present_devices()
     measured = [n for n, p in profiles.devices.items() if p.origin == "measured" and n in present]
+    wanted = [d for d in args.devices.split(",") if d]
+    missing = [d for d in wanted if d not in measured]
+    if missing:
+        ap.error(f"--devices {','.join(missing)}: not a measured device of {args.profiles} "
+                 f"present here (those: {', '.join(measured)})")
     unknown = [d for d in args.refit.split(",") if d and d not in measured]
     if unknown:
         ap.error(f"--refit {','.join(unknown)}: not a measured device of {args.profiles} "
                  f"present here (those: {', '.join(measured)})")
     rows, summary = [], {}
     for name, prof in profiles.devices.items():
-        if prof.origin != "measured" or name not in present:
+        if prof.origin != "measured" or name not in present or (wanted and name not in wanted):
             continue
         cpu = present[name].platform == "cpu"
         errs = []
@@ -67,8 +75,11 @@ def main(argv=None) -> int:
             _, g = trace_model(model, small=cpu, batch=32 if cpu else None)
             table = cost_table(g, [name], profiles=profiles, fused_bytes=True,
                                host_cpu_included=False)
-            for layer in table.layers:
-                t = measure_layer(g, layer.name, resolve_device(name)).typical_s
+            # Timed together, as --fit timed its layers (`measure_layers`).
+            timings = measure_layers(g, [layer.name for layer in table.layers],
+                                     resolve_device(name))
+            for layer, timing in zip(table.layers, timings, strict=True):
+                t = timing.typical_s
                 p = layer.time_s[name]
                 rows.append({"device": name, "kind": present[name].device_kind, "model": model,
                              "layer": layer.name, "predicted_s": p, "measured_s": t})

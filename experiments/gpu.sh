@@ -43,6 +43,9 @@ one GPU (the card and its host CPU):
                       held-out zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT,
                       CHECK_TIMEOUT, REFIT=cpu:0: also refit that device on its fit layers
                       timed again after the check, and score again)
+  cpu-timing          issue 17: how repeatably the host CPU times the fit and held-out layers,
+                      blocked (hetpar's protocol) vs interleaved vs recompiled, and the layer
+                      model's error under each (probe_cpu_timing.py; env TIMING_TIMEOUT=540)
   cpu-reference       issue 17: the host CPU's layer model fitted and checked on the zoo's
                       reference configs (batch <= 8; cpu_reference_layers.py)
   repro               issue 17: every zoo and sweep layer timed by two processes (the second in
@@ -127,7 +130,7 @@ job=${1:-help}
 [ $# -gt 0 ] && shift
 case "$job" in
 help|-h|--help) usage; exit 0 ;;
-profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|fit-check|cpu-reference|hetpar) TWO_GPUS= ;;
+profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|fit-check|cpu-timing|cpu-reference|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
 two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions|step-timing) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
@@ -315,6 +318,11 @@ fit-check)
     # The layer timings behind the fit, so it can be refitted offline.
     tar czf "$OUT/hetpar_cache_$CARD.tgz" -C /tmp hetpar_cache 2>/dev/null
   } 2>&1 | quiet | tee "$OUT/fit_check_$CARD.log"
+  ;;
+cpu-timing)
+  # Issue 17: is the CPU's per-layer miss the model or the protocol?
+  timeout "${TIMING_TIMEOUT:-540}" python3 experiments/probe_cpu_timing.py --out "$OUT" \
+    2>&1 | quiet | tee "$OUT/cpu_timing_$CARD.log"
   ;;
 cpu-reference)
   # Issue 17: the CPU's layer model at reference sizes on this host's CPU.

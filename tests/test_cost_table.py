@@ -53,19 +53,20 @@ def test_bigger_layer_predicts_slower():
 
 def test_measure_uses_the_cache_the_second_time(monkeypatch):
     _, graph = _lm()
-    calls = []
-    real = _measure.measure
+    groups = []
+    real = _measure._time_group
 
-    def counting(*args, **kw):
-        calls.append(args[2])
-        return real(*args, **kw)
+    def counting(items, *args, **kw):
+        groups.append([it.key for it in items])
+        return real(items, *args, **kw)
 
-    monkeypatch.setattr(_measure, "measure", counting)
+    monkeypatch.setattr(_measure, "_time_group", counting)
     first = cost_models.cost_table(graph, ["cpu:0"], measure=True, k=2)
-    assert len(calls) == len(graph.layers)
+    # A CPU's layers are timed together, once each, in one group.
+    assert len(groups) == 1 and len(groups[0]) == len(graph.layers)
     assert first.meta["measured_s"].keys() == set(graph.layers)
     second = cost_models.cost_table(graph, ["cpu:0"], measure=True, k=2)
-    assert len(calls) == len(graph.layers)  # all cache hits
+    assert len(groups) == 1  # all cache hits
     assert second.layers == first.layers
 
 
@@ -75,11 +76,11 @@ def test_measured_layers_are_planned_at_their_typical_time(monkeypatch):
     _, graph = _lm()
     runs = [1e-3] * 5 + [1.5e-3] + [8e-3] * 4
 
-    def fake(fn, args, device, *, k, warmup, budget_s=None):
+    def fake(items, dev, *, k, warmup, budget_s=None):
         assert k == cost_models.LAYER_RUNS  # the default
-        return _measure.Timing.of(runs)
+        return [list(runs) for _ in items]
 
-    monkeypatch.setattr(_measure, "measure", fake)
+    monkeypatch.setattr(_measure, "_time_group", fake)
     table = cost_models.cost_table(graph, ["cpu:0"], measure=True)
     for layer in graph.layers:
         assert table.meta["measured_s"][layer]["cpu:0"] == pytest.approx(1e-3)
@@ -458,14 +459,18 @@ def test_measure_leaves_a_far_slower_device_predicted(monkeypatch):
 
     _, graph = _lm()
     profiles = _one_far_slower()
-    timed = []
+    timed, together = [], []
     real = _table.measure_layer
     monkeypatch.setattr(_table, "measure_layer",
                         lambda g, name, dev, **kw: timed.append(dev.id) or real(g, name, dev, **kw))
+    real_together = _table.measure_layers
+    monkeypatch.setattr(_table, "measure_layers", lambda g, names, dev, **kw: together.append(
+        (dev.id, list(names))) or real_together(g, names, dev, **kw))
     budget = cost_models.TimingBudget(floor_s=0.0)
     table = cost_models.cost_table(graph, ["cpu:0", "cpu:1"], profiles=profiles,
                                    measure=True, k=2, budget=budget)
     assert timed == [0] * len(graph.layers)  # cpu:0's layers only
+    assert together == [(0, list(graph.layers))]  # timed together first, by the same budget
     assert table.meta["kept_predicted"] == {name: ["cpu:1"] for name in graph.layers}
     for layer in table.layers:
         measured, predicted = (table.meta[k][layer.name] for k in ("measured_s", "predicted_s"))
