@@ -150,34 +150,40 @@ LAYER_BUDGET_S = 2.0
 INTERLEAVED_PLATFORMS = ("cpu",)
 
 
-def measure_layers(graph, layers, device, *, k: int = LAYER_RUNS, warmup: int = 2,
-                   budget_s: float | None = LAYER_BUDGET_S) -> list[Timing]:
-    """Times several layers' stages on a present device (each cached on disk).
+def measure_layers(graph, layers, device, *, update: bool = False, k: int = LAYER_RUNS,
+                   warmup: int = 2, budget_s: float | None = LAYER_BUDGET_S
+                   ) -> list[Timing | None]:
+    """Times several layers' stages (their updates alone with `update`) on a
+    present device, each cached on disk.
 
-    On `INTERLEAVED_PLATFORMS` the layers not cached yet are timed together
+    On `INTERLEAVED_PLATFORMS` the ones not cached yet are timed together
     (`measure_interleaved`: one run of each per round), as a step runs
-    them, each after other layers; elsewhere one after another
-    (`measure_layer`). Arguments as `measure_layer`'s.
+    them, each after other work; elsewhere one after another
+    (`measure_layer`, `measure_update`). Arguments as `measure_layer`'s.
 
     Returns:
-      The Timings, in the order of `layers`.
+      The Timings, in the order of `layers`; None for a layer without an
+      update when `update`.
     """
     from hetpar.cost_models._devices import resolve_device
     from hetpar.cost_models._measure import Timed, measure_interleaved
 
     dev = resolve_device(device)
     if dev.platform not in INTERLEAVED_PLATFORMS:
-        return [measure_layer(graph, layer, dev, k=k, warmup=warmup, budget_s=budget_s)
+        one = measure_update if update else measure_layer
+        return [one(graph, layer, dev, k=k, warmup=warmup, budget_s=budget_s)
                 for layer in layers]
+    timed = [layer for layer in layers if not update or update_eqns(graph, layer)]
 
-    def timed(layer):
-        fn, shapes = graph.layer_callable(layer)
-        # Keyed apart from back-to-back timings of the same layer.
-        return Timed(layer_key(graph, layer) + "/interleaved", fn, shapes,
-                     lambda: random_inputs(graph, layer)[1])
+    def item(layer):
+        closed, fn, shapes = _piece(graph, layer, update)
+        # Keyed apart from back-to-back timings of the same stage.
+        return Timed(_key(closed, update) + "/interleaved", fn, shapes,
+                     lambda: random_inputs(graph, layer, update=update)[1])
 
-    return measure_interleaved([timed(layer) for layer in layers], dev, k=k, warmup=warmup,
-                               budget_s=budget_s)
+    got = dict(zip(timed, measure_interleaved([item(layer) for layer in timed], dev, k=k,
+                                              warmup=warmup, budget_s=budget_s), strict=True))
+    return [got.get(layer) for layer in layers]
 
 
 def measure_layer(graph, layer: str, device, *, k: int = LAYER_RUNS, warmup: int = 2,
@@ -225,10 +231,14 @@ def measure_update(graph, layer: str, device, *, k: int = LAYER_RUNS, warmup: in
     disk), as the runtime runs an update kept apart from the layer's compute
     (on the host CPU that holds its state): its own executable. None when the
     layer has no update. Arguments as `measure_layer`'s."""
+    from hetpar.cost_models._devices import resolve_device
     from hetpar.cost_models._measure import measure
 
     if not update_eqns(graph, layer):
         return None
+    if resolve_device(device).platform in INTERLEAVED_PLATFORMS:
+        return measure_layers(graph, [layer], device, update=True, k=k, warmup=warmup,
+                              budget_s=budget_s)[0]
     closed, fn, shapes = _piece(graph, layer, True)
 
     def on_miss(fn, _shapes, device, *, k, warmup, budget_s=None):

@@ -741,3 +741,24 @@ def test_accelerators_keep_back_to_back_timing(tmp_path, monkeypatch):
     monkeypatch.setattr(_measure, "_time_group", lambda *a, **kw: pytest.fail("interleaved"))
     timings = measure_layers(graph, list(graph.layers), "cpu:0", k=3)
     assert len(calls) == len(graph.layers) and len(timings) == len(graph.layers)
+
+
+def test_a_cpus_updates_are_timed_together_and_measure_update_reads_them(tmp_path, monkeypatch):
+    # The offload planner's host updates: small stages a step runs among others.
+    from hetpar.cost_models import _measure, measure_layers, measure_update
+    from hetpar.zoo import trace_model
+
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path))
+    graph = trace_model("lm_embed", small=True, batch=8)[1]
+    groups = []
+    real = _measure._time_group
+    monkeypatch.setattr(_measure, "_time_group",
+                        lambda items, *a, **kw: groups.append(len(items)) or real(items, *a, **kw))
+    timings = measure_layers(graph, list(graph.layers), "cpu:0", update=True, k=3)
+    assert graph.layers[0] == "vectorize" and timings[0] is None  # no parameters, no update
+    assert all(t is not None and len(t.samples) == 3 for t in timings[1:])
+    assert groups == [len(graph.layers) - 1]
+    again = measure_update(graph, graph.layers[1], "cpu:0", k=3)
+    assert again.cached and again.samples == timings[1].samples
+    # keyed apart from the layer's own stage
+    assert not measure_layers(graph, [graph.layers[1]], "cpu:0", k=3)[0].cached
