@@ -28,7 +28,12 @@ from hetpar.cost_models._equation_model import (
     matmul_equations,
     predict_layer,
 )
-from hetpar.cost_models._layer_timing import LAYER_RUNS, layer_key, measure_layers
+from hetpar.cost_models._layer_timing import (
+    INTERLEAVED_PLATFORMS,
+    LAYER_RUNS,
+    layer_key,
+    measure_layers,
+)
 from hetpar.cost_models._layer_work import graph_layer_work, layer_fused_bytes
 from hetpar.cost_models._profile import DeviceProfile
 from hetpar.cost_models._roofline import FUSED_BYTES_CLASSES, LayerWork, calibrate, predict
@@ -104,11 +109,12 @@ def fit_on_layers(profile: DeviceProfile, device, graphs: Sequence, *,
                            extra=with_equations(extra))
     # What the fit saw, kept in the file, so a maintainer can audit it or
     # refit offline without the device (the after-fusion bytes need a compile
-    # for it); `key`, the layer's fingerprint as the timing cache keys it,
-    # says which configuration was traced.
+    # for it); `key`, the layer's fingerprint (`layer_key`), says which
+    # configuration was traced, `timing` how it was timed (`measure_layers`).
+    timing = "interleaved" if device.platform in INTERLEAVED_PLATFORMS else "back to back"
     return out.replace(benchmarks={**out.benchmarks, "fit_layers": [
         {"model": n, "layer": layer, "key": layer_key(by_name[n], layer), "measured_s": t,
-         "fused_bytes": w.fused_bytes}
+         "fused_bytes": w.fused_bytes, "timing": timing}
         for n, layer, w, t in [*samples, *extra]]})
 
 

@@ -179,7 +179,8 @@ def measure_layers(graph, layers, device, *, update: bool = False, k: int = LAYE
         closed, fn, shapes = _piece(graph, layer, update)
         # Keyed apart from back-to-back timings of the same stage.
         return Timed(_key(closed, update) + "/interleaved", fn, shapes,
-                     lambda: random_inputs(graph, layer, update=update)[1])
+                     lambda: random_inputs(graph, layer, update=update)[1],
+                     name=f"{layer}'s update" if update else layer)
 
     got = dict(zip(timed, measure_interleaved([item(layer) for layer in timed], dev, k=k,
                                               warmup=warmup, budget_s=budget_s), strict=True))

@@ -328,6 +328,7 @@ class Timed:
     fn: Callable
     shapes: Sequence[Any]
     draw: Callable[[], Sequence[Any]]
+    name: str = ""  # for messages: the layer
 
 
 def measure_interleaved(items: Sequence[Timed], device, *, k: int = 20, warmup: int = 3,
@@ -357,43 +358,65 @@ def measure_interleaved(items: Sequence[Timed], device, *, k: int = 20, warmup: 
     dev = resolve_device(device)
     out: list[Timing | None] = [None] * len(items)
     digests = [cache_key(it.key, it.shapes, dev) for it in items]
-    todo = []
+    # Asked for among others, an entry timed alone (back to back: a call with
+    # nothing else to alternate with, `measure_layer` on its own) is not it.
+    alone = len(set(digests)) == 1
+
+    def enough(d: dict) -> bool:
+        return _enough(d, k, budget_s) and (alone or not d.get("alone", False))
+
+    first: dict[str, int] = {}  # one timing per digest: identical layers (VGG's) share it
     for i, digest in enumerate(digests):
-        data = _cache_read("measure", digest, ("median_s", "iqr_s", "samples"),
-                           lambda d: _enough(d, k, budget_s))
+        if digest in first:
+            continue
+        first[digest] = i
+        data = _cache_read("measure", digest, ("median_s", "iqr_s", "samples"), enough)
         if data is not None:
             out[i] = Timing.from_json(data, cached=True)
-        else:
-            todo.append(i)
+    todo = [i for i in first.values() if out[i] is None]
     for group in _groups(todo, [_nbytes(items[i].shapes) for i in todo]):
         samples = _time_group([items[i] for i in group], dev, k=k, warmup=warmup,
                               budget_s=budget_s)
         for i, s in zip(group, samples, strict=True):
             timing = Timing.of(s)
             _cache_write("measure", digests[i], timing.to_json() | {
-                "key": items[i].key, "k": k, "protocol": "interleaved"})
+                "key": items[i].key, "k": k, "protocol": "interleaved", "alone": alone})
             out[i] = timing
-    return out  # type: ignore[return-value]
+    return [out[first[d]] for d in digests]  # type: ignore[misc]
 
 
 def _time_group(items: Sequence[Timed], dev, *, k: int, warmup: int,
                 budget_s: float | None) -> list[list[float]]:
     """Each function's timed runs, in rounds of one call of each (compiled and
     warmed up first); a function leaves the rounds at k runs, or at three
-    once they took `budget_s`."""
+    once they took `budget_s`. When one is left, the quickest that left
+    runs between its calls, untimed, so that it never follows itself.
+
+    Raises:
+      ProfileError: a function failed to compile or run (named).
+    """
     import jax
 
     runs = []
     for it in items:
-        args = jax.device_put(tuple(it.draw()), dev)
-        jitted = jax.jit(it.fn)
-        for _ in range(max(1, warmup)):
-            jax.block_until_ready(jitted(*args))
+        try:
+            args = jax.device_put(tuple(it.draw()), dev)
+            jitted = jax.jit(it.fn)
+            for _ in range(max(1, warmup)):
+                jax.block_until_ready(jitted(*args))
+        except Exception as e:  # noqa: BLE001 - name what failed
+            raise ProfileError(f"timing {it.name or it.key} on {dev} failed: "
+                               f"{type(e).__name__}: {e}") from e
         runs.append((jitted, args))
     samples: list[list[float]] = [[] for _ in items]
     active = list(range(len(items)))
     while active:
+        lone = len(active) == 1 and len(items) > 1
+        filler = min((i for i in range(len(items)) if i not in active),
+                     key=lambda i: min(samples[i]), default=None) if lone else None
         for i in active:
+            if filler is not None:
+                jax.block_until_ready(runs[filler][0](*runs[filler][1]))
             jitted, args = runs[i]
             t0 = time.perf_counter()
             jax.block_until_ready(jitted(*args))
@@ -455,14 +478,14 @@ def _cache_read(kind: str, digest: str, required: Sequence[str] = (),
         return None
     try:
         data = json.loads(path.read_text())
-    except ValueError as e:
+        missing = [k for k in required if k not in data]
+        if missing:
+            logging.warning("ignoring cache entry %s without %s", path, missing)
+            return None
+        return data if valid is None or valid(data) else None
+    except (ValueError, TypeError, AttributeError) as e:  # unreadable, or not what we wrote
         logging.warning("ignoring unreadable cache entry %s: %s", path, e)
         return None
-    missing = [k for k in required if k not in data]
-    if missing:
-        logging.warning("ignoring cache entry %s without %s", path, missing)
-        return None
-    return data if valid is None or valid(data) else None
 
 
 def _cache_write(kind: str, digest: str, data: dict) -> None:

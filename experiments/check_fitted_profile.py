@@ -133,6 +133,10 @@ def _refit(profiles, name, prof, device, rows) -> dict:
                 os.environ["HETPAR_CACHE_DIR"] = old
     drift = [r["measured_s"] / before[r["key"]] for r in refit.benchmarks["fit_layers"]
              if before.get(r["key"], 0.0) > 100e-6]
+    # A profile fitted before a CPU's layers were timed interleaved: its drift
+    # compares two ways of timing, not two times.
+    then = {r.get("timing", "back to back") for r in fit_layers}
+    now = {r.get("timing", "back to back") for r in refit.benchmarks["fit_layers"]}
     moved = profiles.replace_devices({**profiles.devices, name: refit})
     errs, by_model = [], {}
     for r in rows:
@@ -146,6 +150,7 @@ def _refit(profiles, name, prof, device, rows) -> dict:
             if r["measured_s"] > 100e-6:
                 errs.append(abs(pred[r["layer"]] / r["measured_s"] - 1))
     return {"layer_model": refit.sources.get("layer_model", "none"), **_stats(errs),
+            "timing_then_now": [sorted(then), sorted(now)],
             "fit_layers_now_over_then": {"n": len(drift), **({
                 "median": float(np.median(drift)), "p10": float(np.percentile(drift, 10)),
                 "p90": float(np.percentile(drift, 90))} if drift else {})}}

@@ -349,7 +349,9 @@ def test_fit_on_layers_predicts_the_measured_layers_better(tmp_path, monkeypatch
     kept = after.benchmarks["fit_layers"]
     assert [(r["model"], r["layer"], r["measured_s"]) for r in kept] == [
         (n, layer, t) for n, layer, _, t in samples]
-    assert all(set(r) == {"model", "layer", "key", "measured_s", "fused_bytes"} for r in kept)
+    assert all(set(r) == {"model", "layer", "key", "measured_s", "fused_bytes", "timing"}
+               for r in kept)
+    assert {r["timing"] for r in kept} == {"interleaved"}  # a CPU's
     assert len({r["key"] for r in kept}) == len(kept)  # each layer's fingerprint
     assert all(r["fused_bytes"] > 0 for r in kept)  # the layer model prices them on CPUs too
     assert load_profiles_text(after)["fit_layers"] == kept
@@ -762,3 +764,96 @@ def test_a_cpus_updates_are_timed_together_and_measure_update_reads_them(tmp_pat
     assert again.cached and again.samples == timings[1].samples
     # keyed apart from the layer's own stage
     assert not measure_layers(graph, [graph.layers[1]], "cpu:0", k=3)[0].cached
+
+
+def test_a_layer_timed_alone_is_timed_again_among_the_others(tmp_path, monkeypatch):
+    # measure_layer on its own has nothing to alternate with: back to back.
+    from hetpar.cost_models import _measure, measure_layer, measure_layers
+
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path))
+    graph = _mlp_graph()
+    layers = list(graph.layers)
+    alone = measure_layer(graph, layers[0], "cpu:0", k=3)
+    groups = []
+    real = _measure._time_group
+    monkeypatch.setattr(_measure, "_time_group",
+                        lambda items, *a, **kw: groups.append(len(items)) or real(items, *a, **kw))
+    together = measure_layers(graph, layers, "cpu:0", k=3)
+    assert groups == [len(layers)] and not together[0].cached
+    assert together[0].samples != alone.samples
+    assert measure_layer(graph, layers[0], "cpu:0", k=3).cached  # the one timed among others
+
+
+def test_identical_functions_are_timed_once_and_share_it(tmp_path, monkeypatch):
+    from hetpar.cost_models import _measure
+
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path))
+    shape = jax.ShapeDtypeStruct((8, 8), jnp.float32)
+
+    def item(key):
+        return _measure.Timed(key, jnp.sin, [shape], lambda: [jnp.ones((8, 8))])
+
+    timed = []
+    real = _measure._time_group
+    monkeypatch.setattr(_measure, "_time_group",
+                        lambda items, *a, **kw: timed.append([i.key for i in items])
+                        or real(items, *a, **kw))
+    a, b, a2 = _measure.measure_interleaved([item("a"), item("b"), item("a")], "cpu:0", k=3)
+    assert timed == [["a", "b"]] and a is a2
+
+
+def test_a_lone_function_left_in_the_rounds_alternates_with_a_finished_one():
+    import time as _time
+
+    from hetpar.cost_models import _measure
+
+    calls = {"slow": 0, "fast": 0}
+
+    def counted(name, pause):
+        def fn(x):
+            def host(v):
+                calls[name] += 1
+                _time.sleep(pause)
+                return v
+            return jax.pure_callback(host, x, x)
+        return fn
+
+    x = jax.ShapeDtypeStruct((3,), jnp.float32)
+    items = [_measure.Timed("slow", counted("slow", 0.02), [x], lambda: [jnp.ones(3)]),
+             _measure.Timed("fast", counted("fast", 0.0), [x], lambda: [jnp.ones(3)])]
+    slow, fast = _measure._time_group(items, jax.devices("cpu")[0], k=8, warmup=1,
+                                      budget_s=0.05)
+    assert len(slow) == 3 and len(fast) == 8
+    # 1 warm-up + 3 timed, then once before each of fast's 5 lone runs
+    assert calls["slow"] == 1 + 3 + 5
+
+
+def test_a_function_that_fails_to_time_is_named(tmp_path, monkeypatch):
+    from hetpar.cost_models import _measure
+
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path))
+
+    def broken(x):
+        raise RuntimeError("no kernel for this")
+
+    shape = jax.ShapeDtypeStruct((3,), jnp.float32)
+    items = [_measure.Timed("ok", jnp.sin, [shape], lambda: [jnp.ones(3)], name="fc1"),
+             _measure.Timed("bad", broken, [shape], lambda: [jnp.ones(3)], name="fc2")]
+    with pytest.raises(ProfileError, match="timing fc2 on .*no kernel for this"):
+        _measure.measure_interleaved(items, "cpu:0", k=3)
+
+
+def test_a_cache_entry_of_the_wrong_types_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("HETPAR_CACHE_DIR", str(tmp_path))
+    args = (jnp.ones((4, 4)),)
+    calls = []
+
+    def fake_measure(fn, args, device, *, k, warmup, budget_s=None):
+        calls.append(k)
+        return Timing.of([1e-3] * k)
+
+    measure_cached("layer-t", jnp.sin, args, "cpu:0", k=3, measure_fn=fake_measure)
+    (entry,) = (tmp_path / "measure").glob("*.json")
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "k": "forty"}))
+    again = measure_cached("layer-t", jnp.sin, args, "cpu:0", k=5, measure_fn=fake_measure)
+    assert calls == [3, 5] and not again.cached
