@@ -42,7 +42,8 @@ one GPU (the card and its host CPU):
   fit-check [FLAGS]   issue 17: hetpar profile --fit default [FLAGS], then the file checked on
                       held-out zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT,
                       CHECK_TIMEOUT, REFIT=cpu:0: also refit that device on its fit layers
-                      timed again after the check, and score again)
+                      timed again after the check, and score again; CHECK_DEVICES=cpu:0:
+                      check only those)
   cpu-timing          issue 17: how repeatably the host CPU times the fit and held-out layers,
                       blocked (hetpar's protocol) vs interleaved vs recompiled, and the layer
                       model's error under each (probe_cpu_timing.py; env TIMING_TIMEOUT=540)
@@ -313,7 +314,7 @@ fit-check)
     t0=$(date +%s)
     timeout "${CHECK_TIMEOUT:-200}" python3 experiments/check_fitted_profile.py \
       --profiles "$OUT/profile_fit_$CARD.json" --out "$OUT/check_$CARD" \
-      ${REFIT:+--refit "$REFIT"}
+      ${REFIT:+--refit "$REFIT"} ${CHECK_DEVICES:+--devices "$CHECK_DEVICES"}
     echo "check took $(( $(date +%s) - t0 )) s"
     # The layer timings behind the fit, so it can be refitted offline.
     tar czf "$OUT/hetpar_cache_$CARD.tgz" -C /tmp hetpar_cache 2>/dev/null
