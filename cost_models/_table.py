@@ -298,22 +298,20 @@ def _time_together(graph, devs: Sequence[ResolvedDevice], times: _Times, *, k: i
     (`measure_layers`, into the disk cache the rows read), as a step runs
     them: one layer timed alone there came out up to 2.9x faster than
     after the others."""
+    updates = _updates_apart(devs)  # then every update is timed (`_measure_updates`)
     for d in devs:
         if d.jax_device is None or d.jax_device.platform not in INTERLEAVED_PLATFORMS:
             continue
         names = [n for n in graph.layers if not _skipped(n, d, devs, times, budget)]
-        if len(names) < 2:
-            continue
-        if say:
-            say(f"timing {len(names)} layers on {d.name} together")
-        measure_layers(graph, names, d.jax_device, k=k)
-        if microbatch_graph is not None:
+        if names:
+            if say:
+                say(f"timing {len(names)} layers on {d.name} together")
+            measure_layers(graph, names, d.jax_device, k=k)
+        if names and microbatch_graph is not None:
             measure_layers(microbatch_graph, [n for n in names if n in microbatch_graph.layers],
                            d.jax_device, k=k)
-    if _updates_apart(devs):  # every update is timed (`_measure_updates`), together here
-        for d in devs:
-            if d.jax_device is not None and d.jax_device.platform in INTERLEAVED_PLATFORMS:
-                measure_layers(graph, list(graph.layers), d.jax_device, update=True, k=k)
+        if updates:
+            measure_layers(graph, list(graph.layers), d.jax_device, update=True, k=k)
 
 
 def _skipped(name: str, d: ResolvedDevice, devs: Sequence[ResolvedDevice], times: _Times,

@@ -39,7 +39,7 @@ HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 THR = 100e-6
-HELD_OUT = ("cnn_preprocess", "cyclegan_generator", "mlp", "resnet18")
+from check_fitted_profile import HELD_OUT  # noqa: E402 - one list of held-out models
 
 
 def _layers(device, fit_models, held_out):

@@ -156,7 +156,8 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
         order = device_aware_order(deps, cut_keys)
     except ValueError:  # cannot happen for a valid jaxpr
         raise PlanError("internal error: the step's equations form a cycle") from None
-    runs = _sink_free(eqns, cut_runs(order, cut_keys), cut_keys, graph.program.jaxpr.jaxpr)
+    runs = _sink_free(eqns, cut_runs(order, cut_keys), cut_keys, deps,
+                      graph.program.jaxpr.jaxpr.outvars)
     stage_of = {i: s for s, run in enumerate(runs) for i in run}
     input_devices = _input_devices(graph, placements, device, home)
     remat = frozenset(la for la, p in placements.items() if p.activations == "remat")
@@ -169,7 +170,7 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
                       placements, _output_devices(graph, placements, updating))
 
 
-def _sink_free(eqns, runs: list[list[int]], keys, jaxpr) -> list[list[int]]:
+def _sink_free(eqns, runs: list[list[int]], keys, deps, outvars) -> list[list[int]]:
     """`runs` with the work that reads nothing computed elsewhere moved to its readers.
 
     An equation whose inputs are all program inputs, constants or results
@@ -184,24 +185,22 @@ def _sink_free(eqns, runs: list[list[int]], keys, jaxpr) -> list[list[int]]:
     earliest stage that reads it when that stage has its key (device,
     microbatch, phase), placed before the stage's own equations in program
     order; there one executable fuses it as `jax.jit` does. Equations whose
-    results are program outputs stay.
+    results are program outputs stay, and so do those `deps` orders after
+    other work (`_update_after_backward`).
     """
-    outs = {v for v in jaxpr.outvars if isinstance(v, jcore.Var)}
-    given = set(jaxpr.invars) | set(jaxpr.constvars)
-    producer = {o: i for i, e in enumerate(eqns) for o in e.outvars}
+    outs = {v for v in outvars if isinstance(v, jcore.Var)}
     free = set()
     for i, e in enumerate(eqns):  # program order is a topological order
-        if not e.effects and all(not isinstance(a, jcore.Var) or a in given or (
-                producer.get(a) in free and keys[producer[a]] == keys[i]) for a in e.invars):
+        # What it reads that no equation makes is a program input or a constant.
+        if not e.effects and all(j in free and keys[j] == keys[i] for j in deps[i]):
             free.add(i)
     if not free:
         return runs
     run_of = {i: r for r, run in enumerate(runs) for i in run}
     readers: dict[int, set[int]] = {}
-    for i, e in enumerate(eqns):
-        for a in e.invars:
-            if isinstance(a, jcore.Var) and a in producer:
-                readers.setdefault(producer[a], set()).add(i)
+    for i, d in enumerate(deps):
+        for j in d:
+            readers.setdefault(j, set()).add(i)
     target: dict[int, int] = {}
     for i in sorted(free, reverse=True):  # readers first: a chain moves together
         dests = {target.get(u, run_of[u]) for u in readers.get(i, ())}
