@@ -39,6 +39,8 @@ one GPU (the card and its host CPU):
                       (env SWEEP_TIMEOUT=420)
   plan-memory         issue 17: GPT-2 b16 planned with the GPU capped (FRACTIONS="0.25 0.1"), then
                       each plan and jax.jit run in fresh processes: the GPU's real peak bytes
+                      (env RUN_FLAGS="--stages --watch" for the plan's run, PREFETCHES="1 3":
+                      runs again with Executor.PREFETCH set, NO_JIT=1: no jax.jit run)
   fit-check [FLAGS]   issue 17: hetpar profile --fit default [FLAGS], then the file checked on
                       held-out zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT,
                       CHECK_TIMEOUT, REFIT=cpu:0: also refit that device on its fit layers
@@ -296,11 +298,17 @@ plan-memory)
   for f in ${FRACTIONS:-0.25 0.1}; do
     timeout 240 python3 experiments/probe_plan_memory.py plan --batch "${BATCH:-16}" \
       --fraction "$f" --out "$OUT" 2>&1 | grep -E '^\{|Error' | cut -c1-600
-    timeout 120 python3 experiments/probe_plan_memory.py run --batch "${BATCH:-16}" \
-      --plan "$OUT/plan_$f.json" --out "$OUT" 2>&1 | grep -E '^\{|Error' | cut -c1-600
+    # shellcheck disable=SC2086  # RUN_FLAGS: several flags
+    timeout 150 python3 experiments/probe_plan_memory.py run --batch "${BATCH:-16}" \
+      --plan "$OUT/plan_$f.json" --out "$OUT" ${RUN_FLAGS:-} 2>&1 | grep -E '^\{|Error' | cut -c1-600
+    for p in ${PREFETCHES:-}; do  # the same plan with Executor.PREFETCH = p: its peak
+      timeout 120 python3 experiments/probe_plan_memory.py run --batch "${BATCH:-16}" \
+        --plan "$OUT/plan_$f.json" --out "$OUT" --prefetch "$p" 2>&1 | grep -E '^\{|Error' \
+        | cut -c1-600
+    done
   done
-  timeout 120 python3 experiments/probe_plan_memory.py jit --batch "${BATCH:-16}" --out "$OUT" \
-    2>&1 | grep -E '^\{|Error' | cut -c1-600
+  [ -n "${NO_JIT:-}" ] || timeout 120 python3 experiments/probe_plan_memory.py jit \
+    --batch "${BATCH:-16}" --out "$OUT" 2>&1 | grep -E '^\{|Error' | cut -c1-600
   ;;
 fit-check)
   # Issue 17 as a user gets it: `hetpar profile --fit default` on this machine, then

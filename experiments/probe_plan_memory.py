@@ -12,6 +12,8 @@ This checks the other side: each step in a fresh process, where the GPU's
         # capped at fraction x what the step needs; writes DIR/plan_<f>.json
     python experiments/probe_plan_memory.py run --plan DIR/plan_<f>.json --batch 16 --out DIR
         # fresh process: 5 steps under the plan, the GPU's peak bytes
+        # (--stages: each stage timed, serialised; --watch: one step's compute
+        # and copies as it runs; --prefetch N: the runtime's Executor.PREFETCH)
     python experiments/probe_plan_memory.py jit --batch 16 --out DIR
         # fresh process: 5 steps under jax.jit on the GPU, its peak bytes
     python experiments/probe_plan_memory.py layers --layers lm_head,wte --device cpu:0 --out DIR
@@ -23,6 +25,7 @@ This checks the other side: each step in a fresh process, where the GPU's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -102,6 +105,24 @@ def _stage_times(step, args, n: int = 5) -> dict:
     return {"serialised_step_s": float(np.median(walls)), "busy_s": busy, "stages": rows[:12]}
 
 
+def _watched(step, args, n: int = 3) -> list[dict]:
+    """The last of `n` steps as it runs, not serialised (`Executor.watch_events`):
+    each stage's compute, copies in and copies out, seconds from the step's start."""
+    state, batch = tuple(args[:-1]), args[-1]
+    ex = step.lower(*state, batch)._executor
+    if ex is None:
+        return None
+    ex.watch_events = True
+    try:
+        for _ in range(n):
+            *state, loss = step(*state, batch)
+            jax.block_until_ready((state, loss))
+    finally:
+        ex.watch_events = False
+    names = {s.index: list(s.layers) for s in ex.stages.stages}
+    return [{**dataclasses.asdict(ev), "layers": names.get(ev.stage)} for ev in ex.last_events]
+
+
 def _write(out: pathlib.Path, name: str, data: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / name).write_text(json.dumps(data, indent=1) + "\n")
@@ -122,6 +143,11 @@ def main(argv=None) -> int:
                     help="layers: comma-separated layers to time alone on --device")
     ap.add_argument("--stages", action="store_true",
                     help="run: also time each stage alone (a serialised breakdown)")
+    ap.add_argument("--watch", action="store_true",
+                    help="run: also record one step's compute and copies as it runs")
+    ap.add_argument("--prefetch", type=int, default=None,
+                    help="run: stages reading streamed state in flight per device "
+                         "(Executor.PREFETCH; default the runtime's)")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     w, example = _workload(args.batch, args.small)
@@ -145,6 +171,10 @@ def main(argv=None) -> int:
             "predicted_peak_bytes": (p.peak_memory_bytes or {}).get(args.device),
             "predicted_step_s": p.step_time_s, "solver": compiled.plan.solver})
     elif args.what == "run":
+        if args.prefetch is not None:
+            from hetpar.runtime import Executor
+
+            Executor.PREFETCH = args.prefetch
         step = hetpar.auto(w.train_step, plan=args.plan)
         step.lower(*example)  # compiles: XLA's autotuning takes memory of its own
         compiled_peak = _peak(args.device)
@@ -153,12 +183,15 @@ def main(argv=None) -> int:
                        "resident": _resident(placed, args.device)}
         t = _steps(step, placed)
         peak = _peak(args.device)
+        in_use = _in_use(args.device)
+        watched = _watched(step, placed) if args.watch else None
         stages = _stage_times(step, placed) if args.stages else None
-        _write(out, f"ran_{pathlib.Path(args.plan).stem}.json", {
+        tag = "" if args.prefetch is None else f"_prefetch{args.prefetch}"
+        _write(out, f"ran_{pathlib.Path(args.plan).stem}{tag}.json", {
             "batch": args.batch, "plan": args.plan, "peak_bytes_in_use": peak,
             "peak_after_compile": compiled_peak, "after_place": after_place,
-            "in_use_after_steps": _in_use(args.device), "step_s": t, "device": kind,
-            "stage_breakdown": stages})
+            "in_use_after_steps": in_use, "step_s": t, "device": kind,
+            "prefetch": args.prefetch, "stage_breakdown": stages, "timeline": watched})
     elif args.what == "layers":
         from hetpar.cost_models import measure_layer
 

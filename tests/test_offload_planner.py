@@ -1,5 +1,6 @@
 """Tests of the offload planner: state and update apart from compute (JAX-free but one)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from hetpar.planner import (
     Plan,
     evaluate,
     evaluate_replayed,
+    held_bytes,
     plan,
     simulate,
     violations,
@@ -181,14 +183,17 @@ def test_state_that_does_not_fit_the_host_names_the_host_and_bytes():
     msg = str(e.value)
     assert "does not fit host memory" in msg and "cpu:0" in msg
     # 45 GB held on a 20 GB GPU. Streamed, a block leaves 4 GB (old and new
-    # optimizer state) and costs the host 4 GB; the host way (ZeRO-Offload)
-    # leaves 5 GB (its new parameters too) and costs the host 7 GB (state and
-    # parameters x2, and the gradient). Six streamed still hold 6 x 3.5 + 2
-    # (one visits) = 23 GB, so the smallest host footprint is three of each:
-    # 3 x 7 + 3 x 4 = 33 GB (the GPU then holds 3 x 2.5 + 3 x 3.5 + 2 = 20 GB).
-    assert "33 GB" in msg and "holds 5 GB" in msg
-    assert "optimizer state, and 3 of them parameters, x2" in msg
-    assert "gradients of its 3 updates" in msg
+    # optimizer state) and costs the host 4 GB, but its old and new state
+    # visit for the update: 2 GB each, five at most in flight (two blocks' 8,
+    # three or more 10). The host way (ZeRO-Offload) leaves 5 GB (its new
+    # parameters too) and costs the host 7 GB (state and parameters x2, and
+    # the gradient). Streaming two or more costs the GPU at least
+    # 6 x 2.5 + 2 + 8 = 25 GB, one: 5 x 2.5 + 3.5 + 4 = 20 GB (host 39 GB),
+    # none: one block resident and five the host way, 7.5 + 12.5 = 20 GB:
+    # the smallest host footprint, 5 x 7 = 35 GB.
+    assert "35 GB" in msg and "holds 5 GB" in msg
+    assert "5 layers' offloaded state: parameters and optimizer state x2" in msg
+    assert "gradients of its 5 updates" in msg
 
 
 def test_a_cap_no_plan_meets_names_the_smallest_footprint():
@@ -229,8 +234,8 @@ def test_streamed_state_moves_both_ways():
     held = evaluate(t, streamed).peak_memory_bytes
     assert held["cpu:0"] == pytest.approx(2 * (PARAM + OPT))
     # Its old and new optimizer state and new parameters (apart: they default
-    # to the state) leave the GPU, but its optimizer state visits for the update.
-    assert held["gpu:0"] == pytest.approx(6 * HELD - 2 * OPT - PARAM + OPT)
+    # to the state) leave the GPU, but both states visit for the update.
+    assert held["gpu:0"] == pytest.approx(6 * HELD - 2 * OPT - PARAM + 2 * OPT)
 
 
 def test_pipelined_plans_offload_and_replay():
@@ -265,3 +270,41 @@ def test_cost_tables_price_each_layers_update():
         assert set(layer.update_s) == set(layer.time_s)
         for d, u in layer.update_s.items():
             assert 0 < u <= layer.time_s[d]
+
+
+def test_offload_ilp_memory_rows_are_held_bytes():
+    """The ILP's memory rows are `held_bytes`, streamed state in flight
+    included (old and new of each streamed layer, at most five states, in
+    the largest; binaries count the streamed layers): each choice of which
+    blocks stream fits a cap in the ILP exactly when it fits by
+    `held_bytes`. The blocks update on the GPU only, so each is resident or
+    streamed."""
+    import itertools
+
+    from hetpar.planner import _ilp
+    from hetpar.planner._evaluate import Arrays
+    from hetpar.planner._offload import _model
+    from hetpar.planner._plan import with_memory
+
+    base = table(blocks=4, cpu_compute=False)
+    # Unequal blocks, so which ones stream matters: optimizer state 1-4 GB.
+    base = dataclasses.replace(base, layers=tuple(
+        dataclasses.replace(layer, opt_state_bytes=(k + 1) * GB, update_s={"gpu:0": 0.008},
+                            memory_bytes={d: 2 * PARAM + (k + 1) * GB + ACT
+                                          for d in layer.memory_bytes})
+        for k, layer in enumerate(base.layers)))
+    streamed = Placement("gpu:0", "cpu:0", "gpu:0", params="gpu:0")
+    names = base.layer_names
+    arr = Arrays(base)
+    gpu = arr.dindex["gpu:0"]
+    for combo in itertools.product((False, True), repeat=len(names)):
+        placed = {n: streamed if s else Placement("gpu:0") for n, s in zip(names, combo)}
+        need = float(held_bytes(arr, arr.placed(placed))[gpu])
+        for cap, fits in ((need, True), (need * 0.999, False)):
+            capped = Arrays(with_memory(base, {"gpu:0": cap}))
+            m, y, _ = _model(capped, dict.fromkeys(names, "gpu:0"), 1,
+                             slack=[False] * len(arr.devices))
+            for o, v in y.items():
+                m.prob.addConstraint(v == int(combo[o.layer]))
+            status, _, _ = _ilp._run_solver(m.prob, "cbc", 10.0, 0.0)
+            assert (status in ("optimal", "feasible")) == fits, (combo, cap / GB, status)

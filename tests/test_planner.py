@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cost_models import scale_to_step
 from hetpar.core import GraphFormatError, InfeasibleError, PlanError
 from hetpar.planner import (
     CostTable,
@@ -578,6 +579,30 @@ def test_stage_overhead_is_paid_per_stage_and_per_crossing():
     again = CostTable.from_json(json.loads(json.dumps(table.to_json())))
     assert again.device("b").stage_overhead_s == 0.125
     assert "stage_overhead_s" not in json.dumps(base.to_json())
+
+
+def test_replay_prices_a_stage_with_the_fusion_its_layers_can_have():
+    # Five layers of 1 s alone; the whole step on `a` took 4 s (f = 0.8: what
+    # one executable gains across the layers' 4 boundaries). A stage holding
+    # all five runs at the scaled 4 s; a stage of one layer gains nothing
+    # (its 1 s alone), of k layers 1 - 0.2 (k - 1) / 4 of its time alone.
+    base = _chain([1.0] * 5, edge_bytes=0.0)
+    table = scale_to_step(base, {"a": 4.0})
+    assert table.meta["step_scale"]["a"] == pytest.approx(0.8)
+    every = dict.fromkeys(base.layer_names, "a")
+    assert simulate(table, every, 1).busy_s["a"] == pytest.approx(4.0)
+    # l2 alone on `b` (unscaled: its step was not timed); `a` holds l0-l1
+    # and l3-l4, two stages of two layers each side of it (fwd and bwd).
+    split = {**every, "l2": "b"}
+    r = simulate(table, split, 1)
+    two = 2 * 1.0 * (1 - 0.2 * 1 / 4)
+    assert r.busy_s == pytest.approx({"a": 2 * two, "b": 1.0})
+    assert r.step_time_s == pytest.approx(2 * two + 1.0)
+    # A factor >= 1 (the step slower than its layers) stays on every stage.
+    slow = scale_to_step(base, {"a": 6.0, "b": 6.0})
+    assert simulate(slow, split, 1).busy_s == pytest.approx({"a": 4.8, "b": 1.2})
+    # An unscaled table replays its layers' times as they are.
+    assert simulate(base, split, 1).busy_s == pytest.approx({"a": 4.0, "b": 1.0})
 
 
 def test_replay_sees_a_device_visited_twice_wait():

@@ -72,6 +72,18 @@ OBJECTIVES = ("time", "cost", "energy")
 #: runtime donates no buffer (the caller's state is never left half-updated).
 HOST_STATE_COPIES = 2
 
+#: Streamed optimizer states a device may hold at once, counted in its largest
+#: one: the runtime lets `Executor.PREFETCH` (2) stages that read streamed
+#: state be in flight per device, each holding its old state and its new one
+#: (until the copy home ends), while the next one's state arrives.
+STREAMED_IN_FLIGHT = 5
+
+
+def streamed_in_flight(n: int) -> int:
+    """Optimizer states in flight on a device that streams `n` layers' state:
+    old and new of each, at most STREAMED_IN_FLIGHT."""
+    return min(2 * int(n), STREAMED_IN_FLIGHT)
+
 
 def is_place(device) -> bool:
     """Whether a table `Device` is a memory place (`gpu:0:pinned_host`): memory
@@ -177,6 +189,9 @@ class Arrays:
         every other device its own.
       overhead: [D] seconds the runtime adds per stage on each device
         (`Device.stage_overhead_s`; 0 unless measured).
+      step_scale: [D] the factor `scale_to_step` applied to each device's
+        layers (1 where none): the replay undoes the fusion a stage of few
+        layers cannot have.
     """
 
     def __init__(self, table: CostTable):
@@ -207,6 +222,8 @@ class Arrays:
         self.watts_busy = np.array([d.watts_busy for d in table.devices])
         self.watts_idle = np.array([d.watts_idle for d in table.devices])
         self.overhead = np.array([d.stage_overhead_s for d in table.devices])
+        scale = table.meta.get("step_scale") or {}
+        self.step_scale = np.array([float(scale.get(d, 1.0)) for d in self.devices])
         first: dict[str, int] = {}
         self.resource = np.array([j if d.compute_group is None
                                   else first.setdefault(d.compute_group, j)
@@ -441,8 +458,9 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
       the parameters live elsewhere too), its gradient, its activations and
       its new parameters when they live there. Streamed (update on the
       compute device), its optimizer state also visits the compute device
-      during its update; updates run one at a time, so the device adds the
-      largest such state.
+      during its update, old and new: n streamed layers add
+      `streamed_in_flight(n)` x the largest such state (2 for one; at most
+      STREAMED_IN_FLIGHT, the runtime's bounded prefetch).
     - Where its optimizer state lives: HOST_STATE_COPIES x the state (old
       and new coexist: nothing is donated), plus its gradient when the
       update runs there. Where its parameters live, when not on the compute
@@ -473,12 +491,13 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     home = HOST_STATE_COPIES * o + np.where(placed.host_update, p, 0.0)
     np.add.at(out, s[state_apart], home[state_apart])
     np.add.at(out, w[params_apart], HOST_STATE_COPIES * p[params_apart])
-    # One at a time on a device: the largest of an update's visiting state
-    # and a layer's working set (its activations too where it recomputes them).
+    # While the step runs: the larger of the streamed state in flight and a
+    # layer's working set (its activations too where it recomputes them).
     visiting = placed.streamed & state_apart
     transient = np.zeros(len(out))
     for j in np.unique(c[visiting]):
-        transient[j] = float(o[visiting & (c == j)].max())
+        mine = visiting & (c == j)
+        transient[j] = streamed_in_flight(mine.sum()) * float(o[mine].max())
     np.maximum.at(transient, c, arr.ws + np.where(placed.remat, arr.act, 0.0))
     return out + transient
 

@@ -26,8 +26,9 @@ z): a binary y per offload option, at most x[l, c] of them per layer.
 Memory (`hetpar.planner._evaluate.held_bytes`, linear but for one max): a
 resident layer holds its `memory_bytes`; an offloaded layer holds on its
 compute device its weights, gradient and activations (memory_bytes less its
-optimizer state), plus, streamed, the largest optimizer state visiting for
-its update (S_c >= o_l y_l); its host holds HOST_STATE_COPIES x its
+optimizer state), plus, streamed, the optimizer state in flight for the
+updates (`streamed_in_flight`: old and new of each, at most five states, in
+the largest; `_add_in_flight` linearises it); its host holds HOST_STATE_COPIES x its
 optimizer state, plus, host way, HOST_STATE_COPIES x its parameters and its
 gradient. A memory place and its host's CPU device draw on one RAM: their
 sum is capped by the CPU device's memory too.
@@ -61,7 +62,14 @@ import pulp
 
 from hetpar.core import CostTable, InfeasibleError, Placement, nbytes, seconds
 from hetpar.planner import _ilp
-from hetpar.planner._evaluate import HOST_STATE_COPIES, Arrays, Placed, held_bytes, ram_bytes
+from hetpar.planner._evaluate import (
+    HOST_STATE_COPIES,
+    Arrays,
+    Placed,
+    held_bytes,
+    ram_bytes,
+    streamed_in_flight,
+)
 
 WAYS = ("resident", "host", "streamed")
 #: The baselines' names in plans.
@@ -295,6 +303,29 @@ def _placed(arr: Arrays, compute: np.ndarray, chosen: Mapping[int, Option]) -> P
     return Placed(np.asarray(compute), state, update, params)
 
 
+def _add_in_flight(prob, s, streamed: list, tag: str) -> None:
+    """s >= `streamed_in_flight(n)` x the largest optimizer state of the chosen
+    streamed options [(y, state GB)] (`held_bytes`), n = how many are chosen:
+    binaries say n >= 2 and n >= 3, each relaxing its bound when off."""
+    if not streamed:
+        return
+    n, big = len(streamed), max(opt for _, opt in streamed)
+    count = [(v, 1.0) for v, _ in streamed]
+    bounds = [(streamed_in_flight(1), None)]
+    for k in (2, 3):
+        if n >= k and streamed_in_flight(k) > bounds[-1][0]:
+            z = prob.add_variable(f"n{tag}_{k}", cat=pulp.LpBinary)
+            prob.addConstraint(_ilp._affine(count + [(z, -float(n))]) <= k - 1, f"n{tag}_{k}")
+            bounds.append((streamed_in_flight(k), z))
+    for copies, z in bounds:
+        for v, opt in streamed:
+            terms = [(s, 1.0), (v, -copies * opt)]
+            if z is not None:  # off (fewer chosen): s >= copies (opt y - big)
+                terms.append((z, -copies * big))
+            prob.addConstraint(_ilp._affine(terms) >= (0.0 if z is None else -copies * big),
+                               f"fl{tag}_{copies}_{v.name}")
+
+
 def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
            slack: np.ndarray | bool):
     """The offload ILP: (model, {Option: y}, T), or with `slack` ([D] bool: the
@@ -322,6 +353,7 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     D = len(arr.devices)
     use: list[list] = [[] for _ in range(D)]
     transient: dict[int, list] = {}
+    streams: dict[int, list] = {}  # streamed options' optimizer state, per device
     for (i, j), v in x.items():
         use[j].append((v, float(arr.resident[i, j]) / _GB))
         if arr.ws[i] > 0:  # its working set, while it runs (`held_bytes`)
@@ -336,14 +368,15 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
             (HOST_STATE_COPIES + 1) * p[o.layer] if o.way == "host" else 0.0)
         use[o.state].append((v, host / _GB))
         if o.way == "streamed":
-            transient.setdefault(o.compute, []).append((v, opt / _GB))
+            streams.setdefault(o.compute, []).append((v, opt / _GB))
     slacks, held_once = {}, {}
     for j in range(D):
         terms = list(use[j])
-        if j in transient:
+        if j in transient or j in streams:
             s = held_once[j] = prob.add_variable(f"S{j}", lowBound=0)
-            for v, opt in transient[j]:
-                prob.addConstraint(_ilp._affine([(s, 1.0), (v, -opt)]) >= 0, f"tr{j}_{v.name}")
+            for v, ws in transient.get(j, []):
+                prob.addConstraint(_ilp._affine([(s, 1.0), (v, -ws)]) >= 0, f"tr{j}_{v.name}")
+            _add_in_flight(prob, s, streams.get(j, []), f"{j}")
             terms.append((s, 1.0))
         if not terms:
             continue

@@ -152,8 +152,10 @@ def simulate(table: CostTable, assignment: Mapping, microbatches: int = 1,
     upd_here = np.nan_to_num(arr.upd[rows, a])
     own = placed.apart | ((M > 1) & (upd_here > 0))
     per_mb = np.where(own, np.maximum(step_t - upd_here, 0.0), step_t) / M
-    items = _work_items(arr, a, per_mb, M, placed, post=own)
+    items = _work_items(arr, a, per_mb, M, placed, post=own,
+                        compute_mb=np.maximum(step_t - upd_here, 0.0) / M)
     st = _stages(items, schedule)
+    st.dur = st.dur + _unfused_s(st, items, arr)
     # Each stage pays its device's runtime overhead (dispatch, handoff) once.
     st.dur = st.dur + np.array([arr.overhead[arr.dindex[k[0]]] for k in st.keys])
     stats: dict[str, float] = {}
@@ -183,6 +185,8 @@ class _Items:
         another device, copied from the step's start.
       state_out: {item: [(destination device, bytes)]}: state it sends
         back once done.
+      compute: [n] the part of `dur` that is the layer's forward or backward
+        (no update): what a whole step fuses across layers (`_unfused_s`).
     """
 
     keys: list
@@ -192,6 +196,7 @@ class _Items:
     xbytes: dict[tuple[int, int], float]
     state_in: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
     state_out: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
+    compute: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -221,10 +226,13 @@ class _Stages:
 
 
 def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
-                placed: Placed | None = None, post: np.ndarray | None = None) -> _Items:
+                placed: Placed | None = None, post: np.ndarray | None = None,
+                compute_mb: np.ndarray | None = None) -> _Items:
     """A forward and a backward item per layer and microbatch, with their dependencies;
     and an update item per layer whose state lives apart from its compute, and
     per layer of `post` ([L] bool: with microbatches, every layer with an update).
+    `compute_mb` ([L], default `per_mb`): each layer's seconds per microbatch
+    without its update, what `_Items.compute` counts.
 
     Program order: per microbatch, forwards in topological order, then
     backwards in reverse (the order `hetpar.value_and_grad` traces), then the
@@ -250,6 +258,8 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
     n = 2 * L * M + len(upd_item)
     keys: list = [None] * n
     dur = np.zeros(n)
+    compute = np.zeros(n)
+    comp_mb = per_mb if compute_mb is None else compute_mb
     layer_of = np.zeros(n, dtype=int)
     deps: list[set[int]] = [set() for _ in range(n)]
     xbytes: dict[tuple[int, int], float] = {}  # (consumer, producer) item -> bytes
@@ -269,6 +279,8 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
             # forward again.
             again = FORWARD_SHARE * arr.recompute[i] if remat[i] else 0.0
             dur[bwd(i, m)] = (1 - FORWARD_SHARE + again) * per_mb[i]
+            compute[fwd(i, m)] = FORWARD_SHARE * comp_mb[i]
+            compute[bwd(i, m)] = (1 - FORWARD_SHARE + again) * comp_mb[i]
             layer_of[fwd(i, m)] = layer_of[bwd(i, m)] = i
             deps[bwd(i, m)].add(fwd(i, m))
         for k in range(len(arr.eu)):
@@ -305,7 +317,7 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
             if s != c:
                 state_in.setdefault(item, []).append((s, o))
             state_out.setdefault(item, []).extend(back.items())
-    return _Items(keys, dur, layer_of, deps, xbytes, state_in, state_out)
+    return _Items(keys, dur, layer_of, deps, xbytes, state_in, state_out, compute)
 
 
 def _stages(items: _Items, schedule: str) -> _Stages:
@@ -330,6 +342,34 @@ def _stages(items: _Items, schedule: str) -> _Stages:
         for i, copies in src.items():
             dst.setdefault(int(stage_of[i]), []).extend(copies)
     return _Stages(cut, skeys, sdeps, sbytes, sdur, per_device, realised, state_in, state_out)
+
+
+def _unfused_s(st: _Stages, items: _Items, arr: Arrays) -> np.ndarray:
+    """[S] seconds each stage runs beyond its scaled layers: fusion it cannot have.
+
+    A table scaled to a device's whole step (`scale_to_step`, factor f < 1)
+    prices every layer at f x its time alone: what one executable of all L
+    layers gains by fusing across their boundaries. A stage holds k of those
+    layers and gains across its own k - 1 boundaries only, so its layers run
+    at 1 - (1 - f) (k - 1) / (L - 1) of their time alone: a stage of one
+    layer at its time alone (GPT-2's head on an H100's host CPU, alone in its
+    stage: 0.709 s against 0.697 s alone, scaled 0.627 s), the whole step at
+    f. A factor >= 1 (the step slower than its layers, as on GPUs at small
+    batches) is kept for every stage. Updates timed apart were never scaled.
+    """
+    extra = np.zeros(len(st.cut))
+    L = len(arr.layers)
+    if items.compute is None or L < 2:
+        return extra
+    for s, members in enumerate(st.cut):
+        f = float(arr.step_scale[arr.dindex[st.keys[s][0]]])
+        if not 0.0 < f < 1.0:
+            continue
+        layers = {int(items.layer_of[i]) for i in members if items.compute[i] > 0}
+        if layers:
+            kept = 1.0 - (1.0 - f) * (len(layers) - 1) / (L - 1)
+            extra[s] = float(items.compute[members].sum()) * (kept / f - 1.0)
+    return extra
 
 
 def _replay(st: _Stages, arr: Arrays, stats: dict | None = None
