@@ -275,7 +275,8 @@ def test_cost_tables_price_each_layers_update():
 def test_offload_ilp_memory_rows_are_held_bytes():
     """The ILP's memory rows are `held_bytes`, streamed state in flight
     included (old and new of each streamed layer, at most five states, in
-    the largest; binaries count the streamed layers): each choice of which
+    the largest; binaries count the streamed layers) beside the largest
+    working set: each choice of which
     blocks stream fits a cap in the ILP exactly when it fits by
     `held_bytes`. The blocks update on the GPU only, so each is resident or
     streamed."""
@@ -291,7 +292,8 @@ def test_offload_ilp_memory_rows_are_held_bytes():
     base = dataclasses.replace(base, layers=tuple(
         dataclasses.replace(layer, opt_state_bytes=(k + 1) * GB, update_s={"gpu:0": 0.008},
                             memory_bytes={d: 2 * PARAM + (k + 1) * GB + ACT
-                                          for d in layer.memory_bytes})
+                                          for d in layer.memory_bytes},
+                            workspace_bytes=(3 - k) * 0.7 * GB)
         for k, layer in enumerate(base.layers)))
     streamed = Placement("gpu:0", "cpu:0", "gpu:0", params="gpu:0")
     names = base.layer_names

@@ -460,7 +460,8 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
       compute device), its optimizer state also visits the compute device
       during its update, old and new: n streamed layers add
       `streamed_in_flight(n)` x the largest such state (2 for one; at most
-      STREAMED_IN_FLIGHT, the runtime's bounded prefetch).
+      STREAMED_IN_FLIGHT, the runtime's bounded prefetch), beside the
+      largest working set.
     - Where its optimizer state lives: HOST_STATE_COPIES x the state (old
       and new coexist: nothing is donated), plus its gradient when the
       update runs there. Where its parameters live, when not on the compute
@@ -491,15 +492,18 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     home = HOST_STATE_COPIES * o + np.where(placed.host_update, p, 0.0)
     np.add.at(out, s[state_apart], home[state_apart])
     np.add.at(out, w[params_apart], HOST_STATE_COPIES * p[params_apart])
-    # While the step runs: the larger of the streamed state in flight and a
-    # layer's working set (its activations too where it recomputes them).
+    # While the step runs: the streamed state in flight, beside the largest
+    # working set of a layer (its activations too where it recomputes them):
+    # a streamed layer's backward runs with its state arrived and the next's
+    # arriving.
     visiting = placed.streamed & state_apart
-    transient = np.zeros(len(out))
+    in_flight = np.zeros(len(out))
     for j in np.unique(c[visiting]):
         mine = visiting & (c == j)
-        transient[j] = streamed_in_flight(mine.sum()) * float(o[mine].max())
-    np.maximum.at(transient, c, arr.ws + np.where(placed.remat, arr.act, 0.0))
-    return out + transient
+        in_flight[j] = streamed_in_flight(mine.sum()) * float(o[mine].max())
+    working = np.zeros(len(out))
+    np.maximum.at(working, c, arr.ws + np.where(placed.remat, arr.act, 0.0))
+    return out + in_flight + working
 
 
 def ram_bytes(arr: Arrays, held: np.ndarray) -> np.ndarray:

@@ -372,12 +372,17 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     slacks, held_once = {}, {}
     for j in range(D):
         terms = list(use[j])
-        if j in transient or j in streams:
-            s = held_once[j] = prob.add_variable(f"S{j}", lowBound=0)
-            for v, ws in transient.get(j, []):
+        if j in transient:  # the largest working set
+            s = prob.add_variable(f"S{j}", lowBound=0)
+            held_once.setdefault(j, []).append(s)
+            for v, ws in transient[j]:
                 prob.addConstraint(_ilp._affine([(s, 1.0), (v, -ws)]) >= 0, f"tr{j}_{v.name}")
-            _add_in_flight(prob, s, streams.get(j, []), f"{j}")
             terms.append((s, 1.0))
+        if j in streams:  # beside it, the streamed state in flight
+            f = prob.add_variable(f"F{j}", lowBound=0)
+            held_once.setdefault(j, []).append(f)
+            _add_in_flight(prob, f, streams[j], f"{j}")
+            terms.append((f, 1.0))
         if not terms:
             continue
         if elastic[j]:
@@ -395,7 +400,7 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         if arr.place[j] or not any(use[k] for k in sharing):
             continue  # a place without a CPU device in the table has its own cap only
         shared = [t for k in (j, *sharing) for t in use[k]]
-        shared += [(held_once[k], 1.0) for k in (j, *sharing) if k in held_once]
+        shared += [(v, 1.0) for k in (j, *sharing) for v in held_once.get(k, [])]
         if elastic[j]:
             if j not in slacks:
                 slacks[j] = prob.add_variable(f"over{j}", lowBound=0)
