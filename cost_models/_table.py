@@ -609,9 +609,9 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     has a crossing measured (once, on its first two devices) and its links'
     latency raised to it: a link's spec-sheet latency is the wire's, not the
     runtime's handoff. With `bandwidth` (`hetpar.runtime.link_bandwidth`),
-    each direction of those pairs has its bandwidth measured at the largest
-    value the step passes between layers (the sizes plans move; two virtual
-    CPU devices copied at 1.2 GB/s where the spec sheet says 154). With
+    each direction of those pairs has its bandwidth measured at the sizes
+    plans move over it (`_copy_size`; two virtual CPU devices copied at
+    1.2 GB/s where the spec sheet says 154). With
     `time_replicas` (`time_replicas(names, jax_devices)`: the step run data
     parallel over two present devices of a kind), each kind with two or
     more present devices has the part of its step that a replica pays whole
@@ -708,14 +708,13 @@ def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandw
         meta["crossing_s"] = {"/".join(p): v for p, v in by_pair.items()}
     by_way: dict[tuple[str, str], float] = {}
     if bandwidth is not None:
-        size = max([e.bytes for e in table.edges] + [e.bytes_backward for e in table.edges]
-                   + [1.0])
+        at = {way: _copy_size(table, *way) for way in ways}
         for way, k in ways.items():
-            b = bandwidth(present[k.src], present[k.dst], size)
+            b = bandwidth(present[k.src], present[k.dst], at[way])
             if b is not None:
                 by_way[way] = b
         meta["bandwidth_bytes_per_s"] = {"->".join(w): v for w, v in by_way.items()}
-        meta["bandwidth_at_bytes"] = size
+        meta["bandwidth_at_bytes"] = {"->".join(w): v for w, v in at.items()}
 
     def measured(k):
         # The crossing is the runtime's, so every link between those kinds
@@ -728,6 +727,32 @@ def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandw
 
     links = tuple(measured(k) for k in scaled.links)
     return dataclasses.replace(scaled, devices=devices, links=links, meta=meta)
+
+
+def _copy_size(table, src_kind: str, dst_kind: str) -> float:
+    """Bytes a copy src_kind -> dst_kind is measured at: the size that half the
+    bytes such a link may carry come in copies of at most (a byte-weighted median).
+
+    Every link carries the values passed between layers; a link between a host
+    (CPU) and an accelerator also carries offloaded layers' weights, gradients
+    and optimizer state, which are most of what memory-capped plans move
+    (GPT-2 b16: 28-57 MB a block, against 6 MB activations and a 154 MB
+    embedding). Copies from a host CPU device ran 1.2 GB/s at 154 MB on an
+    H100 host, where the plan's 28 MB weights arrived every ~7 ms.
+    """
+    sizes = [b for e in table.edges for b in (e.bytes, e.bytes_backward) if b > 0]
+    if (src_kind == "cpu") != (dst_kind == "cpu"):
+        sizes += [b for la in table.layers for b in (la.param_bytes, la.opt_state_bytes)
+                  if b is not None and b > 0]
+    if not sizes:
+        return 1.0
+    sizes.sort()
+    half, run = sum(sizes) / 2.0, 0.0
+    for b in sizes:
+        run += b
+        if run >= half:
+            return float(b)
+    return float(sizes[-1])
 
 
 def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, float],

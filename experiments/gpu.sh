@@ -40,7 +40,10 @@ one GPU (the card and its host CPU):
   plan-memory         issue 17: GPT-2 b16 planned with the GPU capped (FRACTIONS="0.25 0.1"), then
                       each plan and jax.jit run in fresh processes: the GPU's real peak bytes
                       (env RUN_FLAGS="--stages --watch" for the plan's run, PREFETCHES="1 3":
-                      runs again with Executor.PREFETCH set, NO_JIT=1: no jax.jit run)
+                      runs again with Executor.PREFETCH set, NO_JIT=1: no jax.jit run,
+                      SAVE_CACHE=1: the timed layers' cache entries as layer_cache.tgz)
+  links               issue 17: the transfer engine's copies GPU <-> CPU device and pinned
+                      host memory at 1-256 MB, and link_bandwidth's slope (probe_links.py)
   fit-check [FLAGS]   issue 17: hetpar profile --fit default [FLAGS], then the file checked on
                       held-out zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT,
                       CHECK_TIMEOUT, REFIT=cpu:0: also refit that device on its fit layers
@@ -133,7 +136,7 @@ job=${1:-help}
 [ $# -gt 0 ] && shift
 case "$job" in
 help|-h|--help) usage; exit 0 ;;
-profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|fit-check|cpu-timing|cpu-reference|hetpar) TWO_GPUS= ;;
+profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|links|fit-check|cpu-timing|cpu-reference|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
 two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions|step-timing) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
@@ -309,6 +312,11 @@ plan-memory)
   done
   [ -n "${NO_JIT:-}" ] || timeout 120 python3 experiments/probe_plan_memory.py jit \
     --batch "${BATCH:-16}" --out "$OUT" 2>&1 | grep -E '^\{|Error' | cut -c1-600
+  [ -z "${SAVE_CACHE:-}" ] || tar czf "$OUT/layer_cache.tgz" -C /tmp hetpar_cache
+  ;;
+links)
+  # The transfer engine's copies GPU <-> host by size (probe_links.py)
+  timeout 300 python3 experiments/probe_links.py --out "$OUT" 2>&1 | grep -v Warning
   ;;
 fit-check)
   # Issue 17 as a user gets it: `hetpar profile --fit default` on this machine, then

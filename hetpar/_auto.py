@@ -1161,7 +1161,14 @@ def _runtime_costs():
         lambda a, b, both: _once(frozenset((a[1], b[1])), f"a crossing {a[0]} <-> {b[0]}",
                                  lambda: crossing_s(a, b, both)),
         lambda src, dst, n: _once((src, dst, float(n)), f"copies {src} -> {dst}",
-                                  lambda: link_bandwidth(src, dst, n)))
+                                  lambda: _measured(link_bandwidth(src, dst, n), n)))
+
+
+def _measured(bandwidth: float | None, nbytes: float) -> float:
+    """A measured link bandwidth, or an error `_once` warns of (the link keeps its figure)."""
+    if bandwidth is None:
+        raise HetparError(f"a {nbytes / 1e6:.0f} MB copy took no longer than a 4 kB one")
+    return bandwidth
 
 
 def _profiles(options: Options):
