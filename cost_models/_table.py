@@ -58,6 +58,7 @@ from typing import Any
 from absl import logging
 
 from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
+from hetpar.core._graph import curve_s
 from hetpar.cost_models._equation_model import matmul_equations, predict_layer
 from hetpar.cost_models._layer_timing import (
     INTERLEAVED_PLATFORMS,
@@ -592,7 +593,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                         crossing: Callable[..., float | None] | None = None,
                         bandwidth: Callable[[Any, Any, float], float | None] | None = None,
                         *, time_replicas: Callable[[list[str], list], float | None] | None = None,
-                        budget: TimingBudget | None = TimingBudget()):
+                        budget: TimingBudget | None = TimingBudget(),
+                        curve: Callable[[Any, Any, float], Sequence | None] | None = None):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -611,7 +613,11 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     runtime's handoff. With `bandwidth` (`hetpar.runtime.link_bandwidth`),
     each direction of those pairs has its bandwidth measured at the sizes
     plans move over it (`_copy_size`; two virtual CPU devices copied at
-    1.2 GB/s where the spec sheet says 154). With
+    1.2 GB/s where the spec sheet says 154). With `curve`
+    (`hetpar.runtime.link_curve(src, dst, largest)`: (bytes, seconds) points
+    up to the largest copy the link may carry), those links take the
+    measured curve instead (`Link.curve`; `meta["link_curves"]`), and a
+    bandwidth read off it at that size. With
     `time_replicas` (`time_replicas(names, jax_devices)`: the step run data
     parallel over two present devices of a kind), each kind with two or
     more present devices has the part of its step that a replica pays whole
@@ -674,13 +680,14 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
         scaled = dataclasses.replace(scaled, meta={**scaled.meta, "untimed_kinds": untimed})
     if overhead:
         scaled = _with_runtime_costs(table, scaled, present, runtime, overhead, crossing,
-                                     bandwidth)
+                                     bandwidth, curve)
     if time_replicas is not None:  # last: the all-reduce over the links measured
         scaled = _with_fixed_parts(scaled, present, step_s, time_replicas)
     return scaled
 
 
-def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandwidth):
+def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandwidth,
+                        curve=None):
     """`scaled` with the measured cost per stage of `names` (present devices)
     and the measured crossing and bandwidth of their links (see
     `scale_to_timed_step`)."""
@@ -707,46 +714,64 @@ def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandw
                     by_pair[pair] = t
         meta["crossing_s"] = {"/".join(p): v for p, v in by_pair.items()}
     by_way: dict[tuple[str, str], float] = {}
-    if bandwidth is not None:
-        at = {way: _copy_size(table, *way) for way in ways}
+    curves: dict[tuple[str, str], tuple] = {}
+    at = {way: _copy_size(table, *way) for way in ways}
+    if curve is not None:
         for way, k in ways.items():
-            b = bandwidth(present[k.src], present[k.dst], at[way])
-            if b is not None:
-                by_way[way] = b
+            points = curve(present[k.src], present[k.dst], max(_copy_sizes(table, *way)))
+            if points:
+                curves[way] = tuple((float(b), float(t)) for b, t in points)
+                # The straight line through the plan's typical copy, for what
+                # reads a bandwidth alone (collectives, reports).
+                by_way[way] = at[way] / max(curve_s(curves[way], at[way]), 1e-12)
+        meta["link_curves"] = {"->".join(w): [list(p) for p in c] for w, c in curves.items()}
+    if bandwidth is not None:
+        for way, k in ways.items():
+            if way not in curves:
+                b = bandwidth(present[k.src], present[k.dst], at[way])
+                if b is not None:
+                    by_way[way] = b
+    if curve is not None or bandwidth is not None:
         meta["bandwidth_bytes_per_s"] = {"->".join(w): v for w, v in by_way.items()}
         meta["bandwidth_at_bytes"] = {"->".join(w): v for w, v in at.items()}
 
     def measured(k):
         # The crossing is the runtime's, so every link between those kinds
-        # pays it; the bandwidth was copied between present devices only.
+        # pays it; the copies were timed between present devices only.
         way = (table.device(k.src).kind, table.device(k.dst).kind)
         latency = max(k.latency_s, by_pair.get(tuple(sorted(way)), 0.0))
-        timed = k.src in kind and k.dst in kind
+        if not (k.src in kind and k.dst in kind):
+            return dataclasses.replace(k, latency_s=latency)
         return dataclasses.replace(k, latency_s=latency, bandwidth_bytes_per_s=by_way.get(
-            way, k.bandwidth_bytes_per_s) if timed else k.bandwidth_bytes_per_s)
+            way, k.bandwidth_bytes_per_s), curve=curves.get(way, k.curve))
 
     links = tuple(measured(k) for k in scaled.links)
     return dataclasses.replace(scaled, devices=devices, links=links, meta=meta)
 
 
-def _copy_size(table, src_kind: str, dst_kind: str) -> float:
-    """Bytes a copy src_kind -> dst_kind is measured at: the size that half the
-    bytes such a link may carry come in copies of at most (a byte-weighted median).
+def _copy_sizes(table, src_kind: str, dst_kind: str) -> list[float]:
+    """Bytes of each copy a link src_kind -> dst_kind may carry, ascending ([1.0]: none).
 
     Every link carries the values passed between layers; a link between a host
     (CPU) and an accelerator also carries offloaded layers' weights, gradients
     and optimizer state, which are most of what memory-capped plans move
     (GPT-2 b16: 28-57 MB a block, against 6 MB activations and a 154 MB
-    embedding). Copies from a host CPU device ran 1.2 GB/s at 154 MB on an
-    H100 host, where the plan's 28 MB weights arrived every ~7 ms.
+    embedding).
     """
     sizes = [b for e in table.edges for b in (e.bytes, e.bytes_backward) if b > 0]
     if (src_kind == "cpu") != (dst_kind == "cpu"):
         sizes += [b for la in table.layers for b in (la.param_bytes, la.opt_state_bytes)
                   if b is not None and b > 0]
-    if not sizes:
-        return 1.0
-    sizes.sort()
+    return sorted(sizes) or [1.0]
+
+
+def _copy_size(table, src_kind: str, dst_kind: str) -> float:
+    """Bytes a copy src_kind -> dst_kind is measured at: the size that half the
+    bytes such a link may carry come in copies of at most (a byte-weighted
+    median of `_copy_sizes`). Copies from an H100 host's CPU device ran
+    1.2 GB/s at 154 MB, where the plan's 28 MB weights arrived at ~3 GB/s.
+    """
+    sizes = _copy_sizes(table, src_kind, dst_kind)
     half, run = sum(sizes) / 2.0, 0.0
     for b in sizes:
         run += b

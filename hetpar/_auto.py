@@ -741,7 +741,7 @@ class CompiledStep:
             return self._whole_steps[key]
 
         scaled = scale_to_timed_step(
-            table, self.devices, whole, *_runtime_costs(),
+            table, self.devices, whole, **_runtime_costs(),
             time_replicas=replicas_once if dp else None, budget=budget)
         logging.info("hetpar: calibrated to whole steps measured here: %s",
                      scaled.meta.get("step_s"))
@@ -1151,24 +1151,25 @@ def _once(key, what: str, measure: Callable[[], float]) -> float | None:
     return _OVERHEADS[key]
 
 
-def _runtime_costs():
-    """The (per stage, per crossing, per copy) callbacks of `scale_to_timed_step`."""
-    from hetpar.runtime import crossing_s, link_bandwidth, stage_overhead_s
+def _runtime_costs() -> dict:
+    """The per stage, per crossing and per copy callbacks of `scale_to_timed_step`."""
+    from hetpar.runtime import crossing_s, link_curve, stage_overhead_s
 
-    return (
-        lambda name, dev: _once(dev, f"the runtime's cost per stage on {name}",
-                                lambda: stage_overhead_s(name, dev)),
-        lambda a, b, both: _once(frozenset((a[1], b[1])), f"a crossing {a[0]} <-> {b[0]}",
-                                 lambda: crossing_s(a, b, both)),
-        lambda src, dst, n: _once((src, dst, float(n)), f"copies {src} -> {dst}",
-                                  lambda: _measured(link_bandwidth(src, dst, n), n)))
+    return dict(
+        stage_overhead=lambda name, dev: _once(dev, f"the runtime's cost per stage on {name}",
+                                               lambda: stage_overhead_s(name, dev)),
+        crossing=lambda a, b, both: _once(frozenset((a[1], b[1])),
+                                          f"a crossing {a[0]} <-> {b[0]}",
+                                          lambda: crossing_s(a, b, both)),
+        curve=lambda src, dst, n: _once((src, dst, float(n)), f"copies {src} -> {dst}",
+                                        lambda: _measured(link_curve(src, dst, n), n)))
 
 
-def _measured(bandwidth: float | None, nbytes: float) -> float:
-    """A measured link bandwidth, or an error `_once` warns of (the link keeps its figure)."""
-    if bandwidth is None:
-        raise HetparError(f"a {nbytes / 1e6:.0f} MB copy took no longer than a 4 kB one")
-    return bandwidth
+def _measured(curve, nbytes: float):
+    """A measured link curve, or an error `_once` warns of (the link keeps its figure)."""
+    if curve is None:
+        raise HetparError(f"no copy up to {nbytes / 1e6:.0f} MB took longer than a 4 kB one")
+    return curve
 
 
 def _profiles(options: Options):

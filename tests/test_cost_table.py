@@ -252,6 +252,38 @@ def test_timed_step_carries_the_runtimes_costs_to_the_table():
     assert link["cpu:1", "cpu:0"].bandwidth_bytes_per_s == bw  # one kind: one figure each way
 
 
+def test_timed_step_takes_measured_link_curves():
+    # profile="measure" times the engine's copies at 1, 2, 4 ... MB up to the
+    # largest value a link may carry (here between two virtual CPU devices):
+    # the links between present devices take the curve, and a bandwidth read
+    # off it at the byte-weighted median size; others keep theirs.
+    import jax
+
+    from hetpar.runtime import link_curve
+
+    table = zoo.cost_table("mlp", ["cpu:0", "cpu:1", "h100"], small=True)
+    present = {f"cpu:{d.id}": d for d in jax.devices("cpu")[:2]}
+    asked = []
+
+    def curve(src, dst, largest):
+        asked.append(largest)
+        return link_curve(src, dst, largest, runs=3)
+
+    scaled = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0,
+                                             lambda name, dev: 1e-4, curve=curve)
+    sizes = cost_models._table._copy_sizes(table, "cpu", "cpu")
+    assert asked == [max(sizes)]  # one way per pair of kinds: cpu -> cpu
+    link = {(k.src, k.dst): k for k in scaled.links}
+    points = link["cpu:0", "cpu:1"].curve
+    assert points and points == link["cpu:1", "cpu:0"].curve
+    assert points[0][0] == 1 << 20 and all(t >= 0 for _, t in points)
+    at = scaled.meta["bandwidth_at_bytes"]["cpu->cpu"]
+    assert link["cpu:0", "cpu:1"].bandwidth_bytes_per_s == pytest.approx(
+        at / link["cpu:0", "cpu:1"].copy_s(at))
+    assert scaled.meta["link_curves"]["cpu->cpu"] == [list(p) for p in points]
+    assert not link["cpu:0", "h100:0"].curve  # a spec-sheet device's link: as it was
+
+
 def test_measured_layers_carry_to_a_spec_sheet_sibling():
     # With measure=True, a spec-sheet GPU beside a measured one gets the measured
     # time x their predicted ratio; a class nothing measured keeps its roofline.

@@ -558,6 +558,42 @@ def test_replay_prices_transfers_on_the_link():
     assert r.step_time_s == pytest.approx(3.0 + 2 * (0.5 + 2.0) + 2 * 0.0 + 3.0 - 0.0)
 
 
+def test_a_measured_link_curve_prices_copies_by_size():
+    # Copies at 3 GB/s up to 32 MB, 1 GB/s beyond (an H100 host's CPU device
+    # -> GPU): the curve's seconds beyond a small copy, plus the latency.
+    curve = ((32e6, 32e6 / 3e9), (256e6, 32e6 / 3e9 + 224e6 / 1e9))
+    link = Link("a", "b", 2e9, 1e-3, curve=curve)
+    assert link.seconds(16e6) == pytest.approx(1e-3 + 16e6 / 3e9)
+    assert link.seconds(128e6) == pytest.approx(1e-3 + 32e6 / 3e9 + 96e6 / 1e9)
+    assert link.seconds(512e6) == pytest.approx(1e-3 + 32e6 / 3e9 + 480e6 / 1e9)  # last slope
+    assert Link("a", "b", 2e9, 1e-3).seconds(16e6) == pytest.approx(1e-3 + 8e-3)
+    # The replay, the closed form and the ILP's edge costs all read it.
+    base = _chain([3.0, 3.0], edge_bytes=128e6, bw=2e9, lat=1e-3)
+    curved = dataclasses.replace(base, links=tuple(
+        dataclasses.replace(k, curve=curve) for k in base.links))
+    asg = {"l0": "a", "l1": "b"}
+    r0, r = simulate(base, asg, 1), simulate(curved, asg, 1)
+    assert r.transfer_s == pytest.approx(2 * link.seconds(128e6))
+    assert r0.transfer_s == pytest.approx(2 * (1e-3 + 128e6 / 2e9))
+    assert evaluate(curved, asg).step_time_s == pytest.approx(6.0 + 2 * link.seconds(128e6))
+    assert plan(curved, gap=EXACT).predicted.step_time_s == pytest.approx(
+        evaluate(curved, plan(curved, gap=EXACT).assignment).step_time_s)
+    # Written with the table and read back; a table without curves has none.
+    again = CostTable.from_json(json.loads(json.dumps(curved.to_json())))
+    assert again.links == curved.links
+    assert "curve" not in json.dumps(base.to_json())
+    bad = curved.to_json()
+    bad["links"][0]["curve"] = [[64e6, 0.1], [32e6, 0.2]]
+    with pytest.raises(GraphFormatError, match=r"links\[0\].curve's bytes must rise"):
+        CostTable.from_json(bad)
+    bad["links"][0]["curve"] = [[64e6]]
+    with pytest.raises(GraphFormatError, match=r"links\[0\].curve\[0\] must be \[bytes, seconds\]"):
+        CostTable.from_json(bad)
+    bad["links"][0]["curve"] = [[64e6, -1.0]]
+    with pytest.raises(GraphFormatError, match="curve.0. seconds"):
+        CostTable.from_json(bad)
+
+
 def test_stage_overhead_is_paid_per_stage_and_per_crossing():
     # A calibrated table's devices carry the runtime's cost per stage
     # (measured by profile="measure"): the replay charges it once per stage,

@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from hetpar.core._errors import GraphFormatError
 from hetpar.core._files import load_json, save_json
 from hetpar.core._fingerprint import fingerprint
@@ -69,12 +71,41 @@ class Device:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A directed link: sending `n` bytes from `src` to `dst` takes `latency_s + n / bandwidth`."""
+    """A directed link: sending `n` bytes from `src` to `dst` takes `latency_s + n / bandwidth`.
+
+    With a measured `curve` ((bytes, seconds) points, bytes ascending: a copy's
+    seconds beyond a 4 kB one), it takes `latency_s + curve(n)`, piecewise
+    linear through (0, 0) and the points, extended past the last point by
+    the last segment's slope. Copies from an H100 host's CPU device ran
+    ~3 GB/s up to 28 MB and ~1.1 GB/s from 57 MB (experiments/results/links):
+    one bandwidth prices either size 3x off.
+    """
 
     src: str
     dst: str
     bandwidth_bytes_per_s: float
     latency_s: float = 0.0
+    curve: tuple[tuple[float, float], ...] = ()
+
+    def copy_s(self, nbytes: float) -> float:
+        """Seconds `nbytes` take over the link, beyond its latency."""
+        if not self.curve:
+            return nbytes / self.bandwidth_bytes_per_s
+        return curve_s(self.curve, nbytes)
+
+    def seconds(self, nbytes: float) -> float:
+        """Seconds sending `nbytes` takes: latency and copy."""
+        return self.latency_s + self.copy_s(nbytes)
+
+
+def curve_s(curve, nbytes: float) -> float:
+    """A link curve's seconds at `nbytes` (see `Link`)."""
+    xs = [0.0] + [float(b) for b, _ in curve]
+    ys = [0.0] + [float(t) for _, t in curve]
+    if nbytes <= xs[-1]:
+        return float(np.interp(nbytes, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + max(slope, 0.0) * (nbytes - xs[-1])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,7 +309,9 @@ class CostTable:
                          if not (k in _OPTIONAL_DEVICE_FIELDS and v is None)
                          and not (k == "stage_overhead_s" and v == 0.0)}
                         for d in self.devices],
-            "links": [dataclasses.asdict(k) for k in self.links],
+            "links": [{k: list(map(list, v)) if k == "curve" else v
+                       for k, v in dataclasses.asdict(link).items() if k != "curve" or v}
+                      for link in self.links],
             "layers": [layer_json(layer) for layer in self.layers],
             "edges": [dataclasses.asdict(e) for e in self.edges],
         }
@@ -329,7 +362,8 @@ class CostTable:
             Link(src=_field(k, "src", f"links[{i}]", str),
                  dst=_field(k, "dst", f"links[{i}]", str),
                  bandwidth_bytes_per_s=_field(k, "bandwidth_bytes_per_s", f"links[{i}]", float),
-                 latency_s=_field(k, "latency_s", f"links[{i}]", float, 0.0))
+                 latency_s=_field(k, "latency_s", f"links[{i}]", float, 0.0),
+                 curve=_curve(k, f"links[{i}]"))
             for i, k in enumerate(_objects(data["links"], "links")))
         layers = []
         for i, layer in enumerate(_objects(data["layers"], "layers")):
@@ -421,6 +455,18 @@ def _few(names: Sequence[str], n: int = 8) -> str:
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
 
 
+def _curve(obj: Mapping, where: str) -> tuple[tuple[float, float], ...]:
+    """A link's `curve` from JSON: [[bytes, seconds], ...] (checked by `_validate_links`)."""
+    value = _field(obj, "curve", where, list, [])
+    out = []
+    for j, point in enumerate(value):
+        if (not isinstance(point, list | tuple) or len(point) != 2
+                or any(isinstance(x, bool) or not isinstance(x, int | float) for x in point)):
+            raise GraphFormatError(f"{where}.curve[{j}] must be [bytes, seconds], got {point!r}")
+        out.append((float(point[0]), float(point[1])))
+    return tuple(out)
+
+
 def _check_number(value: float, where: str, *, positive: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
         raise GraphFormatError(f"{where} must be a number, got {value!r}")
@@ -492,6 +538,14 @@ def _validate_links(links: Sequence[Link], names: Mapping[str, int], known: str)
         _check_number(k.bandwidth_bytes_per_s, f"links[{i}].bandwidth_bytes_per_s",
                       positive=True)
         _check_number(k.latency_s, f"links[{i}].latency_s")
+        last = 0.0
+        for j, (b, t) in enumerate(k.curve):
+            _check_number(b, f"links[{i}].curve[{j}] bytes", positive=True)
+            _check_number(t, f"links[{i}].curve[{j}] seconds")
+            if b <= last:
+                raise GraphFormatError(f"links[{i}].curve's bytes must rise, got {b!r} after "
+                                       f"{last!r}; sort its points by size")
+            last = b
 
 
 def _validate_layer(i: int, layer: Layer, layers: Mapping[str, int], names: Mapping[str, int],

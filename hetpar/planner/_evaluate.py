@@ -64,6 +64,7 @@ from hetpar.core import (
     nbytes,
     ring_allreduce_s,
 )
+from hetpar.core._graph import curve_s
 
 MODES = ("sequential", "pipelined")
 OBJECTIVES = ("time", "cost", "energy")
@@ -234,9 +235,13 @@ class Arrays:
         self.bwd = np.array([e.bytes_backward for e in table.edges], dtype=float)
         self.lat = np.zeros((D, D))
         self.bw = np.zeros((D, D))
+        # Links with a measured curve price their copies by it (`link_s`).
+        self.curves: dict[tuple[int, int], tuple] = {}
         for k in table.links:
             self.lat[dindex[k.src], dindex[k.dst]] = k.latency_s
             self.bw[dindex[k.src], dindex[k.dst]] = k.bandwidth_bytes_per_s
+            if k.curve:
+                self.curves[dindex[k.src], dindex[k.dst]] = k.curve
         has = self.bw > 0
         np.fill_diagonal(has, True)
         needs_back = self.bwd > 0
@@ -371,6 +376,12 @@ class Arrays:
         """
         return self.t + (int(microbatches) - 1) * self.fixed
 
+    def link_s(self, i: int, j: int, nbytes: float) -> float:
+        """Seconds sending `nbytes` over link i -> j takes (latency and copy; see `Link`)."""
+        curve = self.curves.get((i, j))
+        copy = nbytes / self.bw[i, j] if curve is None else curve_s(curve, nbytes)
+        return float(self.lat[i, j] + copy)
+
     def edge_parts(self, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-microbatch transfer times of each edge for each placement (a, b).
 
@@ -389,6 +400,10 @@ class Arrays:
             b = np.where(self.bwd[:, None, None] > 0,
                          (self.lat.T + self.overhead[:, None])[None]
                          + self.bwd[:, None, None] / M / bt, 0.0)
+        for (i, j), curve in self.curves.items():  # i -> j: forwards placed (i, j), grads (j, i)
+            f[:, i, j] = into[i, j] + [curve_s(curve, x / M) for x in self.fwd]
+            b[:, j, i] = np.where(self.bwd > 0, self.lat[i, j] + self.overhead[j] + np.array(
+                [curve_s(curve, x / M) for x in self.bwd]), 0.0)
         D = len(self.devices)
         eye = np.eye(D, dtype=bool)[None]
         f = np.where(eye, 0.0, np.where(self.pair_ok, f, np.inf))

@@ -426,7 +426,7 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         bus_in, bus_out = (int(arr.ram[h]), c), (c, int(arr.ram[h]))
 
         def move(a, b, nbytes, v=v):
-            return (v, (float(arr.lat[a, b]) + nbytes / float(arr.bw[a, b])) / scale)
+            return (v, arr.link_s(a, b, nbytes) / scale)
 
         if o.way == "host":
             links.setdefault(bus_in, []).append(move(h, c, p[i]))  # the weights

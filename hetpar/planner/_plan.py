@@ -430,7 +430,7 @@ def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
     need = memory[c] + o
 
     def move(a: int, b: int, n: float) -> str:
-        return seconds(arr.lat[a, b] + n / arr.bw[a, b]) if arr.bw[a, b] > 0 else "-"
+        return seconds(arr.link_s(a, b, n)) if arr.bw[a, b] > 0 else "-"
 
     everyone = float(arr.mem[compute == c, c].sum())
     why = (f"state on {pl.state}: {pl.compute} would need {nbytes(need)} with it resident "

@@ -448,7 +448,7 @@ def _send(arr: Arrays, link_free: dict, stats: dict, src: str, dst: str, nbytes:
     # A memory place's copies share the bus with its host CPU device's (`Arrays.ram`).
     bus = (int(arr.ram[i]), int(arr.ram[j]))
     go = max(ready, link_free.get(bus, 0.0))
-    took = arr.lat[i, j] + nbytes / arr.bw[i, j]
+    took = arr.link_s(i, j, nbytes)
     stats["transfer_s"] = stats.get("transfer_s", 0.0) + took
     link_free[bus] = go + took
     return go + took

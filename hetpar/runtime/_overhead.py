@@ -155,3 +155,34 @@ def link_bandwidth(src: jax.Device, dst: jax.Device, nbytes: float, *,
     if big <= small * 1.01:
         return None
     return 4 * (n - 1024) / (big - small)
+
+
+def link_curve(src: jax.Device, dst: jax.Device, largest: float, *, runs: int = 5
+               ) -> list[tuple[float, float]] | None:
+    """Seconds the transfer engine's copies `src` -> `dst` take beyond a 4 kB
+    copy, at 1, 2, 4, ... MB up to the first size >= `largest` (at most
+    256 MB): a `Link.curve`, the same path a plan's values take.
+
+    One bandwidth does not price every size: on an H100 host, copies from
+    the CPU device ran ~3 GB/s up to 28 MB and ~1.1 GB/s from 57 MB, and
+    copies back 18 GB/s at 16 MB, 47 GB/s at 256 MB
+    (experiments/results/links). None when no copy took longer than the
+    small one (the link keeps its figure).
+    """
+    from hetpar.runtime._transfer import TransferEngine
+
+    engine = TransferEngine()
+
+    def timed(count: int) -> float:
+        x = jax.device_put(jnp.ones((count,), jnp.float32), src)
+        return _median_s(lambda: engine.move(x, dst), runs)
+
+    small = timed(1024)
+    points, mb = [], 1
+    while True:
+        n = mb << 18  # float32 elements of `mb` MB
+        points.append((4.0 * n, max(timed(n) - small, 0.0)))
+        if 4 * n >= min(largest, 1 << 28):
+            break
+        mb *= 2
+    return points if any(t > 0 for _, t in points) else None

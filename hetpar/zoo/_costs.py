@@ -146,7 +146,7 @@ def _calibrated(table: CostTable, w: Workload, k: int,
                      f"(jax.jit, median of {k})")
         return t
 
-    from hetpar.runtime import crossing_s, link_bandwidth, stage_overhead_s
+    from hetpar.runtime import crossing_s, link_curve, stage_overhead_s
 
     def reported(measure, line):
         def call(*args):
@@ -160,12 +160,13 @@ def _calibrated(table: CostTable, w: Workload, k: int,
                         f"runtime overhead per stage on {name}: {seconds(t)}")
     crossing = reported(crossing_s, lambda a, b, _, t:
                         f"runtime crossing {a[0]} <-> {b[0]}: {seconds(t)}")
-    bandwidth = reported(link_bandwidth, lambda src, dst, n, b:
-                         f"runtime copies {src} -> {dst}: {b / 1e9:.3g} GB/s at {n / 1e6:.3g} MB")
+    curve = reported(link_curve, lambda src, dst, n, c:
+                     f"runtime copies {src} -> {dst}: " + (", ".join(
+                         f"{b / 1e6:.3g} MB {seconds(t)}" for b, t in c) if c else "unmeasured"))
     # (Layers measured at batch / M too already have their own fixed parts.)
     scaled = cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
-                                             bandwidth, time_replicas=time_replicas,
-                                             budget=budget)
+                                             time_replicas=time_replicas, budget=budget,
+                                             curve=curve)
     if progress and scaled.meta.get("untimed_kinds"):
         progress(f"whole step not timed on {', '.join(scaled.meta['untimed_kinds'])}: predicted "
                  "over 10x the fastest device's (--measure-all times it)")
