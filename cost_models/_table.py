@@ -594,7 +594,7 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                         bandwidth: Callable[[Any, Any, float], float | None] | None = None,
                         *, time_replicas: Callable[[list[str], list], float | None] | None = None,
                         budget: TimingBudget | None = TimingBudget(),
-                        curve: Callable[[Any, Any, float], Sequence | None] | None = None):
+                        curve: Callable[[Any, Any, list], Sequence | None] | None = None):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -614,10 +614,11 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     each direction of those pairs has its bandwidth measured at the sizes
     plans move over it (`_copy_size`; two virtual CPU devices copied at
     1.2 GB/s where the spec sheet says 154). With `curve`
-    (`hetpar.runtime.link_curve(src, dst, largest)`: (bytes, seconds) points
-    up to the largest copy the link may carry), those links take the
-    measured curve instead (`Link.curve`; `meta["link_curves"]`), and a
-    bandwidth read off it at that size. With
+    (`hetpar.runtime.link_curve(src, dst, sizes)`: (bytes, seconds) points
+    at the sizes of the copies the link may carry, `_copy_sizes`), those
+    links take the measured curve instead (`Link.curve`;
+    `meta["link_curves"]`), and a bandwidth read off it at the
+    byte-weighted median size. With
     `time_replicas` (`time_replicas(names, jax_devices)`: the step run data
     parallel over two present devices of a kind), each kind with two or
     more present devices has the part of its step that a replica pays whole
@@ -718,7 +719,7 @@ def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandw
     at = {way: _copy_size(table, *way) for way in ways}
     if curve is not None:
         for way, k in ways.items():
-            points = curve(present[k.src], present[k.dst], max(_copy_sizes(table, *way)))
+            points = curve(present[k.src], present[k.dst], _copy_sizes(table, *way))
             if points:
                 curves[way] = tuple((float(b), float(t)) for b, t in points)
                 # The straight line through the plan's typical copy, for what

@@ -1161,8 +1161,9 @@ def _runtime_costs() -> dict:
         crossing=lambda a, b, both: _once(frozenset((a[1], b[1])),
                                           f"a crossing {a[0]} <-> {b[0]}",
                                           lambda: crossing_s(a, b, both)),
-        curve=lambda src, dst, n: _once((src, dst, float(n)), f"copies {src} -> {dst}",
-                                        lambda: _measured(link_curve(src, dst, n), n)))
+        curve=lambda src, dst, sizes: _once(
+            (src, dst, tuple(sizes)), f"copies {src} -> {dst}",
+            lambda: _measured(link_curve(src, dst, sizes), max(sizes))))
 
 
 def _measured(curve, nbytes: float):

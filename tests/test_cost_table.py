@@ -253,10 +253,10 @@ def test_timed_step_carries_the_runtimes_costs_to_the_table():
 
 
 def test_timed_step_takes_measured_link_curves():
-    # profile="measure" times the engine's copies at 1, 2, 4 ... MB up to the
-    # largest value a link may carry (here between two virtual CPU devices):
-    # the links between present devices take the curve, and a bandwidth read
-    # off it at the byte-weighted median size; others keep theirs.
+    # profile="measure" times the engine's copies at the sizes a link may
+    # carry (here between two virtual CPU devices; from 1 MB): the links
+    # between present devices take the curve, and a bandwidth read off it at
+    # the byte-weighted median size; others keep theirs.
     import jax
 
     from hetpar.runtime import link_curve
@@ -265,18 +265,20 @@ def test_timed_step_takes_measured_link_curves():
     present = {f"cpu:{d.id}": d for d in jax.devices("cpu")[:2]}
     asked = []
 
-    def curve(src, dst, largest):
-        asked.append(largest)
-        return link_curve(src, dst, largest, runs=3)
+    def curve(src, dst, sizes):
+        asked.append(sizes)
+        return link_curve(src, dst, sizes, runs=3)
 
     scaled = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0,
                                              lambda name, dev: 1e-4, curve=curve)
     sizes = cost_models._table._copy_sizes(table, "cpu", "cpu")
-    assert asked == [max(sizes)]  # one way per pair of kinds: cpu -> cpu
+    assert asked == [sizes]  # one way per pair of kinds: cpu -> cpu
     link = {(k.src, k.dst): k for k in scaled.links}
     points = link["cpu:0", "cpu:1"].curve
     assert points and points == link["cpu:1", "cpu:0"].curve
     assert points[0][0] == 1 << 20 and all(t >= 0 for _, t in points)
+    assert [b for b, _ in points] == sorted({1 << 20} | {
+        4 * min(max(int(b) // 4, 1 << 18), 1 << 26) for b in sizes})
     at = scaled.meta["bandwidth_at_bytes"]["cpu->cpu"]
     assert link["cpu:0", "cpu:1"].bandwidth_bytes_per_s == pytest.approx(
         at / link["cpu:0", "cpu:1"].copy_s(at))
@@ -619,3 +621,18 @@ def test_timing_budget_steps_is_a_set_of_kinds():
     with pytest.raises(ProfileError, match="steps is a set of device kinds"):
         cost_models.TimingBudget(steps="cpu")
     assert cost_models.TimingBudget(steps={"cpu"}).steps == frozenset({"cpu"})
+
+
+def test_link_curve_times_the_sizes_the_link_carries():
+    # At most `most` of the distinct sizes, evenly by rank, the smallest and
+    # the largest kept, and 1 MB; each point's seconds beyond a 4 kB copy.
+    import jax
+
+    from hetpar.runtime import link_curve
+
+    a, b = jax.devices("cpu")[:2]
+    sizes = [k * 1e6 for k in range(2, 21)] + [2e6, 3e5]  # repeats and a small one
+    points = link_curve(a, b, sizes, runs=1, most=5)
+    at = [p[0] for p in points]
+    assert len(at) == 5 and at[0] == 1 << 20 and at[-1] == 4 * (int(20e6) // 4)
+    assert at == sorted(at) and all(t >= 0 for _, t in points)

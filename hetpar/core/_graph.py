@@ -77,8 +77,8 @@ class Link:
     seconds beyond a 4 kB one), it takes `latency_s + curve(n)`, piecewise
     linear through (0, 0) and the points, extended past the last point by
     the last segment's slope. Copies from an H100 host's CPU device ran
-    ~3 GB/s up to 28 MB and ~1.1 GB/s from 57 MB (experiments/results/links):
-    one bandwidth prices either size 3x off.
+    ~3-4 GB/s up to 28 MiB and ~1.1 GB/s from 32 MiB
+    (experiments/results/links): one bandwidth prices either size 3x off.
     """
 
     src: str

@@ -157,15 +157,17 @@ def link_bandwidth(src: jax.Device, dst: jax.Device, nbytes: float, *,
     return 4 * (n - 1024) / (big - small)
 
 
-def link_curve(src: jax.Device, dst: jax.Device, largest: float, *, runs: int = 5
-               ) -> list[tuple[float, float]] | None:
+def link_curve(src: jax.Device, dst: jax.Device, sizes, *, runs: int = 5,
+               most: int = 12) -> list[tuple[float, float]] | None:
     """Seconds the transfer engine's copies `src` -> `dst` take beyond a 4 kB
-    copy, at 1, 2, 4, ... MB up to the first size >= `largest` (at most
-    256 MB): a `Link.curve`, the same path a plan's values take.
+    copy, at the sizes the link carries (`sizes`, bytes: at most `most` of
+    the distinct ones from 1 MB to 256 MB, and 1 MB): a `Link.curve`, the
+    same path a plan's values take.
 
-    One bandwidth does not price every size: on an H100 host, copies from
-    the CPU device ran ~3 GB/s up to 28 MB and ~1.1 GB/s from 57 MB, and
-    copies back 18 GB/s at 16 MB, 47 GB/s at 256 MB
+    One bandwidth does not price every size, and neither does a curve
+    measured at other sizes: on an H100 host, copies from the CPU device ran
+    ~3-4 GB/s up to 28 MiB and ~1.1 GB/s from 32 MiB, so a ladder of powers
+    of two priced GPT-2's 27 MiB weights at 22 ms where they took 9 ms
     (experiments/results/links). None when no copy took longer than the
     small one (the link keeps its figure).
     """
@@ -177,12 +179,9 @@ def link_curve(src: jax.Device, dst: jax.Device, largest: float, *, runs: int = 
         x = jax.device_put(jnp.ones((count,), jnp.float32), src)
         return _median_s(lambda: engine.move(x, dst), runs)
 
+    at = sorted({min(max(int(b) // 4, 1 << 18), 1 << 26) for b in sizes} | {1 << 18})
+    if len(at) > most:  # evenly by rank, the smallest and largest kept
+        at = [at[round(k * (len(at) - 1) / (most - 1))] for k in range(most)]
     small = timed(1024)
-    points, mb = [], 1
-    while True:
-        n = mb << 18  # float32 elements of `mb` MB
-        points.append((4.0 * n, max(timed(n) - small, 0.0)))
-        if 4 * n >= min(largest, 1 << 28):
-            break
-        mb *= 2
+    points = [(4.0 * n, max(timed(n) - small, 0.0)) for n in at]
     return points if any(t > 0 for _, t in points) else None

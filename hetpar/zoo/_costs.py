@@ -160,7 +160,7 @@ def _calibrated(table: CostTable, w: Workload, k: int,
                         f"runtime overhead per stage on {name}: {seconds(t)}")
     crossing = reported(crossing_s, lambda a, b, _, t:
                         f"runtime crossing {a[0]} <-> {b[0]}: {seconds(t)}")
-    curve = reported(link_curve, lambda src, dst, n, c:
+    curve = reported(link_curve, lambda src, dst, sizes, c:
                      f"runtime copies {src} -> {dst}: " + (", ".join(
                          f"{b / 1e6:.3g} MB {seconds(t)}" for b, t in c) if c else "unmeasured"))
     # (Layers measured at batch / M too already have their own fixed parts.)
