@@ -62,9 +62,10 @@ def _resident(tree, device: str) -> float:
                      and x.sharding.memory_kind in (None, "device")))
 
 
-def _steps(step, args, n: int = 5) -> float:
+def _steps(step, args, n: int = 5, times: list | None = None) -> float:
+    """The median seconds of steps 2..n (each step's seconds appended to `times`)."""
     state, batch = tuple(args[:-1]), args[-1]
-    times = []
+    times = [] if times is None else times
     for _ in range(n):
         t0 = time.perf_counter()
         *state, loss = step(*state, batch)
@@ -145,6 +146,8 @@ def main(argv=None) -> int:
                     help="run: also time each stage alone (a serialised breakdown)")
     ap.add_argument("--watch", action="store_true",
                     help="run: also record one step's compute and copies as it runs")
+    ap.add_argument("--steps", type=int, default=5,
+                    help="run: steps timed (the first is left out of the median)")
     ap.add_argument("--prefetch", type=int, default=None,
                     help="run: stages reading streamed state in flight per device "
                          "(Executor.PREFETCH; default the runtime's)")
@@ -181,7 +184,8 @@ def main(argv=None) -> int:
         placed = step.place(*example)
         after_place = {"peak": _peak(args.device), "in_use": _in_use(args.device),
                        "resident": _resident(placed, args.device)}
-        t = _steps(step, placed)
+        every: list[float] = []
+        t = _steps(step, placed, args.steps, every)
         peak = _peak(args.device)
         in_use = _in_use(args.device)
         watched = _watched(step, placed) if args.watch else None
@@ -190,7 +194,7 @@ def main(argv=None) -> int:
         _write(out, f"ran_{pathlib.Path(args.plan).stem}{tag}.json", {
             "batch": args.batch, "plan": args.plan, "peak_bytes_in_use": peak,
             "peak_after_compile": compiled_peak, "after_place": after_place,
-            "in_use_after_steps": in_use, "step_s": t, "device": kind,
+            "in_use_after_steps": in_use, "step_s": t, "step_times_s": every, "device": kind,
             "prefetch": args.prefetch, "stage_breakdown": stages, "timeline": watched})
     elif args.what == "layers":
         from hetpar.cost_models import measure_layer
