@@ -1559,9 +1559,10 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         the step (parameters, state, gradients, kept activations) plus the
         largest working set of a layer on the device while it runs (its
         temporaries, counted unfused from the trace: GPT-2's head at batch
-        16 x 128 tokens, 1.23 GB). Not counted: weights streamed in ahead,
-        XLA's own workspace and compiling; leave room for those (capped
-        GPT-2 plans peaked at 1.3-1.4x a 1.30 GB cap on an H100,
+        16 x 128 tokens, 1.23 GB) and the optimizer state streamed in flight.
+        Not counted: XLA's own workspace and compiling; leave room for
+        those (capped at 1.30 GB, GPT-2 b16 plans counting 1.29 GB ran
+        within the compile's own 1.49 GB peak on an H100,
         experiments/results/plan_memory).
       batch: under `jax.distributed` with several processes, what each process
         passes as the batch arguments: "global" (the whole batch, the same on
