@@ -723,8 +723,11 @@ def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandw
             if points:
                 curves[way] = tuple((float(b), float(t)) for b, t in points)
                 # The straight line through the plan's typical copy, for what
-                # reads a bandwidth alone (collectives, reports).
-                by_way[way] = at[way] / max(curve_s(curves[way], at[way]), 1e-12)
+                # reads a bandwidth alone (collectives, reports); none where
+                # the curve prices that copy at nothing.
+                took = curve_s(curves[way], at[way])
+                if took > 0:
+                    by_way[way] = at[way] / took
         meta["link_curves"] = {"->".join(w): [list(p) for p in c] for w, c in curves.items()}
     if bandwidth is not None:
         for way, k in ways.items():

@@ -636,3 +636,5 @@ def test_link_curve_times_the_sizes_the_link_carries():
     at = [p[0] for p in points]
     assert len(at) == 5 and at[0] == 1 << 20 and at[-1] == 4 * (int(20e6) // 4)
     assert at == sorted(at) and all(t >= 0 for _, t in points)
+    took = [t for _, t in points]
+    assert took == sorted(took)  # a larger copy never prices cheaper

@@ -567,17 +567,38 @@ def test_a_measured_link_curve_prices_copies_by_size():
     assert link.seconds(128e6) == pytest.approx(1e-3 + 32e6 / 3e9 + 96e6 / 1e9)
     assert link.seconds(512e6) == pytest.approx(1e-3 + 32e6 / 3e9 + 480e6 / 1e9)  # last slope
     assert Link("a", "b", 2e9, 1e-3).seconds(16e6) == pytest.approx(1e-3 + 8e-3)
-    # The replay, the closed form and the ILP's edge costs all read it.
+    assert link.seconds(0.0) == pytest.approx(1e-3)
+    # A flat or dipping last segment extends at the curve's average rate.
+    flat = Link("a", "b", 2e9, 0.0, curve=((1e6, 1e-3), (2e6, 1e-3)))
+    assert flat.seconds(4e6) == pytest.approx(1e-3 + 2e6 * (1e-3 / 2e6))
+    # The replay, the closed form and the ILP's edge costs all read it, each
+    # direction its own: a -> b by the curve, b -> a (the gradient) at its
+    # bandwidth. l0 may run only on a, l1 only on b, so the edge crosses.
     base = _chain([3.0, 3.0], edge_bytes=128e6, bw=2e9, lat=1e-3)
+    base = dataclasses.replace(base, layers=(
+        dataclasses.replace(base.layers[0], allowed=("a",)),
+        dataclasses.replace(base.layers[1], allowed=("b",))))
     curved = dataclasses.replace(base, links=tuple(
-        dataclasses.replace(k, curve=curve) for k in base.links))
+        dataclasses.replace(k, curve=curve) if k.src == "a" else k for k in base.links))
+    there, back = link.seconds(128e6), 1e-3 + 128e6 / 2e9
     asg = {"l0": "a", "l1": "b"}
     r0, r = simulate(base, asg, 1), simulate(curved, asg, 1)
-    assert r.transfer_s == pytest.approx(2 * link.seconds(128e6))
-    assert r0.transfer_s == pytest.approx(2 * (1e-3 + 128e6 / 2e9))
-    assert evaluate(curved, asg).step_time_s == pytest.approx(6.0 + 2 * link.seconds(128e6))
-    assert plan(curved, gap=EXACT).predicted.step_time_s == pytest.approx(
-        evaluate(curved, plan(curved, gap=EXACT).assignment).step_time_s)
+    assert r.transfer_s == pytest.approx(there + back)
+    assert r0.transfer_s == pytest.approx(2 * back)
+    assert evaluate(curved, asg).step_time_s == pytest.approx(6.0 + there + back)
+    p = plan(curved, gap=EXACT)
+    assert p.assignment == asg
+    assert p.predicted.step_time_s == pytest.approx(6.0 + there + back)
+    flipped = dataclasses.replace(base, links=tuple(
+        dataclasses.replace(k, curve=curve) if k.src == "b" else k for k in base.links))
+    assert plan(flipped, gap=EXACT).predicted.step_time_s == pytest.approx(
+        6.0 + back + there)  # the same sum: now the gradient goes by the curve
+    assert simulate(flipped, asg, 1).transfer_s == pytest.approx(there + back)
+    from hetpar.planner._evaluate import Arrays
+
+    for table, fwd, grad in ((curved, there, back), (flipped, back, there)):
+        f, b = Arrays(table).edge_parts(1)  # edge 0 placed (a, b): f on a -> b, b on b -> a
+        assert (f[0, 0, 1], b[0, 0, 1]) == (pytest.approx(fwd), pytest.approx(grad))
     # Written with the table and read back; a table without curves has none.
     again = CostTable.from_json(json.loads(json.dumps(curved.to_json())))
     assert again.links == curved.links

@@ -76,9 +76,10 @@ class Link:
     With a measured `curve` ((bytes, seconds) points, bytes ascending: a copy's
     seconds beyond a 4 kB one), it takes `latency_s + curve(n)`, piecewise
     linear through (0, 0) and the points, extended past the last point by
-    the last segment's slope. Copies from an H100 host's CPU device ran
-    ~3-4 GB/s up to 28 MiB and ~1.1 GB/s from 32 MiB
-    (experiments/results/links): one bandwidth prices either size 3x off.
+    the last segment's slope (the average rate where that is not positive).
+    Copies from an H100 host's CPU device ran ~3-4 GB/s up to 28 MiB and
+    ~1.1 GB/s from 32 MiB (experiments/results/links): one bandwidth prices
+    either size 3x off.
     """
 
     src: str
@@ -105,7 +106,9 @@ def curve_s(curve, nbytes: float) -> float:
     if nbytes <= xs[-1]:
         return float(np.interp(nbytes, xs, ys))
     slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return ys[-1] + max(slope, 0.0) * (nbytes - xs[-1])
+    if slope <= 0:  # a flat or dipping last segment (noise): the average rate
+        slope = ys[-1] / xs[-1]
+    return ys[-1] + slope * (nbytes - xs[-1])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -54,6 +54,7 @@ footprint found (`diagnose`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Mapping
 
@@ -64,6 +65,7 @@ from hetpar.core import CostTable, InfeasibleError, Placement, nbytes, seconds
 from hetpar.planner import _ilp
 from hetpar.planner._evaluate import (
     HOST_STATE_COPIES,
+    STREAMED_IN_FLIGHT,
     Arrays,
     Placed,
     held_bytes,
@@ -306,13 +308,14 @@ def _placed(arr: Arrays, compute: np.ndarray, chosen: Mapping[int, Option]) -> P
 def _add_in_flight(prob, s, streamed: list, tag: str) -> None:
     """s >= `streamed_in_flight(n)` x the largest optimizer state of the chosen
     streamed options [(y, state GB)] (`held_bytes`), n = how many are chosen:
-    binaries say n >= 2 and n >= 3, each relaxing its bound when off."""
+    a binary per count k up to where the bound stops rising says n >= k, each
+    relaxing its bound when off."""
     if not streamed:
         return
     n, big = len(streamed), max(opt for _, opt in streamed)
     count = [(v, 1.0) for v, _ in streamed]
     bounds = [(streamed_in_flight(1), None)]
-    for k in (2, 3):
+    for k in range(2, math.ceil(STREAMED_IN_FLIGHT / 2) + 1):
         if n >= k and streamed_in_flight(k) > bounds[-1][0]:
             z = prob.add_variable(f"n{tag}_{k}", cat=pulp.LpBinary)
             prob.addConstraint(_ilp._affine(count + [(z, -float(n))]) <= k - 1, f"n{tag}_{k}")

@@ -355,7 +355,9 @@ def _unfused_s(st: _Stages, items: _Items, arr: Arrays) -> np.ndarray:
     layer at its time alone (GPT-2's head on an H100's host CPU, alone in its
     stage: 0.709 s against 0.697 s alone, scaled 0.627 s), the whole step at
     f. A factor >= 1 (the step slower than its layers, as on GPUs at small
-    batches) is kept for every stage. Updates timed apart were never scaled.
+    batches) is kept for every stage. Updates keep their figure: timed
+    apart they were never scaled, and an update in its layer's backward
+    stays at the scaled time (a small share, left as it is).
     """
     extra = np.zeros(len(st.cut))
     L = len(arr.layers)
