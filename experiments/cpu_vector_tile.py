@@ -1,0 +1,113 @@
+"""Does a CPU's vector width explain its layer model's worst misses? (issue 17, offline)
+
+The host CPU's layer model misses held-out layers by 14-16% median and
+41-42% p90 even with the drift between passes taken out
+(results/cpu_timing). Among the worst: ResNet-18's 4-channel convolutions
+(-46%). On the accelerators the model divides a GEMM's FLOPs by its useful
+fraction of tiled work (`useful_fraction`); on a CPU that fraction (a GPU's
+64x64x32 tiles over 132 units) had made things worse. This tries the CPU's
+own tile: a GEMM's output columns (N: output channels, features) issued in
+whole vectors of `lanes` f32 (AVX-512: 16), rows (M) in blocks of `rows`,
+over the host's cores; and scores, for each tile, the fit on the first
+interleaved pass against the held-out layers of the second, on both saved
+runs of `probe_cpu_timing.py` (no device: re-traces the layers, ~2 min).
+
+    python experiments/cpu_vector_tile.py [--runs results/cpu_timing/probe_cpu_timing.json ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+HERE = pathlib.Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from probe_cpu_timing import THR, _layers  # noqa: E402
+
+#: (M, N, K) tiles tried; None: the model as hetpar has it (no fraction on CPUs).
+TILES = (None, (1, 8, 1), (1, 16, 1), (4, 16, 1), (8, 16, 1), (1, 32, 1), (8, 32, 1))
+CORES = 16  # the H100 host's (the runs' `cpu_count`)
+
+
+def _score(items, works, eqs, fit_t, check_t, tile):
+    from hetpar.cost_models import _equation_model as em
+    from hetpar.cost_models import fit_samples, predict_layer, spec, with_layer_model
+
+    original = em._terms_of
+
+    def tiled(profile, e, work):
+        if tile is None or profile.device_class != "cpu":
+            return original(profile, e, work)
+        return em.terms(e, work, peak=profile.peak("f32", "matmul"),
+                        bandwidth=profile.memory_bandwidth_bytes_per_s, units=CORES,
+                        cpu=False, tile=tile)
+
+    em._terms_of = tiled
+    try:
+        base = spec("cpu").replace(name="cpu:0", origin="measured")
+        samples = [(m, eqs[i], works[i], fit_t[i]) for i, (m, _, _, held, only) in
+                   enumerate(items) if not held and not only]
+        extra = [(m, eqs[i], works[i], fit_t[i]) for i, (m, _, _, held, only) in
+                 enumerate(items) if only]
+        fitted = fit_samples(base, [(w, t) for _, _, w, t in samples])
+        chosen = with_layer_model(base, fitted, samples, extra=extra)
+        rows = [(items[i][0], items[i][2], predict_layer(chosen, works[i], eqs[i]) / check_t[i] - 1)
+                for i, it in enumerate(items) if it[3] and check_t[i] > THR]
+    finally:
+        em._terms_of = original
+    e = np.abs([r for *_, r in rows])
+    worst = sorted(rows, key=lambda r: -abs(r[2]))[:4]
+    return {"model": chosen.sources.get("layer_model", "none"), "n": int(e.size),
+            "median": float(np.median(e)), "p90": float(np.percentile(e, 90)),
+            "worst": [f"{m}/{la} {r:+.0%}" for m, la, r in worst]}
+
+
+def main(argv=None) -> int:
+    from hetpar.cli._profile import FIT_MODELS
+    from hetpar.cost_models import (
+        graph_layer_work,
+        layer_fused_bytes,
+        matmul_equations,
+        resolve_device,
+    )
+    from check_fitted_profile import HELD_OUT
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", nargs="+", default=[
+        str(HERE / "results/cpu_timing/probe_cpu_timing.json"),
+        str(HERE / "results/cpu_timing/probe_cpu_timing_run2.json")])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    dev = resolve_device("cpu:0")
+    items = _layers(dev, [m for m in FIT_MODELS if m != "sweep"], list(HELD_OUT))
+    works, eqs = [], []
+    for _, g, layer, *_ in items:
+        w = graph_layer_work(g, layer)
+        nb = layer_fused_bytes(g, layer, "cpu")
+        works.append(dataclasses.replace(w, fused_bytes=nb) if nb is not None else w)
+        eqs.append(matmul_equations(g, layer))
+    out = {}
+    for path in args.runs:
+        rows = json.loads(pathlib.Path(path).read_text())["rows"]
+        by = {(r["model"], r["layer"]): r for r in rows}
+        fit_t = [by[(m, la)]["B1_interleaved"] for m, _, la, *_ in items]
+        check_t = [by[(m, la)]["B2_interleaved"] for m, _, la, *_ in items]
+        for tile in TILES:
+            s = _score(items, works, eqs, fit_t, check_t, tile)
+            out[f"{pathlib.Path(path).stem} {tile}"] = s
+            print(f"{pathlib.Path(path).stem:26s} tile {str(tile):12s} {s['model']:8s} "
+                  f"n={s['n']} median {s['median']:.1%} p90 {s['p90']:.1%}  "
+                  f"{', '.join(s['worst'])}", flush=True)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
