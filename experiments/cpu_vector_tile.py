@@ -69,6 +69,8 @@ def _score(items, works, eqs, fit_t, check_t, tile):
 
 
 def main(argv=None) -> int:
+    from check_fitted_profile import HELD_OUT
+
     from hetpar.cli._profile import FIT_MODELS
     from hetpar.cost_models import (
         graph_layer_work,
@@ -76,7 +78,6 @@ def main(argv=None) -> int:
         matmul_equations,
         resolve_device,
     )
-    from check_fitted_profile import HELD_OUT
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="+", default=[
