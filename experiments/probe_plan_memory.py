@@ -11,7 +11,7 @@ This checks the other side: each step in a fresh process, where the GPU's
         # plans GPT-2 small under hetpar.auto(profile="measure") with the GPU
         # capped at fraction x what the step needs; writes DIR/plan_<f>.json
     python experiments/probe_plan_memory.py run --plan DIR/plan_<f>.json --batch 16 --out DIR
-        # fresh process: 5 steps under the plan, the GPU's peak bytes
+        # fresh process: 12 steps under the plan (--steps), the GPU's peak bytes
         # (--stages: each stage timed, serialised; --watch: one step's compute
         # and copies as it runs; --prefetch N: the runtime's Executor.PREFETCH)
     python experiments/probe_plan_memory.py jit --batch 16 --out DIR
@@ -146,7 +146,7 @@ def main(argv=None) -> int:
                     help="run: also time each stage alone (a serialised breakdown)")
     ap.add_argument("--watch", action="store_true",
                     help="run: also record one step's compute and copies as it runs")
-    ap.add_argument("--steps", type=int, default=5,
+    ap.add_argument("--steps", type=int, default=12,
                     help="run: steps timed (the first is left out of the median)")
     ap.add_argument("--prefetch", type=int, default=None,
                     help="run: stages reading streamed state in flight per device "
