@@ -161,8 +161,8 @@ def link_curve(src: jax.Device, dst: jax.Device, sizes, *, runs: int = 5,
                most: int = 12) -> list[tuple[float, float]] | None:
     """Seconds the transfer engine's copies `src` -> `dst` take beyond a 4 kB
     copy, at the sizes the link carries (`sizes`, bytes: at most `most` of
-    the distinct ones from 1 MB to 256 MB, and 1 MB): a `Link.curve`, the
-    same path a plan's values take.
+    the distinct ones from 1 MB to 256 MB, those within 2% as one, and
+    1 MB): a `Link.curve`, the same path a plan's values take.
 
     One bandwidth does not price every size, and neither does a curve
     measured at other sizes: on an H100 host, copies from the CPU device ran
@@ -180,7 +180,12 @@ def link_curve(src: jax.Device, dst: jax.Device, sizes, *, runs: int = 5,
         x = jax.device_put(jnp.ones((count,), jnp.float32), src)
         return _median_s(lambda: engine.move(x, dst), runs)
 
-    at = sorted({min(max(int(b) // 4, 1 << 18), 1 << 26) for b in sizes} | {1 << 18})
+    # Sizes within 2% are one point (GPT-2's embedding and its tied head's
+    # weights differ by 8 kB).
+    at = []
+    for n in sorted({min(max(int(b) // 4, 1 << 18), 1 << 26) for b in sizes} | {1 << 18}):
+        if not at or n > at[-1] * 1.02:
+            at.append(n)
     if len(at) > most:  # evenly by rank, the smallest and largest kept
         at = [at[round(k * (len(at) - 1) / (most - 1))] for k in range(most)]
     small = timed(1024)
