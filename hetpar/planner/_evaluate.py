@@ -64,7 +64,6 @@ from hetpar.core import (
     nbytes,
     ring_allreduce_s,
 )
-from hetpar.core._graph import curve_s
 
 MODES = ("sequential", "pipelined")
 OBJECTIVES = ("time", "cost", "energy")
@@ -168,6 +167,7 @@ class Arrays:
       price_alone: [D] hourly price when a plan uses that device alone.
       eu, ev: [E] layer indices of each edge's ends.
       lat, bw: [D, D] link latency and bandwidth (bw 0: no link).
+      links: {(i, j): Link}: `link_s` prices a copy by its curve where measured.
       pair_ok: [E, D, D] whether edge e's ends may sit on (a, b).
       act: [L] activation bytes saved per step.
       param: [L] parameter (= gradient) bytes; nan where unknown.
@@ -235,13 +235,10 @@ class Arrays:
         self.bwd = np.array([e.bytes_backward for e in table.edges], dtype=float)
         self.lat = np.zeros((D, D))
         self.bw = np.zeros((D, D))
-        # Links with a measured curve price their copies by it (`link_s`).
-        self.curves: dict[tuple[int, int], tuple] = {}
-        for k in table.links:
-            self.lat[dindex[k.src], dindex[k.dst]] = k.latency_s
-            self.bw[dindex[k.src], dindex[k.dst]] = k.bandwidth_bytes_per_s
-            if k.curve:
-                self.curves[dindex[k.src], dindex[k.dst]] = k.curve
+        self.links = {(dindex[k.src], dindex[k.dst]): k for k in table.links}
+        for (i, j), k in self.links.items():
+            self.lat[i, j] = k.latency_s
+            self.bw[i, j] = k.bandwidth_bytes_per_s
         has = self.bw > 0
         np.fill_diagonal(has, True)
         needs_back = self.bwd > 0
@@ -377,10 +374,9 @@ class Arrays:
         return self.t + (int(microbatches) - 1) * self.fixed
 
     def link_s(self, i: int, j: int, nbytes: float) -> float:
-        """Seconds sending `nbytes` over link i -> j takes (latency and copy; see `Link`)."""
-        curve = self.curves.get((i, j))
-        copy = nbytes / self.bw[i, j] if curve is None else curve_s(curve, nbytes)
-        return float(self.lat[i, j] + copy)
+        """Seconds sending `nbytes` over link i -> j takes (`Link.seconds`: its
+        measured curve where it has one)."""
+        return self.links[i, j].seconds(nbytes)
 
     def edge_parts(self, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-microbatch transfer times of each edge for each placement (a, b).
@@ -400,10 +396,11 @@ class Arrays:
             b = np.where(self.bwd[:, None, None] > 0,
                          (self.lat.T + self.overhead[:, None])[None]
                          + self.bwd[:, None, None] / M / bt, 0.0)
-        for (i, j), curve in self.curves.items():  # i -> j: forwards placed (i, j), grads (j, i)
-            f[:, i, j] = into[i, j] + [curve_s(curve, x / M) for x in self.fwd]
-            b[:, j, i] = np.where(self.bwd > 0, self.lat[i, j] + self.overhead[j] + np.array(
-                [curve_s(curve, x / M) for x in self.bwd]), 0.0)
+        for (i, j), k in self.links.items():  # i -> j: forwards placed (i, j), grads (j, i)
+            if k.curve:
+                f[:, i, j] = into[i, j] + [k.copy_s(x / M) for x in self.fwd]
+                b[:, j, i] = np.where(self.bwd > 0, self.lat[i, j] + self.overhead[j] + np.array(
+                    [k.copy_s(x / M) for x in self.bwd]), 0.0)
         D = len(self.devices)
         eye = np.eye(D, dtype=bool)[None]
         f = np.where(eye, 0.0, np.where(self.pair_ok, f, np.inf))

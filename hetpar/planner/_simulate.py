@@ -152,8 +152,8 @@ def simulate(table: CostTable, assignment: Mapping, microbatches: int = 1,
     upd_here = np.nan_to_num(arr.upd[rows, a])
     own = placed.apart | ((M > 1) & (upd_here > 0))
     per_mb = np.where(own, np.maximum(step_t - upd_here, 0.0), step_t) / M
-    items = _work_items(arr, a, per_mb, M, placed, post=own,
-                        compute_mb=np.maximum(step_t - upd_here, 0.0) / M)
+    items = _work_items(arr, a, per_mb, np.maximum(step_t - upd_here, 0.0) / M, M, placed,
+                        post=own)
     st = _stages(items, schedule)
     st.dur = st.dur + _unfused_s(st, items, arr)
     # Each stage pays its device's runtime overhead (dispatch, handoff) once.
@@ -181,12 +181,12 @@ class _Items:
       layer_of: [n] the layer each item belongs to.
       deps: per item, the items it reads from.
       xbytes: {(consumer, producer): bytes} of the tensors between items.
+      compute: [n] the part of `dur` that is the layer's forward or backward
+        (no update): what a whole step fuses across layers (`_unfused_s`).
       state_in: {item: [(source device, bytes)]}: state it reads from
         another device, copied from the step's start.
       state_out: {item: [(destination device, bytes)]}: state it sends
         back once done.
-      compute: [n] the part of `dur` that is the layer's forward or backward
-        (no update): what a whole step fuses across layers (`_unfused_s`).
     """
 
     keys: list
@@ -194,9 +194,9 @@ class _Items:
     layer_of: np.ndarray
     deps: list[set[int]]
     xbytes: dict[tuple[int, int], float]
+    compute: np.ndarray
     state_in: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
     state_out: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
-    compute: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -225,14 +225,14 @@ class _Stages:
     state_out: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
 
 
-def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
-                placed: Placed | None = None, post: np.ndarray | None = None,
-                compute_mb: np.ndarray | None = None) -> _Items:
+def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, compute_mb: np.ndarray,
+                M: int, placed: Placed | None = None,
+                post: np.ndarray | None = None) -> _Items:
     """A forward and a backward item per layer and microbatch, with their dependencies;
     and an update item per layer whose state lives apart from its compute, and
     per layer of `post` ([L] bool: with microbatches, every layer with an update).
-    `compute_mb` ([L], default `per_mb`): each layer's seconds per microbatch
-    without its update, what `_Items.compute` counts.
+    `compute_mb` ([L]): each layer's seconds per microbatch without its
+    update, what `_Items.compute` counts.
 
     Program order: per microbatch, forwards in topological order, then
     backwards in reverse (the order `hetpar.value_and_grad` traces), then the
@@ -259,7 +259,6 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
     keys: list = [None] * n
     dur = np.zeros(n)
     compute = np.zeros(n)
-    comp_mb = per_mb if compute_mb is None else compute_mb
     layer_of = np.zeros(n, dtype=int)
     deps: list[set[int]] = [set() for _ in range(n)]
     xbytes: dict[tuple[int, int], float] = {}  # (consumer, producer) item -> bytes
@@ -279,8 +278,8 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
             # forward again.
             again = FORWARD_SHARE * arr.recompute[i] if remat[i] else 0.0
             dur[bwd(i, m)] = (1 - FORWARD_SHARE + again) * per_mb[i]
-            compute[fwd(i, m)] = FORWARD_SHARE * comp_mb[i]
-            compute[bwd(i, m)] = (1 - FORWARD_SHARE + again) * comp_mb[i]
+            compute[fwd(i, m)] = FORWARD_SHARE * compute_mb[i]
+            compute[bwd(i, m)] = (1 - FORWARD_SHARE + again) * compute_mb[i]
             layer_of[fwd(i, m)] = layer_of[bwd(i, m)] = i
             deps[bwd(i, m)].add(fwd(i, m))
         for k in range(len(arr.eu)):
@@ -317,7 +316,7 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, M: int,
             if s != c:
                 state_in.setdefault(item, []).append((s, o))
             state_out.setdefault(item, []).extend(back.items())
-    return _Items(keys, dur, layer_of, deps, xbytes, state_in, state_out, compute)
+    return _Items(keys, dur, layer_of, deps, xbytes, compute, state_in, state_out)
 
 
 def _stages(items: _Items, schedule: str) -> _Stages:
@@ -361,7 +360,7 @@ def _unfused_s(st: _Stages, items: _Items, arr: Arrays) -> np.ndarray:
     """
     extra = np.zeros(len(st.cut))
     L = len(arr.layers)
-    if items.compute is None or L < 2:
+    if L < 2:
         return extra
     for s, members in enumerate(st.cut):
         f = float(arr.step_scale[arr.dindex[st.keys[s][0]]])

@@ -133,6 +133,20 @@ def crossing_s(a: tuple[str, jax.Device], b: tuple[str, jax.Device],
     return max(0.0, (split_s - whole_s - stage_s) / max(crossings, 1))
 
 
+def _copy_timer(src: jax.Device, dst: jax.Device, runs: int) -> Callable[[int], float]:
+    """count -> median seconds the transfer engine takes to copy `count` float32
+    from `src` to `dst` (the path a plan's values take)."""
+    from hetpar.runtime._transfer import TransferEngine
+
+    engine = TransferEngine()
+
+    def timed(count: int) -> float:
+        x = jax.device_put(jnp.ones((count,), jnp.float32), src)
+        return _median_s(lambda: engine.move(x, dst), runs)
+
+    return timed
+
+
 def link_bandwidth(src: jax.Device, dst: jax.Device, nbytes: float, *,
                    runs: int = 5) -> float | None:
     """Bytes per second the transfer engine moves `src` -> `dst` at `nbytes`
@@ -142,15 +156,8 @@ def link_bandwidth(src: jax.Device, dst: jax.Device, nbytes: float, *,
     None when the large copy took no longer than the small one (a GPU -> host
     copy once measured so on an H100: 1.5e17 B/s): the link keeps its figure.
     """
-    from hetpar.runtime._transfer import TransferEngine
-
-    engine = TransferEngine()
+    timed = _copy_timer(src, dst, runs)
     n = int(min(max(nbytes, 1 << 20), 1 << 28)) // 4
-
-    def timed(count: int) -> float:
-        x = jax.device_put(jnp.ones((count,), jnp.float32), src)
-        return _median_s(lambda: engine.move(x, dst), runs)
-
     big, small = timed(n), timed(1024)
     if big <= small * 1.01:
         return None
@@ -172,14 +179,7 @@ def link_curve(src: jax.Device, dst: jax.Device, sizes, *, runs: int = 5,
     None when no copy took longer than the small one (the link keeps its
     figure).
     """
-    from hetpar.runtime._transfer import TransferEngine
-
-    engine = TransferEngine()
-
-    def timed(count: int) -> float:
-        x = jax.device_put(jnp.ones((count,), jnp.float32), src)
-        return _median_s(lambda: engine.move(x, dst), runs)
-
+    timed = _copy_timer(src, dst, runs)
     # Sizes within 2% are one point (GPT-2's embedding and its tied head's
     # weights differ by 8 kB).
     at = []
