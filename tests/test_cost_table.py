@@ -232,11 +232,11 @@ def test_timed_step_carries_the_runtimes_costs_to_the_table():
     assert scaled.device("cpu:1").stage_overhead_s == per["cpu:0"]
     assert scaled.device("h100:0").stage_overhead_s == 0.0  # another class: nothing measured
     cross = scaled.meta["crossing_s"]["cpu/cpu"]
-    assert 0 < cross < 1.0
+    assert 0 <= cross < 1.0  # (0 where the split chain ran no slower: a loaded box)
     link = {(k.src, k.dst): k for k in scaled.links}
-    assert link["cpu:0", "cpu:1"].latency_s == max(cross, link["cpu:0", "cpu:1"].latency_s)
-    assert link["cpu:0", "cpu:1"].latency_s > {(k.src, k.dst): k for k in table.links}[
-        "cpu:0", "cpu:1"].latency_s  # the runtime's handoff, not the wire's 5 us
+    wire = {(k.src, k.dst): k for k in table.links}["cpu:0", "cpu:1"].latency_s  # 5 us
+    # The runtime's handoff where it exceeds the wire's latency.
+    assert link["cpu:0", "cpu:1"].latency_s == max(cross, wire)
     assert link["cpu:0", "h100:0"] == {(k.src, k.dst): k for k in table.links}["cpu:0", "h100:0"]
     # The copy's bandwidth at the sizes the step passes between layers (a
     # byte-weighted median); a host <-> accelerator link's sizes include the
