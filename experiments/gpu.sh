@@ -51,7 +51,8 @@ one GPU (the card and its host CPU):
                       check only those)
   cpu-timing          issue 17: how repeatably the host CPU times the fit and held-out layers,
                       blocked (hetpar's protocol) vs interleaved vs recompiled, and the layer
-                      model's error under each (probe_cpu_timing.py; env TIMING_TIMEOUT=540)
+                      model's error under each (probe_cpu_timing.py; env TIMING_TIMEOUT=540,
+                      TIMING_FLAGS="--protocols interleaved --small_sweep")
   cpu-reference       issue 17: the host CPU's layer model fitted and checked on the zoo's
                       reference configs (batch <= 8; cpu_reference_layers.py)
   repro               issue 17: every zoo and sweep layer timed by two processes (the second in
@@ -338,7 +339,8 @@ fit-check)
   ;;
 cpu-timing)
   # Issue 17: is the CPU's per-layer miss the model or the protocol?
-  timeout "${TIMING_TIMEOUT:-540}" python3 experiments/probe_cpu_timing.py --out "$OUT" \
+  # shellcheck disable=SC2086  # TIMING_FLAGS: e.g. "--protocols interleaved --small_sweep"
+  timeout "${TIMING_TIMEOUT:-540}" python3 experiments/probe_cpu_timing.py --out "$OUT" ${TIMING_FLAGS:-} \
     2>&1 | quiet | tee "$OUT/cpu_timing_$CARD.log"
   ;;
 cpu-reference)

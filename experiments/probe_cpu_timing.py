@@ -42,8 +42,11 @@ THR = 100e-6
 from check_fitted_profile import HELD_OUT  # noqa: E402 - one list of held-out models
 
 
-def _layers(device, fit_models, held_out):
-    """[(model, graph, layer, held_out?, layer_model_only?)] at --fit's CPU configs."""
+def _layers(device, fit_models, held_out, small_sweep=False):
+    """[(model, graph, layer, held_out?, layer_model_only?)] at --fit's CPU configs;
+    with `small_sweep`, the small sweep's layers too (`hetpar.zoo.small_grid`,
+    model "small")."""
+    import hetpar
     from hetpar import zoo
     from hetpar.cli._profile import CPU_SWEEP_KINDS
 
@@ -53,6 +56,9 @@ def _layers(device, fit_models, held_out):
         out += [(m, g, layer, False, False) for layer in g.layers]
     g = zoo.trace_sweep(cpu=True, kinds=CPU_SWEEP_KINDS)
     out += [("sweep", g, layer, False, True) for layer in g.layers]
+    if small_sweep:
+        g = hetpar.trace(*zoo.sweep_step(zoo.small_grid()))
+        out += [("small", g, layer, False, True) for layer in g.layers]
     for m in held_out:
         g = zoo.trace_model(m, small=True, batch=32)[1]
         out += [(m, g, layer, True, False) for layer in g.layers]
@@ -196,6 +202,10 @@ def main(argv=None) -> int:
                     help="seconds per interleaved pass (10 rounds at least)")
     ap.add_argument("--fit", default=",".join(m for m in FIT_MODELS if m != "sweep"))
     ap.add_argument("--held_out", default=",".join(HELD_OUT))
+    ap.add_argument("--small_sweep", action="store_true",
+                    help="time the small sweep's layers too (hetpar.zoo.small_grid)")
+    ap.add_argument("--protocols", default="all", choices=("all", "interleaved"),
+                    help="interleaved: only the two interleaved passes (B1, B2)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     dev = resolve_device(args.device)
@@ -206,7 +216,7 @@ def main(argv=None) -> int:
     def say(msg):
         print(f"[{time.perf_counter() - t0:6.0f} s] {msg}", flush=True)
 
-    items = _layers(dev, args.fit.split(","), args.held_out.split(","))
+    items = _layers(dev, args.fit.split(","), args.held_out.split(","), args.small_sweep)
     say(f"{len(items)} layers traced")
     works, eqs = [], []
     for _, g, layer, *_ in items:
@@ -218,36 +228,42 @@ def main(argv=None) -> int:
     runs = _compile(items, dev)
     say("compiled")
     passes = {}
-    passes["A1_blocked"] = blocked(runs, args.k)
-    say("A1 blocked")
-    _save(out, items, passes, None)
-    passes["B1_interleaved"] = interleaved(runs, args.k, args.budget)
-    say(f"B1 interleaved ({len(passes['B1_interleaved'][0])} rounds)")
-    _save(out, items, passes, None)
-    passes["D1_cold"] = cold(runs, dev, args.k)
-    say("D1 cold")
-    passes["A2_blocked"] = blocked(runs, args.k)
-    say("A2 blocked")
-    passes["B2_interleaved"] = interleaved(runs, args.k, args.budget)
-    say(f"B2 interleaved ({len(passes['B2_interleaved'][0])} rounds)")
-    _save(out, items, passes, None)
-    passes["D2_cold"] = cold(runs, dev, args.k)
-    say("D2 cold")
-    _save(out, items, passes, None)
-    jax.clear_caches()
-    runs = _compile(items, dev)
-    say("recompiled")
-    passes["C_recompiled_interleaved"] = interleaved(runs, args.k, args.budget)
-    say("C recompiled, interleaved")
+    if args.protocols == "interleaved":
+        for name in ("B1_interleaved", "B2_interleaved"):
+            passes[name] = interleaved(runs, args.k, args.budget)
+            say(f"{name} ({len(passes[name][0])} rounds)")
+            _save(out, items, passes, None)
+    else:
+        passes["A1_blocked"] = blocked(runs, args.k)
+        say("A1 blocked")
+        _save(out, items, passes, None)
+        passes["B1_interleaved"] = interleaved(runs, args.k, args.budget)
+        say(f"B1 interleaved ({len(passes['B1_interleaved'][0])} rounds)")
+        _save(out, items, passes, None)
+        passes["D1_cold"] = cold(runs, dev, args.k)
+        say("D1 cold")
+        passes["A2_blocked"] = blocked(runs, args.k)
+        say("A2 blocked")
+        passes["B2_interleaved"] = interleaved(runs, args.k, args.budget)
+        say(f"B2 interleaved ({len(passes['B2_interleaved'][0])} rounds)")
+        _save(out, items, passes, None)
+        passes["D2_cold"] = cold(runs, dev, args.k)
+        say("D2 cold")
+        _save(out, items, passes, None)
+        jax.clear_caches()
+        runs = _compile(items, dev)
+        say("recompiled")
+        passes["C_recompiled_interleaved"] = interleaved(runs, args.k, args.budget)
+        say("C recompiled, interleaved")
 
     _save(out, items, passes, None)
     lq = {p: [_lq(s) for s in v] for p, v in passes.items()}
     base = spec("cpu" if dev.platform == "cpu" else dev.device_kind).replace(
         name=args.device, origin="measured")
-    pairs = [("A1_blocked", "A2_blocked"), ("B1_interleaved", "B2_interleaved"),
+    pairs = [(a, b) for a, b in [("A1_blocked", "A2_blocked"), ("B1_interleaved", "B2_interleaved"),
              ("B2_interleaved", "C_recompiled_interleaved"), ("A1_blocked", "B1_interleaved"),
              ("D1_cold", "D2_cold"), ("B1_interleaved", "D1_cold"),
-             ("B2_interleaved", "D2_cold")]
+             ("B2_interleaved", "D2_cold")] if a in lq and b in lq]
     summary = {"device": str(dev), "device_kind": dev.device_kind, "layers": len(items),
                "scrub_bytes": scrub_bytes(), "cpu_count": os.cpu_count(),
                "repeatability": {f"{b} / {a}": _ratio_stats(lq[a], lq[b]) for a, b in pairs},
@@ -256,6 +272,8 @@ def main(argv=None) -> int:
     # Fit on one pass, checked on another: drift between fit and check.
     for fit_on, check_on in (("A1_blocked", "A2_blocked"), ("B1_interleaved", "B2_interleaved"),
                              ("D1_cold", "D2_cold")):
+        if fit_on not in lq or check_on not in lq:
+            continue
         mixed = [lq[check_on][i] if it[3] else lq[fit_on][i] for i, it in enumerate(items)]
         summary["model_error"][f"fit {fit_on}, check {check_on}"] = _model_error(
             items, works, eqs, mixed, base)

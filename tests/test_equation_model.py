@@ -422,3 +422,33 @@ def test_a_mixture_of_experts_grouped_matmul_is_priced():
     # the forward and the weight gradient (one group per row)
     assert sorted((e.m, e.n, e.k) for e in eqs) == [(16, 32, 64), (64, 32, 16)]
     assert all(e.cls == "dot" and e.flops == 2 * 64 * 32 * 16 for e in eqs)
+
+
+def test_the_small_sweep_has_each_kind_at_the_small_configs_sizes():
+    """`zoo.small_grid` (the probe's "many small layers" for a CPU,
+    experiments/results/cpu_timing): one layer per spec, each of its kinds
+    present, every layer's matmuls of the class its name says, convolutions
+    of at most 128 channels, and the warps' gathers counted."""
+    import hetpar
+    from hetpar import zoo
+    from hetpar.passes import leaf_equations
+
+    specs = zoo.small_grid()
+    graph = hetpar.trace(*zoo.sweep_step(specs))
+    assert list(graph.layers) == [sp.name for sp in specs]
+    convs = [sp for sp in specs if sp.name.split("_")[0] in ("conv", "depthwise", "transposed")]
+    assert convs and all(max(sp.params["w"][2:] + sp.x[3:]) <= 128 for sp in convs)
+    kinds = {la.split("_")[0] for la in graph.layers}
+    assert kinds == {"conv", "depthwise", "transposed", "maxpool", "dense", "layernorm",
+                     "attention", "embedding", "elementwise", "reduction", "warp"}
+    want = {"conv": "conv", "depthwise": "dw", "transposed": "tr", "dense": "dot"}
+    for la in graph.layers:
+        eqs = matmul_equations(graph, la)
+        kind = la.split("_")[0]
+        if kind in want:
+            assert want[kind] in {e.cls for e in eqs}, la
+            assert max(e.n for e in eqs) <= 4096
+        if kind == "warp":
+            prims = {e.primitive.name for e, *_ in leaf_equations(
+                [graph.program.eqns[i] for i in graph[la].eqns])}
+            assert "gather" in prims, (la, prims)

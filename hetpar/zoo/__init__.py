@@ -9,8 +9,8 @@ traced step (LayerGraph) and to the planner's CostTable (graph.json).
 from hetpar.zoo._costs import cost_table, trace_model
 from hetpar.zoo._registry import describe, get, names, parse_config
 from hetpar.zoo._sweep import grid as sweep_grid
-from hetpar.zoo._sweep import sweep_step, trace_sweep
+from hetpar.zoo._sweep import small_grid, sweep_step, trace_sweep
 from hetpar.zoo._workload import Workload
 
-__all__ = ["Workload", "cost_table", "describe", "get", "names", "parse_config", "sweep_grid",
-           "sweep_step", "trace_model", "trace_sweep"]
+__all__ = ["Workload", "cost_table", "describe", "get", "names", "parse_config", "small_grid",
+           "sweep_grid", "sweep_step", "trace_model", "trace_sweep"]

@@ -130,6 +130,26 @@ def _pool(n, hw, c):
     return Spec(f"maxpool_n{n}_hw{hw}_c{c}", fn, {"a": (c,)}, (n, hw, hw, c))
 
 
+def _warp(n, hw, c):
+    import jax
+    import jax.numpy as jnp
+    from jax.scipy import ndimage
+
+    # A bilinear resample at computed coordinates (a data-augmentation warp:
+    # gathers whose indices come from arithmetic on a parameter).
+    def fn(p, x):
+        rows, cols = jnp.meshgrid(jnp.arange(hw, dtype=jnp.float32),
+                                  jnp.arange(hw, dtype=jnp.float32), indexing="ij")
+        coords = [rows * 0.9 + p["a"][0], cols * 1.1 - p["a"][0]]
+
+        def channel(ch):
+            return ndimage.map_coordinates(ch, coords, order=1, mode="reflect")
+
+        return jax.vmap(jax.vmap(channel, in_axes=-1, out_axes=-1))(x)
+
+    return Spec(f"warp_n{n}_hw{hw}_c{c}", fn, {"a": (1,)}, (n, hw, hw, c))
+
+
 def grid(scale: float = 1.0, hw_scale: float = 1.0) -> list[Spec]:
     """The sweep's layers; `scale` multiplies batch-like sizes (tokens, images),
     `hw_scale` image sides."""
@@ -169,6 +189,37 @@ def grid(scale: float = 1.0, hw_scale: float = 1.0) -> list[Spec]:
         specs.append(_reduction(s(rows, 8), cols))
     for n, hw, c in [(32, 112, 64), (32, 56, 256)]:
         specs.append(_pool(s(n), h(hw), c))
+    return specs
+
+
+def small_grid() -> list[Spec]:
+    """A CPU's sweep: many small layers at the sizes of the zoo's small configs
+    (batch 8-32, sides 4-64, 3-128 channels, 32-2048 tokens), the sizes a
+    CPU's fit models run at. The CPU's time there is fixed costs, packing and
+    loop overheads, not FLOPs: the accelerators' grid, even scaled down
+    (`CPU_SCALE`), fits a layer model that misses these layers."""
+    specs = []
+    for n, hw, (cin, cout), k, stride in [
+            (32, 32, (3, 8), 3, 1), (32, 32, (4, 4), 3, 1), (32, 64, (3, 4), 3, 1),
+            (32, 32, (3, 16), 7, 2), (32, 16, (8, 8), 3, 1), (32, 16, (8, 16), 3, 2),
+            (32, 16, (16, 16), 1, 1), (8, 32, (16, 16), 3, 1), (32, 8, (16, 32), 3, 1),
+            (32, 8, (32, 32), 3, 1), (32, 8, (32, 64), 1, 2), (8, 16, (64, 64), 3, 1),
+            (32, 4, (64, 64), 3, 1), (32, 4, (128, 128), 3, 1)]:
+        specs.append(_conv(n, hw, cin, cout, k, stride))
+    for n, hw, c, stride in [(32, 32, 8, 1), (32, 16, 16, 2), (32, 8, 32, 1), (32, 4, 64, 1)]:
+        specs.append(_conv(n, hw, c, c, 3, stride, kind="depthwise"))
+    for n, hw, (cin, cout) in [(32, 16, (8, 4)), (32, 8, (16, 8)), (8, 4, (32, 16)),
+                               (32, 4, (64, 32))]:
+        specs.append(_conv(n, hw, cin, cout, 3, 2, kind="transposed"))
+    for n, hw, c in [(32, 32, 4), (32, 16, 16), (32, 8, 64)]:
+        specs.append(_pool(n, hw, c))
+    for tokens, (din, dout) in itertools.product((32, 256, 2048), ((32, 32), (64, 256),
+                                                                   (256, 64))):
+        specs.append(_dense(tokens, din, dout))
+    specs += [_layernorm(256, 64), _layernorm(2048, 128), _attention(8, 4, 64, 16),
+              _attention(32, 2, 32, 16), _embedding(512, 1000, 64),
+              _embedding(4096, 5000, 128), _elementwise(2 ** 12), _elementwise(2 ** 16),
+              _reduction(256, 256), _reduction(32, 4096), _warp(32, 32, 3), _warp(32, 16, 8)]
     return specs
 
 
