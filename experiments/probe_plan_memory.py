@@ -13,7 +13,9 @@ This checks the other side: each step in a fresh process, where the GPU's
     python experiments/probe_plan_memory.py run --plan DIR/plan_<f>.json --batch 16 --out DIR
         # fresh process: 12 steps under the plan (--steps), the GPU's peak bytes
         # (--stages: each stage timed, serialised; --watch: one step's compute
-        # and copies as it runs; --prefetch N: the runtime's Executor.PREFETCH)
+        # and copies as it runs; --prefetch N: the runtime's Executor.PREFETCH;
+        # --memory_trace: first a serialised step, the bytes after each stage;
+        # --memory_timeline: a step as it runs, its bytes in use sampled)
     python experiments/probe_plan_memory.py jit --batch 16 --out DIR
         # fresh process: 5 steps under jax.jit on the GPU, its peak bytes
     python experiments/probe_plan_memory.py layers --layers lm_head,wte --device cpu:0 --out DIR
@@ -40,7 +42,11 @@ from hetpar.cost_models import resolve_device
 
 def _workload(batch: int, small: bool = False):
     w = zoo.get("transformer", batch=batch, small=small)
-    example = jax.tree_util.tree_map(np.asarray, w.example_args())  # on the host
+    # Built on the host: initialised on the default device (the GPU), the
+    # state's 1.49 GB stayed in the GPU's peak bytes after it was copied off
+    # (every run until 2026-11-28 peaked there, which was put down to the compile).
+    with jax.default_device(jax.devices("cpu")[0]):
+        example = jax.tree_util.tree_map(np.asarray, w.example_args())
     return w, example
 
 
@@ -62,15 +68,27 @@ def _resident(tree, device: str) -> float:
                      and x.sharding.memory_kind in (None, "device")))
 
 
+def _take(args: list) -> tuple[list, object]:
+    """The state and batch, taken out of `args`: the list the caller passes, which
+    each function here leaves holding the newest state. Only one state stays
+    alive, as in a training loop that rebinds it; a caller holding on to the
+    placed arguments kept a second copy on the GPU through every step (173 MB
+    of the 1.36-1.38 GB peaks before 2026-11-28's memory_trace section)."""
+    state, batch = list(args[:-1]), args[-1]
+    args.clear()
+    return state, batch
+
+
 def _steps(step, args, n: int = 5, times: list | None = None) -> float:
     """The median seconds of steps 2..n (each step's seconds appended to `times`)."""
-    state, batch = tuple(args[:-1]), args[-1]
+    state, batch = _take(args)
     times = [] if times is None else times
     for _ in range(n):
         t0 = time.perf_counter()
         *state, loss = step(*state, batch)
         jax.block_until_ready((state, loss))
         times.append(time.perf_counter() - t0)
+    args[:] = [*state, batch]
     return float(np.median(times[1:]))
 
 
@@ -78,9 +96,10 @@ def _stage_times(step, args, n: int = 5) -> dict:
     """Each stage's median compute seconds over `n` steps (`Executor.record_events`
     serialises the step: a breakdown, not the step time), by device, with its
     layers and phase, the slowest first."""
-    state, batch = tuple(args[:-1]), args[-1]
+    state, batch = _take(args)
     ex = step.lower(*state, batch)._executor
-    if ex is None:  # the whole step on one device: one executable
+    if ex is None:
+        args[:] = [*state, batch]  # the whole step on one device: one executable
         return None
     stages = {s.index: s for s in ex.stages.stages}
     ex.record_events = True
@@ -97,6 +116,7 @@ def _stage_times(step, args, n: int = 5) -> dict:
                     per.setdefault(ev.stage, []).append(ev.end_s - ev.start_s)
     finally:
         ex.record_events = False
+        args[:] = [*state, batch]
     rows = sorted(({"stage": i, "device": stages[i].device, "phase": stages[i].phase,
                     "layers": list(stages[i].layers), "s": float(np.median(v))}
                    for i, v in per.items()), key=lambda r: -r["s"])
@@ -109,9 +129,10 @@ def _stage_times(step, args, n: int = 5) -> dict:
 def _watched(step, args, n: int = 3) -> list[dict]:
     """The last of `n` steps as it runs, not serialised (`Executor.watch_events`):
     each stage's compute, copies in and copies out, seconds from the step's start."""
-    state, batch = tuple(args[:-1]), args[-1]
+    state, batch = _take(args)
     ex = step.lower(*state, batch)._executor
     if ex is None:
+        args[:] = [*state, batch]
         return None
     ex.watch_events = True
     try:
@@ -120,8 +141,97 @@ def _watched(step, args, n: int = 3) -> list[dict]:
             jax.block_until_ready((state, loss))
     finally:
         ex.watch_events = False
+        args[:] = [*state, batch]
     names = {s.index: list(s.layers) for s in ex.stages.stages}
     return [{**dataclasses.asdict(ev), "layers": names.get(ev.stage)} for ev in ex.last_events]
+
+
+def _memory_trace(step, args, device: str) -> list[dict]:
+    """One step, serialised (`Executor.record_events`), with the device's bytes in
+    use and peak after each stage, and what its live arrays are by shape: which
+    stage reaches the peak, and holding what."""
+    from hetpar.runtime import _executor
+
+    state, batch = _take(args)
+    ex = step.lower(*state, batch)._executor
+    if ex is None:
+        args[:] = [*state, batch]
+        return None
+    dev = resolve_device(device)
+    rows = []
+    original = _executor._Run._stage
+
+    def traced(run, idx, st, name, d):
+        outs = original(run, idx, st, name, d)
+        jax.block_until_ready(outs)
+        live = [x for x in jax.live_arrays() if dev in x.devices()]
+        shapes: dict[str, list] = {}
+        for x in live:
+            key = f"{x.dtype}{list(x.shape)}"
+            shapes.setdefault(key, [0, 0.0])
+            shapes[key][0] += 1
+            shapes[key][1] += x.nbytes
+        top = sorted(shapes.items(), key=lambda kv: -kv[1][1])[:8]
+        stats = dev.memory_stats() or {}
+        rows.append({"stage": idx, "device": name, "phase": st.phase, "layers": list(st.layers),
+                     "in_use": stats.get("bytes_in_use"), "peak": stats.get("peak_bytes_in_use"),
+                     "live_bytes": float(sum(x.nbytes for x in live)),
+                     "live_by_shape": {k: {"count": c, "bytes": b} for k, (c, b) in top}})
+        return outs
+
+    ex.record_events = True
+    _executor._Run._stage = traced
+    try:
+        *state, loss = step(*state, batch)
+        jax.block_until_ready((state, loss))
+    finally:
+        _executor._Run._stage = original
+        ex.record_events = False
+        args[:] = [*state, batch]
+    return rows
+
+
+def _memory_timeline(step, args, device: str, n: int = 3) -> dict:
+    """The last of `n` steps as it runs (not serialised): the device's bytes in
+    use sampled from a thread every ~0.2 ms, beside each stage's compute and
+    copies (`Executor.watch_events`), times from the step's start."""
+    import threading
+
+    state, batch = _take(args)
+    ex = step.lower(*state, batch)._executor
+    if ex is None:
+        args[:] = [*state, batch]
+        return None
+    dev = resolve_device(device)
+    samples: list = []
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            samples.append((time.perf_counter(), (dev.memory_stats() or {}).get("bytes_in_use")))
+            time.sleep(2e-4)
+
+    ex.watch_events = True
+    try:
+        for i in range(n):
+            if i == n - 1:
+                samples.clear()
+                thread = threading.Thread(target=sample, daemon=True)
+                start = time.perf_counter()
+                thread.start()
+            *state, loss = step(*state, batch)
+            jax.block_until_ready((state, loss))
+        stop.set()
+        thread.join()
+    finally:
+        ex.watch_events = False
+        args[:] = [*state, batch]
+    names = {s.index: list(s.layers) for s in ex.stages.stages}
+    peak_t, peak = max(samples, key=lambda s: s[1] or 0)
+    return {"peak_in_use": peak, "peak_s": peak_t - start,
+            "samples": [(round(t - start, 5), b) for t, b in samples],
+            "events": [{**dataclasses.asdict(ev), "layers": names.get(ev.stage)}
+                       for ev in ex.last_events]}
 
 
 def _write(out: pathlib.Path, name: str, data: dict) -> None:
@@ -151,6 +261,12 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", type=int, default=None,
                     help="run: stages reading streamed state in flight per device "
                          "(Executor.PREFETCH; default the runtime's)")
+    ap.add_argument("--memory_trace", action="store_true",
+                    help="run: first one serialised step with the GPU's bytes in use, peak "
+                         "and live arrays after each stage")
+    ap.add_argument("--memory_timeline", action="store_true",
+                    help="run: then a step as it runs, the GPU's bytes in use sampled "
+                         "beside each stage's compute and copies")
     args = ap.parse_args(argv)
     out = pathlib.Path(args.out)
     w, example = _workload(args.batch, args.small)
@@ -181,9 +297,12 @@ def main(argv=None) -> int:
         step = hetpar.auto(w.train_step, plan=args.plan)
         step.lower(*example)  # compiles: XLA's autotuning takes memory of its own
         compiled_peak = _peak(args.device)
-        placed = step.place(*example)
+        placed = list(step.place(*example))  # handed from function to function
         after_place = {"peak": _peak(args.device), "in_use": _in_use(args.device),
                        "resident": _resident(placed, args.device)}
+        traced = _memory_trace(step, placed, args.device) if args.memory_trace else None
+        timeline = (_memory_timeline(step, placed, args.device) if args.memory_timeline
+                    else None)
         every: list[float] = []
         t = _steps(step, placed, args.steps, every)
         peak = _peak(args.device)
@@ -195,7 +314,8 @@ def main(argv=None) -> int:
             "batch": args.batch, "plan": args.plan, "peak_bytes_in_use": peak,
             "peak_after_compile": compiled_peak, "after_place": after_place,
             "in_use_after_steps": in_use, "step_s": t, "step_times_s": every, "device": kind,
-            "prefetch": args.prefetch, "stage_breakdown": stages, "timeline": watched})
+            "prefetch": args.prefetch, "stage_breakdown": stages, "timeline": watched,
+            "memory_trace": traced, "memory_timeline": timeline})
     elif args.what == "layers":
         from hetpar.cost_models import measure_layer
 
