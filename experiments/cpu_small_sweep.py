@@ -9,7 +9,9 @@ scores hetpar's own fit (`fit_samples`, `with_layer_model`) on a pass of
 sweep's transposed convolutions (as `hetpar profile --fit` has it), the
 small sweep (`hetpar.zoo.small_grid`: 46 layers at the small configs' sizes),
 or both; fitted on one interleaved pass, scored on the other's held-out
-layers over 100 us, both ways round. No device: re-traces the layers (~1 min).
+layers over 100 us, both ways round. Then the model's capacity: fitted on
+every layer, the held-out ones included, and scored on those (no held-out
+split can do better). No device: re-traces the layers (~1 min).
 
     python experiments/cpu_small_sweep.py [--run results/cpu_timing/probe_cpu_timing_small.json]
 """
@@ -37,6 +39,7 @@ def main(argv=None) -> int:
 
     from hetpar.cli._profile import FIT_MODELS
     from hetpar.cost_models import (
+        fit_equation_model,
         fit_samples,
         graph_layer_work,
         layer_fused_bytes,
@@ -61,11 +64,15 @@ def main(argv=None) -> int:
         eqs.append(matmul_equations(g, layer))
     rows = json.loads(pathlib.Path(args.run).read_text())["rows"]
     by = {(r["model"], r["layer"]): r for r in rows}
+    # An earlier run (no --small_sweep): its layers alone, the small sweep's extras skipped.
+    keep = [i for i, (m, _, la, *_) in enumerate(items) if (m, la) in by]
+    items, works, eqs = ([x[i] for i in keep] for x in (items, works, eqs))
+    timed = {m for m, *_ in items}
     t = {p: [by[(m, la)][p] for m, _, la, *_ in items]
          for p in ("B1_interleaved", "B2_interleaved")}
     base = spec("cpu").replace(name="cpu:0", origin="measured")
     out = {}
-    for extra_models in EXTRAS:
+    for extra_models in (e for e in EXTRAS if set(e) <= timed):
         for fit_on, check_on in (("B1_interleaved", "B2_interleaved"),
                                  ("B2_interleaved", "B1_interleaved")):
             ft, ct = t[fit_on], t[check_on]
@@ -86,6 +93,18 @@ def main(argv=None) -> int:
                                   sorted(rows, key=lambda r: -abs(r[2]))[:5]]}
             print(f"{key:36s} n={e.size} median {np.median(e):.1%} p90 "
                   f"{np.percentile(e, 90):.1%}  {', '.join(out[key]['worst'][:3])}", flush=True)
+    for fit_on, check_on in (("B1_interleaved", "B2_interleaved"),
+                             ("B2_interleaved", "B1_interleaved")):
+        ft, ct = t[fit_on], t[check_on]
+        coef = fit_equation_model(base, [(eqs[i], works[i], ft[i]) for i in range(len(items))])
+        fitted = base.replace(layer_model=coef)
+        e = np.abs([predict_layer(fitted, works[i], eqs[i]) / ct[i] - 1
+                    for i, (_, _, _, held, _) in enumerate(items) if held and ct[i] > THR])
+        key = f"capacity (fit on every layer): fit {fit_on[:2]}, check {check_on[:2]}"
+        out[key] = {"n": int(e.size), "median": float(np.median(e)),
+                    "p90": float(np.percentile(e, 90))}
+        print(f"{key:36s} n={e.size} median {np.median(e):.1%} p90 {np.percentile(e, 90):.1%}",
+              flush=True)
     if args.out:
         pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     return 0
