@@ -19,7 +19,6 @@ split can do better). No device: re-traces the layers (~1 min).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
@@ -29,7 +28,7 @@ import numpy as np
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from probe_cpu_timing import THR, _layers  # noqa: E402
+from probe_cpu_timing import THR, _layers, work_and_equations  # noqa: E402
 
 EXTRAS = (("sweep",), ("small",), ("sweep", "small"))
 
@@ -41,9 +40,6 @@ def main(argv=None) -> int:
     from hetpar.cost_models import (
         fit_equation_model,
         fit_samples,
-        graph_layer_work,
-        layer_fused_bytes,
-        matmul_equations,
         predict_layer,
         resolve_device,
         spec,
@@ -56,12 +52,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     items = _layers(resolve_device("cpu:0"), [m for m in FIT_MODELS if m != "sweep"],
                     list(HELD_OUT), small_sweep=True)
-    works, eqs = [], []
-    for _, g, layer, *_ in items:
-        w = graph_layer_work(g, layer)
-        nb = layer_fused_bytes(g, layer, "cpu")
-        works.append(dataclasses.replace(w, fused_bytes=nb) if nb is not None else w)
-        eqs.append(matmul_equations(g, layer))
+    works, eqs = work_and_equations(items, "cpu")
     rows = json.loads(pathlib.Path(args.run).read_text())["rows"]
     by = {(r["model"], r["layer"]): r for r in rows}
     # An earlier run (no --small_sweep): its layers alone, the small sweep's extras skipped.

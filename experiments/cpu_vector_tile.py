@@ -18,7 +18,6 @@ runs of `probe_cpu_timing.py` (no device: re-traces the layers, ~2 min).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import sys
@@ -28,7 +27,7 @@ import numpy as np
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from probe_cpu_timing import THR, _layers  # noqa: E402
+from probe_cpu_timing import THR, _layers, work_and_equations  # noqa: E402
 
 #: (M, N, K) tiles tried; None: the model as hetpar has it (no fraction on CPUs).
 TILES = (None, (1, 8, 1), (1, 16, 1), (4, 16, 1), (8, 16, 1), (1, 32, 1), (8, 32, 1))
@@ -73,9 +72,6 @@ def main(argv=None) -> int:
 
     from hetpar.cli._profile import FIT_MODELS
     from hetpar.cost_models import (
-        graph_layer_work,
-        layer_fused_bytes,
-        matmul_equations,
         resolve_device,
     )
 
@@ -87,12 +83,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     dev = resolve_device("cpu:0")
     items = _layers(dev, [m for m in FIT_MODELS if m != "sweep"], list(HELD_OUT))
-    works, eqs = [], []
-    for _, g, layer, *_ in items:
-        w = graph_layer_work(g, layer)
-        nb = layer_fused_bytes(g, layer, "cpu")
-        works.append(dataclasses.replace(w, fused_bytes=nb) if nb is not None else w)
-        eqs.append(matmul_equations(g, layer))
+    works, eqs = work_and_equations(items, "cpu")
     out = {}
     for path in args.runs:
         rows = json.loads(pathlib.Path(path).read_text())["rows"]

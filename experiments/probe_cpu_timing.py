@@ -65,6 +65,22 @@ def _layers(device, fit_models, held_out, small_sweep=False):
     return out
 
 
+def work_and_equations(items, platform: str) -> tuple[list, list]:
+    """Each layer's `LayerWork` (with XLA's after-fusion bytes for `platform`)
+    and matmul equations, as `hetpar profile --fit` counts them."""
+    import dataclasses
+
+    from hetpar.cost_models import graph_layer_work, layer_fused_bytes, matmul_equations
+
+    works, eqs = [], []
+    for _, g, layer, *_ in items:
+        w = graph_layer_work(g, layer)
+        nb = layer_fused_bytes(g, layer, platform)
+        works.append(dataclasses.replace(w, fused_bytes=nb) if nb is not None else w)
+        eqs.append(matmul_equations(g, layer))
+    return works, eqs
+
+
 def _compile(items, dev):
     import jax
 
@@ -182,15 +198,11 @@ def _save(out, items, passes, summary):
 
 
 def main(argv=None) -> int:
-    import dataclasses
 
     import jax
 
     from hetpar.cli._profile import FIT_MODELS
     from hetpar.cost_models import (
-        graph_layer_work,
-        layer_fused_bytes,
-        matmul_equations,
         resolve_device,
         spec,
     )
@@ -218,12 +230,7 @@ def main(argv=None) -> int:
 
     items = _layers(dev, args.fit.split(","), args.held_out.split(","), args.small_sweep)
     say(f"{len(items)} layers traced")
-    works, eqs = [], []
-    for _, g, layer, *_ in items:
-        w = graph_layer_work(g, layer)
-        nb = layer_fused_bytes(g, layer, dev.platform)
-        works.append(dataclasses.replace(w, fused_bytes=nb) if nb is not None else w)
-        eqs.append(matmul_equations(g, layer))
+    works, eqs = work_and_equations(items, dev.platform)
     say("works and equations")
     runs = _compile(items, dev)
     say("compiled")

@@ -79,6 +79,16 @@ def _take(args: list) -> tuple[list, object]:
     return state, batch
 
 
+def _lowered(step, args: list) -> tuple:
+    """(state, batch, the step's Executor), the state taken out of `args` (`_take`);
+    given back and the Executor None where the whole step is one executable."""
+    state, batch = _take(args)
+    ex = step.lower(*state, batch)._executor
+    if ex is None:
+        args[:] = [*state, batch]
+    return state, batch, ex
+
+
 def _steps(step, args, n: int = 5, times: list | None = None) -> float:
     """The median seconds of steps 2..n (each step's seconds appended to `times`)."""
     state, batch = _take(args)
@@ -96,10 +106,8 @@ def _stage_times(step, args, n: int = 5) -> dict:
     """Each stage's median compute seconds over `n` steps (`Executor.record_events`
     serialises the step: a breakdown, not the step time), by device, with its
     layers and phase, the slowest first."""
-    state, batch = _take(args)
-    ex = step.lower(*state, batch)._executor
+    state, batch, ex = _lowered(step, args)
     if ex is None:
-        args[:] = [*state, batch]  # the whole step on one device: one executable
         return None
     stages = {s.index: s for s in ex.stages.stages}
     ex.record_events = True
@@ -129,10 +137,8 @@ def _stage_times(step, args, n: int = 5) -> dict:
 def _watched(step, args, n: int = 3) -> list[dict]:
     """The last of `n` steps as it runs, not serialised (`Executor.watch_events`):
     each stage's compute, copies in and copies out, seconds from the step's start."""
-    state, batch = _take(args)
-    ex = step.lower(*state, batch)._executor
+    state, batch, ex = _lowered(step, args)
     if ex is None:
-        args[:] = [*state, batch]
         return None
     ex.watch_events = True
     try:
@@ -152,10 +158,8 @@ def _memory_trace(step, args, device: str) -> list[dict]:
     stage reaches the peak, and holding what."""
     from hetpar.runtime import _executor
 
-    state, batch = _take(args)
-    ex = step.lower(*state, batch)._executor
+    state, batch, ex = _lowered(step, args)
     if ex is None:
-        args[:] = [*state, batch]
         return None
     dev = resolve_device(device)
     rows = []
@@ -197,10 +201,8 @@ def _memory_timeline(step, args, device: str, n: int = 3) -> dict:
     copies (`Executor.watch_events`), times from the step's start."""
     import threading
 
-    state, batch = _take(args)
-    ex = step.lower(*state, batch)._executor
+    state, batch, ex = _lowered(step, args)
     if ex is None:
-        args[:] = [*state, batch]
         return None
     dev = resolve_device(device)
     samples: list = []
