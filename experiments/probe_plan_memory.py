@@ -213,19 +213,19 @@ def _memory_timeline(step, args, device: str, n: int = 3) -> dict:
             samples.append((time.perf_counter(), (dev.memory_stats() or {}).get("bytes_in_use")))
             time.sleep(2e-4)
 
+    thread = threading.Thread(target=sample, daemon=True)
     ex.watch_events = True
     try:
         for i in range(n):
-            if i == n - 1:
-                samples.clear()
-                thread = threading.Thread(target=sample, daemon=True)
+            if i == n - 1:  # the last step alone is sampled
                 start = time.perf_counter()
                 thread.start()
             *state, loss = step(*state, batch)
             jax.block_until_ready((state, loss))
-        stop.set()
-        thread.join()
     finally:
+        stop.set()
+        if thread.is_alive():
+            thread.join()
         ex.watch_events = False
         args[:] = [*state, batch]
     names = {s.index: list(s.layers) for s in ex.stages.stages}
