@@ -135,8 +135,14 @@ def _runtime() -> dict:
     """The runtime's costs profile="measure" measured: per stage, per crossing (seconds)."""
     from hetpar._auto import _OVERHEADS
 
-    return {(str(k) if not isinstance(k, frozenset) else " <-> ".join(sorted(map(str, k)))): v
-            for k, v in _OVERHEADS.items()}
+    def name(k) -> str:
+        if isinstance(k, frozenset):
+            return " <-> ".join(sorted(map(str, k)))
+        if isinstance(k, tuple) and len(k) == 3:  # a link curve: (src, dst, the sizes timed)
+            return f"{k[0]} -> {k[1]} curve at {len(set(k[2]))} sizes"
+        return str(k)
+
+    return {name(k): v for k, v in _OVERHEADS.items()}
 
 
 def main(argv=None) -> int:
