@@ -139,7 +139,9 @@ def _runtime() -> dict:
         if isinstance(k, frozenset):
             return " <-> ".join(sorted(map(str, k)))
         if isinstance(k, tuple) and len(k) == 3:  # a link curve: (src, dst, the sizes timed)
-            return f"{k[0]} -> {k[1]} curve at {len(set(k[2]))} sizes"
+            sizes = sorted(set(k[2]))
+            return (f"{k[0]} -> {k[1]} curve at {len(sizes)} sizes, "
+                    f"{sizes[0]:.0f}-{sizes[-1]:.0f} B")
         return str(k)
 
     return {name(k): v for k, v in _OVERHEADS.items()}

@@ -10,8 +10,10 @@ sweep's transposed convolutions (as `hetpar profile --fit` has it), the
 small sweep (`hetpar.zoo.small_grid`: 46 layers at the small configs' sizes),
 or both; fitted on one interleaved pass, scored on the other's held-out
 layers over 100 us, both ways round. Then the model's capacity: fitted on
-every layer, the held-out ones included, and scored on those (no held-out
-split can do better). No device: re-traces the layers (~1 min).
+every layer of one pass, the held-out ones among them, and scored on the
+held-out layers of the other (what the model can express on those layers
+when it has seen them; not a strict bound). No device: re-traces the
+layers (~1 min).
 
     python experiments/cpu_small_sweep.py [--run results/cpu_timing/probe_cpu_timing_small.json]
 """

@@ -41,11 +41,11 @@ from hetpar.cost_models import resolve_device
 
 
 def _workload(batch: int, small: bool = False):
-    w = zoo.get("transformer", batch=batch, small=small)
     # Built on the host: initialised on the default device (the GPU), the
     # state's 1.49 GB stayed in the GPU's peak bytes after it was copied off
     # (every run until 2026-11-28 peaked there, which was put down to the compile).
     with jax.default_device(jax.devices("cpu")[0]):
+        w = zoo.get("transformer", batch=batch, small=small)
         example = jax.tree_util.tree_map(np.asarray, w.example_args())
     return w, example
 
@@ -75,7 +75,8 @@ def _take(args: list) -> tuple[list, object]:
     placed arguments kept a second copy on the GPU through every step (173 MB
     of the 1.36-1.38 GB peaks before 2026-11-28's memory_trace section)."""
     state, batch = list(args[:-1]), args[-1]
-    args.clear()
+    if isinstance(args, list):
+        args.clear()
     return state, batch
 
 
@@ -83,7 +84,11 @@ def _lowered(step, args: list) -> tuple:
     """(state, batch, the step's Executor), the state taken out of `args` (`_take`);
     given back and the Executor None where the whole step is one executable."""
     state, batch = _take(args)
-    ex = step.lower(*state, batch)._executor
+    try:
+        ex = step.lower(*state, batch)._executor
+    except BaseException:
+        args[:] = [*state, batch]
+        raise
     if ex is None:
         args[:] = [*state, batch]
     return state, batch, ex
@@ -93,12 +98,15 @@ def _steps(step, args, n: int = 5, times: list | None = None) -> float:
     """The median seconds of steps 2..n (each step's seconds appended to `times`)."""
     state, batch = _take(args)
     times = [] if times is None else times
-    for _ in range(n):
-        t0 = time.perf_counter()
-        *state, loss = step(*state, batch)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - t0)
-    args[:] = [*state, batch]
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            *state, loss = step(*state, batch)
+            jax.block_until_ready((state, loss))
+            times.append(time.perf_counter() - t0)
+    finally:
+        if isinstance(args, list):
+            args[:] = [*state, batch]
     return float(np.median(times[1:]))
 
 
@@ -168,7 +176,8 @@ def _memory_trace(step, args, device: str) -> list[dict]:
     def traced(run, idx, st, name, d):
         outs = original(run, idx, st, name, d)
         jax.block_until_ready(outs)
-        live = [x for x in jax.live_arrays() if dev in x.devices()]
+        live = [x for x in jax.live_arrays() if dev in x.devices()  # not its pinned host
+                and x.sharding.memory_kind in (None, "device")]
         shapes: dict[str, list] = {}
         for x in live:
             key = f"{x.dtype}{list(x.shape)}"
@@ -218,8 +227,8 @@ def _memory_timeline(step, args, device: str, n: int = 3) -> dict:
     try:
         for i in range(n):
             if i == n - 1:  # the last step alone is sampled
-                start = time.perf_counter()
                 thread.start()
+                start = time.perf_counter()  # ~ the step's own t0 (events count from it)
             *state, loss = step(*state, batch)
             jax.block_until_ready((state, loss))
     finally:
@@ -229,7 +238,7 @@ def _memory_timeline(step, args, device: str, n: int = 3) -> dict:
         ex.watch_events = False
         args[:] = [*state, batch]
     names = {s.index: list(s.layers) for s in ex.stages.stages}
-    peak_t, peak = max(samples, key=lambda s: s[1] or 0)
+    peak_t, peak = max(samples, key=lambda s: s[1] or 0, default=(start, None))
     return {"peak_in_use": peak, "peak_s": peak_t - start,
             "samples": [(round(t - start, 5), b) for t, b in samples],
             "events": [{**dataclasses.asdict(ev), "layers": names.get(ev.stage)}
@@ -302,13 +311,17 @@ def main(argv=None) -> int:
         placed = list(step.place(*example))  # handed from function to function
         after_place = {"peak": _peak(args.device), "in_use": _in_use(args.device),
                        "resident": _resident(placed, args.device)}
+        # The serialised step first (a fresh process: its peak is its own; it
+        # peaks below the loop's), the sampled one after the loop (watched
+        # steps keep a stage's copied inputs a stage longer).
         traced = _memory_trace(step, placed, args.device) if args.memory_trace else None
-        timeline = (_memory_timeline(step, placed, args.device) if args.memory_timeline
-                    else None)
+        peak_after_trace = _peak(args.device)
         every: list[float] = []
         t = _steps(step, placed, args.steps, every)
         peak = _peak(args.device)
         in_use = _in_use(args.device)
+        timeline = (_memory_timeline(step, placed, args.device) if args.memory_timeline
+                    else None)
         watched = _watched(step, placed) if args.watch else None
         stages = _stage_times(step, placed) if args.stages else None
         tag = "" if args.prefetch is None else f"_prefetch{args.prefetch}"
@@ -317,6 +330,7 @@ def main(argv=None) -> int:
             "peak_after_compile": compiled_peak, "after_place": after_place,
             "in_use_after_steps": in_use, "step_s": t, "step_times_s": every, "device": kind,
             "prefetch": args.prefetch, "stage_breakdown": stages, "timeline": watched,
+            "peak_after_memory_trace": peak_after_trace if traced else None,
             "memory_trace": traced, "memory_timeline": timeline})
     elif args.what == "layers":
         from hetpar.cost_models import measure_layer
