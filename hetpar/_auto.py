@@ -1560,10 +1560,11 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         largest working set of a layer on the device while it runs (its
         temporaries, counted unfused from the trace: GPT-2's head at batch
         16 x 128 tokens, 1.23 GB) and the optimizer state streamed in flight.
-        Not counted: XLA's own workspace and compiling; leave room for
-        those (capped at 1.30 GB, GPT-2 b16 plans counting 1.29 GB ran
-        within the compile's own 1.49 GB peak on an H100,
-        experiments/results/plan_memory).
+        Not counted: XLA's own workspace and compiling (0.34-0.66 GB for
+        GPT-2 b16 on an H100); leave room for those. A GPT-2 b16 plan
+        counted at 1.29 GB under a 1.30 GB cap peaked at 1.16 GB in a
+        serialised step, about 1.21 GB in a training loop
+        (experiments/results/plan_memory).
       batch: under `jax.distributed` with several processes, what each process
         passes as the batch arguments: "global" (the whole batch, the same on
         every process; each process uses its devices' share) or "local" (only
