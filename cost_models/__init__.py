@@ -30,6 +30,7 @@ from hetpar.cost_models._devices import (
     present_devices,
     process_of,
     resolve_device,
+    runtime_path,
     spec_kind_of,
 )
 from hetpar.cost_models._equation_model import (
@@ -192,6 +193,7 @@ __all__ = [
     "resolve_device",
     "resolve_devices",
     "resolve_links",
+    "runtime_path",
     "save_profiles",
     "scale_to_step",
     "scale_to_timed_step",

@@ -99,6 +99,17 @@ def resolve_device(device):
     )
 
 
+def runtime_path(src_class: str, dst_class: str, pinned_host: bool) -> str:
+    """The path the runtime's transfer engine takes from a `src_class` device to a
+    `dst_class` one (`cpu`, `gpu`, `tpu`): GPU -> CPU through the GPU's pinned
+    host memory where it has some (`pinned_host`), everything else by
+    `jax.device_put`. The names are `hetpar profile`'s paths, so a cost table
+    prices a copy by the path that will carry it."""
+    if src_class == "gpu" and dst_class == "cpu" and pinned_host:
+        return "pinned_host"
+    return "device_put"
+
+
 def has_pinned_host(device) -> bool:
     """True if `device` (a GPU) offers `pinned_host` memory: the fast GPU <-> CPU path."""
     try:

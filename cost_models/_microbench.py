@@ -7,7 +7,9 @@ through the same `calibrate` the per-layer measurements use, so a measured
 profile's efficiencies come from one least-squares fit.
 
 Per ordered device pair: transfer time at sizes from 4 KB to 256 MB for every
-path the runtime could use, fitted to `latency + bytes / bandwidth`:
+path the runtime could use (four sizes an octave from 1 MiB: cost tables
+price copies by these samples as a curve), fitted to `latency + bytes /
+bandwidth` too:
 
 - `device_put`: `jax.device_put(x, dst)`.
 - `pinned_host` (GPU <-> CPU): through the GPU's pinned host memory.
@@ -96,11 +98,22 @@ class BenchConfig:
     launch_calls: int
 
 
+#: 4 KB, 16 KB, 64 KB, 256 KB, then 1 MiB .. 256 MiB at four sizes an octave
+#: (multiples of 4 kB). The copies' seconds become a link's curve
+#: (`LinkProfile.copy_curve`), and a curve interpolates across whatever
+#: happens between two samples: an H100 host's CPU device copied to the GPU
+#: at ~3.5 GB/s up to 28 MiB and ~1.2 GB/s from 32 MiB, which a ladder of
+#: powers of four (16, 64 MiB) missed, pricing 27 MiB copies +11%
+#: (experiments/results/links). Between samples 19% apart a fall costs at
+#: most that step.
+_TRANSFER_LADDER = (4096, 16384, 65536, 262144) + tuple(
+    int(round(_MB * 2 ** (i / 4) / 4096)) * 4096 for i in range(33))
+
 FULL = BenchConfig(
     matmul_sizes=(256, 512, 1024, 2048, 4096, 8192),
     dtypes=("f32", "bf16"),
     stream_bytes=(_MB, 16 * _MB, 256 * _MB),
-    transfer_bytes=tuple(4096 * 4**i for i in range(9)),  # 4 KB .. 256 MB
+    transfer_bytes=_TRANSFER_LADDER,
     k=7,
     max_rep_s=0.3,
     launch_calls=200,
@@ -470,7 +483,8 @@ def profile_link(
     say = progress or (lambda m: None)
     samples = []
     for size in cfg.transfer_bytes:
-        k = cfg.k if size <= 16 * _MB else max(3, cfg.k - 2)
+        # Large copies vary little between repetitions and take longest.
+        k = cfg.k if size <= 16 * _MB else max(3, cfg.k - 2) if size <= 64 * _MB else 3
         _time_transfer(src, dst, path, size, fresh)  # warm-up: compiles, allocates
         t = statistics.median(_time_transfer(src, dst, path, size, fresh) for _ in range(k))
         samples.append((float(size), t))
@@ -681,7 +695,8 @@ def _network_samples(ends: Sequence, sender: int, cfg: BenchConfig) -> list[tupl
                          else np.zeros(n, np.float32))
         _block(sync(tick))
         _block(send(x))  # warm-up: compiles, allocates
-        k = cfg.k if size <= 16 * _MB else max(3, cfg.k - 2)
+        # Large copies vary little between repetitions and take longest.
+        k = cfg.k if size <= 16 * _MB else max(3, cfg.k - 2) if size <= 64 * _MB else 3
         times = []
         for _ in range(k):
             _block(sync(tick))
@@ -792,7 +807,10 @@ def summary_table(profiles: ProfileSet) -> str:
         rows.append(f"{'link':<24} {'path':<20} {'latency us':>11} {'fit GB/s':>9}  "
                     "measured GB/s by size")
         for lk in profiles.links:
-            by_size = ", ".join(f"{nbytes(b)}: {b / t / 1e9:.2f}" for b, t in lk.samples)
+            n = len(lk.samples)  # at most nine sizes, evenly by rank
+            shown = [lk.samples[i] for i in sorted({round(k * (n - 1) / 8) for k in range(9)})
+                     ] if n else []
+            by_size = ", ".join(f"{nbytes(b)}: {b / t / 1e9:.2f}" for b, t in shown)
             rows.append(
                 f"{lk.src + ' -> ' + lk.dst:<24} {lk.path:<20} {lk.latency_s * 1e6:>11.1f} "
                 f"{lk.bandwidth_bytes_per_s / 1e9:>9.2f}  {by_size}"

@@ -149,6 +149,25 @@ class LinkProfile:
         """Seconds to move `nbytes` over this path."""
         return self.latency_s + float(nbytes) / self.bandwidth_bytes_per_s
 
+    def copy_curve(self) -> tuple[tuple[float, float], ...]:
+        """The samples as a `Link.curve`: (bytes, seconds beyond the smallest
+        sample's copy) at each larger size, never falling with size; () with
+        fewer than three samples, or none slower than the smallest.
+
+        One bandwidth does not price every size: on an H100 host the CPU
+        device's copies to the GPU ran ~3-4 GB/s up to 28 MiB and ~1.1 GB/s
+        from 32 MiB (experiments/results/links), so a straight line through
+        the samples priced either size up to 3x off.
+        """
+        if len(self.samples) < 3:
+            return ()
+        (_, first), *rest = sorted(self.samples)
+        points, most = [], 0.0
+        for b, t in rest:  # noise between sizes never makes a larger copy cheaper
+            most = max(most, t - first)
+            points.append((b, most))
+        return tuple(points) if most > 0 else ()
+
     def to_json(self) -> dict[str, Any]:
         """Returns the JSON form (a plain dict)."""
         out = {

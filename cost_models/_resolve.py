@@ -22,10 +22,13 @@ A device list mixes two kinds of entries:
 
 Links
 -----
-Measured links from the profile set, the fastest path per ordered pair over
-the graph's edge sizes (the runtime takes the fastest path; the
-`pinned_host_staged` path is left out because it times only half a
-transfer). CPU devices of one host share its memory: between them a copy
+Measured links from the profile set: per ordered pair, the path the
+runtime's transfer engine takes (`runtime_path`: GPU -> CPU through pinned
+host memory, else `jax.device_put`), else the fastest measured path over
+the graph's edge sizes (the `pinned_host_staged` path is left out because it
+times only half a transfer). A measured path's samples price its copies as a
+curve (`LinkProfile.copy_curve`, `Link.curve`), not as the straight line
+fitted through them. CPU devices of one host share its memory: between them a copy
 runs at the host's memory bandwidth. An accelerator without a measured path
 to a CPU uses its spec sheet's host link, and two accelerators without a
 measured path go through the host (two hops in series).
@@ -64,6 +67,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from absl import logging
 
@@ -73,6 +77,7 @@ from hetpar.cost_models._devices import (
     local_name,
     present_devices,
     process_of,
+    runtime_path,
     spec_kind_of,
 )
 from hetpar.cost_models._profile import DEFAULT_NETWORK_LATENCY_S, DeviceProfile, LinkProfile
@@ -191,41 +196,65 @@ def resolve_devices(
 # -- links -----------------------------------------------------------------------
 
 
-def _series(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+class _Path(NamedTuple):
+    """A priced path: `latency_s + bytes / bandwidth`, or `latency_s + curve(bytes)`
+    where measured samples give a curve (`Link`)."""
+
+    latency_s: float
+    bandwidth: float
+    curve: tuple[tuple[float, float], ...] = ()
+
+    @classmethod
+    def of(cls, lk: LinkProfile) -> _Path:
+        return cls(lk.latency_s, lk.bandwidth_bytes_per_s, lk.copy_curve())
+
+    def link(self, src: str, dst: str) -> Link:
+        return Link(src, dst, bandwidth_bytes_per_s=self.bandwidth, latency_s=self.latency_s,
+                    curve=self.curve)
+
+
+def _series(a: _Path, b: _Path) -> _Path:
     """Two hops one after the other: latencies add, 1/bandwidths add."""
-    return a[0] + b[0], 1.0 / (1.0 / a[1] + 1.0 / b[1])
+    return _Path(a.latency_s + b.latency_s, 1.0 / (1.0 / a.bandwidth + 1.0 / b.bandwidth))
 
 
 def _link(src: ResolvedDevice, dst: ResolvedDevice, profiles: ProfileSet,
-          sizes: Sequence[float], cpu_names: Sequence[str]) -> tuple[float, float] | None:
-    """(latency_s, bandwidth) of the best path src -> dst, or None when unknown."""
+          sizes: Sequence[float], cpu_names: Sequence[str]) -> _Path | None:
+    """The path src -> dst the runtime takes, or None when unknown."""
 
-    def measured(a: str, b: str) -> LinkProfile | None:
+    def measured(a: str, b: str, a_class: str, b_class: str) -> LinkProfile | None:
         cands = [lk for lk in profiles.links_between(a, b) if lk.path not in _PARTIAL_PATHS]
-        if not cands:
-            return None
+        # The transfer engine's path where it was measured (its choice is
+        # fixed), else the fastest over the graph's edge sizes.
+        pinned = any(lk.path == "pinned_host" for lk in cands)
+        taken = [lk for lk in cands if lk.path == runtime_path(a_class, b_class, pinned)]
+        if taken or not cands:
+            return taken[0] if taken else None
         return min(cands, key=lambda lk: sum(lk.time(n) for n in sizes))
 
-    lk = measured(src.name, dst.name)
+    s_class, d_class = src.profile.device_class, dst.profile.device_class
+    lk = measured(src.name, dst.name, s_class, d_class)
     if lk is not None:
-        return lk.latency_s, lk.bandwidth_bytes_per_s
+        return _Path.of(lk)
     s_proc, d_proc = process_of(src.name), process_of(dst.name)
     if s_proc is not None and d_proc is not None and s_proc != d_proc:
         net = profiles.network_link(s_proc, d_proc, sizes)
-        return net.latency_s, net.bandwidth_bytes_per_s
-    s_cpu, d_cpu = src.profile.device_class == "cpu", dst.profile.device_class == "cpu"
+        return _Path(net.latency_s, net.bandwidth_bytes_per_s)
+    s_cpu, d_cpu = s_class == "cpu", d_class == "cpu"
     if s_cpu and d_cpu:
         host = src.profile
-        return host.launch_overhead_s, host.memory_bandwidth_bytes_per_s / 2  # read + write
+        return _Path(host.launch_overhead_s, host.memory_bandwidth_bytes_per_s / 2)  # r + w
 
-    def to_host(acc: ResolvedDevice, outbound: bool) -> tuple[float, float] | None:
+    def to_host(acc: ResolvedDevice, outbound: bool) -> _Path | None:
         # Any measured CPU of the host will do: its CPU devices share one memory.
         for c in cpu_names:
-            lk = measured(acc.name, c) if outbound else measured(c, acc.name)
+            a_class = acc.profile.device_class
+            lk = (measured(acc.name, c, a_class, "cpu") if outbound
+                  else measured(c, acc.name, "cpu", a_class))
             if lk is not None:
-                return lk.latency_s, lk.bandwidth_bytes_per_s
+                return _Path.of(lk)
         hl = acc.profile.host_link
-        return (hl.latency_s, hl.bandwidth_bytes_per_s) if hl else None
+        return _Path(hl.latency_s, hl.bandwidth_bytes_per_s) if hl else None
 
     if d_cpu:
         return to_host(src, True)
@@ -261,7 +290,7 @@ def resolve_links(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
                 logging.warning("no link from %s to %s: they cannot hold adjacent layers",
                                 a.name, b.name)
                 continue
-            links.append(Link(a.name, b.name, bandwidth_bytes_per_s=lk[1], latency_s=lk[0]))
+            links.append(lk.link(a.name, b.name))
     return links
 
 
@@ -270,11 +299,10 @@ def resolve_links(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
 
 class MemoryPlace:
     """A memory place of the table: its name, its accelerator, its host's memory and
-    the links both ways ((latency_s, bandwidth) each)."""
+    the paths both ways."""
 
     def __init__(self, name: str, device: ResolvedDevice, memory_bytes: float,
-                 host: str | None, to_place: tuple[float, float],
-                 from_place: tuple[float, float]):
+                 host: str | None, to_place: _Path, from_place: _Path):
         self.name = name
         self.device = device
         self.memory_bytes = memory_bytes
@@ -285,10 +313,7 @@ class MemoryPlace:
     def links(self) -> list[Link]:
         """The graph.json links accelerator -> place and place -> accelerator."""
         acc = self.device.name
-        return [Link(acc, self.name, bandwidth_bytes_per_s=self.to_place[1],
-                     latency_s=self.to_place[0]),
-                Link(self.name, acc, bandwidth_bytes_per_s=self.from_place[1],
-                     latency_s=self.from_place[0])]
+        return [self.to_place.link(acc, self.name), self.from_place.link(self.name, acc)]
 
 
 def split_places(devices: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -349,9 +374,9 @@ def memory_places(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
 
 
 def _staged(acc: ResolvedDevice, profiles: ProfileSet, cpu_names: Sequence[str],
-            sizes: Sequence[float], *, outbound: bool) -> tuple[float, float] | None:
-    """(latency_s, bandwidth) between `acc` and its pinned host memory, as
-    streamed state sees it: copies in and out at once.
+            sizes: Sequence[float], *, outbound: bool) -> _Path | None:
+    """The path between `acc` and its pinned host memory, as streamed state
+    sees it: copies in and out at once.
 
     The measured `pinned_host_duplex` path (both ways at once; any CPU of
     the host), else the measured one-way `pinned_host_staged` path, else the
@@ -365,14 +390,13 @@ def _staged(acc: ResolvedDevice, profiles: ProfileSet, cpu_names: Sequence[str],
             src, dst = (acc.name, c) if outbound else (c, acc.name)
             cands = [lk for lk in profiles.links_between(src, dst) if lk.path == path]
             if cands:
-                lk = min(cands, key=lambda lk: sum(lk.time(n) for n in sizes))
-                return lk.latency_s, lk.bandwidth_bytes_per_s
+                return _Path.of(min(cands, key=lambda lk: sum(lk.time(n) for n in sizes)))
     hl = acc.profile.host_link
     if hl is None and acc.kind in spec_kinds():
         hl = profiles.device(acc.kind).host_link
     if hl is None:
         return None
-    return hl.latency_s, hl.duplex_bandwidth_bytes_per_s or hl.bandwidth_bytes_per_s
+    return _Path(hl.latency_s, hl.duplex_bandwidth_bytes_per_s or hl.bandwidth_bytes_per_s)
 
 
 # -- network links of a built table ---------------------------------------------

@@ -42,6 +42,8 @@ one GPU (the card and its host CPU):
                       (env RUN_FLAGS="--stages --watch" for the plan's run, PREFETCHES="1 3":
                       runs again with Executor.PREFETCH set, NO_JIT=1: no jax.jit run,
                       SAVE_CACHE=1: the timed layers' cache entries as layer_cache.tgz)
+  profile-links       issue 17: hetpar profile, then its link curves against the engine's
+                      copies between its samples (profile_links.py; env PROFILE_TIMEOUT=300)
   links               issue 17: the transfer engine's copies GPU <-> CPU device and pinned
                       host memory at 1-256 MB, and link_bandwidth's slope (probe_links.py)
   fit-check [FLAGS]   issue 17: hetpar profile --fit default [FLAGS], then the file checked on
@@ -137,7 +139,7 @@ job=${1:-help}
 [ $# -gt 0 ] && shift
 case "$job" in
 help|-h|--help) usage; exit 0 ;;
-profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|links|fit-check|cpu-timing|cpu-reference|hetpar) TWO_GPUS= ;;
+profile|costs|cross-card|runtime|baselines|launch|overhead|rows|dispatch|layer-sweep|repro|plan-memory|profile-links|links|fit-check|cpu-timing|cpu-reference|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-b256|two-gpus-planned|two-gpus-launch|two-gpus-memory|two-gpus-replay|\
 two-gpus-study|two-gpus-measured|two-gpus-final|peer|sweep|predictions|step-timing) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
@@ -314,6 +316,17 @@ plan-memory)
   [ -n "${NO_JIT:-}" ] || timeout 120 python3 experiments/probe_plan_memory.py jit \
     --batch "${BATCH:-16}" --out "$OUT" 2>&1 | grep -E '^\{|Error' | cut -c1-600
   [ -z "${SAVE_CACHE:-}" ] || tar czf "$OUT/layer_cache.tgz" -C /tmp hetpar_cache
+  ;;
+profile-links)
+  # Issue 17: hetpar profile (full) on this machine, then its link curves against
+  # the engine's copies at sizes between the samples (profile_links.py)
+  {
+    t0=$(date +%s)
+    timeout "${PROFILE_TIMEOUT:-300}" python3 -m hetpar profile --out "$OUT/profile_$CARD.json"
+    echo "hetpar profile took $(( $(date +%s) - t0 )) s"
+    timeout 200 python3 experiments/profile_links.py --profiles "$OUT/profile_$CARD.json" \
+      --out "$OUT"
+  } 2>&1 | quiet | tee "$OUT/profile_links_$CARD.log"
   ;;
 links)
   # The transfer engine's copies GPU <-> host by size (probe_links.py)

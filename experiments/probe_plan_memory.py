@@ -14,6 +14,7 @@ This checks the other side: each step in a fresh process, where the GPU's
         # fresh process: 12 steps under the plan (--steps), the GPU's peak bytes
         # (--stages: each stage timed, serialised; --watch: one step's compute
         # and copies as it runs; --prefetch N: the runtime's Executor.PREFETCH;
+        # --sharded_puts: the engine's copies put as before 2026-11-28;
         # --memory_trace: first a serialised step, the bytes after each stage;
         # --memory_timeline: a step as it runs, its bytes in use sampled)
     python experiments/probe_plan_memory.py jit --batch 16 --out DIR
@@ -272,6 +273,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", type=int, default=None,
                     help="run: stages reading streamed state in flight per device "
                          "(Executor.PREFETCH; default the runtime's)")
+    ap.add_argument("--sharded_puts", action="store_true",
+                    help="plan, run: the transfer engine puts copies to a SingleDeviceSharding, "
+                         "as before 2026-11-28 (TransferEngine.PUT_TO_DEVICE = False)")
     ap.add_argument("--memory_trace", action="store_true",
                     help="run: first one serialised step with the GPU's bytes in use, peak "
                          "and live arrays after each stage")
@@ -282,6 +286,10 @@ def main(argv=None) -> int:
     out = pathlib.Path(args.out)
     w, example = _workload(args.batch, args.small)
     kind = resolve_device(args.device).device_kind
+    if args.sharded_puts:
+        from hetpar.runtime import TransferEngine
+
+        TransferEngine.PUT_TO_DEVICE = False
     if args.what == "plan":
         graph = hetpar.trace(w.train_step, *example)
         need = sum(graph[la].memory_bytes for la in graph.layers)
@@ -289,12 +297,13 @@ def main(argv=None) -> int:
         step = hetpar.auto(w.train_step, devices=[args.device, args.host],
                            memory={args.device: cap}, profile="measure")
         compiled = step.lower(*example)
-        path = out / f"plan_{args.fraction:g}.json"
+        tag = "_sharded" if args.sharded_puts else ""
+        path = out / f"plan_{args.fraction:g}{tag}.json"
         out.mkdir(parents=True, exist_ok=True)
         compiled.plan.save(path)
-        compiled.table.save(out / f"table_{args.fraction:g}.json")  # what it planned with
+        compiled.table.save(out / f"table_{args.fraction:g}{tag}.json")  # what it planned with
         p = compiled.plan.predicted
-        _write(out, f"planned_{args.fraction:g}.json", {
+        _write(out, f"planned_{args.fraction:g}{tag}.json", {
             "batch": args.batch, "fraction": args.fraction, "need_bytes": need,
             "cap_bytes": cap, "plan": str(path),
             "predicted_bytes": p.memory_bytes.get(args.device),
@@ -324,7 +333,8 @@ def main(argv=None) -> int:
                     else None)
         watched = _watched(step, placed) if args.watch else None
         stages = _stage_times(step, placed) if args.stages else None
-        tag = "" if args.prefetch is None else f"_prefetch{args.prefetch}"
+        tag = ("" if args.prefetch is None else f"_prefetch{args.prefetch}") + (
+            "_sharded" if args.sharded_puts else "")
         _write(out, f"ran_{pathlib.Path(args.plan).stem}{tag}.json", {
             "batch": args.batch, "plan": args.plan, "peak_bytes_in_use": peak,
             "peak_after_compile": compiled_peak, "after_place": after_place,

@@ -185,6 +185,25 @@ def test_fit_link_recovers_latency_and_bandwidth():
     assert lk.time(1e9) == pytest.approx(3e-5 + 1e9 / 12e9)
 
 
+def test_a_links_samples_become_a_curve_that_never_falls():
+    # Copies at 3.5 GB/s to 28 MiB, 1.2 GB/s from 32 MiB (an H100 host's CPU
+    # device to its GPU), one sample noisily cheaper than the one before.
+    mib = float(1 << 20)
+    samples = ((4096.0, 2e-4), (16 * mib, 2e-4 + 16 * mib / 3.5e9),
+               (28 * mib, 2e-4 + 28 * mib / 3.5e9), (32 * mib, 2e-4 + 32 * mib / 1.2e9),
+               (33 * mib, 2e-4 + 30 * mib / 1.2e9), (64 * mib, 2e-4 + 64 * mib / 1.2e9))
+    lk = LinkProfile("cpu:0", "gpu:0", "device_put", 2e-4, 2e9, "t", samples)
+    curve = lk.copy_curve()
+    assert [b for b, _ in curve] == [b for b, _ in samples[1:]]
+    assert curve[0][1] == pytest.approx(16 * mib / 3.5e9)
+    assert curve[3][1] == curve[2][1] == pytest.approx(32 * mib / 1.2e9)  # never cheaper
+    assert all(t1 <= t2 for (_, t1), (_, t2) in zip(curve, curve[1:]))
+    # Too few samples, or none slower than the smallest: no curve, the line stands.
+    assert LinkProfile("a", "b", "device_put", 1e-5, 1e9, "t", samples[:2]).copy_curve() == ()
+    flat = tuple((b, 1e-4) for b in (4096.0, 1e5, 1e6))
+    assert LinkProfile("a", "b", "device_put", 1e-5, 1e9, "t", flat).copy_curve() == ()
+
+
 def test_measure_stops_early_on_a_slow_function_with_a_budget():
     # A layer of a second (GPT-2's on a host CPU at batch 256) is timed three
     # times, not k, once the budget is spent; without a budget, k times.
@@ -318,6 +337,8 @@ def test_cli_profile_quick_end_to_end(tmp_path):
     assert "16 arrays" in cpu.sources["buffer_overhead_s"]
     assert {(lk.src, lk.dst) for lk in ps.links} == {("cpu:0", "cpu:1"), ("cpu:1", "cpu:0")}
     assert ps.fastest_link("cpu:0", "cpu:1", 1 << 20).bandwidth_bytes_per_s > 0
+    # its samples price the table's copies as a curve (3 sizes above 4 KB)
+    assert all(len(lk.samples) == 4 and len(lk.copy_curve()) == 3 for lk in ps.links)
     # a measured cpu lends its calibration to the cpu spec sheet
     assert ps.device("cpu").origin == "transferred"
 

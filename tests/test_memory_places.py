@@ -377,6 +377,45 @@ def test_a_measured_staged_path_prices_the_place():
     assert t.link("cpu:0", "gpu:0").bandwidth_bytes_per_s == 7e9  # the CPU device's path
 
 
+@pytest.mark.usefixtures("_cache")
+def test_measured_samples_price_copies_by_the_runtimes_path_as_a_curve():
+    """A profile's samples become the table's link curves, on the path the
+    transfer engine takes (CPU device -> GPU by device_put even where a
+    pinned-host path measured faster); a place's link takes its staged
+    path's samples; a link measured at too few sizes keeps its line."""
+    from hetpar import cost_models
+    from hetpar.cost_models import LinkProfile, ProfileSet, spec
+
+    mib = float(1 << 20)
+
+    def samples(*rates):  # (bytes, seconds) at 4 KB, 16, 32 and 64 MiB
+        sizes = (4096.0, 16 * mib, 32 * mib, 64 * mib)
+        return tuple((b, 1e-4 + b / r) for b, r in zip(sizes, (1e12, *rates)))
+
+    devices = {"gpu:0": spec("h100").replace(name="gpu:0", origin="measured"),
+               "cpu:0": spec("cpu").replace(name="cpu:0", origin="measured")}
+    links = (LinkProfile("cpu:0", "gpu:0", "device_put", 1e-4, 2e9, "test",
+                         samples(3.5e9, 1.2e9, 1.2e9)),
+             LinkProfile("cpu:0", "gpu:0", "pinned_host", 1e-4, 20e9, "test",
+                         samples(20e9, 20e9, 20e9)),
+             LinkProfile("gpu:0", "cpu:0", "pinned_host", 1e-4, 40e9, "test",
+                         samples(40e9, 40e9, 40e9)[:2]),
+             LinkProfile("cpu:0", "gpu:0", "pinned_host_staged", 1e-5, 50e9, "test",
+                         samples(50e9, 25e9, 50e9)),
+             LinkProfile("gpu:0", "cpu:0", "pinned_host_staged", 1e-5, 45e9, "test"))
+    t = cost_models.cost_table(_graph(), ["cpu:0", "gpu:0"],
+                               profiles=ProfileSet(devices, links))
+    up = t.link("cpu:0", "gpu:0")
+    assert up.bandwidth_bytes_per_s == 2e9  # device_put's, not the faster pinned path's
+    assert up.copy_s(16 * mib) == pytest.approx(16 * mib / 3.5e9, rel=1e-3)
+    assert up.copy_s(48 * mib) == pytest.approx(48 * mib / 1.2e9, rel=0.05)  # the fall
+    assert up.copy_s(48 * mib) > 1.5 * 48 * mib / up.bandwidth_bytes_per_s  # not the line
+    assert t.link("gpu:0", "cpu:0").curve == ()  # two samples: its fitted line
+    place_in = t.link("gpu:0:pinned_host", "gpu:0")
+    assert place_in.copy_s(32 * mib) == pytest.approx(32 * mib / 25e9, rel=1e-3)
+    assert t.link("gpu:0", "gpu:0:pinned_host").curve == ()  # no samples
+
+
 def test_a_stages_working_set_counts_against_the_cap():
     """A head whose stage holds 3 GB while it runs (its logits' softmax and
     gradient, `workspace_bytes`) beside six blocks: the largest working set

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-from hetpar.cost_models import has_pinned_host
+from hetpar.cost_models import has_pinned_host, runtime_path
 
 
 def _is_extended(dtype) -> bool:
@@ -56,15 +56,19 @@ def _memory_kind(x) -> str | None:
 class TransferEngine:
     """Moves arrays to a device along the fastest known path; counts the bytes it moves."""
 
+    #: Put plain copies to the bare destination Device (see `move_many`);
+    #: False puts them to its SingleDeviceSharding, as hetpar did before
+    #: (experiments compare the two in one run).
+    PUT_TO_DEVICE = True
+
     def __init__(self):
         self._lock = threading.Lock()
         self.bytes_moved = 0
 
     def path(self, src: jax.Device, dst: jax.Device) -> str:
         """The path a transfer from `src` to `dst` takes."""
-        if src.platform == "gpu" and dst.platform == "cpu" and has_pinned_host(src):
-            return "pinned_host"
-        return "device_put"
+        return runtime_path(src.platform, dst.platform,
+                             src.platform == "gpu" and has_pinned_host(src))
 
     def move_many(self, xs: list, dst) -> list:
         """Each of `xs` on `dst`, arrays from one source device moved in one call.
@@ -80,12 +84,16 @@ class TransferEngine:
         out = list(xs)
         groups: dict = {}
         dev, kind = _target(dst)
-        # An explicit sharding: device_put to a bare Device would keep a
-        # source's memory kind on some backends.
+        # Into or out of a memory place, an explicit sharding: device_put to a
+        # bare Device would keep a source's memory kind on some backends.
+        # Otherwise the bare Device: on an H200 host, CPU device -> GPU copies
+        # of 57-154 MiB ran 5-8 GB/s put to the Device and 1.2-1.4 GB/s put to
+        # its SingleDeviceSharding (experiments/results/links, put_forms).
         put_to = SingleDeviceSharding(dev, memory_kind=kind)
+        plain_to = dev if kind is None and self.PUT_TO_DEVICE else put_to
         for i, x in enumerate(xs):
             if not isinstance(x, jax.Array):
-                out[i] = jax.device_put(x, put_to)
+                out[i] = jax.device_put(x, plain_to)
                 continue
             devs = x.devices()
             src = next(iter(devs))
@@ -104,9 +112,9 @@ class TransferEngine:
             if not plain and self.path(src, dev) == "pinned_host":
                 staged = jax.device_put(
                     arrays, SingleDeviceSharding(src, memory_kind="pinned_host"))
-                moved = jax.device_put([np.asarray(a) for a in staged], put_to)
+                moved = jax.device_put([np.asarray(a) for a in staged], plain_to)
             else:
-                moved = jax.device_put(arrays, put_to)
+                moved = jax.device_put(arrays, put_to if plain else plain_to)
             for i, y in zip(idx, moved):
                 out[i] = y
         return out
