@@ -102,8 +102,8 @@ class BenchConfig:
 #: (multiples of 4 kB). The copies' seconds become a link's curve
 #: (`LinkProfile.copy_curve`), and a curve interpolates across whatever
 #: happens between two samples: an H100 host's CPU device copied to the GPU
-#: at ~3.5 GB/s up to 28 MiB and ~1.2 GB/s from 32 MiB, which a ladder of
-#: powers of four (16, 64 MiB) missed, pricing 27 MiB copies +11%
+#: (put to a SingleDeviceSharding) at ~3.5 GB/s up to 28 MiB and ~1.2 GB/s
+#: from 32 MiB, which a ladder of powers of four (16, 64 MiB) would miss
 #: (experiments/results/links). Between samples 19% apart a fall costs at
 #: most that step.
 _TRANSFER_LADDER = (4096, 16384, 65536, 262144) + tuple(

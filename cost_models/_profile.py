@@ -155,9 +155,10 @@ class LinkProfile:
         fewer than three samples, or none slower than the smallest.
 
         One bandwidth does not price every size: on an H100 host the CPU
-        device's copies to the GPU ran ~3-4 GB/s up to 28 MiB and ~1.1 GB/s
-        from 32 MiB (experiments/results/links), so a straight line through
-        the samples priced either size up to 3x off.
+        device's copies to the GPU (put to a SingleDeviceSharding) ran
+        ~3-4 GB/s up to 28 MiB and ~1.1 GB/s from 32 MiB
+        (experiments/results/links), so a straight line through the samples
+        priced either size up to 3x off.
         """
         if len(self.samples) < 3:
             return ()

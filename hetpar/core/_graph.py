@@ -77,9 +77,11 @@ class Link:
     seconds beyond a 4 kB one), it takes `latency_s + curve(n)`, piecewise
     linear through (0, 0) and the points, extended past the last point by
     the last segment's slope (the average rate where that is not positive).
-    Copies from an H100 host's CPU device ran ~3-4 GB/s up to 28 MiB and
-    ~1.1 GB/s from 32 MiB (experiments/results/links): one bandwidth prices
-    either size 3x off.
+    Copies from an H100 host's CPU device, put to a SingleDeviceSharding as
+    the transfer engine once did, ran ~3-4 GB/s up to 28 MiB and ~1.1 GB/s
+    from 32 MiB (experiments/results/links): one bandwidth priced either
+    size 3x off. Links are rarely straight lines; a curve takes whatever shape
+    was measured.
     """
 
     src: str

@@ -172,12 +172,12 @@ def link_curve(src: jax.Device, dst: jax.Device, sizes, *, runs: int = 5,
     1 MB): a `Link.curve`, the same path a plan's values take.
 
     One bandwidth does not price every size, and neither does a curve
-    measured at other sizes: on an H100 host, copies from the CPU device ran
-    ~3-4 GB/s up to 28 MiB and ~1.1 GB/s from 32 MiB, so a ladder of powers
-    of two priced GPT-2's 27 MiB weights at 22 ms where they took 9 ms
-    (experiments/results/links). The points' seconds never fall with size.
-    None when no copy took longer than the small one (the link keeps its
-    figure).
+    measured at other sizes: on an H100 host, copies from the CPU device
+    (then put to a SingleDeviceSharding) ran ~3-4 GB/s up to 28 MiB and
+    ~1.1 GB/s from 32 MiB, so a ladder of powers of two priced GPT-2's
+    27 MiB weights at 22 ms where they took 9 ms (experiments/results/links).
+    The points' seconds never fall with size. None when no copy took longer
+    than the small one (the link keeps its figure).
     """
     timed = _copy_timer(src, dst, runs)
     # Sizes within 2% are one point (GPT-2's embedding and its tied head's
