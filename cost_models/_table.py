@@ -77,6 +77,7 @@ from hetpar.cost_models._resolve import (
     resolve_devices,
     resolve_links,
     split_places,
+    typical_copy,
 )
 from hetpar.cost_models._roofline import FUSED_BYTES_CLASSES, LayerWork, predict
 from hetpar.cost_models._specs import plan_prices, spec, spec_kinds
@@ -775,13 +776,7 @@ def _copy_size(table, src_kind: str, dst_kind: str) -> float:
     median of `_copy_sizes`). Copies from an H100 host's CPU device ran
     1.2 GB/s at 154 MB, where the plan's 28 MB weights arrived at ~3 GB/s.
     """
-    sizes = _copy_sizes(table, src_kind, dst_kind)
-    half, run = sum(sizes) / 2.0, 0.0
-    for b in sizes:
-        run += b
-        if run >= half:
-            return float(b)
-    return float(sizes[-1])
+    return typical_copy(_copy_sizes(table, src_kind, dst_kind))
 
 
 def _with_fixed_parts(table, present: Mapping[str, Any], step_s: Mapping[str, float],

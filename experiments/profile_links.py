@@ -12,6 +12,8 @@ samples at powers of four only (the ladder profiles had before: 4 KB,
 
     python -m hetpar profile --out P.json
     python experiments/profile_links.py --profiles P.json --out DIR
+    python experiments/profile_links.py --profiles P.json --out DIR \
+        --rescore OLD/profile_links.json      # price saved copies again, no devices
 
 Writes DIR/profile_links.json and DIR/profile_links.md.
 """
@@ -28,6 +30,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from hetpar.core import Link
 from hetpar.cost_models import device_name, load_profiles, resolve_devices, resolve_links
 from hetpar.runtime import TransferEngine
 
@@ -57,10 +60,34 @@ def _engine_s(engine, src, dst, nbytes: int, runs: int) -> float:
 
 
 def _powers_of_four(lk):
-    """`lk` with its curve through the samples at 4 KB x 4^i only."""
+    """`lk` with only its samples at 4 KB x 4^i."""
     keep = {4096 * 4**i for i in range(12)}
-    samples = [(b, t) for b, t in lk.samples if int(b) in keep]
-    return dataclasses.replace(lk, samples=tuple(samples)).copy_curve()
+    return dataclasses.replace(lk, samples=tuple((b, t) for b, t in lk.samples
+                                                 if int(b) in keep))
+
+
+def _prices(profiles, a: str, b: str, path: str) -> dict[str, Link]:
+    """The three ways a table could price `path` a -> b: the table's own link
+    (the curve through every sample), the curve through the powers of four,
+    and the fitted line."""
+    devs = resolve_devices([a, b], profiles)
+    table = {(k.src, k.dst): k for k in resolve_links(devs, profiles, [6e6, 28e6])}
+    lk = next(lk for lk in profiles.links_between(a, b) if lk.path == path)
+    coarse = _powers_of_four(lk).copy_curve()
+    return {"curve_s": table[(a, b)],
+            "coarse_curve_s": Link(a, b, lk.bandwidth_bytes_per_s, lk.latency_s, coarse),
+            "line_s": Link(a, b, lk.bandwidth_bytes_per_s, lk.latency_s)}
+
+
+def _priced(rows, profiles) -> list[dict]:
+    """`rows` with each way's three predictions from `profiles`."""
+    out, prices = [], {}
+    for r in rows:
+        a, b = r["way"].split(" -> ")
+        if r["way"] not in prices:
+            prices[r["way"]] = _prices(profiles, a, b, r["path"])
+        out.append(r | {k: link.seconds(r["bytes"]) for k, link in prices[r["way"]].items()})
+    return out
 
 
 def main(argv=None) -> int:
@@ -68,36 +95,38 @@ def main(argv=None) -> int:
     ap.add_argument("--profiles", required=True, help="a `hetpar profile` file of this machine")
     ap.add_argument("--out", required=True)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--rescore", default=None,
+                    help="a profile_links.json: price its measured copies again from "
+                         "--profiles with this code, no devices needed")
     args = ap.parse_args(argv)
     profiles = load_profiles(args.profiles)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.rescore:
+        saved = json.loads(pathlib.Path(args.rescore).read_text())
+        rows = _priced(saved["rows"], profiles)
+        (out / "profile_links.md").write_text(_markdown(rows, saved["device"]))
+        print(_markdown(rows, saved["device"]))
+        return 0
     cpu = jax.devices("cpu")[0]
     # Without a GPU (a smoke run): a second virtual CPU device stands in.
     gpu = jax.devices()[0] if jax.default_backend() == "gpu" else jax.devices("cpu")[1]
     names = {cpu: device_name(cpu), gpu: device_name(gpu)}
-    devs = resolve_devices(list(names.values()), profiles)
-    table = {(k.src, k.dst): k for k in resolve_links(devs, profiles, [6e6, 28e6])}
     engine = TransferEngine()
     rows = []
     for src, dst in ((cpu, gpu), (gpu, cpu)):
         a, b = names[src], names[dst]
-        link = table[(a, b)]
         path = engine.path(src, dst)
-        measured_lk = next(lk for lk in profiles.links_between(a, b) if lk.path == path)
-        coarse = dataclasses.replace(link, curve=_powers_of_four(measured_lk))
-        line = dataclasses.replace(link, curve=())
         for mib in SIZES_MIB:
             n = int(mib * MIB) // 4096 * 4096
             took = _engine_s(engine, src, dst, n, args.runs)
-            row = {"way": f"{a} -> {b}", "path": path, "bytes": n, "measured_s": took,
-                   "curve_s": link.seconds(n), "coarse_curve_s": coarse.seconds(n),
-                   "line_s": line.seconds(n)}
+            row, = _priced([{"way": f"{a} -> {b}", "path": path, "bytes": n,
+                             "measured_s": took}], profiles)
             rows.append(row)
             print(f"{a} -> {b} [{path}] {mib:>6} MiB: measured {took * 1e3:8.3f} ms, "
                   f"curve {row['curve_s'] * 1e3:8.3f}, powers of 4 "
                   f"{row['coarse_curve_s'] * 1e3:8.3f}, line {row['line_s'] * 1e3:8.3f}",
                   flush=True)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     device = f"{gpu.device_kind} + its host's CPU device, jax {jax.__version__}"
     (out / "profile_links.json").write_text(json.dumps(
         {"device": device, "profiles": str(args.profiles), "runs": args.runs,

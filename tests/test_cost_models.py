@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from hetpar import ProfileError
+from hetpar.core import Link
 from hetpar.cost_models import (
     OP_CLASSES,
     DeviceProfile,
@@ -187,21 +189,43 @@ def test_fit_link_recovers_latency_and_bandwidth():
 
 def test_a_links_samples_become_a_curve_that_never_falls():
     # Copies at 3.5 GB/s to 28 MiB, 1.2 GB/s from 32 MiB (an H100 host's CPU
-    # device to its GPU), one sample noisily cheaper than the one before.
-    mib = float(1 << 20)
-    samples = ((4096.0, 2e-4), (16 * mib, 2e-4 + 16 * mib / 3.5e9),
-               (28 * mib, 2e-4 + 28 * mib / 3.5e9), (32 * mib, 2e-4 + 32 * mib / 1.2e9),
-               (33 * mib, 2e-4 + 30 * mib / 1.2e9), (64 * mib, 2e-4 + 64 * mib / 1.2e9))
-    lk = LinkProfile("cpu:0", "gpu:0", "device_put", 2e-4, 2e9, "t", samples)
+    # device to its GPU), one sample noisily cheaper than the one before,
+    # and the 4 KB copy at the fitted latency.
+    mib, lat = float(1 << 20), 2e-4
+    samples = ((4096.0, lat), (16 * mib, lat + 16 * mib / 3.5e9),
+               (28 * mib, lat + 28 * mib / 3.5e9), (32 * mib, lat + 32 * mib / 1.2e9),
+               (33 * mib, lat + 30 * mib / 1.2e9), (64 * mib, lat + 64 * mib / 1.2e9))
+    lk = LinkProfile("cpu:0", "gpu:0", "device_put", lat, 2e9, "t", samples[::-1])
     curve = lk.copy_curve()
-    assert [b for b, _ in curve] == [b for b, _ in samples[1:]]
-    assert curve[0][1] == pytest.approx(16 * mib / 3.5e9)
-    assert curve[3][1] == curve[2][1] == pytest.approx(32 * mib / 1.2e9)  # never cheaper
+    assert [b for b, _ in curve] == [b for b, _ in samples]
+    assert curve[0][1] == 0.0 and curve[1][1] == pytest.approx(16 * mib / 3.5e9)
+    # the noisy pair averaged, not the higher one carried onward
+    assert curve[4][1] == curve[3][1] == pytest.approx(31 * mib / 1.2e9)
+    assert curve[5][1] == pytest.approx(64 * mib / 1.2e9)
     assert all(t1 <= t2 for (_, t1), (_, t2) in zip(curve, curve[1:]))
-    # Too few samples, or none slower than the smallest: no curve, the line stands.
-    assert LinkProfile("a", "b", "device_put", 1e-5, 1e9, "t", samples[:2]).copy_curve() == ()
+    # Priced over the path's latency, a copy takes what its sample took.
+    link = Link("cpu:0", "gpu:0", 2e9, lat, curve)
+    assert link.seconds(28 * mib) == pytest.approx(samples[2][1])
+    # Samples at one size count once (their median); non-finite ones not at all.
+    again = LinkProfile("a", "b", "device_put", lat, 2e9, "t",
+                        samples + ((16 * mib, 1.0), (16 * mib, 0.0), (8 * mib, math.inf)))
+    assert again.copy_curve() == curve
+    # A small copy below the fitted latency (noise) prices nothing beyond it.
+    noisy = LinkProfile("a", "b", "device_put", 3e-4, 2e9, "t", samples)
+    assert noisy.copy_curve()[0] == (4096.0, 0.0)
+    # Too few sizes, or none slower than the latency: the fitted line stands.
+    two = LinkProfile("a", "b", "device_put", 1e-5, 1e9, "t", samples[:2] * 2)
+    assert two.copy_curve() == ()
     flat = tuple((b, 1e-4) for b in (4096.0, 1e5, 1e6))
-    assert LinkProfile("a", "b", "device_put", 1e-5, 1e9, "t", flat).copy_curve() == ()
+    assert LinkProfile("a", "b", "device_put", 1e-4, 1e9, "t", flat).copy_curve() == ()
+
+
+@pytest.mark.parametrize("samples", [[[4096, "1e-4"]], [[0, 1e-4]], [[4096, -1]], [[4096]],
+                                     "4096", [[4096, float("nan")]]])
+def test_a_malformed_link_sample_is_named(samples):
+    data = LinkProfile("cpu:0", "gpu:0", "device_put", 1e-4, 2e9, "t").to_json()
+    with pytest.raises(ProfileError, match="samples"):
+        LinkProfile.from_json(data | {"samples": samples})
 
 
 def test_measure_stops_early_on_a_slow_function_with_a_budget():
@@ -337,8 +361,8 @@ def test_cli_profile_quick_end_to_end(tmp_path):
     assert "16 arrays" in cpu.sources["buffer_overhead_s"]
     assert {(lk.src, lk.dst) for lk in ps.links} == {("cpu:0", "cpu:1"), ("cpu:1", "cpu:0")}
     assert ps.fastest_link("cpu:0", "cpu:1", 1 << 20).bandwidth_bytes_per_s > 0
-    # its samples price the table's copies as a curve (3 sizes above 4 KB)
-    assert all(len(lk.samples) == 4 and len(lk.copy_curve()) == 3 for lk in ps.links)
+    # its samples price the table's copies as a curve
+    assert all(len(lk.samples) == 4 and len(lk.copy_curve()) == 4 for lk in ps.links)
     # a measured cpu lends its calibration to the cpu spec sheet
     assert ps.device("cpu").origin == "transferred"
 

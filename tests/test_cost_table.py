@@ -634,10 +634,12 @@ def test_link_curve_times_the_sizes_the_link_carries():
 
     a, b = jax.devices("cpu")[:2]
     sizes = [k * 1e6 for k in range(2, 21)] + [2e6, 3e5]  # repeats and a small one
-    points = link_curve(a, b, sizes, runs=1, most=5)
+    # Three runs each: one 4 kB copy slowed by a loaded box (CI's two cores)
+    # could outlast every larger one, and the curve would be None.
+    points = link_curve(a, b, sizes, runs=3, most=5)
     at = [p[0] for p in points]
     assert len(at) == 5 and at[0] == 1 << 20 and at[-1] == 4 * (int(20e6) // 4)
-    near = link_curve(a, b, [8e6, 8.1e6, 12e6], runs=1)  # 8.1 MB is 8 MB's point
+    near = link_curve(a, b, [8e6, 8.1e6, 12e6], runs=3)  # 8.1 MB is 8 MB's point
     assert [p[0] for p in near] == [1 << 20, 4 * (int(8e6) // 4), 4 * (int(12e6) // 4)]
     assert at == sorted(at) and all(t >= 0 for _, t in points)
     took = [t for _, t in points]

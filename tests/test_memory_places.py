@@ -400,13 +400,14 @@ def test_measured_samples_price_copies_by_the_runtimes_path_as_a_curve():
                          samples(20e9, 20e9, 20e9)),
              LinkProfile("gpu:0", "cpu:0", "pinned_host", 1e-4, 40e9, "test",
                          samples(40e9, 40e9, 40e9)[:2]),
-             LinkProfile("cpu:0", "gpu:0", "pinned_host_staged", 1e-5, 50e9, "test",
+             LinkProfile("cpu:0", "gpu:0", "pinned_host_staged", 1e-4, 50e9, "test",
                          samples(50e9, 25e9, 50e9)),
              LinkProfile("gpu:0", "cpu:0", "pinned_host_staged", 1e-5, 45e9, "test"))
     t = cost_models.cost_table(_graph(), ["cpu:0", "gpu:0"],
                                profiles=ProfileSet(devices, links))
     up = t.link("cpu:0", "gpu:0")
-    assert up.bandwidth_bytes_per_s == 2e9  # device_put's, not the faster pinned path's
+    # device_put's path, not the faster pinned one's: its curve over its latency
+    assert up.latency_s == 1e-4 and up.bandwidth_bytes_per_s != 20e9
     assert up.copy_s(16 * mib) == pytest.approx(16 * mib / 3.5e9, rel=1e-3)
     assert up.copy_s(48 * mib) == pytest.approx(48 * mib / 1.2e9, rel=0.05)  # the fall
     assert up.copy_s(48 * mib) > 1.5 * 48 * mib / up.bandwidth_bytes_per_s  # not the line

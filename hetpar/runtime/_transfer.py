@@ -1,4 +1,4 @@
-"""The transfer engine: moves arrays between devices by the fastest path.
+"""The transfer engine: moves arrays between devices by a fixed path per pair of platforms.
 
 Measured on the GPU machine (docs/measurements.md, experiments/results/profile_gpu_*):
 GPU -> CPU through the GPU's pinned host memory ran 46 GB/s at 256 MB where
@@ -54,7 +54,7 @@ def _memory_kind(x) -> str | None:
 
 
 class TransferEngine:
-    """Moves arrays to a device along the fastest known path; counts the bytes it moves."""
+    """Moves arrays to a device along its path (`path`); counts the bytes it moves."""
 
     #: Put plain copies to the bare destination Device (see `move_many`);
     #: False puts them to its SingleDeviceSharding, as hetpar did before
