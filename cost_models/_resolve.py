@@ -209,10 +209,13 @@ class _Path(NamedTuple):
     def of(cls, lk: LinkProfile, sizes: Sequence[float]) -> _Path:
         """`lk` priced by its samples' curve where they give one. What reads a
         bandwidth alone (collectives, reports) gets the curve's rate at the
-        graph's typical copy (`typical_copy`), as `profile="measure"` does."""
+        graph's typical copy (`typical_copy`), as `profile="measure"` does,
+        and at 1 MiB at least, as its curves start: below that the latency
+        is most of a copy, and the rate is the samples' noise (a small
+        model's kB copies read 1.5 to 240 GB/s off one H200 host's curves)."""
         curve, bandwidth = lk.copy_curve(), lk.bandwidth_bytes_per_s
         if curve:
-            at = typical_copy(sizes)
+            at = max(typical_copy(sizes), float(1 << 20))
             took = curve_s(curve, at)
             bandwidth = at / took if took > 0 else bandwidth
         return cls(lk.latency_s, bandwidth, curve)
