@@ -228,8 +228,9 @@ class _Path(NamedTuple):
 def typical_copy(sizes: Sequence[float]) -> float:
     """The size that half the bytes of `sizes` come in copies of at most (a
     byte-weighted median): where one bandwidth is read off a link's curve.
-    Copies from an H100 host's CPU device ran 1.2 GB/s at 154 MB, where a
-    plan's 28 MB weights arrived at ~3 GB/s."""
+    Copies from an H100 host's CPU device (put to a SingleDeviceSharding, as
+    the engine then did) ran 1.2 GB/s at 154 MB, where a plan's 28 MB weights
+    arrived at ~3 GB/s."""
     ordered = sorted(float(b) for b in sizes if b > 0) or [1.0]
     half, run = sum(ordered) / 2.0, 0.0
     for b in ordered:

@@ -773,8 +773,7 @@ def _copy_sizes(table, src_kind: str, dst_kind: str) -> list[float]:
 def _copy_size(table, src_kind: str, dst_kind: str) -> float:
     """Bytes a copy src_kind -> dst_kind is measured at: the size that half the
     bytes such a link may carry come in copies of at most (a byte-weighted
-    median of `_copy_sizes`). Copies from an H100 host's CPU device ran
-    1.2 GB/s at 154 MB, where the plan's 28 MB weights arrived at ~3 GB/s.
+    median of `_copy_sizes`, `typical_copy`).
     """
     return typical_copy(_copy_sizes(table, src_kind, dst_kind))
 
