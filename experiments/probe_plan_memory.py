@@ -111,6 +111,20 @@ def _steps(step, args, n: int = 5, times: list | None = None) -> float:
     return float(np.median(times[1:]))
 
 
+def _alone(w, example, spec: str) -> dict:
+    """Each LAYER@DEVICE of `spec` timed alone (10 runs, every sample), in this
+    process: a stage's time and its layer's, with no spread between processes."""
+    from hetpar.cost_models import measure_layer
+
+    graph = hetpar.trace(w.train_step, *example)
+    rows = {}
+    for item in spec.split(","):
+        layer, _, device = item.partition("@")
+        t = measure_layer(graph, layer, device or "cpu:0", k=10, budget_s=None)
+        rows[item] = {"median_s": t.median_s, "samples": list(t.samples), "cached": t.cached}
+    return rows
+
+
 def _stage_times(step, args, n: int = 5) -> dict:
     """Each stage's median compute seconds over `n` steps (`Executor.record_events`
     serialises the step: a breakdown, not the step time), by device, with its
@@ -273,6 +287,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prefetch", type=int, default=None,
                     help="run: stages reading streamed state in flight per device "
                          "(Executor.PREFETCH; default the runtime's)")
+    ap.add_argument("--alone", default="",
+                    help="run: then time these layers alone in the same process, "
+                         "LAYER@DEVICE,... (as profile='measure' times them; beside --stages)")
     ap.add_argument("--sharded_puts", action="store_true",
                     help="plan, run: the transfer engine puts copies to a SingleDeviceSharding, "
                          "as before 2026-11-28 (TransferEngine.PUT_TO_DEVICE = False)")
@@ -333,13 +350,15 @@ def main(argv=None) -> int:
                     else None)
         watched = _watched(step, placed) if args.watch else None
         stages = _stage_times(step, placed) if args.stages else None
+        alone = _alone(w, example, args.alone) if args.alone else None
         tag = ("" if args.prefetch is None else f"_prefetch{args.prefetch}") + (
             "_sharded" if args.sharded_puts else "")
         _write(out, f"ran_{pathlib.Path(args.plan).stem}{tag}.json", {
             "batch": args.batch, "plan": args.plan, "peak_bytes_in_use": peak,
             "peak_after_compile": compiled_peak, "after_place": after_place,
             "in_use_after_steps": in_use, "step_s": t, "step_times_s": every, "device": kind,
-            "prefetch": args.prefetch, "stage_breakdown": stages, "timeline": watched,
+            "prefetch": args.prefetch, "stage_breakdown": stages, "alone": alone,
+            "timeline": watched,
             "peak_after_memory_trace": peak_after_trace if traced else None,
             "memory_trace": traced, "memory_timeline": timeline})
     elif args.what == "layers":
