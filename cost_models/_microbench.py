@@ -101,9 +101,9 @@ class BenchConfig:
 #: 4 KB, 16 KB, 64 KB, 256 KB, then 1 MiB .. 256 MiB at four sizes an octave
 #: (multiples of 4 kB). The copies' seconds become a link's curve
 #: (`LinkProfile.copy_curve`), and a curve interpolates across whatever
-#: happens between two samples: an H100 host's CPU device copied to the GPU
-#: (put to a SingleDeviceSharding) at ~3.5 GB/s up to 28 MiB and ~1.2 GB/s
-#: from 32 MiB, which a ladder of powers of four (16, 64 MiB) would miss
+#: happens between two samples: on an H200 host, pinned host memory -> GPU
+#: ran 31 GB/s at 27 MiB and 11 GB/s at 38 MiB, which a ladder of powers of
+#: four (16, 64 MiB) would put anywhere between them
 #: (experiments/results/links). Between samples 19% apart a fall costs at
 #: most that step.
 _TRANSFER_LADDER = (4096, 16384, 65536, 262144) + tuple(
@@ -473,6 +473,12 @@ def _time_transfer(src, dst, path: str, size: int, fresh: _Fresh) -> float:
     return time.perf_counter() - t0
 
 
+def _repetitions(cfg: BenchConfig, size: int) -> int:
+    """Timed copies of `size` bytes: large copies vary little between
+    repetitions and take longest."""
+    return cfg.k if size <= 16 * _MB else max(3, cfg.k - 2) if size <= 64 * _MB else 3
+
+
 def profile_link(
     src, dst, path: str, cfg: BenchConfig = FULL,
     progress: Callable[[str], None] | None = None, fresh: _Fresh | None = None,
@@ -483,8 +489,7 @@ def profile_link(
     say = progress or (lambda m: None)
     samples = []
     for size in cfg.transfer_bytes:
-        # Large copies vary little between repetitions and take longest.
-        k = cfg.k if size <= 16 * _MB else max(3, cfg.k - 2) if size <= 64 * _MB else 3
+        k = _repetitions(cfg, size)
         _time_transfer(src, dst, path, size, fresh)  # warm-up: compiles, allocates
         t = statistics.median(_time_transfer(src, dst, path, size, fresh) for _ in range(k))
         samples.append((float(size), t))
@@ -695,8 +700,7 @@ def _network_samples(ends: Sequence, sender: int, cfg: BenchConfig) -> list[tupl
                          else np.zeros(n, np.float32))
         _block(sync(tick))
         _block(send(x))  # warm-up: compiles, allocates
-        # Large copies vary little between repetitions and take longest.
-        k = cfg.k if size <= 16 * _MB else max(3, cfg.k - 2) if size <= 64 * _MB else 3
+        k = _repetitions(cfg, size)
         times = []
         for _ in range(k):
             _block(sync(tick))
