@@ -72,7 +72,7 @@ from typing import NamedTuple
 from absl import logging
 
 from hetpar.core import CostTable, Link, ProfileError, memory_place
-from hetpar.core._graph import curve_s
+from hetpar.core._graph import curve_rate
 from hetpar.cost_models._devices import (
     has_pinned_host,
     local_name,
@@ -213,12 +213,9 @@ class _Path(NamedTuple):
         and at 1 MiB at least, as its curves start: below that the latency
         is most of a copy, and the rate is the samples' noise (a small
         model's kB copies read 1.5 to 240 GB/s off one H200 host's curves)."""
-        curve, bandwidth = lk.copy_curve(), lk.bandwidth_bytes_per_s
-        if curve:
-            at = max(typical_copy(sizes), float(1 << 20))
-            took = curve_s(curve, at)
-            bandwidth = at / took if took > 0 else bandwidth
-        return cls(lk.latency_s, bandwidth, curve)
+        curve = lk.copy_curve()
+        rate = curve_rate(curve, max(typical_copy(sizes), float(1 << 20))) if curve else None
+        return cls(lk.latency_s, rate or lk.bandwidth_bytes_per_s, curve)
 
     def link(self, src: str, dst: str) -> Link:
         return Link(src, dst, bandwidth_bytes_per_s=self.bandwidth, latency_s=self.latency_s,
@@ -274,8 +271,8 @@ def _link(src: ResolvedDevice, dst: ResolvedDevice, profiles: ProfileSet,
 
     def to_host(acc: ResolvedDevice, outbound: bool) -> _Path | None:
         # Any measured CPU of the host will do: its CPU devices share one memory.
+        a_class = acc.profile.device_class
         for c in cpu_names:
-            a_class = acc.profile.device_class
             lk = (measured(acc.name, c, a_class, "cpu") if outbound
                   else measured(c, acc.name, "cpu", a_class))
             if lk is not None:

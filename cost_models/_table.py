@@ -58,7 +58,7 @@ from typing import Any
 from absl import logging
 
 from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
-from hetpar.core._graph import curve_s
+from hetpar.core._graph import curve_rate
 from hetpar.cost_models._equation_model import matmul_equations, predict_layer
 from hetpar.cost_models._layer_timing import (
     INTERLEAVED_PLATFORMS,
@@ -724,11 +724,10 @@ def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandw
             if points:
                 curves[way] = tuple((float(b), float(t)) for b, t in points)
                 # The straight line through the plan's typical copy, for what
-                # reads a bandwidth alone (collectives, reports); none where
-                # the curve prices that copy at nothing.
-                took = curve_s(curves[way], at[way])
-                if took > 0:
-                    by_way[way] = at[way] / took
+                # reads a bandwidth alone (collectives, reports).
+                rate = curve_rate(curves[way], at[way])
+                if rate is not None:
+                    by_way[way] = rate
         meta["link_curves"] = {"->".join(w): [list(p) for p in c] for w, c in curves.items()}
     if bandwidth is not None:
         for way, k in ways.items():

@@ -111,17 +111,20 @@ def _steps(step, args, n: int = 5, times: list | None = None) -> float:
     return float(np.median(times[1:]))
 
 
-def _alone(w, example, spec: str) -> dict:
-    """Each LAYER@DEVICE of `spec` timed alone (10 runs, every sample), in this
-    process: a stage's time and its layer's, with no spread between processes."""
+def _alone(w, example, spec: str, device: str) -> dict:
+    """Each layer of `spec` (LAYER or LAYER@DEVICE, comma-separated; `device`
+    where none is named) timed alone in this process, as profile="measure"
+    times it (10 runs, every sample): beside `run --stages`, a stage's time
+    and its layer's with no spread between processes."""
     from hetpar.cost_models import measure_layer
 
     graph = hetpar.trace(w.train_step, *example)
     rows = {}
     for item in spec.split(","):
-        layer, _, device = item.partition("@")
-        t = measure_layer(graph, layer, device or "cpu:0", k=10, budget_s=None)
-        rows[item] = {"median_s": t.median_s, "samples": list(t.samples), "cached": t.cached}
+        layer, _, on = item.partition("@")
+        t = measure_layer(graph, layer, on or device, k=10, budget_s=None)
+        rows[item] = {"typical_s": t.typical_s, "median_s": t.median_s,
+                      "samples": list(t.samples), "cached": t.cached}
     return rows
 
 
@@ -350,7 +353,7 @@ def main(argv=None) -> int:
                     else None)
         watched = _watched(step, placed) if args.watch else None
         stages = _stage_times(step, placed) if args.stages else None
-        alone = _alone(w, example, args.alone) if args.alone else None
+        alone = _alone(w, example, args.alone, args.host) if args.alone else None
         tag = ("" if args.prefetch is None else f"_prefetch{args.prefetch}") + (
             "_sharded" if args.sharded_puts else "")
         _write(out, f"ran_{pathlib.Path(args.plan).stem}{tag}.json", {
@@ -362,16 +365,9 @@ def main(argv=None) -> int:
             "peak_after_memory_trace": peak_after_trace if traced else None,
             "memory_trace": traced, "memory_timeline": timeline})
     elif args.what == "layers":
-        from hetpar.cost_models import measure_layer
-
-        graph = hetpar.trace(w.train_step, *example)
-        rows = {}
-        for layer in args.layers.split(","):
-            t = measure_layer(graph, layer, args.device, k=10, budget_s=None)
-            rows[layer] = {"typical_s": t.typical_s, "median_s": t.median_s,
-                           "samples": list(t.samples), "cached": t.cached}
         _write(out, f"layers_{args.device.replace(':', '')}.json",
-               {"batch": args.batch, "device": args.device, "kind": kind, "layers": rows})
+               {"batch": args.batch, "device": args.device, "kind": kind,
+                "layers": _alone(w, example, args.layers, args.device)})
     else:
         step = jax.jit(w.train_step)
         t = _steps(step, jax.device_put(example, resolve_device(args.device)))

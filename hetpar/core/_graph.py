@@ -101,6 +101,14 @@ class Link:
         return self.latency_s + self.copy_s(nbytes)
 
 
+def curve_rate(curve, nbytes: float) -> float | None:
+    """Bytes per second a link curve moves `nbytes` at, beyond its latency: the
+    one bandwidth read off a curve for what needs a single figure
+    (collectives, reports); None where the curve prices that copy at nothing."""
+    took = curve_s(curve, nbytes)
+    return nbytes / took if took > 0 else None
+
+
 def curve_s(curve, nbytes: float) -> float:
     """A link curve's seconds at `nbytes` (see `Link`)."""
     xs = [0.0] + [float(b) for b, _ in curve]

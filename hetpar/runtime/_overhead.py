@@ -52,7 +52,8 @@ def _chain_step(layers: int):
     return step
 
 
-def _median_s(run, runs: int, stat=np.median) -> float:
+def _timed_s(run, runs: int, stat=np.median) -> float:
+    """The `stat` (default: median) of `runs` timed calls of `run`, after one untimed."""
     jax.block_until_ready(run())  # compile, warm caches
     times = []
     for _ in range(runs):
@@ -77,11 +78,11 @@ def _split_and_whole_s(plan: Callable[[int], Any], devices: dict, layers: int, r
     stages = split(graph, parse_placements({n: plan(i) for i, n in enumerate(graph.layers)}))
     ex = Executor(stages, devices, TransferEngine(), workers)
     flat = ex.place_inputs(jax.tree_util.tree_leaves((ws, x)))
-    split_s = _median_s(lambda: ex(flat), runs)
+    split_s = _timed_s(lambda: ex(flat), runs)
     sharding = jax.sharding.SingleDeviceSharding(next(iter(devices.values())))
     jitted = jax.jit(step, in_shardings=sharding, out_shardings=sharding)
     args = jax.device_put((ws, x), sharding)
-    return split_s, _median_s(lambda: jitted(*args), runs), stages
+    return split_s, _timed_s(lambda: jitted(*args), runs), stages
 
 
 def stage_overhead_s(name: str, device: jax.Device, *, layers: int = 6, runs: int = 30,
@@ -143,7 +144,7 @@ def _copy_timer(src: jax.Device, dst: jax.Device, runs: int) -> Callable[..., fl
 
     def timed(count: int, stat=np.median) -> float:
         x = jax.device_put(jnp.ones((count,), jnp.float32), src)
-        return _median_s(lambda: engine.move(x, dst), runs, stat)
+        return _timed_s(lambda: engine.move(x, dst), runs, stat)
 
     return timed
 
