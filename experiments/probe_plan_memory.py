@@ -95,17 +95,27 @@ def _lowered(step, args: list) -> tuple:
     return state, batch, ex
 
 
-def _steps(step, args, n: int = 5, times: list | None = None) -> float:
-    """The median seconds of steps 2..n (each step's seconds appended to `times`)."""
+def _steps(step, args, n: int = 5, times: list | None = None,
+           stacks: dict | None = None) -> float:
+    """The median seconds of steps 2..n (each step's seconds appended to `times`;
+    `stacks`, a dict: the threads sampled through the last step, `_Sampler`)."""
     state, batch = _take(args)
     times = [] if times is None else times
+    sampler = None
     try:
-        for _ in range(n):
+        for i in range(n):
+            if stacks is not None and i == n - 1:
+                sampler = _Sampler()
+                sampler.start()
             t0 = time.perf_counter()
+            if sampler:
+                sampler.t0 = t0
             *state, loss = step(*state, batch)
             jax.block_until_ready((state, loss))
             times.append(time.perf_counter() - t0)
     finally:
+        if sampler:
+            stacks.update(sampler.stop(), step_s=times[-1])
         if isinstance(args, list):
             args[:] = [*state, batch]
     return float(np.median(times[1:]))
@@ -160,22 +170,103 @@ def _stage_times(step, args, n: int = 5) -> dict:
     return {"serialised_step_s": float(np.median(walls)), "busy_s": busy, "stages": rows[:12]}
 
 
-def _watched(step, args, n: int = 3) -> list[dict]:
+def _watched(step, args, n: int = 3, stacks: dict | None = None) -> list[dict]:
     """The last of `n` steps as it runs, not serialised (`Executor.watch_events`):
-    each stage's compute, copies in and copies out, seconds from the step's start."""
+    each stage's compute, copies in and copies out, seconds from the step's start.
+
+    `stacks` (a dict, filled): the last step's Python threads sampled every
+    ~2 ms (each thread's innermost frames) and the garbage collector's passes,
+    on the events' clock: what the host does where no stage runs."""
+    from hetpar.runtime import _executor
+
     state, batch, ex = _lowered(step, args)
     if ex is None:
         return None
     ex.watch_events = True
+    sampler = _Sampler() if stacks is not None else None
+    original = _executor._Run.__init__
+
+    def init(run, *a, **k):  # the events' clock starts at the last _Run's t0
+        original(run, *a, **k)
+        if sampler:
+            sampler.t0 = run.t0
+    _executor._Run.__init__ = init
     try:
-        for _ in range(n):
+        for i in range(n):
+            if sampler and i == n - 1:
+                sampler.start()
             *state, loss = step(*state, batch)
             jax.block_until_ready((state, loss))
     finally:
+        _executor._Run.__init__ = original
+        if sampler:
+            stacks.update(sampler.stop())
         ex.watch_events = False
         args[:] = [*state, batch]
     names = {s.index: list(s.layers) for s in ex.stages.stages}
     return [{**dataclasses.asdict(ev), "layers": names.get(ev.stage)} for ev in ex.last_events]
+
+
+class _Sampler:
+    """Samples every Python thread's innermost frames, and times the garbage
+    collector's passes, from a daemon thread (a gap in its samples is a stretch
+    where another thread held the interpreter)."""
+
+    def __init__(self, every_s: float = 0.002, depth: int = 4):
+        import threading
+
+        self.every_s, self.depth, self.t0 = every_s, depth, None
+        self.samples: list = []
+        self.gc: list = []
+        self._gc_start = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _on_gc(self, phase, info):
+        now = time.perf_counter()
+        if phase == "start":
+            self._gc_start = now
+        elif self._gc_start is not None:
+            self.gc.append({"start": self._gc_start, "s": now - self._gc_start,
+                            "generation": info.get("generation"),
+                            "collected": info.get("collected")})
+
+    def _run(self):
+        import sys
+        import threading
+        import traceback
+
+        me = threading.get_ident()
+        names = {}
+        while not self._stop.is_set():
+            now = time.perf_counter()
+            for t in threading.enumerate():
+                names[t.ident] = t.name
+            threads = {}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                stack = traceback.extract_stack(frame)[-self.depth:]
+                threads[names.get(ident, str(ident))] = [
+                    f"{pathlib.Path(f.filename).name}:{f.name}:{f.lineno}" for f in stack]
+            self.samples.append({"t": now, "threads": threads})
+            time.sleep(self.every_s)
+
+    def start(self):
+        import gc
+
+        gc.callbacks.append(self._on_gc)
+        self._thread.start()
+
+    def stop(self) -> dict:
+        import gc
+
+        self._stop.set()
+        self._thread.join()
+        gc.callbacks.remove(self._on_gc)
+        t0 = self.t0 or 0.0
+        return {"samples": [{**s, "t": s["t"] - t0} for s in self.samples],
+                "gc": [{**g, "start": g["start"] - t0} for g in self.gc]}
 
 
 def _memory_trace(step, args, device: str) -> list[dict]:
@@ -285,6 +376,12 @@ def main(argv=None) -> int:
                     help="run: also time each stage alone (a serialised breakdown)")
     ap.add_argument("--watch", action="store_true",
                     help="run: also record one step's compute and copies as it runs")
+    ap.add_argument("--stacks", action="store_true",
+                    help="run: sample the Python threads' stacks and the garbage "
+                         "collector's passes through the last timed step (and with "
+                         "--watch, the watched step)")
+    ap.add_argument("--no_gc", action="store_true",
+                    help="run: the garbage collector off through the timed and watched steps")
     ap.add_argument("--steps", type=int, default=12,
                     help="run: steps timed (the first is left out of the median)")
     ap.add_argument("--prefetch", type=int, default=None,
@@ -345,23 +442,30 @@ def main(argv=None) -> int:
         # steps keep a stage's copied inputs a stage longer).
         traced = _memory_trace(step, placed, args.device) if args.memory_trace else None
         peak_after_trace = _peak(args.device)
+        if args.no_gc:
+            import gc
+
+            gc.collect()
+            gc.disable()
         every: list[float] = []
-        t = _steps(step, placed, args.steps, every)
+        unwatched = {} if args.stacks else None
+        t = _steps(step, placed, args.steps, every, stacks=unwatched)
         peak = _peak(args.device)
         in_use = _in_use(args.device)
         timeline = (_memory_timeline(step, placed, args.device) if args.memory_timeline
                     else None)
-        watched = _watched(step, placed) if args.watch else None
+        stacks = {} if args.stacks and args.watch else None
+        watched = _watched(step, placed, stacks=stacks) if args.watch else None
         stages = _stage_times(step, placed) if args.stages else None
         alone = _alone(w, example, args.alone, args.host) if args.alone else None
         tag = ("" if args.prefetch is None else f"_prefetch{args.prefetch}") + (
-            "_sharded" if args.sharded_puts else "")
+            "_sharded" if args.sharded_puts else "") + ("_nogc" if args.no_gc else "")
         _write(out, f"ran_{pathlib.Path(args.plan).stem}{tag}.json", {
             "batch": args.batch, "plan": args.plan, "peak_bytes_in_use": peak,
             "peak_after_compile": compiled_peak, "after_place": after_place,
             "in_use_after_steps": in_use, "step_s": t, "step_times_s": every, "device": kind,
             "prefetch": args.prefetch, "stage_breakdown": stages, "alone": alone,
-            "timeline": watched,
+            "timeline": watched, "stacks": stacks, "stacks_unwatched": unwatched,
             "peak_after_memory_trace": peak_after_trace if traced else None,
             "memory_trace": traced, "memory_timeline": timeline})
     elif args.what == "layers":

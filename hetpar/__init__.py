@@ -38,6 +38,7 @@ _LAZY = {
     "plan": "hetpar.planner",
     "StageError": "hetpar.runtime",
     "PredictionWarning": "hetpar._auto",
+    "HostMemoryWarning": "hetpar.runtime",
     "gather": "hetpar.runtime",
 }
 
@@ -47,7 +48,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from hetpar._report import CostReport, report
     from hetpar.passes import LayerGraph, layer, trace
     from hetpar.planner import Plan, plan
-    from hetpar.runtime import StageError, gather
+    from hetpar.runtime import HostMemoryWarning, StageError, gather
 
 
 # Sub-packages reachable as attributes (`hetpar.zoo.get(...)` after `import hetpar`).
@@ -72,6 +73,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "AutoStep",
     "PredictionWarning",
+    "HostMemoryWarning",
     "auto",
     "grad",
     "value_and_grad",

@@ -69,6 +69,7 @@ from hetpar.passes import (
     trace,
 )
 from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
+from hetpar.runtime._host_memory import warn_without_huge_pages
 
 _OBJECTIVES = ("time", "cost", "energy")
 _ON_MISSING_DEVICE = ("error", "replan")
@@ -475,6 +476,8 @@ class CompiledStep:
                                       TransferEngine(), workers)
         if multi:
             self._check_across_processes()
+        if self._executor is not None:
+            warn_without_huge_pages(self.devices[memory_place(d)[0]].platform for d in used)
         if self._calibration_args is not None:
             self.predicted()  # a step nothing planned is costed now, while the arguments are here
             self._calibration_args = None
