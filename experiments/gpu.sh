@@ -158,7 +158,13 @@ export OUT PYTHONUNBUFFERED=1
 # Huge pages for malloc, as the `hetpar` command sets for itself: a CPU layer's
 # temporaries in 4 KiB pages cost it 15-25% and stalled the process 40-80 ms
 # after it (results/cpu_stall). HETPAR_NO_HUGE_PAGES=1 runs as before.
-[ -n "${HETPAR_NO_HUGE_PAGES:-}" ] || export GLIBC_TUNABLES=${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}
+# A hugetlb value the caller names is kept, other tunables joined.
+if [ -z "${HETPAR_NO_HUGE_PAGES+set}" ]; then
+  case ":${GLIBC_TUNABLES:-}:" in
+    *:glibc.malloc.hugetlb=*) ;;
+    *) export GLIBC_TUNABLES="${GLIBC_TUNABLES:+$GLIBC_TUNABLES:}glibc.malloc.hugetlb=1" ;;
+  esac
+fi
 
 setup
 CARD=${CARD:-$(card)}

@@ -230,7 +230,8 @@ def main(argv=None) -> int:
         for row in rows:
             row["threads_in_stall"] = threads.busy(*row["late_window"], known)
             row["threads_after"] = threads.busy(row["t1"], row["t1"] + 0.15, known)
-    env = {k: v for k, v in os.environ.items() if k.startswith(("MALLOC", "LD_PRELOAD"))}
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(("MALLOC", "LD_PRELOAD", "GLIBC_TUNABLES"))}
     head_ms = statistics.median(r["head_s"] for r in rows) * 1e3
     during = statistics.median(r["late_during_s"] for r in rows) * 1e3
     after = statistics.median(r["late_after_s"] for r in rows) * 1e3

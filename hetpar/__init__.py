@@ -38,17 +38,18 @@ _LAZY = {
     "plan": "hetpar.planner",
     "StageError": "hetpar.runtime",
     "PredictionWarning": "hetpar._auto",
-    "HostMemoryWarning": "hetpar.runtime",
+    "HostMemoryWarning": "hetpar._host_memory",
     "gather": "hetpar.runtime",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from hetpar._auto import AutoStep, PredictionWarning, auto
     from hetpar._grad import grad, value_and_grad
+    from hetpar._host_memory import HostMemoryWarning
     from hetpar._report import CostReport, report
     from hetpar.passes import LayerGraph, layer, trace
     from hetpar.planner import Plan, plan
-    from hetpar.runtime import HostMemoryWarning, StageError, gather
+    from hetpar.runtime import StageError, gather
 
 
 # Sub-packages reachable as attributes (`hetpar.zoo.get(...)` after `import hetpar`).

@@ -57,6 +57,7 @@ from hetpar.cost_models import ProfileSet, present_devices
 # step's first call pinned that call's arguments (a 40 GB optimizer state on
 # the GPU) for the life of the process.
 import hetpar.planner  # noqa: E402,F401  isort: skip
+from hetpar._host_memory import warn_without_huge_pages
 from hetpar.passes import (
     LayerGraph,
     StageGraph,
@@ -69,7 +70,6 @@ from hetpar.passes import (
     trace,
 )
 from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
-from hetpar.runtime._host_memory import warn_without_huge_pages
 
 _OBJECTIVES = ("time", "cost", "energy")
 _ON_MISSING_DEVICE = ("error", "replan")
@@ -477,7 +477,10 @@ class CompiledStep:
         if multi:
             self._check_across_processes()
         if self._executor is not None:
-            warn_without_huge_pages(self.devices[memory_place(d)[0]].platform for d in used)
+            # The platforms that compute here (a CPU that only holds state computes nothing).
+            ex = self._executor
+            warn_without_huge_pages(ex.devices[d].platform for d in ex.local
+                                    if ex.stages.device_order[d])
         if self._calibration_args is not None:
             self.predicted()  # a step nothing planned is costed now, while the arguments are here
             self._calibration_args = None

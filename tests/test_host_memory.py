@@ -2,79 +2,125 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import warnings
 
 import pytest
 
-from hetpar.runtime import HostMemoryWarning, _host_memory
-from hetpar.runtime._host_memory import (
+import hetpar
+from hetpar import _host_memory
+from hetpar._host_memory import (
     TUNABLE,
     ensure_huge_pages,
+    glibc_takes_it,
     has_huge_pages,
+    hugetlb_setting,
     warn_without_huge_pages,
     with_huge_pages,
 )
 
+GLIBC = "glibc 2.39"
 
-@pytest.mark.parametrize("tunables, on", [
-    (None, False), ("", False), ("glibc.malloc.hugetlb=0", False),
-    ("glibc.malloc.hugetlb=1", True), ("glibc.malloc.hugetlb=2", True),
-    ("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", True),
-    ("glibc.malloc.arena_max=2", False)])
-def test_huge_pages_are_read_from_glibc_tunables(tunables, on):
+
+@pytest.mark.parametrize("tunables, setting, on", [
+    (None, None, False), ("", None, False), ("glibc.malloc.hugetlb=0", "0", False),
+    ("glibc.malloc.hugetlb=1", "1", True), ("glibc.malloc.hugetlb=2", "2", True),
+    ("glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "1", True),
+    ("glibc.malloc.arena_max=2", None, False)])
+def test_huge_pages_are_read_from_glibc_tunables(tunables, setting, on):
     env = {} if tunables is None else {"GLIBC_TUNABLES": tunables}
+    assert hugetlb_setting(env) == setting
     assert has_huge_pages(env) is on
 
 
-def test_the_tunable_joins_the_others():
+def test_the_tunable_joins_the_others_and_a_users_value_stays():
     assert with_huge_pages({})["GLIBC_TUNABLES"] == TUNABLE
     both = with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"})
     assert both == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{TUNABLE}", "PATH": "/bin"}
-    off = with_huge_pages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})  # replaced, not doubled
-    assert off["GLIBC_TUNABLES"] == TUNABLE
-    kept = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=2"}
-    assert with_huge_pages(kept) == kept
+    for named in ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=2"):
+        assert with_huge_pages({"GLIBC_TUNABLES": named}) == {"GLIBC_TUNABLES": named}
 
 
-def _execs(argv, env, platform="linux"):
+@pytest.mark.parametrize("libc, takes", [
+    ("glibc 2.39", True), ("glibc 2.35", True), ("glibc 2.34", False),
+    ("glibc 3.0", True), ("musl 1.2", False), ("", False), ("glibc x", False)])
+def test_only_a_glibc_that_has_the_tunable_gets_it(libc, takes):
+    assert glibc_takes_it(libc) is takes
+
+
+def _execs(argv, env, platform="linux", libc=GLIBC, orig=None):
     calls = []
-    ensure_huge_pages(argv, env, execve=lambda *a: calls.append(a), platform=platform)
+    ensure_huge_pages(argv, env, execve=lambda *a: calls.append(a), platform=platform, libc=libc,
+                      orig_argv=orig or [sys.executable, "-m", "hetpar", *argv])
     return calls
 
 
-def test_the_cli_reexecutes_itself_with_huge_pages_for_commands_that_compute():
-    (call,) = _execs(["run", "resnet18", "--steps", "3"], {"HOME": "/root"})
+def test_the_cli_reexecutes_itself_as_started_for_commands_that_compute():
+    (call,) = _execs(["run", "resnet18", "--steps", "3"], {"HOME": "/root"},
+                     orig=["python3", "-X", "importtime", "-m", "hetpar", "run", "resnet18",
+                           "--steps", "3"])
     path, argv, env = call
-    assert path == sys.executable
-    assert argv == [sys.executable, "-m", "hetpar", "run", "resnet18", "--steps", "3"]
+    assert path == sys.executable  # interpreter options and -m kept
+    assert argv == [sys.executable, "-X", "importtime", "-m", "hetpar", "run", "resnet18",
+                    "--steps", "3"]
     assert env == {"HOME": "/root", "GLIBC_TUNABLES": TUNABLE}
-    assert _execs(["--verbosity", "1", "profile", "--quick"], {})  # flags before it
+    script = ["python3", "/venv/bin/hetpar", "profile", "--quick"]  # the console script
+    assert _execs(["profile", "--quick"], {}, orig=script)[0][1] == [sys.executable, *script[1:]]
+    assert _execs(["--verbosity", "1", "costs", "x"], {})  # a flag's value first
     for argv in (["plan", "g.json"], ["trace", "resnet18"], ["--help"], []):
         assert not _execs(argv, {}), argv
     assert not _execs(["run", "x"], {"GLIBC_TUNABLES": TUNABLE})  # set already: no loop
-    assert not _execs(["run", "x"], {"HETPAR_NO_HUGE_PAGES": "1"})
+    assert not _execs(["run", "x"], {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})  # the user's
+    assert not _execs(["run", "x"], {"HETPAR_NO_HUGE_PAGES": ""})
     assert not _execs(["run", "x"], {}, platform="darwin")
+    assert not _execs(["run", "x"], {}, libc="glibc 2.31")
 
 
-def test_the_command_runs_with_huge_pages():
-    """`python -m hetpar costs` really re-executes: its process sees the tunable."""
-    code = ("import os, sys; from hetpar.runtime import _host_memory as h; "
-            "sys.argv = ['hetpar', 'costs', '--help']; "
-            "h.ensure_huge_pages(sys.argv[1:]); print(os.environ.get('GLIBC_TUNABLES'))")
-    env = {k: v for k, v in __import__("os").environ.items()
+def test_the_cli_entry_point_reexecutes_from_the_shell_only(monkeypatch):
+    """`hetpar.cli.run()` (the console script, `python -m hetpar`) re-executes;
+    `run(argv)`, called from Python, keeps the caller's process."""
+    from hetpar import cli
+
+    class Exec(Exception):
+        pass
+
+    def execve(path, argv, env):
+        raise Exec(argv, env)
+
+    monkeypatch.setattr(os, "execve", execve)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(_host_memory, "glibc_takes_it", lambda libc=None: True)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("HETPAR_NO_HUGE_PAGES", raising=False)
+    monkeypatch.setattr(sys, "argv", ["hetpar", "costs", "--help"])
+    with pytest.raises(Exec) as e:
+        cli.run()
+    assert e.value.args[1]["GLIBC_TUNABLES"] == TUNABLE
+    with pytest.raises(SystemExit) as done:  # the help, in this process
+        cli.run(["costs", "--help"])
+    assert done.value.code == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not glibc_takes_it(),
+                    reason="the tunable is for glibc 2.35+ on Linux")
+def test_the_command_runs_once_more_with_huge_pages(tmp_path):
+    """`python -m hetpar costs --help` starts two interpreters: the first without
+    the tunable, the second (its re-exec) with it; `plan` starts one."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nprint('started', os.environ.get('GLIBC_TUNABLES'), flush=True)\n")
+    env = {k: v for k, v in os.environ.items()
            if k not in ("GLIBC_TUNABLES", "HETPAR_NO_HUGE_PAGES")}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
-    if sys.platform == "linux":
-        # Re-executed as `python -m hetpar costs --help`: the help, not the print.
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    starts = {}
+    for command in ("costs", "plan"):
+        out = subprocess.run([sys.executable, "-m", "hetpar", command, "--help"], env=env,
+                             capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, out.stderr[-2000:]
-        assert "costs" in out.stdout and TUNABLE not in out.stdout
-    shown = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.environ.get('GLIBC_TUNABLES'))"],
-        env=with_huge_pages(env), capture_output=True, text=True, timeout=60).stdout
-    assert TUNABLE in shown
+        starts[command] = [line for line in out.stdout.splitlines() if line.startswith("started")]
+    assert starts["costs"] == ["started None", f"started {TUNABLE}"]
+    assert starts["plan"] == ["started None"]
 
 
 @pytest.fixture
@@ -83,36 +129,38 @@ def fresh_warning(monkeypatch):
 
 
 def test_auto_warns_once_when_a_cpu_computes_beside_an_accelerator(fresh_warning):
-    with pytest.warns(HostMemoryWarning, match="GLIBC_TUNABLES=glibc.malloc.hugetlb=1"):
-        assert warn_without_huge_pages(["cpu", "gpu"], env={}, platform="linux")
+    with pytest.warns(HostMemoryWarning, match="GLIBC_TUNABLES=glibc.malloc.hugetlb=1") as w:
+        assert warn_without_huge_pages(["cpu", "gpu"], {}, platform="linux", libc=GLIBC)
+    assert w[0].filename == __file__  # it points at the caller, not at hetpar
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not warn_without_huge_pages(["cpu", "gpu"], env={}, platform="linux")  # once
+        assert not warn_without_huge_pages(["cpu", "gpu"], {}, platform="linux", libc=GLIBC)
 
 
-@pytest.mark.parametrize("platforms, env, platform", [
-    (["cpu", "cpu"], {}, "linux"),  # the CPU alone: nothing waits on it
-    (["gpu", "gpu"], {}, "linux"),
-    (["cpu", "gpu"], {"GLIBC_TUNABLES": TUNABLE}, "linux"),
-    (["cpu", "gpu"], {"HETPAR_NO_HUGE_PAGES": "1"}, "linux"),
-    (["cpu", "tpu"], {}, "darwin")])
-def test_no_warning_where_huge_pages_would_not_help(fresh_warning, platforms, env, platform):
+HostMemoryWarning = hetpar.HostMemoryWarning
+
+
+@pytest.mark.parametrize("platforms, env, platform, libc", [
+    (["cpu", "cpu"], {}, "linux", GLIBC),  # the CPU alone: nothing waits on it
+    (["gpu", "gpu"], {}, "linux", GLIBC),
+    (["cpu", "gpu"], {"GLIBC_TUNABLES": TUNABLE}, "linux", GLIBC),
+    (["cpu", "gpu"], {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "linux", GLIBC),
+    (["cpu", "gpu"], {"HETPAR_NO_HUGE_PAGES": "1"}, "linux", GLIBC),
+    (["cpu", "gpu"], {}, "linux", "glibc 2.31"),
+    (["cpu", "tpu"], {}, "darwin", GLIBC)])
+def test_no_warning_where_huge_pages_would_not_help(fresh_warning, platforms, env, platform,
+                                                    libc):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not warn_without_huge_pages(platforms, env=env, platform=platform)
+        assert not warn_without_huge_pages(platforms, env, platform=platform, libc=libc)
 
 
-def test_a_split_plan_on_cpus_alone_does_not_warn(fresh_warning, monkeypatch):
-    """hetpar.auto asks about its plan's devices: CPUs alone (here two virtual ones)
-    do not warn, the same plan with one of them taken for an accelerator does."""
+def test_auto_asks_with_the_platforms_that_compute(fresh_warning, monkeypatch):
+    """hetpar.auto asks with the platforms of the devices that run stages: two
+    virtual CPUs computing say ["cpu", "cpu"] (no warning); a CPU that only
+    holds a layer's state is not asked about."""
     import jax
     import jax.numpy as jnp
-
-    import hetpar
-
-    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
-    monkeypatch.delenv("HETPAR_NO_HUGE_PAGES", raising=False)
-    monkeypatch.setattr(sys, "platform", "linux")
 
     def step(w, x):
         def loss(w):
@@ -125,14 +173,11 @@ def test_a_split_plan_on_cpus_alone_does_not_warn(fresh_warning, monkeypatch):
         val, g = jax.value_and_grad(loss)(w)
         return [a - 0.1 * b for a, b in zip(w, g)], val
 
-    w, x = [jnp.ones((4, 4)), jnp.ones((4, 4)) * 0.5], jnp.ones((2, 4))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", HostMemoryWarning)
-        hetpar.auto(step, plan={"first": "cpu:0", "second": "cpu:1"})(w, x)
     seen = []
-    monkeypatch.setattr(_host_memory, "warn_without_huge_pages",
-                        lambda platforms, **k: seen.append(sorted(platforms)))
-    monkeypatch.setattr(hetpar._auto, "warn_without_huge_pages",
-                        _host_memory.warn_without_huge_pages)
+    monkeypatch.setattr("hetpar._auto.warn_without_huge_pages",
+                        lambda platforms: seen.append(sorted(platforms)))
+    w, x = [jnp.ones((4, 4)), jnp.ones((4, 4)) * 0.5], jnp.ones((2, 4))
     hetpar.auto(step, plan={"first": "cpu:0", "second": "cpu:1"})(w, x)
-    assert seen == [["cpu", "cpu"]]  # asked with the plan's devices' platforms
+    held = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:0"}
+    hetpar.auto(step, plan={"first": "cpu:0", "second": held})(w, x)
+    assert seen == [["cpu", "cpu"], ["cpu"]]

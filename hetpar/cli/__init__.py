@@ -60,9 +60,9 @@ def run(argv: list[str] | None = None) -> None:
         sys.argv = [sys.argv[0], *argv]
     else:
         # A command started from the shell: huge pages for the host CPU's layers
-        # (hetpar.runtime._host_memory says why); called with argv, the caller's
+        # (hetpar._host_memory says why); called with argv, the caller's
         # process stays as it is.
-        from hetpar.runtime._host_memory import ensure_huge_pages
+        from hetpar._host_memory import ensure_huge_pages
 
         ensure_huge_pages(sys.argv[1:])
     app.run(_main, flags_parser=lambda argv: _parser().parse_args(argv[1:]))

@@ -1,7 +1,7 @@
 """Running plans: the transfer engine, the per-device executor, data-parallel replicas."""
 
+from hetpar._host_memory import HostMemoryWarning
 from hetpar.runtime._executor import Executor, StageError, StageEvent, Workers
-from hetpar.runtime._host_memory import HostMemoryWarning
 from hetpar.runtime._network import gather
 from hetpar.runtime._overhead import crossing_s, link_bandwidth, link_curve, stage_overhead_s
 from hetpar.runtime._replicated import Replicated

@@ -1,0 +1,135 @@
+"""Huge pages for the host CPU's layers (glibc's `glibc.malloc.hugetlb` tunable).
+
+XLA's CPU runtime allocates a computation's temporaries with malloc on every
+call: GPT-2's tied LM head at batch 16 takes ~1.2 GB of them. glibc maps
+allocations that large afresh from 4 KiB pages, so every call first touches
+~300,000 pages, and unmaps them after. On an H200 host (16 cores,
+experiments/results/cpu_stall) that unmapping kept a native thread busy
+45-78 ms after each head, and a Python thread calling into JAX then (the GPU's
+worker copying the head's result) held every other Python thread up for as
+long: the plan's GPU backward started that late on every step. With
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (malloc asks for transparent huge
+pages) the stall went from 70 ms to 2 ms, the head itself ran 15-25% faster,
+and the memory-capped GPT-2 plan's step went from 1.131 s to 0.911 s
+(predicted 0.900 s).
+
+glibc (2.35 on) reads the tunable when a process starts: the `hetpar` CLI
+re-executes itself with it (`ensure_huge_pages`); `hetpar.auto` warns once when
+a plan computes on a CPU beside an accelerator without it. Neither happens where
+it cannot help (not Linux, not glibc 2.35 or later) or where the user named the
+tunable already (`glibc.malloc.hugetlb=0` included) or set HETPAR_NO_HUGE_PAGES.
+Standard library only: the CLI asks before anything imports JAX.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+
+TUNABLE = "glibc.malloc.hugetlb=1"
+# The sub-commands that compute layers on a host CPU (timing them, or running a plan).
+COMPUTING_COMMANDS = frozenset({"run", "profile", "costs"})
+OPT_OUT = "HETPAR_NO_HUGE_PAGES"  # set (to anything, even empty) to keep the process as it starts
+
+
+class HostMemoryWarning(UserWarning):
+    """A plan computes on a host CPU in a process without huge pages for malloc."""
+
+
+def hugetlb_setting(env: Mapping[str, str] = os.environ) -> str | None:
+    """The value `env`'s GLIBC_TUNABLES gives glibc.malloc.hugetlb (None: not named)."""
+    for item in env.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        if name.strip() == "glibc.malloc.hugetlb":
+            return value.strip()
+    return None
+
+
+def has_huge_pages(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether `env` asks glibc's malloc for huge pages (hugetlb 1 or 2)."""
+    return hugetlb_setting(env) not in (None, "", "0")
+
+
+def with_huge_pages(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with the tunable added to any GLIBC_TUNABLES it has (a hugetlb value it
+    names already is kept)."""
+    out = dict(env)
+    if hugetlb_setting(out) is None:
+        have = [t for t in out.get("GLIBC_TUNABLES", "").split(":") if t]
+        out["GLIBC_TUNABLES"] = ":".join([*have, TUNABLE])
+    return out
+
+
+def glibc_takes_it(libc: str | None = None) -> bool:
+    """Whether this process's C library is glibc 2.35 or later (the tunable's first)."""
+    if libc is None:
+        try:
+            libc = os.confstr("CS_GNU_LIBC_VERSION")
+        except (AttributeError, ValueError, OSError):
+            return False
+    name, _, version = (libc or "").partition(" ")
+    try:
+        return name == "glibc" and tuple(int(v) for v in version.split(".")[:2]) >= (2, 35)
+    except ValueError:
+        return False
+
+
+def _wanted(env: Mapping[str, str], platform: str | None, libc: str | None) -> bool:
+    """Whether a process with `env` should get the tunable: on Linux with a glibc
+    that takes it, the user naming neither it nor the opt-out."""
+    return ((platform or sys.platform) == "linux" and hugetlb_setting(env) is None
+            and OPT_OUT not in env and glibc_takes_it(libc))
+
+
+def ensure_huge_pages(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
+                      execve=None, platform: str | None = None, libc: str | None = None,
+                      orig_argv: Sequence[str] | None = None) -> None:
+    """Re-executes this process as it was started (`sys.orig_argv`: interpreter
+    options, `-m hetpar` or the console script) with the tunable set, where its
+    sub-command (`argv`) computes on the host CPU and `_wanted` says so. Returns
+    only where it does not."""
+    env = os.environ if env is None else env
+    # Any word naming such a sub-command (a flag's value may come first); a word
+    # that only looks like one costs a re-exec, nothing else.
+    computes = any(a in COMPUTING_COMMANDS for a in argv if not a.startswith("-"))
+    started = list(sys.orig_argv if orig_argv is None else orig_argv)
+    if (not computes or not _wanted(env, platform, libc) or not sys.executable
+            or getattr(sys, "frozen", False) or len(started) < 2):
+        return
+    (execve or os.execve)(sys.executable, [sys.executable, *started[1:]], with_huge_pages(env))
+
+
+_warned = False
+
+
+def _user_stacklevel() -> int:
+    """The stack level of the first frame outside hetpar (counted from the caller
+    of `warnings.warn` in `warn_without_huge_pages`)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(2), 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(root):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def warn_without_huge_pages(platforms: Iterable[str], env: Mapping[str, str] | None = None, *,
+                            platform: str | None = None, libc: str | None = None) -> bool:
+    """Warns once per process (returns True) when a plan computes on a CPU beside
+    an accelerator (`platforms`: the JAX platforms of the devices that run its
+    stages in this process) and `_wanted` says the tunable would help."""
+    global _warned
+    kinds = set(platforms)
+    env = os.environ if env is None else env
+    if _warned or "cpu" not in kinds or kinds == {"cpu"} or not _wanted(env, platform, libc):
+        return False
+    _warned = True
+    warnings.warn(
+        "hetpar: this plan computes on the host CPU beside an accelerator, and this "
+        "process's malloc maps the CPU's temporaries in 4 KiB pages: on an H200 host "
+        "that made a GPT-2 plan's step 1.24x slower (the CPU's layers slower, and "
+        "45-78 ms stalls of every Python thread after a large CPU layer). Start "
+        f"Python with GLIBC_TUNABLES={TUNABLE} (the `hetpar` command does so itself); "
+        f"set {OPT_OUT}=1 to silence this.", HostMemoryWarning, stacklevel=_user_stacklevel())
+    return True
