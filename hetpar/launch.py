@@ -17,6 +17,9 @@ own `jax.distributed.initialize()` detects. Each copy gets the environment
   CUDA_VISIBLE_DEVICES  GPUs [i*G, (i+1)*G) of those visible, for copy i,
                         when --gpus_per_process G is given (each process
                         then drives its own GPUs, as on separate hosts)
+  GLIBC_TUNABLES        with glibc.malloc.hugetlb=1, where glibc takes it and
+                        neither it nor HETPAR_NO_HUGE_PAGES is set (huge pages
+                        for the host CPU's layers: hetpar/_host_memory.py)
 
 Every output line of copy i is printed as `[p{i}] line`. When a copy exits
 non-zero, the others get `--grace` seconds to finish (they usually hang in a
@@ -37,6 +40,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from hetpar import _host_memory
 
 # Our own variable names: JAX auto-detects only cluster managers (SLURM, Open
 # MPI, TPU, Kubernetes) and JAX_COORDINATOR_ADDRESS, never the process count or
@@ -84,6 +89,8 @@ def child_env(base: dict, *, process_id: int, num_processes: int, coordinator: s
                              f"processes needs {num_processes * gpus_per_process} GPUs; "
                              f"CUDA_VISIBLE_DEVICES lists {len(ids)}")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+    if _host_memory._wanted(env, None, None):
+        env = _host_memory.with_huge_pages(env)
     # Lines should arrive as they are printed, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"
     return env

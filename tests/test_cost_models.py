@@ -365,6 +365,12 @@ def test_cli_profile_quick_end_to_end(tmp_path):
     assert all(len(lk.samples) == 4 and len(lk.copy_curve()) == 4 for lk in ps.links)
     # a measured cpu lends its calibration to the cpu spec sheet
     assert ps.device("cpu").origin == "transferred"
+    # the command measured with huge pages where glibc takes them (it re-executed
+    # itself with the tunable), and the file says so
+    from hetpar._host_memory import _wanted, has_huge_pages
+
+    huge = has_huge_pages() or _wanted(os.environ, None, None)
+    assert json.loads(out.read_text())["meta"]["huge_pages"] is huge
 
 
 def load_profiles_text(profile):

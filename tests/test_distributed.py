@@ -370,6 +370,15 @@ def test_child_env():
     kept = launch.child_env({"JAX_CPU_COLLECTIVES_IMPLEMENTATION": "mpi"}, process_id=0,
                             num_processes=1, coordinator="localhost:1", devices_per_process=None)
     assert kept["JAX_CPU_COLLECTIVES_IMPLEMENTATION"] == "mpi" and "XLA_FLAGS" not in kept
+    # Huge pages for the copies' host CPU layers, where glibc takes them; a value
+    # the caller names is kept.
+    from hetpar._host_memory import TUNABLE, glibc_takes_it
+
+    takes = sys.platform == "linux" and glibc_takes_it()
+    assert (env.get("GLIBC_TUNABLES") == TUNABLE) is takes
+    named = launch.child_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, process_id=0,
+                             num_processes=1, coordinator="localhost:1", devices_per_process=None)
+    assert named["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0"
 
 
 def test_child_env_gpus_per_process():
