@@ -39,6 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from hetpar.core import ProfileError
+from hetpar.cost_models import resolve_device
+
 _THREADS = r"""
 import os, sys, time
 pid, stop = int(sys.argv[1]), sys.argv[2]
@@ -149,17 +152,22 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=50257)
     ap.add_argument("--put", default=None, help="a device to put the head's result on (gpu:0)")
-    ap.add_argument("--early", default="put",
+    ap.add_argument("--early", default=None,
                     choices=("put", "asarray", "wait", "wait_only", "put_only",
                              "poll_put_only", "none"),
                     help="what a second thread does with the head's result as soon as the "
-                         "head is dispatched (put: on --put)")
+                         "head is dispatched (the puts: on --put; default: put with --put, "
+                         "else none)")
     ap.add_argument("--threads", action="store_true",
                     help="another process samples this one's threads (/proc) through "
                          "the runs: which ran in each stall")
     ap.add_argument("--put_ready", action="store_true",
                     help="then put the ready result on --put, the ticker watching")
     args = ap.parse_args(argv)
+    args.early = args.early or ("put" if args.put else "none")
+    if (args.early.startswith(("put", "poll_put")) or args.put_ready) and not args.put:
+        what = "--put_ready" if args.put_ready else f"--early {args.early}"
+        ap.error(f"{what} puts the head's result on a device: name it with --put (gpu:0)")
     cpu = jax.devices("cpu")[0]
     rng = np.random.default_rng(0)
     n = args.batch * args.seq
@@ -176,8 +184,10 @@ def main(argv=None) -> int:
     jax.block_until_ready(head(x, w))
     target = None
     if args.put:
-        kind, _, index = args.put.partition(":")
-        target = jax.devices(kind)[int(index or 0)]
+        try:  # a bad name: one line naming the present devices
+            target = resolve_device(args.put)
+        except ProfileError as e:
+            ap.error(str(e))
         jax.block_until_ready(jax.device_put(head(x, w)[1][0], target))
     early = {  # what another thread does with the head's input gradient once dispatched
         "put": lambda gx: jax.device_put(gx, target).block_until_ready(),
@@ -186,7 +196,7 @@ def main(argv=None) -> int:
         "wait_only": jax.block_until_ready,  # and this thread alone waits for the head
         "put_only": lambda gx: jax.device_put(gx, target).block_until_ready(),  # alone
         "poll_put_only": lambda gx: jax.device_put(_polled(gx), target).block_until_ready(),
-        "none": None}[args.early if target is not None or args.early != "put" else "none"]
+        "none": None}[args.early]
     rows = []
     known = {threading.get_native_id(): "python: main"}
     threads = _Threads() if args.threads else contextlib.nullcontext()

@@ -22,6 +22,9 @@ import time
 import jax
 import jax.numpy as jnp
 
+from hetpar.core import ProfileError
+from hetpar.cost_models import resolve_device
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -30,8 +33,10 @@ def main(argv=None) -> int:
     ap.add_argument("--idles", default="0,0.01,0.05,0.2,0.75,2")
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args(argv)
-    kind, _, index = args.device.partition(":")
-    dev = jax.devices(kind)[int(index or 0)]
+    try:  # a bad name: one line naming the present devices
+        dev = resolve_device(args.device)
+    except ProfileError as e:
+        ap.error(str(e))
     x = jax.device_put(jnp.ones((16 * 128, 768), jnp.float32), dev)
     w1 = jax.device_put(jnp.ones((768, 3072), jnp.float32) * 1e-3, dev)
     w2 = jax.device_put(jnp.ones((3072, 768), jnp.float32) * 1e-3, dev)

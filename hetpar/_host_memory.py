@@ -76,7 +76,8 @@ def glibc_takes_it(libc: str | None = None) -> bool:
         return False
 
 
-def _wanted(env: Mapping[str, str], platform: str | None, libc: str | None) -> bool:
+def wants_huge_pages(env: Mapping[str, str], platform: str | None = None,
+                     libc: str | None = None) -> bool:
     """Whether a process with `env` should get the tunable: on Linux with a glibc
     that takes it, the user naming neither it nor the opt-out."""
     return ((platform or sys.platform) == "linux" and hugetlb_setting(env) is None
@@ -88,14 +89,14 @@ def ensure_huge_pages(argv: Sequence[str], env: Mapping[str, str] | None = None,
                       orig_argv: Sequence[str] | None = None) -> None:
     """Re-executes this process as it was started (`sys.orig_argv`: interpreter
     options, `-m hetpar` or the console script) with the tunable set, where its
-    sub-command (`argv`) computes on the host CPU and `_wanted` says so. Returns
+    sub-command (`argv`) computes on the host CPU and `wants_huge_pages` says so. Returns
     only where it does not."""
     env = os.environ if env is None else env
     # Any word naming such a sub-command (a flag's value may come first); a word
     # that only looks like one costs a re-exec, nothing else.
     computes = any(a in COMPUTING_COMMANDS for a in argv if not a.startswith("-"))
     started = list(sys.orig_argv if orig_argv is None else orig_argv)
-    if (not computes or not _wanted(env, platform, libc) or not sys.executable
+    if (not computes or not wants_huge_pages(env, platform, libc) or not sys.executable
             or getattr(sys, "frozen", False) or len(started) < 2):
         return
     (execve or os.execve)(sys.executable, [sys.executable, *started[1:]], with_huge_pages(env))
@@ -118,11 +119,12 @@ def warn_without_huge_pages(platforms: Iterable[str], env: Mapping[str, str] | N
                             platform: str | None = None, libc: str | None = None) -> bool:
     """Warns once per process (returns True) when a plan computes on a CPU beside
     an accelerator (`platforms`: the JAX platforms of the devices that run its
-    stages in this process) and `_wanted` says the tunable would help."""
+    stages in this process) and `wants_huge_pages` says the tunable would help."""
     global _warned
     kinds = set(platforms)
     env = os.environ if env is None else env
-    if _warned or "cpu" not in kinds or kinds == {"cpu"} or not _wanted(env, platform, libc):
+    if (_warned or "cpu" not in kinds or kinds == {"cpu"}
+            or not wants_huge_pages(env, platform, libc)):
         return False
     _warned = True
     warnings.warn(

@@ -367,9 +367,9 @@ def test_cli_profile_quick_end_to_end(tmp_path):
     assert ps.device("cpu").origin == "transferred"
     # the command measured with huge pages where glibc takes them (it re-executed
     # itself with the tunable), and the file says so
-    from hetpar._host_memory import _wanted, has_huge_pages
+    from hetpar._host_memory import has_huge_pages, wants_huge_pages
 
-    huge = has_huge_pages() or _wanted(os.environ, None, None)
+    huge = has_huge_pages() or wants_huge_pages(os.environ)
     assert json.loads(out.read_text())["meta"]["huge_pages"] is huge
 
 
