@@ -48,6 +48,7 @@ from hetpar.core import (
     is_memory_place,
     memory_place,
     parse_placements,
+    seconds,
 )
 from hetpar.cost_models import ProfileSet, present_devices
 
@@ -267,8 +268,6 @@ class StepClock:
         if p and m:
             out["ratio"] = m / p
             if abs(m / p - 1) > self.TOLERANCE:
-                from hetpar.core import seconds
-
                 head = (f"hetpar: the measured step ({seconds(m)}, median of "
                         f"{len(self.samples)}) is {m / p:.2f}x the planner's prediction "
                         f"({seconds(p)}), off by more than {self.TOLERANCE:.0%}. ")
@@ -749,8 +748,9 @@ class CompiledStep:
         scaled = scale_to_timed_step(
             table, self.devices, whole, **_runtime_costs(),
             time_replicas=replicas_once if dp else None, budget=budget)
-        logging.info("hetpar: calibrated to whole steps measured here: %s",
-                     scaled.meta.get("step_s"))
+        logging.info("hetpar: calibrated to the whole step measured here: %s",
+                     ", ".join(f"{d} {seconds(t)}"
+                               for d, t in (scaled.meta.get("step_s") or {}).items()) or "none")
         return scaled
 
     def _hierarchical_step_s(self, fn: Callable, args: tuple, options: Options) -> float | None:

@@ -146,18 +146,33 @@ def test_cli_run_main_job():
         assert "what-if" in out  # spec-sheet plans when no accelerator is here
 
 
-def test_cli_run_calibrated_at_the_first_call(capsys):
-    # --profile measure: the prediction beside the measured step comes from
-    # layers and a step timed here, not spec sheets.
+def test_cli_run_calibrated_at_the_first_call(capsys, monkeypatch):
+    # The prediction beside the measured step comes from layers and a step
+    # timed here (--profile measure, the default), not spec sheets, and what
+    # is timed is shown while it is timed.
+    monkeypatch.delenv("HETPAR_PROFILES", raising=False)
     argv = ("run", "mlp", "--small", "--steps", "2", "--no-what-if", "--no-baseline")
-    spec = hetpar_in_process(capsys, *argv).stdout
-    measured = hetpar_in_process(capsys, *argv, "--profile", "measure").stdout
+    spec = hetpar_in_process(capsys, *argv, "--profile", "auto").stdout
+    measured = hetpar_in_process(capsys, *argv).stdout
 
     def predicted(out):
         return re.search(r"predicted step \(planner\): ([\d.]+ [mu]?s)", out).group(1)
 
     assert predicted(spec) != predicted(measured), (spec, measured)
     assert "calibrate with --profile measure" in spec or "WARNING" not in spec
+    assert "timing its layers" not in spec
+    assert "timing its layers and its step here (--profile measure" in measured
+    assert re.search(r"\[1/\d+\] fc1 on cpu:0: [\d.]+ [mu]?s", measured), measured
+    assert "calibrated to the whole step measured here: cpu:0 " in measured, measured
+    # The progress lines are hetpar's alone, and logging is as it was after.
+    assert "I1" not in measured and "_auto.py" not in measured
+    from absl import logging as absl_logging
+    assert absl_logging.get_verbosity() == absl_logging.WARNING
+    assert absl_logging.get_absl_logger().propagate
+    # A profile file named by $HETPAR_PROFILES is the default when set.
+    monkeypatch.setenv("HETPAR_PROFILES", "nope.json")
+    proc = hetpar_in_process(capsys, *argv, check=False)
+    assert proc.returncode == 2 and "nope.json" in proc.stderr, proc
     proc = hetpar_in_process(capsys, *argv, "--profile", "nope.json", check=False)
     assert proc.returncode == 2 and "profile='nope.json' is not a file" in proc.stderr
 

@@ -4,13 +4,19 @@ Prints the traced step's size, the plan, and per-step time and loss under
 `hetpar.auto` and under plain `jax.jit` on the best single device, timed
 interleaved step by step (each side one step in turn, same start, same batch),
 then both medians, their ratio, and the planner's predicted step beside the
-measured one (`--profile measure`: calibrated here at the first call).
-Without an accelerator it still runs (a CPU plan) and also shows what-if
-plans for CPU + H100 and CPU + TPU v5e from spec sheets.
+measured one. The prediction is calibrated here at the first call
+(`--profile measure`, the default unless $HETPAR_PROFILES names a `hetpar
+profile` file): a command that runs the step on this machine can time it, and
+spec sheets alone missed the README's small CPU step 11x. Without an
+accelerator it still runs (a CPU plan) and also shows what-if plans for
+CPU + H100 and CPU + TPU v5e from spec sheets.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 import statistics
 import time
 
@@ -28,14 +34,58 @@ def register(sub) -> None:
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
     p.add_argument("--objective", choices=("time", "cost", "energy"), default="time")
-    p.add_argument("--profile", default="auto",
-                   help="where the planner's figures come from: auto (spec sheets, or "
-                        "$HETPAR_PROFILES), measure (time the layers, the step and the "
-                        "runtime's costs here at the first call), or a `hetpar profile` file")
+    p.add_argument("--profile", default=None,
+                   help="where the planner's figures come from: measure (time the layers, "
+                        "the step and the runtime's costs here at the first call; the "
+                        "default), auto (the file $HETPAR_PROFILES names, the default when "
+                        "it is set; else spec sheets), or a `hetpar profile` file")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain jax.jit comparison")
     p.add_argument("--no-what-if", action="store_true",
                    help="skip the spec-sheet what-if plans shown on CPU-only machines")
     p.set_defaults(func=_run)
+
+
+def _profile(args) -> str:
+    """--profile, defaulting to `measure` unless $HETPAR_PROFILES names a profile file."""
+    if args.profile is not None:
+        return args.profile
+    return "auto" if os.environ.get("HETPAR_PROFILES") else "measure"
+
+
+class _Progress(logging.Handler):
+    """Prints hetpar's own progress lines (what the first call times) while
+    planning, so a minute of measuring is not a silent minute; warnings go on
+    to the usual handlers."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.WARNING:
+            logging.getLogger().handle(record)
+            return
+        msg = record.getMessage()
+        if msg.startswith("hetpar: "):
+            print(f"   {msg.removeprefix('hetpar: ')}", flush=True)
+
+
+@contextlib.contextmanager
+def _progress(show: bool):
+    from absl import flags
+    from absl import logging as absl_logging
+
+    # A user who set --verbosity sees absl's own log lines; leave them be.
+    if not show or flags.FLAGS["verbosity"].present:
+        yield
+        return
+    logger, handler = absl_logging.get_absl_logger(), _Progress()
+    verbosity, propagate = absl_logging.get_verbosity(), logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    absl_logging.set_verbosity(absl_logging.INFO)
+    try:
+        yield
+    finally:
+        absl_logging.set_verbosity(verbosity)
+        logger.propagate = propagate
+        logger.removeHandler(handler)
 
 
 def _timed_step(step, state: tuple, batch) -> tuple[float, tuple, float]:
@@ -70,14 +120,19 @@ def _run(args) -> int:
     w = workload(args)
     devices = [d.strip() for d in args.devices.split(",")] if args.devices else None
     variables, opt_state, batch = w.example_args()
+    profile = _profile(args)
 
     step = hetpar.auto(w.train_step, devices=devices, plan=args.plan,
                        microbatches=args.microbatches, schedule=args.schedule,
-                       objective=args.objective, profile=args.profile)
+                       objective=args.objective, profile=profile)
     print(f"== {args.model} (batch {w.config.get('batch_size')}, "
           f"{human(w.param_count)} parameters) on {jax.default_backend()}")
     t0 = time.perf_counter()
-    compiled = step.lower(variables, opt_state, batch)
+    measuring = profile == "measure"
+    if measuring:
+        print("   timing its layers and its step here (--profile measure; cached on disk)")
+    with _progress(measuring):
+        compiled = step.lower(variables, opt_state, batch)
     graph = compiled.graph
     total = graph.total_work()
     print(f"   traced into {len(graph)} layers; per step {human(total.flops)}FLOP, "
@@ -140,13 +195,13 @@ def _run(args) -> int:
         from hetpar._auto import StepClock
 
         if abs(steady / p - 1) > StepClock.TOLERANCE:
-            if args.profile == "measure":
+            if profile == "measure":
                 hint = ("the layers, the step and the runtime's costs were measured here "
                         "(--profile measure), alone; interleaved with jax.jit step by step "
                         "both run slower on a shared host (--no-baseline times hetpar.auto "
                         "alone), and more --steps steady the median")
-            elif args.profile != "auto":
-                hint = (f"{args.profile} may come from another machine or lack this one's "
+            elif profile != "auto":
+                hint = (f"{profile} may come from another machine or lack this one's "
                         "devices; --profile measure times them here at the first call")
             else:
                 hint = ("calibrate with --profile measure (timed here at the first call), or "
