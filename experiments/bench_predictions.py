@@ -133,7 +133,7 @@ def _anchors(w, example, m: int, device: str) -> dict:
 
 def _runtime() -> dict:
     """The runtime's costs profile="measure" measured: per stage, per crossing (seconds)."""
-    from hetpar._auto import _OVERHEADS
+    from hetpar._calibration import OVERHEADS
 
     def name(k) -> str:
         if isinstance(k, frozenset):
@@ -144,7 +144,7 @@ def _runtime() -> dict:
                     f"{sizes[0]:.0f}-{sizes[-1]:.0f} B")
         return str(k)
 
-    return {name(k): v for k, v in _OVERHEADS.items()}
+    return {name(k): v for k, v in OVERHEADS.items()}
 
 
 def main(argv=None) -> int:

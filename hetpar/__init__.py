@@ -37,16 +37,17 @@ _LAZY = {
     "Plan": "hetpar.planner",
     "plan": "hetpar.planner",
     "StageError": "hetpar.runtime",
-    "PredictionWarning": "hetpar._auto",
+    "PredictionWarning": "hetpar._step_clock",
     "HostMemoryWarning": "hetpar._host_memory",
     "gather": "hetpar.runtime",
 }
 
 if TYPE_CHECKING:  # for type checkers and IDEs; never executed
-    from hetpar._auto import AutoStep, PredictionWarning, auto
+    from hetpar._auto import AutoStep, auto
     from hetpar._grad import grad, value_and_grad
     from hetpar._host_memory import HostMemoryWarning
     from hetpar._report import CostReport, report
+    from hetpar._step_clock import PredictionWarning
     from hetpar.passes import LayerGraph, layer, trace
     from hetpar.planner import Plan, plan
     from hetpar.runtime import StageError, gather

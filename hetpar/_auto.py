@@ -26,12 +26,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import numbers
 import os
-import sys
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,7 +38,6 @@ from absl import logging
 
 from hetpar._grad import microbatched
 from hetpar.core import (
-    SCHEDULES,
     HetparError,
     Placement,
     PlanError,
@@ -50,7 +46,7 @@ from hetpar.core import (
     parse_placements,
     seconds,
 )
-from hetpar.cost_models import ProfileSet, present_devices
+from hetpar.cost_models import present_devices
 
 # The planner (and pulp) load with this module, not lazily inside a call:
 # pulp keeps a traceback from an optional solver it fails to load, and a
@@ -58,11 +54,20 @@ from hetpar.cost_models import ProfileSet, present_devices
 # step's first call pinned that call's arguments (a 40 GB optimizer state on
 # the GPU) for the life of the process.
 import hetpar.planner  # noqa: E402,F401  isort: skip
+from hetpar._calibration import (
+    allreduce_across_processes_s,
+    profiles_of,
+    runtime_costs,
+    whole_step_s,
+)
 from hetpar._host_memory import warn_without_huge_pages
+from hetpar._nnx_args import NNX_MARK, NnxArgs
+from hetpar._options import Options, check_places, check_present, is_int
+from hetpar._signature import batch_positions, fast_signature, signature
+from hetpar._step_clock import StepClock
 from hetpar.passes import (
     LayerGraph,
     StageGraph,
-    StaticKey,
     StaticLeaves,
     check_covers,
     microbatch_of,
@@ -71,230 +76,6 @@ from hetpar.passes import (
     trace,
 )
 from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
-
-_OBJECTIVES = ("time", "cost", "energy")
-_ON_MISSING_DEVICE = ("error", "replan")
-_BATCH = ("global", "local")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Options:
-    """What `hetpar.auto` was asked for (see `auto`), checked when built.
-
-    Raises:
-      HetparError: a bad option (PlanError for `plan` and `devices`); the
-        message names the option and what it accepts.
-    """
-
-    devices: tuple[str, ...] | None = None
-    objective: str = "time"
-    plan: Any = None
-    microbatches: int = 1
-    batch_argnums: tuple[int, ...] | None = None
-    schedule: str = "gpipe"
-    profile: Any = "auto"
-    depth: int | None = None
-    on_missing_device: str = "error"
-    data_parallel: bool | str = True
-    memory: Mapping[str, float] | None = None
-    batch: str = "global"
-    hierarchical: bool | str = "auto"
-
-    def __post_init__(self):
-        if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
-            raise HetparError(f"hierarchical must be True, False or 'auto', got "
-                              f"{self.hierarchical!r}")
-        _check_choice("objective", self.objective, _OBJECTIVES)
-        _check_choice("batch", self.batch, _BATCH)
-        _check_choice("schedule", self.schedule, SCHEDULES)
-        _check_choice("on_missing_device", self.on_missing_device, _ON_MISSING_DEVICE)
-        if not _is_int(self.microbatches) or self.microbatches < 1:
-            raise HetparError(f"microbatches must be a positive int, got {self.microbatches!r}")
-        if self.depth is not None and (not _is_int(self.depth) or self.depth < 1):
-            raise HetparError(f"depth must be a positive int or None, got {self.depth!r}")
-        if self.batch_argnums is not None and not (
-                isinstance(self.batch_argnums, tuple) and all(map(_is_int, self.batch_argnums))):
-            raise HetparError("batch_argnums must be an int, a sequence of ints or None, got "
-                              f"{self.batch_argnums!r}")
-        if not (isinstance(self.data_parallel, bool) or self.data_parallel == "always"):
-            raise HetparError(f"data_parallel must be True, False or 'always', got "
-                              f"{self.data_parallel!r}")
-        if not (self.profile in (None, "auto", "measure")
-                or isinstance(self.profile, (str, os.PathLike, ProfileSet))):
-            raise HetparError("profile must be 'auto', 'measure', None, a path to a `hetpar "
-                              f"profile` file or a ProfileSet, got {type(self.profile).__name__}")
-        _check_devices(self.devices)
-        _check_plan(self.plan)
-        _check_memory(self.memory)
-
-
-def _check_memory(memory) -> None:
-    if memory is None:
-        return
-    if not isinstance(memory, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
-            and v > 0 for k, v in memory.items()):
-        raise HetparError("memory caps a device's memory for planning: a dict {device: bytes}, "
-                          f"e.g. {{'gpu:0': 40e9}}; got {memory!r}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _check_choice(name: str, value, choices: Sequence[str]) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise HetparError(f"{name} must be one of {tuple(choices)}, got {value!r}")
-
-
-def _check_devices(devices) -> None:
-    if devices is None:
-        return
-    if not isinstance(devices, tuple) or not all(isinstance(d, str) for d in devices):
-        raise PlanError("devices must be a device name ('cpu:0') or a sequence of them, got "
-                        f"{devices!r}")
-    if len(set(devices)) != len(devices):
-        raise PlanError(f"devices {list(devices)} name a device twice")
-
-
-def _check_places(names, present: Mapping[str, jax.Device]) -> None:
-    """Each memory place a plan names (`gpu:0:pinned_host`) is a memory its
-    present device has."""
-    for name in names:
-        device, kind = memory_place(name)
-        dev = present.get(device)
-        if kind is None or dev is None:
-            continue
-        kinds = sorted({m.kind for m in dev.addressable_memories()})
-        if kind not in kinds:
-            raise PlanError(f"the plan keeps state in {name!r}, but {device} has no "
-                            f"{kind!r} memory (its memories: {kinds}); keep the state on "
-                            f"a device instead, e.g. 'cpu:0'")
-
-
-def _check_present(devices: tuple[str, ...] | None, present: Mapping[str, jax.Device]) -> None:
-    """At the first call, not in `auto(...)`: asking JAX for its devices starts its
-    backends, which must wait until the program has run `jax.distributed.initialize`."""
-    if devices is None:
-        return
-    absent = [d for d in devices if d not in present]
-    if absent:
-        hint = ("; pass several devices as a list, e.g. devices=['cpu:0', 'gpu:0']"
-                if any("," in d for d in absent) else
-                "; to plan for devices that are not here use `hetpar plan` offline")
-        raise PlanError(f"devices {absent} are not present (present: {sorted(present)}){hint}")
-
-
-def _check_plan(plan) -> None:
-    if plan is None or isinstance(plan, (str, os.PathLike)):
-        return
-    if isinstance(plan, Mapping):
-        bad = {k: v for k, v in plan.items()
-               if not (isinstance(k, str) and isinstance(v, (str, Mapping, Placement)))}
-        if bad:
-            raise PlanError("a plan dict maps layer names to device names (strings, e.g. "
-                            "{'Dense_0': 'cpu:0'}) or to placements ({'compute': 'gpu:0', "
-                            f"'state': 'cpu:0', 'update': 'cpu:0'}}); these entries are not: "
-                            f"{bad!r}")
-        parse_placements(plan)  # names the layer and what is wrong
-        return
-    from hetpar.planner import Plan
-
-    if not isinstance(plan, Plan):
-        raise PlanError(f"plan must be a path to plan.json, a hetpar.Plan or a dict "
-                        f"{{layer: device}}, got {type(plan).__name__}")
-
-
-class StepClock:
-    """Times a compiled step's first calls, to set the measured step beside the predicted.
-
-    The first call compiles and the next `SETTLE` settle, untimed (first
-    runs of each stage, host buffers of state kept in host memory: on an
-    H100, the median of an offload plan's first five calls after compiling
-    was 1.4x its steady 345 ms, a false warning; how many calls settling
-    needs was not measured); the next `STEPS` are timed from the call to its
-    results being ready (this process's part of them): those calls wait for
-    their results, as a training loop that reads its loss does, so each is
-    timed alone. Later calls are not timed and do not wait. Once timed, a
-    planned step measured more than `TOLERANCE` away from the planner's
-    prediction gives one warning (a one-device step, which nothing planned,
-    is compared in `AutoStep.report()`).
-    """
-
-    STEPS = 5
-    SETTLE = 2
-    TOLERANCE = 0.25
-
-    def __init__(self):
-        self.calls = 0
-        self.samples: list[float] = []
-        self.done = False
-
-    @property
-    def measured_s(self) -> float | None:
-        if len(self.samples) < self.STEPS:
-            return None
-        return float(np.median(self.samples))
-
-    def observe(self, start: float, out, step) -> None:
-        arrays = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
-        if all(x.is_fully_addressable for x in arrays):
-            # One wait for all: a shard at a time made a Python array per
-            # shard, 892 for GPT-2 data parallel over two GPUs (~10 ms).
-            jax.block_until_ready(arrays)
-        else:  # results of several processes: wait for the parts held here
-            for x in arrays:
-                for shard in x.addressable_shards:
-                    shard.data.block_until_ready()
-        self.calls += 1
-        if self.calls > 1 + self.SETTLE:  # the first one compiled, the next settle
-            self.samples.append(time.perf_counter() - start)
-        if len(self.samples) >= self.STEPS:
-            self.done = True
-            # Compared where the planner ran; a one-device step (nothing planned)
-            # is costed when its report is asked for, not in the training loop.
-            if step.plan is not None:
-                gap = self.summary(step)
-                if gap.get("warning"):
-                    warnings.warn(gap["warning"], PredictionWarning, stacklevel=3)
-
-    def summary(self, step) -> dict:
-        """{"predicted_s", "measured_s", "steps", "ratio", "warning"} (None where unknown)."""
-        predicted = step.predicted()
-        p = None if predicted is None else predicted.step_time_s
-        m = self.measured_s
-        out = {"predicted_s": p, "measured_s": m, "steps": len(self.samples),
-               "ratio": None, "warning": None}
-        if p and m:
-            out["ratio"] = m / p
-            if abs(m / p - 1) > self.TOLERANCE:
-                head = (f"hetpar: the measured step ({seconds(m)}, median of "
-                        f"{len(self.samples)}) is {m / p:.2f}x the planner's prediction "
-                        f"({seconds(p)}), off by more than {self.TOLERANCE:.0%}. ")
-                untimed = _untimed(step.table)
-                if step.options.profile == "measure" and untimed:
-                    out["warning"] = head + (
-                        f"profile='measure' left {', '.join(untimed)} untimed (predicted "
-                        "over 10x slower than the fastest device, cost_models.TimingBudget): "
-                        "if the plan computes there, its figures are the spec sheet's; "
-                        "`hetpar costs MODEL --measure --calibrate --measure-all` times them")
-                elif step.options.profile == "measure":
-                    out["warning"] = head + (
-                        "The layers, the whole step and the runtime's costs per stage "
-                        "and crossing were measured here (profile='measure'): the gap is "
-                        "how the stages overlap, e.g. devices sharing cores (virtual CPU "
-                        "devices) slowing each other's stages; the replay "
-                        "(hetpar.planner.simulate) shows what was assumed")
-                else:
-                    given = step.options.profile not in (None, "auto") or os.environ.get(
-                        "HETPAR_PROFILES")
-                    source = "the profiles given" if given else "spec sheets (no profile given)"
-                    out["warning"] = head + (
-                        f"The prediction comes from {source}; pass profile='measure' to "
-                        "calibrate on this machine at the first call, or run `hetpar profile "
-                        "--out profiles.json` here and pass profile='profiles.json' (or set "
-                        "HETPAR_PROFILES)")
-        return out
 
 
 def _untimed_used(plan, table) -> frozenset[tuple[str, str]]:
@@ -321,18 +102,6 @@ def _untimed_steps(plan, table) -> frozenset[str]:
     return frozenset(k for k, s in busy.items() if s >= 0.5 * step)
 
 
-def _untimed(table) -> list[str]:
-    """The devices and kinds a measured table left predicted (`TimingBudget`)."""
-    if table is None:
-        return []
-    kept = {d for devices in table.meta.get("kept_predicted", {}).values() for d in devices}
-    return sorted(kept) + [k for k in table.meta.get("untimed_kinds", ()) if k not in kept]
-
-
-class PredictionWarning(UserWarning):
-    """A step's measured time is far from what the planner predicted."""
-
-
 class CompiledStep:
     """A step traced, planned and compiled for one signature of arguments.
 
@@ -350,7 +119,7 @@ class CompiledStep:
         self.options = options
         self.clock = StepClock()
         self.devices = present_devices()
-        _check_present(options.devices, self.devices)
+        check_present(options.devices, self.devices)
         self.plan_fingerprint: str | None = None
         if isinstance(options.plan, (str, os.PathLike)):  # read once, not per check
             from hetpar.planner import Plan
@@ -369,7 +138,7 @@ class CompiledStep:
             return
         m = options.microbatches
         self._nargs = len(args)
-        self._batch_argnums = _batch_positions(options.batch_argnums, len(args))
+        self._batch_argnums = batch_positions(options.batch_argnums, len(args))
         step = microbatched(fn, m, self._batch_argnums)
         # Non-array leaves (an Equinox model's activation function) are closed
         # over, as eqx.filter_jit does: the graph and every runtime see arrays.
@@ -439,7 +208,7 @@ class CompiledStep:
                 # Later calls with these leaves' shapes and dtypes go straight
                 # to its jit (`call_known`): the full path's checks of GPT-2's
                 # 446 leaves cost more than a batch-16 step's GPU time.
-                self._replicated_known = _fast_signature(args)
+                self._replicated_known = fast_signature(args)
             used = list(replicas)
         elif (len(used) == 1 and not multi
               and all(p.activations == "keep" for p in self.placements.values())):
@@ -520,7 +289,7 @@ class CompiledStep:
         compared across the processes (a collective: all of them must get here).
         """
         self._nargs = len(args)
-        self._batch_argnums = _batch_positions(options.batch_argnums, len(args))
+        self._batch_argnums = batch_positions(options.batch_argnums, len(args))
         self._given_prediction = None
         self.stages = None
         self._executor = None
@@ -657,7 +426,7 @@ class CompiledStep:
         assignment = dict(plan.placements if isinstance(plan, Plan) else parse_placements(plan))
         wanted = sorted({d for p in assignment.values() for d in p.devices}
                         | set(getattr(plan, "replicas", ())))
-        _check_places(wanted, self.devices)
+        check_places(wanted, self.devices)
         absent = [d for d in wanted if memory_place(d)[0] not in self.devices]
         if absent:
             if options.on_missing_device == "replan":
@@ -697,7 +466,7 @@ class CompiledStep:
         # Far slower devices stay predicted, but for the `timed` pairs and
         # the whole step on the `steps` kinds.
         budget = TimingBudget(timed=timed, steps=steps)
-        table = cost_table(graph or self.graph, devices, profiles=_profiles(options),
+        table = cost_table(graph or self.graph, devices, profiles=profiles_of(options),
                            measure=calibrate, budget=budget,
                            progress=(lambda line: logging.info("hetpar: %s", line))
                            if calibrate else None)
@@ -723,7 +492,7 @@ class CompiledStep:
             # is measured, not inferred from a smaller batch on one device.
             if batch_share(args, batch, len(devs)) is None:  # the batch does not split
                 return None
-            return _whole_step_s(step, args, devs, batch, failed="the step data parallel over "
+            return whole_step_s(step, args, devs, batch, failed="the step data parallel over "
                                  f"{', '.join(names)}; data parallel is predicted from the "
                                  "whole step on one device")
 
@@ -736,7 +505,7 @@ class CompiledStep:
             # Timed once per device while planning: a re-planning round
             # (`_solve`) builds the table again.
             if dev not in self._whole_steps:
-                self._whole_steps[dev] = _whole_step_s(step, args, dev, batch)
+                self._whole_steps[dev] = whole_step_s(step, args, dev, batch)
             return self._whole_steps[dev]
 
         def replicas_once(names: list[str], devs: list) -> float | None:
@@ -746,7 +515,7 @@ class CompiledStep:
             return self._whole_steps[key]
 
         scaled = scale_to_timed_step(
-            table, self.devices, whole, **_runtime_costs(),
+            table, self.devices, whole, **runtime_costs(),
             time_replicas=replicas_once if dp else None, budget=budget)
         logging.info("hetpar: calibrated to the whole step measured here: %s",
                      ", ".join(f"{d} {seconds(t)}"
@@ -766,7 +535,7 @@ class CompiledStep:
             return None
         local = share(args)
         m = options.microbatches
-        static = StaticLeaves(microbatched(fn, m, _batch_positions(options.batch_argnums,
+        static = StaticLeaves(microbatched(fn, m, batch_positions(options.batch_argnums,
                                                                    len(local))), local)
         graph = trace(static.pure_step, *static.pure_args, depth=options.depth,
                       batch_argnums=options.batch_argnums)
@@ -782,12 +551,12 @@ class CompiledStep:
             step = solve(table, objective="time", mode="pipelined" if m > 1 else "sequential",
                          microbatches=m, data_parallel=False, schedule=options.schedule,
                          memory=options.memory).predicted.step_time_s
-        return step + _allreduce_across_processes_s(table, options)
+        return step + allreduce_across_processes_s(table, options)
 
     def _with_allreduce(self, plan, options: Options):
         """A hierarchical plan with the gradients' all-reduce across processes
         added to its predicted step (and so named in `solver`)."""
-        extra = _allreduce_across_processes_s(self.table, options)
+        extra = allreduce_across_processes_s(self.table, options)
         p = plan.predicted
         return dataclasses.replace(
             plan, predicted=dataclasses.replace(p, step_time_s=p.step_time_s + extra,
@@ -949,7 +718,7 @@ class CompiledStep:
             # checked here, so jit never traces on this path (it must not be
             # refused a trace, as the one-device path does: an exception inside
             # jit's dispatch leaves that signature on its slow path for good).
-            if _fast_signature(args) != self._replicated_known:
+            if fast_signature(args) != self._replicated_known:
                 return UNKNOWN
             return self._replicated.call_placed_batch(args)
         try:
@@ -1072,7 +841,7 @@ class _BatchShare:
     """
 
     def __init__(self, args: tuple, options: Options):
-        self.nums = _batch_positions(options.batch_argnums, len(args))
+        self.nums = batch_positions(options.batch_argnums, len(args))
         self.whole = options.batch == "global"
         self.i, self.n = jax.process_index(), jax.process_count()
         for k in self.nums:
@@ -1116,103 +885,6 @@ def _hierarchical_devices(used, present) -> tuple[dict, dict]:
     return mine, across
 
 
-def _whole_step_s(step: Callable, args: tuple, dev, batch_argnums: Sequence[int] = (-1,),
-                  budget_s: float = 1.0, most: int = 20,
-                  failed: str = "the step on {dev}; its layers keep their predicted times",
-                  ) -> float | None:
-    """Median seconds of `step` under `jax.jit` on `dev` (or data parallel over
-    a list of devices) as a training loop runs it (`cost_models.measure_step`:
-    state threaded, the batch as the caller passes it), or None where it does
-    not run there (out of memory).
-
-    Three timed runs at least, then more for a step short enough: up to
-    `most`, about `budget_s` in all (a 3-run median of a millisecond step on
-    a busy CPU was off by 3x: an Equinox step's PredictionWarning)."""
-    from hetpar.cost_models import measure_step
-
-    try:
-        return measure_step(step, args, dev, batch_argnums=batch_argnums, k=most, warmup=1,
-                            budget_s=budget_s).median_s
-    except Exception as e:  # noqa: BLE001 - an accelerator too small: keep its predictions
-        logging.warning("hetpar: profile='measure' could not time %s (%s: %s)",
-                        failed.format(dev=dev), type(e).__name__, str(e).splitlines()[0][:200])
-        return None
-
-
-# The runtime's own costs measured by profile="measure": a property of the
-# process and its devices, so measured once (by device, or pair of devices).
-_OVERHEADS: dict = {}
-
-
-def _once(key, what: str, measure: Callable[[], float]) -> float | None:
-    """`measure()` the first time `key` is asked in this process; None (the
-    figure stays as predicted, with a warning) where it fails."""
-    if key not in _OVERHEADS:
-        try:
-            _OVERHEADS[key] = measure()
-        except Exception as e:  # noqa: BLE001 - a calibration extra: keep planning
-            logging.warning("hetpar: profile='measure' could not time %s (%s: %s); it stays "
-                            "as predicted", what, type(e).__name__, str(e).splitlines()[0][:200])
-            _OVERHEADS[key] = None
-    return _OVERHEADS[key]
-
-
-def _runtime_costs() -> dict:
-    """The per stage, per crossing and per copy callbacks of `scale_to_timed_step`."""
-    from hetpar.runtime import crossing_s, link_curve, stage_overhead_s
-
-    return dict(
-        stage_overhead=lambda name, dev: _once(dev, f"the runtime's cost per stage on {name}",
-                                               lambda: stage_overhead_s(name, dev)),
-        crossing=lambda a, b, both: _once(frozenset((a[1], b[1])),
-                                          f"a crossing {a[0]} <-> {b[0]}",
-                                          lambda: crossing_s(a, b, both)),
-        curve=lambda src, dst, sizes: _once(
-            (src, dst, tuple(sizes)), f"copies {src} -> {dst}",
-            lambda: _measured(link_curve(src, dst, sizes), max(sizes))))
-
-
-def _measured(curve, nbytes: float):
-    """A measured link curve, or an error `_once` warns of (the link keeps its figure)."""
-    if curve is None:
-        raise HetparError(f"no copy up to {nbytes / 1e6:.0f} MB took longer than a 4 kB one")
-    return curve
-
-
-def _profiles(options: Options):
-    """The ProfileSet (or None: spec sheets) a step's cost tables come from."""
-    from hetpar.cost_models import load_profiles
-
-    profiles = options.profile
-    if profiles in (None, "auto", "measure"):
-        # A profile file `hetpar profile` wrote, named by the environment;
-        # else the spec sheets of the devices' kinds.
-        profiles = os.environ.get("HETPAR_PROFILES") or None
-    if profiles is options.profile and isinstance(profiles, (str, os.PathLike)) \
-            and not os.path.exists(profiles):
-        raise HetparError(f"profile={str(profiles)!r} is not a file; pass 'auto' (spec sheets "
-                          "or $HETPAR_PROFILES), 'measure' (calibrate here at the first call), "
-                          "None, or the path of a `hetpar profile --out FILE` file")
-    if isinstance(profiles, (str, os.PathLike)):
-        profiles = load_profiles(profiles)
-    return profiles
-
-
-def _allreduce_across_processes_s(table, options: Options) -> float:
-    """Seconds to all-reduce a step's gradients (the table's parameter bytes)
-    around a ring of the processes, on the slowest network link of the ring
-    (measured by `hetpar profile` under jax.distributed, else the default)."""
-    from hetpar.core import ring_allreduce_s
-    from hetpar.cost_models import load_profiles
-
-    n = jax.process_count()
-    profiles = _profiles(options) or load_profiles()
-    links = [profiles.network_link(q, (q + 1) % n) for q in range(n)]
-    grads = sum(layer.param_bytes or 0.0 for layer in table.layers)
-    return ring_allreduce_s(grads, n, min(ln.bandwidth_bytes_per_s for ln in links),
-                            max(ln.latency_s for ln in links))
-
-
 def _replicates(plan) -> bool:
     """Whether `plan` (a Plan, a plan.json path, a dict or None) runs data parallel."""
     if plan is None or isinstance(plan, Mapping):
@@ -1224,118 +896,11 @@ def _replicates(plan) -> bool:
     return bool(getattr(plan, "replicas", ()))
 
 
-def _batch_positions(batch_argnums: tuple[int, ...] | None, n: int) -> tuple[int, ...]:
-    """The batch arguments' positions among `n` arguments (None: the last), made non-negative."""
-    if batch_argnums is None:
-        return (n - 1,) if n else ()
-    bad = [k for k in batch_argnums if not -n <= k < n]
-    if bad:
-        raise HetparError(f"batch_argnums {list(batch_argnums)} name arguments {bad} the step "
-                          f"was not given: it was called with {n} arguments")
-    return tuple(k % n for k in batch_argnums)
-
-
-def _signature(args) -> tuple:
-    """What a compiled step is keyed on: the argument structure, the shapes and
-    dtypes of the traced leaves (a Python number by its type, as jax.jit's weak
-    types), and the static leaves themselves (`StaticKey`).
-
-    Not on the fast path of a one-device plan (`AutoStep.__call__`).
-    """
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    static = set(static_where(args))
-    return tree, tuple(StaticKey(x) if i in static else _leaf_signature(x)
-                       for i, x in enumerate(leaves))
-
-
-def _leaf_signature(x):
-    return getattr(x, "shape", None), getattr(x, "dtype", type(x))
-
-
-def _fast_signature(args) -> tuple:
-    """`_signature` without the static-leaf scan: the structure and each
-    leaf's shape and dtype (a function leaf by its type), for a step with no
-    static leaves; a third of the time on GPT-2's 446 leaves."""
-    leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple(map(_leaf_signature, leaves))
-
-
-_NNX = object()  # AutoStep._compiled's mark of a signature holding Flax NNX objects
-
-
-class _NnxArgs:
-    """Flax NNX objects among a step's arguments, split out as `nnx.jit` does.
-
-    `pure_args` are the arguments with each NNX object replaced by its state
-    (one `nnx.split` over all of them, so references they share stay shared);
-    `pure_step(fn)` takes those and returns `(fn's output, the objects' new
-    state)`; `update` writes that state back into the caller's objects.
-    """
-
-    def __init__(self, args: tuple):
-        nnx = self._nnx = sys.modules["flax.nnx"]
-        is_object = _nnx_object_test(nnx)
-        leaves, tree = jax.tree_util.tree_flatten(args, is_leaf=is_object)
-        where = tuple(i for i, x in enumerate(leaves) if is_object(x))
-        self.objects = tuple(leaves[i] for i in where)
-        self._where, self._tree = where, tree
-        self.graphdef, state = nnx.split(self.objects)
-        for k, i in enumerate(where):
-            # An object all of whose variables an earlier one also holds has no entry.
-            leaves[i] = state[k] if k in state else nnx.State({})
-        self.pure_args = jax.tree_util.tree_unflatten(tree, leaves)
-        # The GraphDef holds the objects' static attributes (a `train()` flag
-        # included): a change compiles afresh, as in nnx.jit.
-        self.key = (_NNX, self.graphdef, tree, where)
-
-    @staticmethod
-    def present(args: tuple) -> bool:
-        nnx = sys.modules.get("flax.nnx")  # not imported: no NNX object can be here
-        if nnx is None:
-            return False
-        is_object = _nnx_object_test(nnx)
-        return any(map(is_object, jax.tree_util.tree_leaves(args, is_leaf=is_object)))
-
-    def pure_step(self, fn: Callable) -> Callable:
-        nnx, graphdef, tree, where = self._nnx, self.graphdef, self._tree, self._where
-        is_object = _nnx_object_test(nnx)
-
-        @functools.wraps(fn)
-        def pure(*pure_args):
-            leaves = tree.flatten_up_to(pure_args)
-            objects = nnx.merge(graphdef, nnx.State({k: leaves[i] for k, i in enumerate(where)}))
-            for k, i in enumerate(where):
-                leaves[i] = objects[k]
-            out = fn(*jax.tree_util.tree_unflatten(tree, leaves))
-            if any(map(is_object, jax.tree_util.tree_leaves(out, is_leaf=is_object))):
-                raise HetparError(
-                    "a step under hetpar.auto may not return Flax NNX objects; the NNX objects "
-                    "it was given are updated in place, so return arrays only (e.g. the loss)")
-            new_graphdef, state = nnx.split(objects)
-            if new_graphdef != graphdef:
-                raise HetparError(
-                    "the step changed the structure of the Flax NNX objects it was given "
-                    "(added, removed or replaced a Variable, submodule or static attribute); "
-                    "under hetpar.auto a step may only update their values")
-            return out, state
-
-        return pure
-
-    def update(self, state) -> None:
-        self._nnx.update(self.objects, state)
-
-
-def _nnx_object_test(nnx) -> Callable[[Any], bool]:
-    # Module, Optimizer, Rngs and Object are Pytrees. Not Variables: the State
-    # of the functional form (`nnx.split`) holds them, as values.
-    return lambda x: isinstance(x, nnx.Pytree)
-
-
 class AutoStep:
     """A training step under `hetpar.auto`: call it like the original.
 
     Flax NNX objects among the arguments are updated in place, as under
-    `nnx.jit` (see `_NnxArgs`). Leaves of the arguments that are neither
+    `nnx.jit` (see `NnxArgs`). Leaves of the arguments that are neither
     arrays nor Python numbers (an Equinox model's activation functions) are
     static, as under `eqx.filter_jit`: a new one compiles afresh, an equal
     one reuses the step (`StaticLeaves`, passes/_program.py).
@@ -1343,7 +908,7 @@ class AutoStep:
     A call first tries the last step called, if it is a one-device plan
     (`CompiledStep.call_known`: straight to its jit, whose own check of the
     arguments is the only one); otherwise, or for arguments that jit has not
-    run, it takes the full path: the arguments' signature (`_signature`)
+    run, it takes the full path: the arguments' signature (`signature`)
     picks or builds the compiled step.
     """
 
@@ -1351,7 +916,7 @@ class AutoStep:
         functools.update_wrapper(self, fn)
         self._fn = fn
         self.options = options
-        # Signature -> its CompiledStep, or _NNX where the arguments hold Flax
+        # Signature -> its CompiledStep, or NNX_MARK where the arguments hold Flax
         # NNX objects (whose steps are keyed by their GraphDef and state too).
         self._compiled: dict[tuple, Any] = {}
         self._last: CompiledStep | None = None
@@ -1365,7 +930,7 @@ class AutoStep:
         """Traces, plans and compiles for these arguments without running.
 
         With Flax NNX objects among `args`, this is the step on their state:
-        it takes and returns what `_NnxArgs` describes.
+        it takes and returns what `NnxArgs` describes.
         """
         return self._step_for(args)[0]
 
@@ -1385,19 +950,19 @@ class AutoStep:
             raise HetparError("place() takes arrays, not Flax NNX objects")
         return step.place(args)
 
-    def _step_for(self, args: tuple) -> tuple[CompiledStep, _NnxArgs | None]:
-        key = _signature(args)
+    def _step_for(self, args: tuple) -> tuple[CompiledStep, NnxArgs | None]:
+        key = signature(args)
         step = self._compiled.get(key)
         if step is None:
             # Looking for NNX objects walks the arguments in Python (10x a
             # flatten): only once per signature, never on a known one.
-            step = _NNX if _NnxArgs.present(args) else CompiledStep(
+            step = NNX_MARK if NnxArgs.present(args) else CompiledStep(
                 self._fn, args, self.options, self._workers)
             self._compiled[key] = step
         nnx_args = None
-        if step is _NNX:
-            nnx_args = _NnxArgs(args)
-            key = nnx_args.key + _signature(nnx_args.pure_args)
+        if step is NNX_MARK:
+            nnx_args = NnxArgs(args)
+            key = nnx_args.key + signature(nnx_args.pure_args)
             step = self._compiled.get(key)
             if step is None:
                 step = self._compiled[key] = CompiledStep(
@@ -1605,7 +1170,7 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
     elif devices is not None and not isinstance(devices, Sequence):
         raise PlanError(f"devices must be a device name or a sequence of them, got "
                         f"{type(devices).__name__}")
-    if _is_int(batch_argnums):
+    if is_int(batch_argnums):
         batch_argnums = (batch_argnums,)
     elif batch_argnums is not None and not isinstance(batch_argnums, Sequence):
         raise HetparError("batch_argnums must be an int, a sequence of ints or None, got "

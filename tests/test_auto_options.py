@@ -158,7 +158,7 @@ def test_a_compiled_step_predicts_its_step_time():
 
 
 def test_report_sets_the_measured_step_beside_the_predicted(monkeypatch):
-    from hetpar._auto import StepClock
+    from hetpar._step_clock import StepClock
 
     auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"])  # planned: the warning fires
     auto(W, X)
@@ -180,7 +180,7 @@ def test_report_sets_the_measured_step_beside_the_predicted(monkeypatch):
 def test_prediction_warning_names_what_measure_left_untimed(monkeypatch):
     # A host CPU beside a GPU is left untimed on a large model (TimingBudget):
     # a gap then points there, not at the stages' overlap.
-    from hetpar._auto import StepClock
+    from hetpar._step_clock import StepClock
 
     monkeypatch.setattr(StepClock, "TOLERANCE", 0.0)
     auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure")
@@ -229,8 +229,8 @@ def test_measure_times_what_the_plan_computes_on_an_untimed_device(monkeypatch, 
     from hetpar import _auto
 
     timed_steps = []
-    real = _auto._whole_step_s
-    monkeypatch.setattr(_auto, "_whole_step_s",
+    real = _auto.whole_step_s
+    monkeypatch.setattr(_auto, "whole_step_s",
                         lambda *a, **kw: timed_steps.append(a[2]) or real(*a, **kw))
     auto = hetpar.auto(_train_step, devices=["cpu:0", "cpu:1"], profile="measure",
                        memory={"cpu:0": graph["first"].memory_bytes})
@@ -284,8 +284,8 @@ def test_measure_times_the_whole_step_where_the_plan_spends_most_of_it(monkeypat
     monkeypatch.setattr(_table, "measure_layer", lambda g, name, dev, **kw: (
         _measure.Timing.of([1e-7]) if dev.id == 0 else real_layer(g, name, dev, **kw)))
     timed_steps = []
-    real = _auto._whole_step_s
-    monkeypatch.setattr(_auto, "_whole_step_s",
+    real = _auto.whole_step_s
+    monkeypatch.setattr(_auto, "whole_step_s",
                         lambda *a, **kw: timed_steps.append(a[2]) or real(*a, **kw))
     auto = hetpar.auto(_train_step, devices=["cpu:0", "cpu:1"], profile="measure",
                        memory={"cpu:0": 1})
@@ -306,7 +306,7 @@ def test_measure_times_the_whole_step_where_the_plan_spends_most_of_it(monkeypat
 
 
 def test_no_prediction_warning_within_tolerance(monkeypatch, recwarn):
-    from hetpar._auto import StepClock
+    from hetpar._step_clock import StepClock
 
     monkeypatch.setattr(StepClock, "TOLERANCE", float("inf"))
     auto = hetpar.auto(step)
@@ -341,13 +341,13 @@ def test_profile_measure_measures_a_replicas_fixed_part_where_data_parallel_may_
     # parallel over them too, and layers carry the part a replica pays whole.
     from hetpar import _auto
 
-    rows, real = [], _auto._whole_step_s
+    rows, real = [], _auto.whole_step_s
 
     def timed(fn, args, dev, batch_argnums=(-1,), **kwargs):
         rows.append(len(dev) if isinstance(dev, list) else 1)
         return real(fn, args, dev, batch_argnums, **kwargs)
 
-    monkeypatch.setattr(_auto, "_whole_step_s", timed)
+    monkeypatch.setattr(_auto, "whole_step_s", timed)
     even = np.ones((6, 3), np.float32)
     compiled = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure").lower(W, even)
     assert rows == [1, 2]  # one device, then data parallel over both
@@ -385,9 +385,9 @@ def test_calibration_times_a_short_step_more_than_three_times(monkeypatch):
         return timing
 
     monkeypatch.setattr(cost_models, "measure_step", counting)
-    assert _auto._whole_step_s(step, (W, X), CPU[0]) > 0
+    assert _auto.whole_step_s(step, (W, X), CPU[0]) > 0
     assert len(runs) == 1 and 3 < runs[0] <= 20  # one call: one compile, one warm-up
     # A step longer than the budget: three runs.
     runs.clear()
-    assert _auto._whole_step_s(step, (W, X), CPU[0], budget_s=0.0) > 0
+    assert _auto.whole_step_s(step, (W, X), CPU[0], budget_s=0.0) > 0
     assert runs == [3]

@@ -57,8 +57,8 @@ def test_same_static_leaf_reuses_the_step_another_retraces():
 
 def test_static_leaf_steps_go_straight_to_jit_too(monkeypatch):
     signatures = []
-    full = _auto._signature
-    monkeypatch.setattr(_auto, "_signature", lambda args: signatures.append(1) or full(args))
+    full = _auto.signature
+    monkeypatch.setattr(_auto, "signature", lambda args: signatures.append(1) or full(args))
     step, seen = counting(activate)
     auto = hetpar.auto(step, devices="cpu:1")
     on_cpu0 = jax.device_put(X, CPU[0])
@@ -172,8 +172,8 @@ def flax_args(n=4):
 
 def test_one_device_calls_go_straight_to_jit(monkeypatch):
     signatures = []
-    full = _auto._signature
-    monkeypatch.setattr(_auto, "_signature", lambda args: signatures.append(1) or full(args))
+    full = _auto.signature
+    monkeypatch.setattr(_auto, "signature", lambda args: signatures.append(1) or full(args))
     auto = hetpar.auto(flax_step, devices="cpu:1")
     jitted = jax.jit(flax_step)
     params, opt_state, batch = flax_args()

@@ -176,9 +176,9 @@ def test_mlp_plan_dict_calibrated_at_the_first_call_equals_filter_jit(monkeypatc
     # profile="measure" on an Equinox step: layers timed alone (static leaves
     # closed over), the whole step, and the runtime's per-stage cost, which
     # the plan dict's replayed prediction then carries.
-    from hetpar import _auto
+    from hetpar import _calibration
 
-    monkeypatch.setattr(_auto, "_OVERHEADS", {})
+    monkeypatch.setattr(_calibration, "OVERHEADS", {})
     model, opt_state = fresh_mlp()
     data = mlp_data()
     layers = hetpar.trace(mlp_step, model, opt_state, *data).layers
@@ -188,7 +188,7 @@ def test_mlp_plan_dict_calibrated_at_the_first_call_equals_filter_jit(monkeypatc
     assert_close(out, train(eqx.filter_jit(mlp_step), model, opt_state, *data))
     measured = step.lower(model, opt_state, *data)
     assert measured.predicted().step_time_s > 0
-    per_stage = [v for k, v in _auto._OVERHEADS.items() if isinstance(k, jax.Device)]
+    per_stage = [v for k, v in _calibration.OVERHEADS.items() if isinstance(k, jax.Device)]
     assert per_stage and all(v is not None and v > 0 for v in per_stage)
     spec = hetpar.auto(mlp_step, plan=plan).lower(model, opt_state, *data).predicted()
     assert measured.predicted().step_time_s != spec.step_time_s

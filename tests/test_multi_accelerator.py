@@ -153,8 +153,8 @@ def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
     from hetpar import _auto
 
     signatures = []
-    full = _auto._signature
-    monkeypatch.setattr(_auto, "_signature", lambda args: signatures.append(1) or full(args))
+    full = _auto.signature
+    monkeypatch.setattr(_auto, "signature", lambda args: signatures.append(1) or full(args))
     w = zoo.get("mlp", small=True, batch=8)
     args = w.example_args()
     step = hetpar.auto(w.train_step, devices=list(GPUS), data_parallel="always")

@@ -192,7 +192,7 @@ def _run(args) -> int:
         p = predicted.step_time_s
         print(f"   predicted step (planner): {seconds(p)}; measured hetpar.auto "
               f"{seconds(steady)}: measured / predicted {steady / p:.3g}")
-        from hetpar._auto import StepClock
+        from hetpar._step_clock import StepClock
 
         if abs(steady / p - 1) > StepClock.TOLERANCE:
             if profile == "measure":

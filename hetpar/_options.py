@@ -1,0 +1,148 @@
+"""`hetpar.auto`'s options, checked when the decorator is applied (`Options`),
+and the checks of devices and memory places made at the first call, when
+JAX's devices may be asked for."""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from hetpar.core import SCHEDULES, HetparError, Placement, PlanError, memory_place, parse_placements
+from hetpar.cost_models import ProfileSet
+
+_OBJECTIVES = ("time", "cost", "energy")
+_ON_MISSING_DEVICE = ("error", "replan")
+_BATCH = ("global", "local")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Options:
+    """What `hetpar.auto` was asked for (see `auto`), checked when built.
+
+    Raises:
+      HetparError: a bad option (PlanError for `plan` and `devices`); the
+        message names the option and what it accepts.
+    """
+
+    devices: tuple[str, ...] | None = None
+    objective: str = "time"
+    plan: Any = None
+    microbatches: int = 1
+    batch_argnums: tuple[int, ...] | None = None
+    schedule: str = "gpipe"
+    profile: Any = "auto"
+    depth: int | None = None
+    on_missing_device: str = "error"
+    data_parallel: bool | str = True
+    memory: Mapping[str, float] | None = None
+    batch: str = "global"
+    hierarchical: bool | str = "auto"
+
+    def __post_init__(self):
+        if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
+            raise HetparError(f"hierarchical must be True, False or 'auto', got "
+                              f"{self.hierarchical!r}")
+        _check_choice("objective", self.objective, _OBJECTIVES)
+        _check_choice("batch", self.batch, _BATCH)
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("on_missing_device", self.on_missing_device, _ON_MISSING_DEVICE)
+        if not is_int(self.microbatches) or self.microbatches < 1:
+            raise HetparError(f"microbatches must be a positive int, got {self.microbatches!r}")
+        if self.depth is not None and (not is_int(self.depth) or self.depth < 1):
+            raise HetparError(f"depth must be a positive int or None, got {self.depth!r}")
+        if self.batch_argnums is not None and not (
+                isinstance(self.batch_argnums, tuple) and all(map(is_int, self.batch_argnums))):
+            raise HetparError("batch_argnums must be an int, a sequence of ints or None, got "
+                              f"{self.batch_argnums!r}")
+        if not (isinstance(self.data_parallel, bool) or self.data_parallel == "always"):
+            raise HetparError(f"data_parallel must be True, False or 'always', got "
+                              f"{self.data_parallel!r}")
+        if not (self.profile in (None, "auto", "measure")
+                or isinstance(self.profile, (str, os.PathLike, ProfileSet))):
+            raise HetparError("profile must be 'auto', 'measure', None, a path to a `hetpar "
+                              f"profile` file or a ProfileSet, got {type(self.profile).__name__}")
+        _check_devices(self.devices)
+        _check_plan(self.plan)
+        _check_memory(self.memory)
+
+
+def _check_memory(memory) -> None:
+    if memory is None:
+        return
+    if not isinstance(memory, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, numbers.Real) and not isinstance(v, bool)
+            and v > 0 for k, v in memory.items()):
+        raise HetparError("memory caps a device's memory for planning: a dict {device: bytes}, "
+                          f"e.g. {{'gpu:0': 40e9}}; got {memory!r}")
+
+
+def is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_choice(name: str, value, choices: Sequence[str]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise HetparError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def _check_devices(devices) -> None:
+    if devices is None:
+        return
+    if not isinstance(devices, tuple) or not all(isinstance(d, str) for d in devices):
+        raise PlanError("devices must be a device name ('cpu:0') or a sequence of them, got "
+                        f"{devices!r}")
+    if len(set(devices)) != len(devices):
+        raise PlanError(f"devices {list(devices)} name a device twice")
+
+
+def check_places(names, present: Mapping[str, jax.Device]) -> None:
+    """Each memory place a plan names (`gpu:0:pinned_host`) is a memory its
+    present device has."""
+    for name in names:
+        device, kind = memory_place(name)
+        dev = present.get(device)
+        if kind is None or dev is None:
+            continue
+        kinds = sorted({m.kind for m in dev.addressable_memories()})
+        if kind not in kinds:
+            raise PlanError(f"the plan keeps state in {name!r}, but {device} has no "
+                            f"{kind!r} memory (its memories: {kinds}); keep the state on "
+                            f"a device instead, e.g. 'cpu:0'")
+
+
+def check_present(devices: tuple[str, ...] | None, present: Mapping[str, jax.Device]) -> None:
+    """At the first call, not in `auto(...)`: asking JAX for its devices starts its
+    backends, which must wait until the program has run `jax.distributed.initialize`."""
+    if devices is None:
+        return
+    absent = [d for d in devices if d not in present]
+    if absent:
+        hint = ("; pass several devices as a list, e.g. devices=['cpu:0', 'gpu:0']"
+                if any("," in d for d in absent) else
+                "; to plan for devices that are not here use `hetpar plan` offline")
+        raise PlanError(f"devices {absent} are not present (present: {sorted(present)}){hint}")
+
+
+def _check_plan(plan) -> None:
+    if plan is None or isinstance(plan, (str, os.PathLike)):
+        return
+    if isinstance(plan, Mapping):
+        bad = {k: v for k, v in plan.items()
+               if not (isinstance(k, str) and isinstance(v, (str, Mapping, Placement)))}
+        if bad:
+            raise PlanError("a plan dict maps layer names to device names (strings, e.g. "
+                            "{'Dense_0': 'cpu:0'}) or to placements ({'compute': 'gpu:0', "
+                            f"'state': 'cpu:0', 'update': 'cpu:0'}}); these entries are not: "
+                            f"{bad!r}")
+        parse_placements(plan)  # names the layer and what is wrong
+        return
+    from hetpar.planner import Plan
+
+    if not isinstance(plan, Plan):
+        raise PlanError(f"plan must be a path to plan.json, a hetpar.Plan or a dict "
+                        f"{{layer: device}}, got {type(plan).__name__}")

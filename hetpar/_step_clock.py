@@ -1,0 +1,118 @@
+"""A planned step's measured time beside the planner's prediction: `StepClock`
+times a step's first calls and warns (`PredictionWarning`) when the two
+differ by more than 25%."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+
+import jax
+import numpy as np
+
+from hetpar.core import seconds
+
+
+class StepClock:
+    """Times a compiled step's first calls, to set the measured step beside the predicted.
+
+    The first call compiles and the next `SETTLE` settle, untimed (first
+    runs of each stage, host buffers of state kept in host memory: on an
+    H100, the median of an offload plan's first five calls after compiling
+    was 1.4x its steady 345 ms, a false warning; how many calls settling
+    needs was not measured); the next `STEPS` are timed from the call to its
+    results being ready (this process's part of them): those calls wait for
+    their results, as a training loop that reads its loss does, so each is
+    timed alone. Later calls are not timed and do not wait. Once timed, a
+    planned step measured more than `TOLERANCE` away from the planner's
+    prediction gives one warning (a one-device step, which nothing planned,
+    is compared in `AutoStep.report()`).
+    """
+
+    STEPS = 5
+    SETTLE = 2
+    TOLERANCE = 0.25
+
+    def __init__(self):
+        self.calls = 0
+        self.samples: list[float] = []
+        self.done = False
+
+    @property
+    def measured_s(self) -> float | None:
+        if len(self.samples) < self.STEPS:
+            return None
+        return float(np.median(self.samples))
+
+    def observe(self, start: float, out, step) -> None:
+        arrays = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
+        if all(x.is_fully_addressable for x in arrays):
+            # One wait for all: a shard at a time made a Python array per
+            # shard, 892 for GPT-2 data parallel over two GPUs (~10 ms).
+            jax.block_until_ready(arrays)
+        else:  # results of several processes: wait for the parts held here
+            for x in arrays:
+                for shard in x.addressable_shards:
+                    shard.data.block_until_ready()
+        self.calls += 1
+        if self.calls > 1 + self.SETTLE:  # the first one compiled, the next settle
+            self.samples.append(time.perf_counter() - start)
+        if len(self.samples) >= self.STEPS:
+            self.done = True
+            # Compared where the planner ran; a one-device step (nothing planned)
+            # is costed when its report is asked for, not in the training loop.
+            if step.plan is not None:
+                gap = self.summary(step)
+                if gap.get("warning"):
+                    warnings.warn(gap["warning"], PredictionWarning, stacklevel=3)
+
+    def summary(self, step) -> dict:
+        """{"predicted_s", "measured_s", "steps", "ratio", "warning"} (None where unknown)."""
+        predicted = step.predicted()
+        p = None if predicted is None else predicted.step_time_s
+        m = self.measured_s
+        out = {"predicted_s": p, "measured_s": m, "steps": len(self.samples),
+               "ratio": None, "warning": None}
+        if p and m:
+            out["ratio"] = m / p
+            if abs(m / p - 1) > self.TOLERANCE:
+                head = (f"hetpar: the measured step ({seconds(m)}, median of "
+                        f"{len(self.samples)}) is {m / p:.2f}x the planner's prediction "
+                        f"({seconds(p)}), off by more than {self.TOLERANCE:.0%}. ")
+                untimed = _untimed(step.table)
+                if step.options.profile == "measure" and untimed:
+                    out["warning"] = head + (
+                        f"profile='measure' left {', '.join(untimed)} untimed (predicted "
+                        "over 10x slower than the fastest device, cost_models.TimingBudget): "
+                        "if the plan computes there, its figures are the spec sheet's; "
+                        "`hetpar costs MODEL --measure --calibrate --measure-all` times them")
+                elif step.options.profile == "measure":
+                    out["warning"] = head + (
+                        "The layers, the whole step and the runtime's costs per stage "
+                        "and crossing were measured here (profile='measure'): the gap is "
+                        "how the stages overlap, e.g. devices sharing cores (virtual CPU "
+                        "devices) slowing each other's stages; the replay "
+                        "(hetpar.planner.simulate) shows what was assumed")
+                else:
+                    given = step.options.profile not in (None, "auto") or os.environ.get(
+                        "HETPAR_PROFILES")
+                    source = "the profiles given" if given else "spec sheets (no profile given)"
+                    out["warning"] = head + (
+                        f"The prediction comes from {source}; pass profile='measure' to "
+                        "calibrate on this machine at the first call, or run `hetpar profile "
+                        "--out profiles.json` here and pass profile='profiles.json' (or set "
+                        "HETPAR_PROFILES)")
+        return out
+
+
+def _untimed(table) -> list[str]:
+    """The devices and kinds a measured table left predicted (`TimingBudget`)."""
+    if table is None:
+        return []
+    kept = {d for devices in table.meta.get("kept_predicted", {}).values() for d in devices}
+    return sorted(kept) + [k for k in table.meta.get("untimed_kinds", ()) if k not in kept]
+
+
+class PredictionWarning(UserWarning):
+    """A step's measured time is far from what the planner predicted."""
