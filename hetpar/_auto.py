@@ -517,9 +517,11 @@ class CompiledStep:
         scaled = scale_to_timed_step(
             table, self.devices, whole, **runtime_costs(),
             time_replicas=replicas_once if dp else None, budget=budget)
+        steps = [f"{d} {seconds(t)}" for d, t in (scaled.meta.get("step_s") or {}).items()]
+        steps += [f"data parallel over {', '.join(pair.split())} {seconds(t)}"
+                  for pair, t in (scaled.meta.get("replicated_step_s") or {}).items()]
         logging.info("hetpar: calibrated to the whole step measured here: %s",
-                     ", ".join(f"{d} {seconds(t)}"
-                               for d, t in (scaled.meta.get("step_s") or {}).items()) or "none")
+                     ", ".join(steps) or "none")
         return scaled
 
     def _hierarchical_step_s(self, fn: Callable, args: tuple, options: Options) -> float | None:

@@ -164,6 +164,8 @@ def test_cli_run_calibrated_at_the_first_call(capsys, monkeypatch):
     assert "timing its layers and its step here (--profile measure" in measured
     assert re.search(r"\[1/\d+\] fc1 on cpu:0: [\d.]+ [mu]?s", measured), measured
     assert "calibrated to the whole step measured here: cpu:0 " in measured, measured
+    # Several CPU devices here: the step data parallel over two is timed and shown too.
+    assert re.search(r"data parallel over cpu:0, cpu:1 [\d.]+ [mu]?s", measured), measured
     # The progress lines are hetpar's alone, and logging is as it was after.
     assert "I1" not in measured and "_auto.py" not in measured
     from absl import logging as absl_logging
