@@ -1,6 +1,7 @@
 """The cost report and the command line, as a user meets them."""
 
 import json
+import logging as pylogging
 import os
 import re
 import subprocess
@@ -166,11 +167,29 @@ def test_cli_run_calibrated_at_the_first_call(capsys, monkeypatch):
     assert "calibrated to the whole step measured here: cpu:0 " in measured, measured
     # Several CPU devices here: the step data parallel over two is timed and shown too.
     assert re.search(r"data parallel over cpu:0, cpu:1 [\d.]+ [mu]?s", measured), measured
-    # The progress lines are hetpar's alone, and logging is as it was after.
-    assert "I1" not in measured and "_auto.py" not in measured
+    # The progress lines are hetpar's alone, on stdout, with absl's handler
+    # on the root logger as `app.run` installs it; logging is as it was after.
     from absl import logging as absl_logging
-    assert absl_logging.get_verbosity() == absl_logging.WARNING
-    assert absl_logging.get_absl_logger().propagate
+
+    from hetpar.cli._run import _Progress
+
+    absl_logging.use_absl_handler()
+    root, absl_logger = pylogging.getLogger(), absl_logging.get_absl_logger()
+    before = (root.level, absl_logger.level, absl_logger.propagate, len(absl_logger.handlers))
+    again = hetpar_in_process(capsys, *argv)
+    assert re.search(r"\[1/\d+\] fc1 on cpu:0", again.stdout), again.stdout
+    for text in (measured, again.stdout, again.stderr):
+        assert "_auto.py" not in text and "xla_bridge" not in text, text
+    assert (root.level, absl_logger.level, absl_logger.propagate,
+            len(absl_logger.handlers)) == before
+    assert not any(isinstance(h, _Progress) for h in absl_logger.handlers + root.handlers)
+    # While it shows progress, other libraries' loggers stay as quiet as before.
+    from hetpar.cli._run import _progress
+
+    jax_level = pylogging.getLogger("jax").getEffectiveLevel()
+    with _progress(True):
+        assert root.level == before[0]
+        assert pylogging.getLogger("jax").getEffectiveLevel() == jax_level
     # A profile file named by $HETPAR_PROFILES is the default when set.
     monkeypatch.setenv("HETPAR_PROFILES", "nope.json")
     proc = hetpar_in_process(capsys, *argv, check=False)

@@ -173,6 +173,13 @@ def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
     rep = compiled._replicated
     assert all(x.sharding == rep.split
                for x in jax.tree.leaves(rep._placed((*state, on_one), rep._nums)[-1]))
+    # An uncommitted batch (jnp on the default device) goes to jit as it is,
+    # which lays it out faster than a device_put first; the step still equals jit.
+    loose = jax.tree.map(jnp.asarray, jax.tree.map(np.asarray, batch))
+    assert not any(x.committed for x in jax.tree.leaves(loose))
+    assert rep._placed((*state, loose), rep._nums)[-1] is loose
+    np.testing.assert_allclose(step(*state, loose)[-1],
+                               jax.jit(w.train_step)(*state, batch)[-1], rtol=1e-5)
     # Another batch size, or state of another dtype: not run on the fast path.
     small = zoo.get("mlp", small=True, batch=4).example_args()[-1]
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16)

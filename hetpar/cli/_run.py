@@ -75,15 +75,18 @@ def _progress(show: bool):
     if not show or flags.FLAGS["verbosity"].present:
         yield
         return
+    # The absl logger alone goes to INFO, into this handler only: absl's
+    # set_verbosity would lower the root logger's level, letting JAX's and
+    # other libraries' INFO records onto stderr under `app.run`.
     logger, handler = absl_logging.get_absl_logger(), _Progress()
-    verbosity, propagate = absl_logging.get_verbosity(), logger.propagate
-    logger.addHandler(handler)
-    logger.propagate = False
-    absl_logging.set_verbosity(absl_logging.INFO)
+    level, propagate = logger.level, logger.propagate
     try:
+        logger.addHandler(handler)
+        logger.propagate = False
+        logger.setLevel(logging.INFO)
         yield
     finally:
-        absl_logging.set_verbosity(verbosity)
+        logger.setLevel(level)
         logger.propagate = propagate
         logger.removeHandler(handler)
 
