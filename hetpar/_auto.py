@@ -414,6 +414,9 @@ class CompiledStep:
         return list(self.devices)
 
     def _assign(self, options: Options) -> Mapping[str, str | Placement]:
+        # A malformed profile file fails here, where one device or a plan dict
+        # builds no cost table, not at report() after training.
+        profiles_of(options)
         plan = options.plan
         if plan is None:
             return self._solve(options, self._candidate_devices(options))
