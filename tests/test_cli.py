@@ -147,6 +147,16 @@ def test_cli_run_main_job():
         assert "what-if" in out  # spec-sheet plans when no accelerator is here
 
 
+def test_cli_run_says_why_a_calibrated_step_may_still_differ():
+    from hetpar.cli._run import _measured_hint
+
+    assert "interleaved with jax.jit" in _measured_hint(True, 20)
+    assert "interleaved" not in _measured_hint(False, 20)  # --no-baseline: not interleaved
+    assert "more --steps" not in _measured_hint(False, 20)
+    assert "1 step timed after compiling: more --steps" in _measured_hint(False, 2)
+    assert "includes compilation" in _measured_hint(False, 1)
+
+
 def test_cli_run_calibrated_at_the_first_call(capsys, monkeypatch):
     # The prediction beside the measured step comes from layers and a step
     # timed here (--profile measure, the default), not spec sheets, and what

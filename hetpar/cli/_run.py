@@ -199,10 +199,7 @@ def _run(args) -> int:
 
         if abs(steady / p - 1) > StepClock.TOLERANCE:
             if profile == "measure":
-                hint = ("the layers, the step and the runtime's costs were measured here "
-                        "(--profile measure), alone; interleaved with jax.jit step by step "
-                        "both run slower on a shared host (--no-baseline times hetpar.auto "
-                        "alone), and more --steps steady the median")
+                hint = _measured_hint("jax.jit" in times, args.steps)
             elif profile != "auto":
                 hint = (f"{profile} may come from another machine or lack this one's "
                         "devices; --profile measure times them here at the first call")
@@ -222,6 +219,20 @@ def _run(args) -> int:
             print(f"\n-- cpu:0 + {kind}")
             print(p.summary(table))
     return 0
+
+
+def _measured_hint(interleaved: bool, steps: int) -> str:
+    """Why a step calibrated here (--profile measure) may still differ from its prediction."""
+    hint = ("the layers, the step and the runtime's costs were measured here "
+            "(--profile measure), alone")
+    if interleaved:
+        hint += ("; interleaved with jax.jit step by step both run slower (GPT-2 b8 on an "
+                 "H200: 1.20x interleaved, 1.01x alone; --no-baseline times hetpar.auto alone)")
+    if steps == 1:
+        hint += "; the one step timed includes compilation: pass --steps 10"
+    elif steps < 10:
+        hint += f"; {_steps(steps - 1)} timed after compiling: more --steps steady the median"
+    return hint
 
 
 def _device(name: str):
