@@ -60,7 +60,7 @@ from hetpar.planner import (  # noqa: E402
     plan,
     violations,
 )
-from hetpar.planner._plan import _remat_table  # noqa: E402
+from hetpar.planner._solve import _remat_table  # noqa: E402
 from hetpar.zoo._costs import trace_model  # noqa: E402
 
 # -- the setting ------------------------------------------------------------------

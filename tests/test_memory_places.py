@@ -228,7 +228,7 @@ def test_planner_recomputes_activations_when_that_keeps_state_on_the_gpu():
     assert p.predicted.peak_memory_bytes["gpu:0"] <= 42.5 * GB
     # The table itself, told the layers recompute, agrees: it fits, same step.
     from hetpar.planner import evaluate
-    from hetpar.planner._plan import with_memory
+    from hetpar.planner._solve import with_memory
     capped = with_memory(t, {"gpu:0": 42.5 * GB})
     assert not violations(capped, p.placements)
     assert violations(capped, {n: pl.compute for n, pl in p.placements.items()})
@@ -271,7 +271,7 @@ def test_layers_with_parameters_elsewhere_recompute_too():
     freed as the plan counts. Until that was built such layers kept theirs,
     and GPT-2's batch-16 plans at 0.25x and 0.1x of the GPU's memory moved
     to the CPU, 4.8x and 2.5x slower (experiments/results/predictions_memory_bound)."""
-    from hetpar.planner._plan import with_memory
+    from hetpar.planner._solve import with_memory
 
     p = plan(table(place=False), memory={"gpu:0": 38 * GB})
     places = list(p.placements.values())
@@ -294,7 +294,7 @@ def test_recompute_costs_only_the_forward_the_backward_reads():
     assert {pl.activations for pl in p.placements.values()} == {"remat"}
     assert p.predicted.step_time_s < whole.predicted.step_time_s
     from hetpar.planner import evaluate
-    from hetpar.planner._plan import with_memory
+    from hetpar.planner._solve import with_memory
     capped = with_memory(half, {"gpu:0": 42.5 * GB})
     assert evaluate(capped, p.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
     assert "23.3 ms" in p.summary(capped)  # 20 ms x (1 + 1/3 x 0.5)
@@ -440,7 +440,7 @@ def test_a_stages_working_set_counts_against_the_cap():
     held = held_bytes(arr, arr.placed(all_gpu))
     assert held[arr.dindex["gpu:0"]] == pytest.approx(6 * HELD + ACT + 3 * GB)
     cap = 6 * HELD + ACT + 1 * GB  # room for everything it holds, not the head's working set
-    from hetpar.planner._plan import with_memory
+    from hetpar.planner._solve import with_memory
     capped = with_memory(with_head, {"gpu:0": cap})
     assert any("gpu:0 memory exceeded" in v for v in violations(capped, all_gpu))
     without = dataclasses.replace(with_head, layers=tuple(

@@ -285,7 +285,7 @@ def test_offload_ilp_memory_rows_are_held_bytes():
     from hetpar.planner import _ilp
     from hetpar.planner._evaluate import Arrays
     from hetpar.planner._offload import _model
-    from hetpar.planner._plan import with_memory
+    from hetpar.planner._solve import with_memory
 
     base = table(blocks=4, cpu_compute=False)
     # Unequal blocks, so which ones stream matters: optimizer state 1-4 GB.

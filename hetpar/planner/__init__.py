@@ -4,7 +4,7 @@ The public surface is this flat list; the work lives in private modules:
 `_evaluate` (the cost model), `_ilp` (the pulp model), `_baselines`,
 `_feasibility` (infeasibility diagnosis), `_simulate` (replays a pipelined
 schedule, or a step with state apart from compute), `_offload` (where each
-layer's state lives and its update runs), `_plan` (Plan, plan). The input,
+layer's state lives and its update runs), `_plan` (Plan), `_solve` (plan). The input,
 CostTable (graph.json), is `hetpar.core`'s, re-exported here.
 """
 
@@ -28,8 +28,9 @@ from hetpar.planner._evaluate import (
     violations,
 )
 from hetpar.planner._ilp import highs_available
-from hetpar.planner._plan import Plan, plan, replica_groups
+from hetpar.planner._plan import Plan
 from hetpar.planner._simulate import Replay, StageRun, evaluate_replayed, simulate
+from hetpar.planner._solve import plan, replica_groups
 
 __all__ = [
     "Arrays",
