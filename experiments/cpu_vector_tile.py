@@ -34,20 +34,22 @@ TILES = (None, (1, 8, 1), (1, 16, 1), (4, 16, 1), (8, 16, 1), (1, 32, 1), (8, 32
 CORES = 16  # the H100 host's (the runs' `cpu_count`)
 
 
-def _score(items, works, eqs, fit_t, check_t, tile):
+def score(items, works, eqs, fit_t, check_t, cpu_terms=None) -> dict:
+    """hetpar's own fit (`fit_samples`, `with_layer_model`) on `fit_t`, scored
+    on the held-out layers over 100 us of `check_t`; `cpu_terms(profile,
+    eqs, work)`, where given, replaces the layer model's terms on a CPU
+    (`cpu_threads.py` shares this)."""
     from hetpar.cost_models import _equation_model as em
     from hetpar.cost_models import fit_samples, predict_layer, spec, with_layer_model
 
     original = em._terms_of
 
-    def tiled(profile, e, work):
-        if tile is None or profile.device_class != "cpu":
+    def terms_of(profile, e, work):
+        if cpu_terms is None or profile.device_class != "cpu":
             return original(profile, e, work)
-        return em.terms(e, work, peak=profile.peak("f32", "matmul"),
-                        bandwidth=profile.memory_bandwidth_bytes_per_s, units=CORES,
-                        cpu=False, tile=tile)
+        return cpu_terms(profile, e, work)
 
-    em._terms_of = tiled
+    em._terms_of = terms_of
     try:
         base = spec("cpu").replace(name="cpu:0", origin="measured")
         samples = [(m, eqs[i], works[i], fit_t[i]) for i, (m, _, _, held, only) in
@@ -67,23 +69,40 @@ def _score(items, works, eqs, fit_t, check_t, tile):
             "worst": [f"{m}/{la} {r:+.0%}" for m, la, r in worst]}
 
 
-def main(argv=None) -> int:
+def tile_terms(tile):
+    """The layer model's terms on a CPU with its GEMMs in `tile`s over `CORES`."""
+    from hetpar.cost_models import _equation_model as em
+
+    def terms(profile, e, work):
+        return em.terms(e, work, peak=profile.peak("f32", "matmul"),
+                        bandwidth=profile.memory_bandwidth_bytes_per_s, units=CORES,
+                        cpu=False, tile=tile)
+
+    return None if tile is None else terms
+
+
+def held_out_layers():
+    """The fit models' and held-out models' layers (`probe_cpu_timing._layers`),
+    re-traced here, with their work and matmul equations on a CPU."""
     from check_fitted_profile import HELD_OUT
 
     from hetpar.cli._profile import FIT_MODELS
-    from hetpar.cost_models import (
-        resolve_device,
-    )
+    from hetpar.cost_models import resolve_device
 
+    items = _layers(resolve_device("cpu:0"), [m for m in FIT_MODELS if m != "sweep"],
+                    list(HELD_OUT))
+    works, eqs = work_and_equations(items, "cpu")
+    return items, works, eqs
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", nargs="+", default=[
         str(HERE / "results/cpu_timing/probe_cpu_timing.json"),
         str(HERE / "results/cpu_timing/probe_cpu_timing_run2.json")])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    dev = resolve_device("cpu:0")
-    items = _layers(dev, [m for m in FIT_MODELS if m != "sweep"], list(HELD_OUT))
-    works, eqs = work_and_equations(items, "cpu")
+    items, works, eqs = held_out_layers()
     out = {}
     for path in args.runs:
         rows = json.loads(pathlib.Path(path).read_text())["rows"]
@@ -91,7 +110,7 @@ def main(argv=None) -> int:
         fit_t = [by[(m, la)]["B1_interleaved"] for m, _, la, *_ in items]
         check_t = [by[(m, la)]["B2_interleaved"] for m, _, la, *_ in items]
         for tile in TILES:
-            s = _score(items, works, eqs, fit_t, check_t, tile)
+            s = score(items, works, eqs, fit_t, check_t, tile_terms(tile))
             out[f"{pathlib.Path(path).stem} {tile}"] = s
             print(f"{pathlib.Path(path).stem:26s} tile {str(tile):12s} {s['model']:8s} "
                   f"n={s['n']} median {s['median']:.1%} p90 {s['p90']:.1%}  "
