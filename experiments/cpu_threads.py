@@ -22,7 +22,6 @@ runs of `probe_cpu_timing.py` (no device: re-traces the layers), as
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
@@ -31,7 +30,13 @@ import sys
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from cpu_vector_tile import CORES, held_out_layers, score  # noqa: E402
+from cpu_vector_tile import (  # noqa: E402
+    CORES,
+    held_out_layers,
+    parse_runs,
+    pass_times,
+    score,
+)
 
 #: FLOPs one thread of the pool takes at least; None: the model as hetpar has it.
 GRAINS = (None, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8)
@@ -57,21 +62,13 @@ def threaded_terms(grain):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--runs", nargs="+", default=[
-        str(HERE / "results/cpu_timing/probe_cpu_timing.json"),
-        str(HERE / "results/cpu_timing/probe_cpu_timing_run2.json")])
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    args = parse_runs(argv, __doc__)
     items, works, eqs = held_out_layers()
     out = {}
     for path in args.runs:
-        rows = json.loads(pathlib.Path(path).read_text())["rows"]
-        by = {(r["model"], r["layer"]): r for r in rows}
         for fit, check in (("B1_interleaved", "B2_interleaved"),
                            ("B2_interleaved", "B1_interleaved")):
-            fit_t = [by[(m, la)][fit] for m, _, la, *_ in items]
-            check_t = [by[(m, la)][check] for m, _, la, *_ in items]
+            fit_t, check_t = pass_times(path, items, fit, check)
             for grain in GRAINS:
                 s = score(items, works, eqs, fit_t, check_t, threaded_terms(grain))
                 run = f"{pathlib.Path(path).parent.name}/{pathlib.Path(path).stem}"

@@ -95,20 +95,31 @@ def held_out_layers():
     return items, works, eqs
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_runs(argv, doc: str):
+    """`--runs` (the saved `probe_cpu_timing.py` runs; default: the H100 host's
+    two) and `--out` of the offline CPU scripts."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--runs", nargs="+", default=[
         str(HERE / "results/cpu_timing/probe_cpu_timing.json"),
         str(HERE / "results/cpu_timing/probe_cpu_timing_run2.json")])
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def pass_times(path, items, fit: str, check: str) -> tuple[list, list]:
+    """Each item's time in the run's `fit` pass and in its `check` pass."""
+    rows = json.loads(pathlib.Path(path).read_text())["rows"]
+    by = {(r["model"], r["layer"]): r for r in rows}
+    return ([by[(m, la)][fit] for m, _, la, *_ in items],
+            [by[(m, la)][check] for m, _, la, *_ in items])
+
+
+def main(argv=None) -> int:
+    args = parse_runs(argv, __doc__)
     items, works, eqs = held_out_layers()
     out = {}
     for path in args.runs:
-        rows = json.loads(pathlib.Path(path).read_text())["rows"]
-        by = {(r["model"], r["layer"]): r for r in rows}
-        fit_t = [by[(m, la)]["B1_interleaved"] for m, _, la, *_ in items]
-        check_t = [by[(m, la)]["B2_interleaved"] for m, _, la, *_ in items]
+        fit_t, check_t = pass_times(path, items, "B1_interleaved", "B2_interleaved")
         for tile in TILES:
             s = score(items, works, eqs, fit_t, check_t, tile_terms(tile))
             out[f"{pathlib.Path(path).stem} {tile}"] = s
