@@ -415,8 +415,8 @@ class CompiledStep:
 
     def _assign(self, options: Options) -> Mapping[str, str | Placement]:
         # A malformed profile file fails here, where one device or a plan dict
-        # builds no cost table, not at report() after training.
-        profiles_of(options)
+        # builds no cost table, not at report() after training; read once.
+        self._profiles = profiles_of(options)
         plan = options.plan
         if plan is None:
             return self._solve(options, self._candidate_devices(options))
@@ -456,6 +456,12 @@ class CompiledStep:
         self.table, self.plan = table, plan
         return dict(plan.placements)
 
+    def _profile_set(self, options: Options):
+        """The profiles this step's tables come from (`profiles_of`), read once."""
+        if not hasattr(self, "_profiles"):
+            self._profiles = profiles_of(options)
+        return self._profiles
+
     def _cost_table(self, devices: list[str], options: Options, graph: LayerGraph | None = None,
                     timed: frozenset[tuple[str, str]] = frozenset(),
                     steps: frozenset[str] = frozenset()):
@@ -469,7 +475,7 @@ class CompiledStep:
         # Far slower devices stay predicted, but for the `timed` pairs and
         # the whole step on the `steps` kinds.
         budget = TimingBudget(timed=timed, steps=steps)
-        table = cost_table(graph or self.graph, devices, profiles=profiles_of(options),
+        table = cost_table(graph or self.graph, devices, profiles=self._profile_set(options),
                            measure=calibrate, budget=budget,
                            progress=(lambda line: logging.info("hetpar: %s", line))
                            if calibrate else None)

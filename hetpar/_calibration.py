@@ -93,7 +93,13 @@ def profiles_of(options: Options):
                           "or $HETPAR_PROFILES), 'measure' (calibrate here at the first call), "
                           "None, or the path of a `hetpar profile --out FILE` file")
     if isinstance(profiles, (str, os.PathLike)):
-        profiles = load_profiles(profiles)
+        try:
+            profiles = load_profiles(profiles)
+        except HetparError as e:
+            if profiles is options.profile:
+                raise
+            raise type(e)(f"{e} (the file $HETPAR_PROFILES names; unset it to plan from "
+                          "spec sheets)") from e
     return profiles
 
 

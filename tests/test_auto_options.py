@@ -335,7 +335,8 @@ def test_profile_measure_scales_layers_to_the_step_measured_here():
         hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="mesure")(W, X)
 
 
-def test_a_malformed_profile_file_fails_at_the_first_call_on_one_device_too(tmp_path):
+def test_a_malformed_profile_file_fails_at_the_first_call_on_one_device_too(tmp_path,
+                                                                          monkeypatch):
     # One device (nothing planned) and a plan dict build no cost table at the
     # first call; a broken profile file still fails there, naming the file,
     # not at report() after training.
@@ -344,6 +345,10 @@ def test_a_malformed_profile_file_fails_at_the_first_call_on_one_device_too(tmp_
     for kwargs in (dict(devices="cpu:0"), dict(plan={"first": "cpu:0", "second": "cpu:1"})):
         with pytest.raises(hetpar.HetparError, match="profiles.json.*hetpar profile"):
             hetpar.auto(_train_step, profile=bad, **kwargs)(W, X)
+    # Named by the environment (profile="auto", the default): the error says so.
+    monkeypatch.setenv("HETPAR_PROFILES", str(bad))
+    with pytest.raises(hetpar.HetparError, match=r"the file \$HETPAR_PROFILES names"):
+        hetpar.auto(_train_step, devices="cpu:0")(W, X)
 
 
 def test_profile_measure_measures_a_replicas_fixed_part_where_data_parallel_may_run(

@@ -3,12 +3,13 @@
 Prints the traced step's size, the plan, and per-step time and loss under
 `hetpar.auto` and under plain `jax.jit` on the best single device, timed
 interleaved step by step (each side one step in turn, same start, same batch),
-then both medians, their ratio, and the planner's predicted step beside a few
-more steps of `hetpar.auto` alone (the prediction is for the step alone;
-interleaved, both sides run slower). The prediction is calibrated here at the first call
-(`--profile measure`, the default unless $HETPAR_PROFILES names a `hetpar
-profile` file): a command that runs the step on this machine can time it, and
-spec sheets alone missed the README's small CPU step 11x. Without an
+then both medians, their ratio, and the planner's predicted step beside up to
+10 more steps of `hetpar.auto` alone (the prediction is for the step alone;
+interleaved, both sides run slower; with --no-baseline, beside its own
+steps). The prediction is calibrated here at the first call (`--profile
+measure`, the default unless $HETPAR_PROFILES names a `hetpar profile`
+file): a command that runs the step on this machine can time it, and spec
+sheets alone missed the README's small CPU step 11x. Without an
 accelerator it still runs (a CPU plan) and also shows what-if plans for
 CPU + H100 and CPU + TPU v5e from spec sheets.
 """
@@ -190,8 +191,7 @@ def _run(args) -> int:
         print(f"\n   measured step ({over}): hetpar.auto {_ms(steady).strip()}")
     predicted = compiled.predicted()
     if predicted is None:
-        print("   predicted step: none (the plan was given as a dict {layer: device}, which "
-              "the planner did not cost)")
+        print("   predicted step: none")
     else:
         p = predicted.step_time_s
         # The prediction is for the step alone; interleaved with jax.jit both

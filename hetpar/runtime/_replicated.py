@@ -89,7 +89,8 @@ class Replicated:
 
     def _placed(self, args: tuple, only: frozenset[int] | None = None) -> tuple:
         """`args` with every committed array not already laid out as the step
-        wants moved there (jit refuses those).
+        wants moved there (jit refuses a committed leaf split otherwise, and
+        copies the rest slowly).
 
         Resident state from the previous step, numpy arrays and uncommitted
         arrays (a batch made with `jnp` on the default device) pass
