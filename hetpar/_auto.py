@@ -415,8 +415,8 @@ class CompiledStep:
 
     def _assign(self, options: Options) -> Mapping[str, str | Placement]:
         # A malformed profile file fails here, where one device or a plan dict
-        # builds no cost table, not at report() after training; read once.
-        self._profiles = profiles_of(options)
+        # builds no cost table, not at report() after training.
+        self._profile_set(options)
         plan = options.plan
         if plan is None:
             return self._solve(options, self._candidate_devices(options))
