@@ -186,3 +186,39 @@ def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
                         if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
     assert compiled.call_known((*state, small)) is _auto.UNKNOWN
     assert compiled.call_known((*half, batch)) is _auto.UNKNOWN
+
+
+def test_data_parallel_user_step_with_an_uncommitted_batch_equals_jit():
+    # Written as plain-JAX users write it: the optimizer a closure (an optax
+    # chain), remat around a block, a scan over layers, the batch made with
+    # jnp (uncommitted: jit lays it out over the replicas itself).
+    import optax
+
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+
+    def loss(params, x, y):
+        @jax.checkpoint
+        def block(h, w):
+            return jnp.tanh(h @ w), None
+
+        h, _ = jax.lax.scan(block, x, params["ws"])
+        return jnp.mean((h @ params["out"] - y) ** 2)
+
+    def train_step(params, opt_state, batch):
+        value, grads = jax.value_and_grad(loss)(params, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    params = {"ws": jax.random.normal(k1, (3, 8, 8)) * 0.3, "out": jax.random.normal(k2, (8, 2))}
+    batch = (jax.random.normal(k3, (8, 8)), jnp.ones((8, 2)))
+    assert not any(x.committed for x in jax.tree.leaves(batch))
+    step = hetpar.auto(train_step, devices=list(GPUS), data_parallel="always")
+    want = got = (params, tx.init(params))
+    jitted = jax.jit(train_step)
+    for _ in range(3):
+        *got, loss_got = step(*got, batch)
+        *want, loss_want = jitted(*want, batch)
+        np.testing.assert_allclose(loss_got, loss_want, rtol=1e-5)
+    assert step.lower(*got, batch).plan.replicas == GPUS
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
