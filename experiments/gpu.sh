@@ -401,7 +401,7 @@ predictions)
     ${ANCHORS:+--anchors} "${plans[@]}" 2>&1 | grep "predicted\|failed\|anchors")
   ;;
 step-timing)
-  timeout "${BUDGET:-400}" python3 experiments/probe_step_timing.py --batches "${@:-16}" \
+  timeout "${BUDGET:-400}" python3 experiments/probe_step_timing.py ${PROBE_FLAGS:-} --batches "${@:-16}" \
     --data_parallel --out "$OUT/probe_step_timing_$CARD.json" 2>&1 | quiet | grep "batch"
   ;;
 hetpar)

@@ -23,6 +23,15 @@ data parallel over both, interleaved with the rest:
   state replicated, the batch split;
 - `auto data parallel`: hetpar.auto(data_parallel="always") over both.
 
+and the same with the zoo's own batch, made with `jnp` on the default device
+(uncommitted), as `hetpar run` passes it, or put split over both once:
+
+- `measure_step over both, jnp batch` / `..., split batch`;
+- `jit over both, threaded, jnp batch` / `..., split batch`;
+- `auto data parallel, jnp batch` / `..., split batch`;
+- `auto data parallel, jnp batch, loss read`: also `float(loss)` every step,
+  as `hetpar run` prints it.
+
 On 2x H200 at batch 16 the first measured 21.7 ms and hetpar.auto's
 data-parallel step 35.6 ms (bench_predictions.py, one after the other).
 
@@ -48,8 +57,8 @@ from hetpar.cost_models import measure, measure_step
 class _Loop:
     """One way of running the step, one step per `__call__` (timed)."""
 
-    def __init__(self, step, args, threaded: bool):
-        self.step, self.threaded = step, threaded
+    def __init__(self, step, args, threaded: bool, read_loss: bool = False):
+        self.step, self.threaded, self.read_loss = step, threaded, read_loss
         self.state, self.batch = tuple(args[:-1]), args[-1]
         self.times: list[float] = []
 
@@ -57,6 +66,8 @@ class _Loop:
         t0 = time.perf_counter()
         *state, loss = self.step(*self.state, self.batch)
         jax.block_until_ready((state, loss))
+        if self.read_loss:
+            float(loss)
         if timed:
             self.times.append(time.perf_counter() - t0)
         if self.threaded:
@@ -110,6 +121,20 @@ def main(argv=None) -> int:
             loops["auto data parallel"] = _Loop(
                 hetpar.auto(w.train_step, devices=names, data_parallel="always"), host,
                 threaded=True)
+            given = w.example_args()  # the zoo's batch: jnp, uncommitted
+            assert not any(x.committed for x in jax.tree_util.tree_leaves(given[-1]))
+            put = jax.device_put(given[-1], split)
+            for kind, batch in (("jnp", given[-1]), ("split", put)):
+                row[f"measure_step over both, {kind} batch"] = measure_step(
+                    w.train_step, (*given[:-1], batch), both, k=args.steps).median_s
+                loops[f"jit over both, threaded, {kind} batch"] = _Loop(
+                    jm, (*jax.device_put(given[:-1], whole), batch), threaded=True)
+                loops[f"auto data parallel, {kind} batch"] = _Loop(
+                    hetpar.auto(w.train_step, devices=names, data_parallel="always"),
+                    (*given[:-1], batch), threaded=True)
+            loops["auto data parallel, jnp batch, loss read"] = _Loop(
+                hetpar.auto(w.train_step, devices=names, data_parallel="always"), given,
+                threaded=True, read_loss=True)
         for loop in loops.values():  # compile and warm up
             for _ in range(3):
                 loop(timed=False)

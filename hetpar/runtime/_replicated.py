@@ -88,23 +88,35 @@ class Replicated:
         self._jit = jax.jit(fn, in_shardings=self.shardings, out_shardings=self.replicated)
 
     def _placed(self, args: tuple, only: frozenset[int] | None = None) -> tuple:
-        """`args` with every committed array not already laid out as the step
-        wants moved there (jit refuses a committed leaf split otherwise, and
-        copies the rest slowly).
+        """`args` laid out so that the first call compiles what every later
+        call runs.
 
-        Resident state from the previous step, numpy arrays and uncommitted
-        arrays (a batch made with `jnp` on the default device) pass
-        untouched: jit lays the last out itself, faster than a `device_put`
-        first (GPT-2 b64 over 2x H200: hetpar's step ran 1.7-2.2 ms over the
-        mesh jit given the same uncommitted batch, experiments/results/dp_b64_h200x2).
+        jit keys its compiled step on each argument's sharding and whether it
+        is committed, so state passed uncommitted (or as numpy) to the first
+        call and committed from the second (the first step's result) compiled
+        the step twice (GPT-2 b64 over 2x H200: 7.4 s at step 1). State not
+        laid out as the step wants is therefore put there, once: later steps
+        pass the last step's result, already there.
+
+        Batch arguments are new every step and alike from step to step:
+        numpy and uncommitted arrays (a batch made with `jnp` on the default
+        device) pass untouched, since jit lays them out itself faster than a
+        `device_put` first (1.25 ms of a 4.0 ms dispatch on the dev box,
+        experiments/results/dp_b64_h200x2). Committed batch arrays laid out
+        otherwise are put (jit refuses them).
         """
         out = None
         for i, (a, want) in enumerate(zip(args, self._leaf_shardings)):
             if only is not None and i not in only:
                 continue
             leaves = jax.tree_util.tree_leaves(a)
-            if any(isinstance(x, jax.Array) and x.committed and x.sharding != s
-                   for x, s in zip(leaves, want)):
+            if i in self._nums:
+                moved = any(isinstance(x, jax.Array) and x.committed and x.sharding != s
+                            for x, s in zip(leaves, want))
+            else:
+                moved = any(not (isinstance(x, jax.Array) and x.committed and x.sharding == s)
+                            for x, s in zip(leaves, want))
+            if moved:
                 out = out or list(args)
                 out[i] = jax.device_put(a, self.shardings[i])
         return args if out is None else tuple(out)
