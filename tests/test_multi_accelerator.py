@@ -172,12 +172,12 @@ def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
     assert len(signatures) == calls
     rep = compiled._replicated
     assert all(x.sharding == rep.split
-               for x in jax.tree.leaves(rep._placed((*state, on_one), rep._nums)[-1]))
+               for x in jax.tree.leaves(rep._placed((*state, on_one), rep._nums)[0][-1]))
     # An uncommitted batch (jnp on the default device) goes to jit as it is,
     # which lays it out faster than a device_put first; the step still equals jit.
     loose = jax.tree.map(jnp.asarray, jax.tree.map(np.asarray, batch))
     assert not any(x.committed for x in jax.tree.leaves(loose))
-    assert rep._placed((*state, loose), rep._nums)[-1] is loose
+    assert rep._placed((*state, loose), rep._nums)[0][-1] is loose
     np.testing.assert_allclose(step(*state, loose)[-1],
                                jax.jit(w.train_step)(*state, batch)[-1], rtol=1e-5)
     # Another batch size, or state of another dtype: not run on the fast path.
@@ -228,27 +228,31 @@ def test_data_parallel_compiles_once_when_the_first_state_is_uncommitted():
     # A loop's first state is made with jnp (uncommitted) or numpy; every later
     # state is the last step's result, committed over the replicas. jit keys its
     # compiled step on both, so the step compiled twice (7.4 s at step 1 for
-    # GPT-2 b64 on 2x H200) until hetpar put the first state where later ones live.
+    # GPT-2 b64 on 2x H200) until hetpar put the first state where later ones
+    # live. Constants passed afresh every call (a Python learning rate, a jnp
+    # scalar) must not compile it again either (a review found they did).
     traces = []
 
-    def loss_step(w, b, batch):
+    def loss_step(w, b, hp, batch):
         x, y = batch
         loss, (gw, gb) = jax.value_and_grad(
             lambda w, b: jnp.mean((jnp.tanh(x @ w) - y) ** 2) + b ** 2, argnums=(0, 1))(w, b)
-        return w - 0.1 * gw, b - 0.1 * gb, loss
+        return w - hp["lr"] * gw, b - hp["decay"] * gb, loss
 
-    def train_step(w, b, batch):
+    def train_step(w, b, hp, batch):
         traces.append(1)  # runs once per trace
-        return loss_step(w, b, batch)
+        return loss_step(w, b, hp, batch)
 
     w, b = jnp.full((4, 4), 0.1, jnp.float32), np.float32(0.5)  # uncommitted; numpy
+    hp = {"lr": 0.1, "decay": jnp.float32(0.2)}  # passed as is every call
     batch = (jnp.ones((8, 4)), jnp.zeros((8, 4)))
     step = hetpar.auto(train_step, devices=list(GPUS), data_parallel="always")
-    got = step(w, b, batch)
+    got = step(w, b, hp, batch)
     traced = len(traces)
-    want = jax.jit(loss_step)(w, b, batch)
-    for _ in range(2):
-        got = step(*got[:2], batch)
-        want = jax.jit(loss_step)(*want[:2], batch)
-    assert len(traces) == traced  # steps 1 and 2 ran what step 0 compiled
+    reference = jax.jit(loss_step)
+    want = reference(w, b, hp, batch)
+    for _ in range(3):
+        got = step(*got[:2], hp, batch)
+        want = reference(*want[:2], hp, batch)
+    assert len(traces) == traced  # steps 1-3 ran what step 0 compiled
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), got, want)

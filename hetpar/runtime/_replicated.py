@@ -86,40 +86,53 @@ class Replicated:
             jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(a), ls) if i in nums
             else self.replicated for i, (a, ls) in enumerate(zip(args, leaf_shardings)))
         self._jit = jax.jit(fn, in_shardings=self.shardings, out_shardings=self.replicated)
+        # The arguments call_placed_batch checks (None: not yet known).
+        self._recheck: frozenset[int] | None = None
 
-    def _placed(self, args: tuple, only: frozenset[int] | None = None) -> tuple:
-        """`args` laid out so that the first call compiles what every later
-        call runs.
+    def _placed(self, args: tuple, only: frozenset[int] | None = None
+                ) -> tuple[tuple, list[int]]:
+        """`args` laid out so that every call runs what the first compiled,
+        and which arguments had leaves put.
 
-        jit keys its compiled step on each argument's sharding and whether it
-        is committed, so state passed uncommitted (or as numpy) to the first
-        call and committed from the second (the first step's result) compiled
-        the step twice (GPT-2 b64 over 2x H200: 7.4 s at step 1). State not
-        laid out as the step wants is therefore put there, once: later steps
-        pass the last step's result, already there.
+        jit keys its executable on each argument's sharding and whether it
+        is committed. State passed uncommitted (or as numpy, or a Python
+        number) to the first call and committed from the second (the first
+        step's result) compiled the step twice (GPT-2 b64 over 2x H200:
+        7.4 s at step 1). State leaves not laid out as the step wants are
+        therefore put there: once for state the step returns (later calls
+        pass its result, already there), every call for a constant passed
+        afresh (a learning rate), whose leaves `call_placed_batch` keeps
+        checking.
 
-        Batch arguments are new every step and alike from step to step:
-        numpy and uncommitted arrays (a batch made with `jnp` on the default
+        Batch leaves are new every step and alike from step to step: numpy
+        and uncommitted arrays (a batch made with `jnp` on the default
         device) pass untouched, since jit lays them out itself faster than a
         `device_put` first (1.25 ms of a 4.0 ms dispatch on the dev box,
-        experiments/results/dp_b64_h200x2). Committed batch arrays laid out
+        experiments/results/dp_b64_h200x2); committed ones laid out
         otherwise are put (jit refuses them).
+
+        Only leaves that need it are put, all in one `device_put`; `only`
+        limits the check to those arguments.
         """
-        out = None
+        out, moved = None, []
         for i, (a, want) in enumerate(zip(args, self._leaf_shardings)):
             if only is not None and i not in only:
                 continue
-            leaves = jax.tree_util.tree_leaves(a)
+            leaves, tree = jax.tree_util.tree_flatten(a)
             if i in self._nums:
-                moved = any(isinstance(x, jax.Array) and x.committed and x.sharding != s
-                            for x, s in zip(leaves, want))
+                at = [j for j, (x, s) in enumerate(zip(leaves, want))
+                      if isinstance(x, jax.Array) and x.committed and x.sharding != s]
             else:
-                moved = any(not (isinstance(x, jax.Array) and x.committed and x.sharding == s)
-                            for x, s in zip(leaves, want))
-            if moved:
+                at = [j for j, (x, s) in enumerate(zip(leaves, want))
+                      if not (isinstance(x, jax.Array) and x.committed and x.sharding == s)]
+            if at:
+                put = jax.device_put([leaves[j] for j in at], [want[j] for j in at])
+                for j, y in zip(at, put):
+                    leaves[j] = y
                 out = out or list(args)
-                out[i] = jax.device_put(a, self.shardings[i])
-        return args if out is None else tuple(out)
+                out[i] = jax.tree_util.tree_unflatten(tree, leaves)
+                moved.append(i)
+        return (args if out is None else tuple(out)), moved
 
     def global_shapes(self, args: tuple) -> tuple:
         """`args` with each local batch leaf replaced by its global shape
@@ -164,14 +177,21 @@ class Replicated:
     def __call__(self, *args):
         if self.multi_process:
             return self._jit(*self.global_args(args))
-        return self._jit(*self._placed(args))
+        return self._jit(*self._placed(args)[0])
 
     def call_placed_batch(self, args: tuple):
-        """Runs the step with only the batch arguments checked for placement:
-        a training loop's state is the last step's result, laid out as the
-        step wants (checking every state leaf cost more than a small step's
-        GPU time). A misplaced state leaf still runs: jit copies it."""
-        return self._jit(*self._placed(args, self._nums))
+        """Runs the step checking only the batch arguments and the state
+        arguments that still needed a put at the second call, when the
+        state passed is the first step's result (a constant passed afresh:
+        a learning rate). A loop's other state is the last step's result,
+        laid out as the step wants: checking every state leaf cost more
+        than a small step's GPU time. A state leaf misplaced later still
+        runs, but jit compiles the step again for it."""
+        if self._recheck is None:  # the call after the first: everything, once more
+            args, moved = self._placed(args)
+            self._recheck = self._nums | frozenset(moved)
+            return self._jit(*args)
+        return self._jit(*self._placed(args, self._recheck)[0])
 
 
 def _global(x, sharding, local: bool):
