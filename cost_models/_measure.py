@@ -195,7 +195,8 @@ def measure_step(
     # moved once. Over replicas an uncommitted one (made with jnp on the
     # default device) stays: jit lays it out every call, as it does in the
     # user's loop under hetpar's data-parallel step (GPT-2 b64 on 2x H200:
-    # hetpar run measured ~4 ms over a step timed with the batch split once).
+    # 2.2 ms of the step that a batch split once left out,
+    # experiments/results/dp_b64_h200x2).
     data_parallel = not isinstance(device, (str, jax.Device))
 
     def batch_leaf(x):

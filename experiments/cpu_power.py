@@ -21,20 +21,13 @@ saved runs of `probe_cpu_timing.py` (no device: re-traces the layers).
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from cpu_vector_tile import (  # noqa: E402
-    CORES,
-    held_out_layers,
-    parse_runs,
-    pass_times,
-    score,
-)
+from cpu_vector_tile import CORES, score_both_ways  # noqa: E402
 
 #: (alpha, beta) tried; (1, 1) is the model as hetpar has it.
 POWERS = ((1.0, 1.0), (0.9, 1.0), (0.8, 1.0), (0.7, 1.0), (0.6, 1.0),
@@ -62,23 +55,8 @@ def power_terms(alpha: float, beta: float):
 
 
 def main(argv=None) -> int:
-    args = parse_runs(argv, __doc__)
-    items, works, eqs = held_out_layers()
-    out = {}
-    for path in args.runs:
-        for fit, check in (("B1_interleaved", "B2_interleaved"),
-                           ("B2_interleaved", "B1_interleaved")):
-            fit_t, check_t = pass_times(path, items, fit, check)
-            for alpha, beta in POWERS:
-                s = score(items, works, eqs, fit_t, check_t, power_terms(alpha, beta))
-                run = f"{pathlib.Path(path).parent.name}/{pathlib.Path(path).stem}"
-                key = f"{run} fit {fit[:2]} alpha {alpha} beta {beta}"
-                out[key] = s
-                print(f"{key:72s} n={s['n']} median {s['median']:.1%} "
-                      f"p90 {s['p90']:.1%}  {', '.join(s['worst'])}", flush=True)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    return 0
+    return score_both_ways(argv, __doc__, [(f"alpha {a} beta {b}", power_terms(a, b))
+                                           for a, b in POWERS])
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ runs of `probe_cpu_timing.py` (no device: re-traces the layers), as
 
 from __future__ import annotations
 
-import json
 import math
 import pathlib
 import sys
@@ -30,13 +29,7 @@ import sys
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from cpu_vector_tile import (  # noqa: E402
-    CORES,
-    held_out_layers,
-    parse_runs,
-    pass_times,
-    score,
-)
+from cpu_vector_tile import CORES, score_both_ways  # noqa: E402
 
 #: FLOPs one thread of the pool takes at least; None: the model as hetpar has it.
 GRAINS = (None, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8)
@@ -62,23 +55,7 @@ def threaded_terms(grain):
 
 
 def main(argv=None) -> int:
-    args = parse_runs(argv, __doc__)
-    items, works, eqs = held_out_layers()
-    out = {}
-    for path in args.runs:
-        for fit, check in (("B1_interleaved", "B2_interleaved"),
-                           ("B2_interleaved", "B1_interleaved")):
-            fit_t, check_t = pass_times(path, items, fit, check)
-            for grain in GRAINS:
-                s = score(items, works, eqs, fit_t, check_t, threaded_terms(grain))
-                run = f"{pathlib.Path(path).parent.name}/{pathlib.Path(path).stem}"
-                key = f"{run} fit {fit[:2]} grain {grain}"
-                out[key] = s
-                print(f"{key:66s} n={s['n']} median {s['median']:.1%} "
-                      f"p90 {s['p90']:.1%}  {', '.join(s['worst'])}", flush=True)
-    if args.out:
-        pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    return 0
+    return score_both_ways(argv, __doc__, [(f"grain {g}", threaded_terms(g)) for g in GRAINS])
 
 
 if __name__ == "__main__":

@@ -114,6 +114,31 @@ def pass_times(path, items, fit: str, check: str) -> tuple[list, list]:
             [by[(m, la)][check] for m, _, la, *_ in items])
 
 
+def score_both_ways(argv, doc: str, variants) -> int:
+    """Scores each `(label, cpu_terms)` of `variants` on every run of
+    `--runs`, fitted on one interleaved pass and checked on the other, both
+    ways; prints a line each and writes them all to `--out` (JSON). The
+    offline scripts that try a term of their own (`cpu_threads.py`,
+    `cpu_power.py`) share this."""
+    args = parse_runs(argv, doc)
+    items, works, eqs = held_out_layers()
+    out = {}
+    for path in args.runs:
+        run = f"{pathlib.Path(path).parent.name}/{pathlib.Path(path).stem}"
+        for fit, check in (("B1_interleaved", "B2_interleaved"),
+                           ("B2_interleaved", "B1_interleaved")):
+            fit_t, check_t = pass_times(path, items, fit, check)
+            for label, terms in variants:
+                s = score(items, works, eqs, fit_t, check_t, terms)
+                key = f"{run} fit {fit[:2]} {label}"
+                out[key] = s
+                print(f"{key:72s} n={s['n']} median {s['median']:.1%} "
+                      f"p90 {s['p90']:.1%}  {', '.join(s['worst'])}", flush=True)
+    if args.out:
+        pathlib.Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_runs(argv, __doc__)
     items, works, eqs = held_out_layers()

@@ -119,12 +119,8 @@ class Replicated:
             if only is not None and i not in only:
                 continue
             leaves, tree = jax.tree_util.tree_flatten(a)
-            if i in self._nums:
-                at = [j for j, (x, s) in enumerate(zip(leaves, want))
-                      if isinstance(x, jax.Array) and x.committed and x.sharding != s]
-            else:
-                at = [j for j, (x, s) in enumerate(zip(leaves, want))
-                      if not (isinstance(x, jax.Array) and x.committed and x.sharding == s)]
+            batch = i in self._nums
+            at = [j for j, (x, s) in enumerate(zip(leaves, want)) if _misplaced(x, s, batch)]
             if at:
                 put = jax.device_put([leaves[j] for j in at], [want[j] for j in at])
                 for j, y in zip(at, put):
@@ -192,6 +188,15 @@ class Replicated:
             self._recheck = self._nums | frozenset(moved)
             return self._jit(*args)
         return self._jit(*self._placed(args, self._recheck)[0])
+
+
+def _misplaced(x, sharding, batch: bool) -> bool:
+    """Whether `Replicated._placed` puts leaf `x`: a committed array laid out
+    otherwise, or, for state, anything not yet a committed array (a batch
+    leaf jit can lay out itself is left to it)."""
+    if isinstance(x, jax.Array) and x.committed:
+        return x.sharding != sharding
+    return not batch
 
 
 def _global(x, sharding, local: bool):
