@@ -27,7 +27,7 @@ import sys
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from cpu_vector_tile import CORES, score_both_ways  # noqa: E402
+from cpu_vector_tile import gemm_terms, score_both_ways  # noqa: E402
 
 #: (alpha, beta) tried; (1, 1) is the model as hetpar has it.
 POWERS = ((1.0, 1.0), (0.9, 1.0), (0.8, 1.0), (0.7, 1.0), (0.6, 1.0),
@@ -38,16 +38,10 @@ S = 1e-3  # seconds: the size at which a power leaves a term unchanged
 def power_terms(alpha: float, beta: float):
     """The layer model's terms on a CPU with each GEMM's time, and the
     layer's non-matmul bytes' time, raised to a power about `S`."""
-    from hetpar.cost_models import _equation_model as em
+    gemms = gemm_terms(lambda e, peak: (e.flops / peak / S) ** alpha * S)
 
     def terms(profile, eqs, work):
-        peak = profile.peak("f32", "matmul")
-        out = em.terms(eqs, work, peak=peak, bandwidth=profile.memory_bandwidth_bytes_per_s,
-                       units=CORES, cpu=True)
-        for c in em.MATMUL_CLASSES:
-            out["flops_" + c] = 0.0
-        for e in eqs:
-            out["flops_" + e.cls] += e.reps * (e.flops / peak / S) ** alpha * S
+        out = gemms(profile, eqs, work)
         out["bytes"] = (out["bytes"] / S) ** beta * S if out["bytes"] > 0 else 0.0
         return out
 

@@ -29,7 +29,7 @@ import sys
 HERE = pathlib.Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from cpu_vector_tile import CORES, score_both_ways  # noqa: E402
+from cpu_vector_tile import CORES, gemm_terms, score_both_ways  # noqa: E402
 
 #: FLOPs one thread of the pool takes at least; None: the model as hetpar has it.
 GRAINS = (None, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8)
@@ -38,20 +38,10 @@ GRAINS = (None, 1e4, 3e4, 1e5, 3e5, 1e6, 3e6, 1e7, 3e7, 1e8)
 def threaded_terms(grain):
     """The layer model's terms on a CPU with each GEMM's FLOPs over its busy
     share of the cores; None (hetpar's terms) without a grain."""
-    from hetpar.cost_models import _equation_model as em
+    def seconds(e, peak):
+        return e.flops / (min(CORES, math.ceil(e.flops / grain)) / CORES) / peak
 
-    def terms(profile, eqs, work):
-        peak = profile.peak("f32", "matmul")
-        out = em.terms(eqs, work, peak=peak, bandwidth=profile.memory_bandwidth_bytes_per_s,
-                       units=CORES, cpu=True)
-        for c in em.MATMUL_CLASSES:
-            out["flops_" + c] = 0.0
-        for e in eqs:
-            u = min(CORES, math.ceil(e.flops / grain)) / CORES
-            out["flops_" + e.cls] += e.reps * e.flops / u / peak
-        return out
-
-    return None if grain is None else terms
+    return None if grain is None else gemm_terms(seconds)
 
 
 def main(argv=None) -> int:

@@ -81,6 +81,25 @@ def tile_terms(tile):
     return None if tile is None else terms
 
 
+def gemm_terms(seconds):
+    """The layer model's terms on a CPU with each matmul equation's FLOPs
+    term priced by `seconds(equation, peak)` (one run of it) instead of its
+    FLOPs at the peak (`cpu_threads.py`, `cpu_power.py`)."""
+    from hetpar.cost_models import _equation_model as em
+
+    def terms(profile, eqs, work):
+        peak = profile.peak("f32", "matmul")
+        out = em.terms(eqs, work, peak=peak, bandwidth=profile.memory_bandwidth_bytes_per_s,
+                       units=CORES, cpu=True)
+        for c in em.MATMUL_CLASSES:
+            out["flops_" + c] = 0.0
+        for e in eqs:
+            out["flops_" + e.cls] += e.reps * seconds(e, peak)
+        return out
+
+    return terms
+
+
 def held_out_layers():
     """The fit models' and held-out models' layers (`probe_cpu_timing._layers`),
     re-traced here, with their work and matmul equations on a CPU."""
