@@ -7,6 +7,7 @@ device's spec-sheet kind (`h100`, `cpu`), which picks its built-in profile.
 
 from __future__ import annotations
 
+import os
 import re
 
 from hetpar.core import ProfileError
@@ -116,3 +117,43 @@ def has_pinned_host(device) -> bool:
         return any(m.kind == "pinned_host" for m in device.addressable_memories())
     except Exception:  # noqa: BLE001 - backends without memory kinds
         return False
+
+
+def live_capacity(device) -> tuple[float | None, str]:
+    """(bytes, source) a present device can hold, as this machine has it; (None, "")
+    where it cannot be read (another process's accelerator, a backend without
+    `memory_stats`).
+
+    An accelerator's is JAX's allocator limit (`memory_stats()["bytes_limit"]`),
+    not the card's: JAX takes 75% of a GPU by default (a 143 GB H200 gives
+    112.6 GB), and `XLA_PYTHON_CLIENT_MEM_FRACTION` sets it; a plan sized to
+    the spec sheet's 141 GB ran out of memory mid-step. A CPU's is the host's
+    RAM (sysconf), which every CPU device of the host shares.
+    """
+    if device.platform == "cpu":
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None, ""
+        return float(total), f"host RAM from sysconf on this machine ({total / 1e9:.1f} GB)"
+    try:
+        import jax
+
+        if device.process_index != jax.process_index():
+            return None, ""
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend implements memory_stats
+        stats = {}
+    if "bytes_limit" in stats:
+        limit = float(stats["bytes_limit"])
+        return limit, (f"JAX allocator bytes_limit on this machine ({limit / 1e9:.1f} GB; "
+                       "XLA_PYTHON_CLIENT_MEM_FRACTION sets it)")
+    return None, ""
+
+
+def host_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, else the count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

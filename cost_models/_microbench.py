@@ -58,6 +58,7 @@ from hetpar.core import ProfileError, nbytes, seconds
 from hetpar.cost_models._devices import (
     global_device_name,
     has_pinned_host,
+    live_capacity,
     present_devices,
     resolve_device,
     spec_kind_of,
@@ -230,24 +231,6 @@ def _launch_overhead(dev, cfg: BenchConfig) -> tuple[float, float, float]:
 _BUFFER_ARRAYS = 16
 
 
-def _memory_bytes(dev) -> tuple[float | None, str]:
-    if dev.platform == "cpu":
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            return float(total), "host RAM from sysconf"
-        except (ValueError, OSError, AttributeError):
-            return None, ""
-    try:
-        stats = dev.memory_stats() or {}
-    except Exception:  # noqa: BLE001 - not every backend implements memory_stats
-        stats = {}
-    if "bytes_limit" in stats:
-        # The allocator limit, not the card: JAX preallocates 75% of GPU memory by
-        # default (XLA_PYTHON_CLIENT_MEM_FRACTION), and that is what layers can use.
-        return float(stats["bytes_limit"]), "JAX allocator bytes_limit (Device.memory_stats())"
-    return None, ""
-
-
 def profile_device(
     device, cfg: BenchConfig = FULL, progress: Callable[[str], None] | None = None
 ) -> DeviceProfile:
@@ -282,7 +265,7 @@ def profile_device(
     if best_bw > bw:
         bw = best_bw
         sources["memory_bandwidth_bytes_per_s"] = f"best streaming benchmark, {where}"
-    mem, mem_src = _memory_bytes(dev)
+    mem, mem_src = live_capacity(dev)
     if mem is not None:
         sources["memory_bytes"] = f"{mem_src}, {where}"
     sources["launch_overhead_s"] = (

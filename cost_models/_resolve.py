@@ -75,6 +75,8 @@ from hetpar.core import CostTable, Link, ProfileError, memory_place
 from hetpar.core._graph import curve_rate
 from hetpar.cost_models._devices import (
     has_pinned_host,
+    host_cores,
+    live_capacity,
     local_name,
     present_devices,
     process_of,
@@ -113,7 +115,43 @@ class ResolvedDevice:
 
 
 def _profile_for_present(name: str, dev, profiles: ProfileSet) -> DeviceProfile:
-    """A present device's profile: measured by name, else a measured one of its kind, else spec."""
+    """A present device's profile as this machine has it (`as_present`): measured
+    by name, else a measured one of its kind, else its spec sheet."""
+    return as_present(_named_profile(name, dev, profiles), dev)
+
+
+def as_present(prof: DeviceProfile, dev) -> DeviceProfile:
+    """`prof` with what a present device `dev` reads off this machine: its
+    capacity (`live_capacity`: the allocator's limit, the host's RAM), and for
+    a CPU described by its spec sheet (a 16-core part), peaks scaled to the
+    cores here. A profile measured elsewhere keeps its times; capacity is
+    always the machine's own: a plan that fits the spec sheet's 141 GB ran
+    out of memory under an H200's 112.6 GB allocator limit."""
+    if dev is None:
+        return prof
+    changes: dict = {}
+    sources = dict(prof.sources)
+    mem, src = live_capacity(dev)
+    if mem is not None:
+        changes["memory_bytes"] = mem
+        sources["memory_bytes"] = src
+    if dev.platform == "cpu" and prof.origin == "spec":
+        scale = host_cores() / float(_SPEC_CPU_CORES)
+        changes["peak_flops_per_s"] = {dt: f * scale for dt, f in prof.peak_flops_per_s.items()}
+        for dt in prof.peak_flops_per_s:
+            sources[f"peak_flops_per_s.{dt}"] = (
+                f"{prof.sources.get(f'peak_flops_per_s.{dt}', 'spec sheet')}; scaled to the "
+                f"{host_cores()} cores here")
+    if not changes:
+        return prof
+    return prof.replace(sources=sources, **changes)
+
+
+#: The cores of the part the `cpu` spec sheet describes (cost_models/specs/cpu.json).
+_SPEC_CPU_CORES = 16
+
+
+def _named_profile(name: str, dev, profiles: ProfileSet) -> DeviceProfile:
     if name in profiles.devices:
         return profiles.device(name)
     kind = spec_kind_of(dev) if dev is not None else local_name(name).split(":")[0]

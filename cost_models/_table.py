@@ -227,6 +227,11 @@ def cost_table(
         "device_sources": {d.name: {"origin": d.profile.origin, **dict(d.profile.sources)}
                            for d in devs},
     }
+    # What a present device holds here (`as_present`): `memory=` may cap it, never raise it.
+    info_meta["present_capacity"] = {d.name: float(d.profile.memory_bytes) for d in devs
+                                     if d.jax_device is not None}
+    info_meta["present_capacity"].update(
+        {p.name: float(p.memory_bytes) for p in places if p.device.jax_device is not None})
     for place in places:
         info_meta["device_sources"][place.name] = {
             "origin": "memory place", "device": place.device.name,

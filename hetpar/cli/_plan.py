@@ -48,8 +48,10 @@ def register(subparsers) -> None:
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit, seconds")
     p.add_argument("--gap", type=float, default=None, help="relative optimality gap (1e-4)")
     p.add_argument("--memory", action="append", default=[], metavar="DEVICE=GB",
-                   help="cap a device's memory for planning, in GB (1e9 bytes), e.g. "
-                        "--memory gpu:0=40 (repeatable)")
+                   help="set a device's memory for planning, in GB (1e9 bytes): a device or a "
+                        "kind, e.g. --memory gpu:0=40 or --memory h100=10 (repeatable). A device "
+                        "present here may only be capped; one planned for (a spec sheet) may "
+                        "be given more (--memory cpu=2000 for a 2 TB host)")
     add_link_arg(p)
     p.add_argument("--no-offload", dest="offload", action="store_false",
                    help="never keep layers' state apart from their compute device")
@@ -92,6 +94,9 @@ def parse_memory(items: list[str]) -> dict[str, float]:
             gb = float(value)
         except ValueError:
             gb = float("nan")
+        if "," in item:
+            raise HetparError(f"--memory takes one DEVICE=GB; repeat the flag for each device, "
+                              f"e.g. --memory gpu:0=40 --memory gpu:1=40; got {item!r}")
         if not sep or not dev.strip() or not (gb > 0 and gb < float("inf")):
             raise HetparError(f"--memory expects DEVICE=GB with a positive number of GB, e.g. "
                               f"gpu:0=40; got {item!r}")

@@ -264,26 +264,53 @@ def _fewest_recomputed(table: CostTable, arr: Arrays,
 
 
 def with_memory(table: CostTable, memory: Mapping[str, float]) -> CostTable:
-    """`table` with device memory capped: {device: bytes} (same fingerprint).
+    """`table` with device memories set: {device or kind: bytes} (same fingerprint).
 
-    A cap never raises a device's memory.
+    A key names a device of the table (`gpu:0`, `h100:0`) or a kind
+    (`h100`, `cpu`: every device of that kind; a device's own name wins over
+    its kind). A device that is not present (a spec sheet, a profile from
+    elsewhere) may be given more memory than its figure as well as less: a
+    plan for a DGX host with 2 TB of RAM. A present device, whose capacity
+    the table read off this machine (`meta["present_capacity"]`: JAX's
+    allocator limit, the host's RAM), may only be capped: it cannot be given
+    memory it does not have.
 
     Raises:
-      PlanError: an unknown device or a cap that is not a positive number.
+      PlanError: a key that names no device or kind of the table (a comma
+        list among them), a value that is not a positive number, or more
+        than a present device holds.
     """
     if not isinstance(memory, Mapping):
         raise PlanError(f"memory maps device names to bytes, got {type(memory).__name__}")
-    names = set(table.device_names)
+    kinds = {d.kind for d in table.devices}
     for d, v in memory.items():
-        if d not in names:
+        if isinstance(d, str) and "," in d:
+            raise PlanError(f"memory names {d!r}: one device or kind per entry, e.g. "
+                            "{'gpu:0': 40e9, 'gpu:1': 40e9} (on the command line, repeat "
+                            "--memory DEVICE=GB for each)")
+        if d not in table.device_names and d not in kinds:
             raise PlanError(f"memory names unknown device {d!r}; devices: "
-                            f"{', '.join(table.device_names)}")
+                            f"{', '.join(table.device_names)}; kinds: {', '.join(sorted(kinds))}")
         if isinstance(v, bool) or not isinstance(v, int | float) or not (
                 v > 0 and math.isfinite(v)):
             raise PlanError(f"memory[{d!r}] must be a positive number of bytes, got {v!r}")
-    devices = tuple(dataclasses.replace(d, memory_bytes=min(d.memory_bytes, float(memory[d.name])))
-                    if d.name in memory else d for d in table.devices)
-    return dataclasses.replace(table, devices=devices,
+    present = table.meta.get("present_capacity") or {}
+    devices = []
+    for dev in table.devices:
+        key = dev.name if dev.name in memory else dev.kind if dev.kind in memory else None
+        if key is None:
+            devices.append(dev)
+            continue
+        want = float(memory[key])
+        have = present.get(dev.name)
+        if have is not None and want > have * (1 + 1e-9):
+            raise PlanError(
+                f"memory[{key!r}] gives {dev.name} {want / 1e9:.3g} GB, but it is present here "
+                f"and holds {have / 1e9:.3g} GB (JAX's allocator limit for an accelerator, "
+                "the host's RAM for a CPU): a present device cannot be given memory it does "
+                "not have. Cap it lower, or plan for a larger card by its kind (e.g. 'h200')")
+        devices.append(dataclasses.replace(dev, memory_bytes=want))
+    return dataclasses.replace(table, devices=tuple(devices),
                                meta={**table.meta, "memory_caps": dict(memory)})
 
 
