@@ -39,6 +39,8 @@ _LAZY = {
     "StageError": "hetpar.runtime",
     "PredictionWarning": "hetpar._step_clock",
     "HostMemoryWarning": "hetpar._host_memory",
+    "OutOfMemoryWarning": "hetpar._recovery",
+    "OutOfMemoryError": "hetpar._recovery",
     "gather": "hetpar.runtime",
 }
 
@@ -46,6 +48,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from hetpar._auto import AutoStep, auto
     from hetpar._grad import grad, value_and_grad
     from hetpar._host_memory import HostMemoryWarning
+    from hetpar._recovery import OutOfMemoryError, OutOfMemoryWarning
     from hetpar._report import CostReport, report
     from hetpar._step_clock import PredictionWarning
     from hetpar.passes import LayerGraph, layer, trace
@@ -76,6 +79,8 @@ __all__ = [
     "AutoStep",
     "PredictionWarning",
     "HostMemoryWarning",
+    "OutOfMemoryWarning",
+    "OutOfMemoryError",
     "auto",
     "grad",
     "value_and_grad",

@@ -29,6 +29,7 @@ import itertools
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,14 +40,16 @@ from absl import logging
 from hetpar._grad import microbatched
 from hetpar.core import (
     HetparError,
+    InfeasibleError,
     Placement,
     PlanError,
     is_memory_place,
     memory_place,
+    nbytes,
     parse_placements,
     seconds,
 )
-from hetpar.cost_models import present_devices
+from hetpar.cost_models import live_capacity, present_devices
 
 # The planner (and pulp) load with this module, not lazily inside a call:
 # pulp keeps a traceback from an optional solver it fails to load, and a
@@ -63,6 +66,15 @@ from hetpar._calibration import (
 from hetpar._host_memory import warn_without_huge_pages
 from hetpar._nnx_args import NNX_MARK, NnxArgs
 from hetpar._options import Options, check_places, check_present, is_int
+from hetpar._recovery import (
+    MAX_REPLANS,
+    OutOfMemoryError,
+    OutOfMemoryWarning,
+    failed_device,
+    give_up,
+    is_out_of_memory,
+    smaller_cap,
+)
 from hetpar._signature import batch_positions, fast_signature, signature
 from hetpar._step_clock import StepClock
 from hetpar.passes import (
@@ -936,6 +948,8 @@ class AutoStep:
         # Every signature's executor runs on these: one thread per device,
         # however many shapes the step is called with.
         self._workers = Workers()
+        # (device, first error, cap) once a step ran out of memory and was replanned.
+        self._shrunk: tuple[str, Exception, float] | None = None
 
     def lower(self, *args) -> CompiledStep:
         """Traces, plans and compiles for these arguments without running.
@@ -983,8 +997,56 @@ class AutoStep:
         return step, nnx_args
 
     def __call__(self, *args):
-        direct = self._direct
         start = time.perf_counter()
+        for tries in itertools.count():
+            try:
+                return self._call(args, start)
+            except Exception as e:  # noqa: BLE001 - only out-of-memory is caught
+                replanned_infeasible = isinstance(e, InfeasibleError) and tries > 0
+                if (not is_out_of_memory(e) and not replanned_infeasible) \
+                        or isinstance(e, OutOfMemoryError):
+                    raise
+                self._replan_smaller(e, tries)
+
+    def _replan_smaller(self, e: Exception, tries: int) -> None:
+        """After a step ran out of memory (the caller's arguments intact: no stage
+        donates them), caps the device that ran out below what the plan predicted
+        there, so that the next call plans again; raises `OutOfMemoryError` where
+        that cannot help (see hetpar/_recovery.py)."""
+        step, self._direct = self._last, None
+        if isinstance(e, InfeasibleError) and tries > 0 and self._shrunk is not None:
+            device, first, cap = self._shrunk
+            raise give_up(device, first, tries - 1, cap, why=e) from first
+        if step is None:
+            raise e
+        used = sorted({memory_place(d)[0] for p in step.placements.values() for d in p.devices})
+        device = failed_device(e, used)
+        if device is None:
+            raise e
+        if (self.options.plan is not None or tries >= MAX_REPLANS
+                or len(step._candidate_devices(self.options)) < 2):
+            raise give_up(device, e, tries, None) from e
+        table = step.table
+        capacity = ({d.name: d.memory_bytes for d in table.devices}.get(device)
+                    if table is not None else None) or live_capacity(step.devices[device])[0]
+        predicted = step.predicted()
+        held = (predicted.peak_memory_bytes or predicted.memory_bytes or {}) if predicted else {}
+        cap = smaller_cap(capacity or float("inf"), held.get(device))
+        self._shrunk = (device, e if self._shrunk is None else self._shrunk[1], cap)
+        self.options = dataclasses.replace(self.options,
+                                           memory={**(self.options.memory or {}), device: cap})
+        self._compiled.clear()  # every signature plans again under the cap
+        self._last = None
+        first_line = str(e).splitlines()[0][:200]
+        msg = (f"hetpar: {device} ran out of memory running the step ({first_line}); your "
+               f"arguments are unchanged. Planning again with {device} capped at "
+               f"{nbytes(cap)} and running the step again.")
+        logging.warning(msg)
+        if tries == 0:
+            warnings.warn(msg, OutOfMemoryWarning, stacklevel=3)
+
+    def _call(self, args: tuple, start: float):
+        direct = self._direct
         if direct is not None:
             # A one-device plan: straight to its jit, which checks the
             # arguments as jax.jit does; only arguments it has not run go on.

@@ -5,7 +5,11 @@ device planned for (not present) more memory, and never a present one."""
 
 import os
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 
 import hetpar
@@ -118,3 +122,110 @@ def test_auto_refuses_more_memory_than_a_present_device_holds():
                        memory={"cpu:1": 100 * _host_ram()})
     with pytest.raises(PlanError, match="cannot be given memory it does not have"):
         auto(jax.numpy.ones(8), jax.numpy.ones(8))
+
+
+# -- out of memory mid-step: replanned, retried, the caller's state intact ------
+
+
+class _MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i in range(6):
+            x = nn.tanh(nn.Dense(64, name=f"dense{i}")(x))
+        return nn.Dense(1, name="head")(x)
+
+
+def _mlp_step():
+    model, tx = _MLP(), optax.adam(1e-2)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(
+            lambda p: ((model.apply(p, x) - y) ** 2).mean())(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    x, y = jnp.ones((8, 64)), jnp.linspace(0.0, 1.0, 8)[:, None]
+    params = model.init(jax.random.key(0), x)
+    return step, (params, tx.init(params), (x, y))
+
+
+class _Allocator:
+    """A fake allocator limit: an executor whose stages on one device read at
+    least `limit` bytes of inputs there fails at run time as XLA does when out
+    of memory (RESOURCE_EXHAUSTED). The first executor built sets the limit to
+    what its busiest device needs there: only a plan that keeps less on that
+    device (`device`) runs."""
+
+    def __init__(self):
+        self.device, self.limit, self.failed = None, None, 0
+
+    def install(self, monkeypatch):
+        from hetpar.runtime import _executor
+
+        original = _executor.Executor._compile_all
+
+        def compile_all(executor, stages):
+            compiled = original(executor, stages)
+            held: dict = {}
+            for st in stages:
+                held[st.device] = held.get(st.device, 0) + sum(
+                    v.aval.size * v.aval.dtype.itemsize for v in st.inputs)
+            if self.limit is None:
+                self.device = max(held, key=held.get)
+                self.limit = held[self.device]
+            busiest = self.device
+            if held.get(busiest, 0) < self.limit:
+                return compiled
+
+            def out_of_memory(*args):
+                self.failed += 1
+                raise RuntimeError(f"RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                   f"allocate {held[busiest]} bytes.")
+
+            return [out_of_memory if st.device == busiest else fn
+                    for st, fn in zip(stages, compiled)]
+
+        monkeypatch.setattr(_executor.Executor, "_compile_all", compile_all)
+
+
+def _copy(tree):
+    return jax.tree_util.tree_map(lambda a: np.array(a, copy=True), tree)
+
+
+def test_a_stage_out_of_memory_is_replanned_and_retried_with_the_state_intact(monkeypatch):
+    step, args = _mlp_step()
+    before = _copy(args)
+    alloc = _Allocator()
+    alloc.install(monkeypatch)
+    # Capped so that the step needs two devices of three.
+    held = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[:2]))
+    cap = 0.6 * 3 * held  # parameters, gradients and Adam's two moments
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1", "cpu:2"], profile=None,
+                       memory=dict.fromkeys(["cpu:0", "cpu:1", "cpu:2"], cap))
+    with pytest.warns(hetpar.OutOfMemoryWarning, match="ran out of memory"):
+        out = auto(*args)
+    assert alloc.failed >= 1
+    # The step that ran was planned again with the device that ran out capped lower.
+    assert auto.options.memory[alloc.device] < cap
+    # The caller's arrays are untouched, and the result is jax.jit's.
+    for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    want = jax.jit(step)(*args)
+    for got, ref in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_out_of_memory_under_a_given_plan_is_one_line_naming_the_device(monkeypatch):
+    step, args = _mlp_step()
+    alloc = _Allocator()
+    alloc.install(monkeypatch)
+    layers = hetpar.trace(step, *args).layers
+    plan = {name: ("cpu:0" if i < 3 else "cpu:1") for i, name in enumerate(layers)}
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], plan=plan, profile=None)
+    with pytest.raises(hetpar.OutOfMemoryError) as info:
+        auto(*args)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"{alloc.device} ran out of memory") and "B more)" in message
+    assert "the plan was given" in message and "arguments are unchanged" in message

@@ -43,7 +43,15 @@ from hetpar.runtime._transfer import TransferEngine
 
 
 class StageError(HetparError, RuntimeError):
-    """A stage failed while running; the message names its layers and device."""
+    """A stage failed while running; the message names its layers and device.
+
+    Attributes:
+      device: the name of the device the stage ran on (None if not known).
+    """
+
+    def __init__(self, message: str, device: str | None = None):
+        super().__init__(message)
+        self.device = device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,7 +446,8 @@ class Executor:
                 f"stage {st.index} ({st.phase}"
                 f"{'' if st.microbatch is None else f', microbatch {st.microbatch}'}) on "
                 f"{st.device} failed, running layers {list(st.layers)}: "
-                f"{type(e).__name__}: {e}. The inputs you passed are unchanged.") from e
+                f"{type(e).__name__}: {e}. The inputs you passed are unchanged.",
+                device=st.device) from e
         self.last_events = sorted(run.events, key=lambda ev: ev.start_s)
         if self.multi_process:
             return self._outputs_across(run)

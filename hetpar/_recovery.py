@@ -1,0 +1,91 @@
+"""What `hetpar.auto` does when a step runs out of device memory.
+
+A plan is checked against the devices' capacities before it runs, but a
+memory model can still undercount (XLA's workspace, fragmentation, a
+collective's buffers). Since no stage donates its inputs, the caller's
+state is intact after a failed step: `hetpar.auto` caps the device that
+ran out below what the failed plan predicted for it, plans again and
+retries the step with the same arguments, warning once
+(`OutOfMemoryWarning`). After `MAX_REPLANS` tries it stops with one line
+naming the device, the bytes XLA could not allocate and what to try.
+"""
+
+from __future__ import annotations
+
+import re
+
+from hetpar.core import HetparError, InfeasibleError, nbytes
+
+#: Plans tried after the first one ran out of memory.
+MAX_REPLANS = 3
+#: Each retry keeps the device this far under what the last plan predicted
+#: it would hold: the model undercounted by at least capacity / predicted.
+SHRINK = 0.85
+
+_ALLOCATE = re.compile(r"allocat\w* (\d+)(?:\.\d+)?\s*(bytes|[KMG]i?B)", re.IGNORECASE)
+_UNITS = {"bytes": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+class OutOfMemoryWarning(UserWarning):
+    """A step ran out of device memory and `hetpar.auto` planned it again."""
+
+
+class OutOfMemoryError(HetparError):
+    """A step ran out of device memory and no smaller plan fits (or the plan was given)."""
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` (or what caused it) is XLA's out-of-memory error."""
+    while e is not None:
+        text = str(e)
+        if "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text:
+            return True
+        e = e.__cause__
+    return False
+
+
+def failed_device(e: BaseException, used: list[str]) -> str | None:
+    """The device a failed step ran out of memory on: the one a `StageError` names,
+    else the only device the step used; None where it cannot tell."""
+    device = getattr(e, "device", None)
+    if device is not None:
+        return device
+    return used[0] if len(used) == 1 else None
+
+
+def bytes_wanted(e: BaseException) -> float | None:
+    """The allocation XLA's message says failed, in bytes (None if it does not say)."""
+    while e is not None:
+        m = _ALLOCATE.search(str(e))
+        if m:
+            return float(m.group(1)) * _UNITS[m.group(2).lower()]
+        e = e.__cause__
+    return None
+
+
+def smaller_cap(capacity: float, predicted: float | None) -> float:
+    """The cap the next plan gets on a device that ran out of memory: under the
+    capacity and under what the failed plan predicted it would hold there."""
+    base = capacity if not predicted else min(capacity, predicted)
+    return SHRINK * base
+
+
+def give_up(device: str, e: BaseException, tries: int, cap: float | None,
+            why: InfeasibleError | None = None) -> OutOfMemoryError:
+    """The one-line error after the last try (or where hetpar may not replan)."""
+    wanted = bytes_wanted(e)
+    need = f" (XLA could not allocate {nbytes(wanted)} more)" if wanted else ""
+    if why is not None:
+        tried = (f"; planned again with {device} capped at {nbytes(cap)}, no plan fits "
+                 f"({str(why).splitlines()[0]})")
+    elif tries:
+        tried = f"; {tries} smaller plans ran out of memory too"
+    else:
+        return OutOfMemoryError(
+            f"{device} ran out of memory running the step{need}; the plan was given, so "
+            "hetpar did not plan again. Your arguments are unchanged. Give a plan that keeps "
+            f"less on {device}, or drop plan= and let hetpar plan for the memory there")
+    return OutOfMemoryError(
+        f"{device} ran out of memory running the step{need}{tried}. Your arguments are "
+        "unchanged. Try a smaller batch, microbatches=M with hetpar.value_and_grad, more "
+        "devices, or a CPU among the devices to hold state in host memory")
