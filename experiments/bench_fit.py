@@ -1,0 +1,201 @@
+"""Plans that hold on the machine they run on (issue 41): a grid of GPU sizes.
+
+Each cell trains `hetpar.auto(step)`'s own plan over the GPU and its host CPU
+for `--steps` steps, in its own process with `XLA_PYTHON_CLIENT_MEM_FRACTION`
+set (so the GPU looks like a smaller card and each cell's memory high-water
+mark is its own), beside `jax.jit` on the GPU in another process where it
+fits. Per cell: the plan hetpar chose, whether anything ran out of memory
+(and whether hetpar replanned), the predicted and measured GPU peak
+(`peak_bytes_in_use`), the predicted and measured median step, and the
+first call (trace, plan, compile, place) against `jax.jit`'s first step.
+
+    python experiments/bench_fit.py --models llama,zoo --fractions 0.1,0.3,default \
+        --out experiments/results/fit_h200/fit.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _workload(name: str, batch: int, tiny: bool = False):
+    """(train_step, init(key) -> (params, opt_state, batch), parameters)."""
+    if name == "llama":
+        import llama_style
+
+        cfg = (llama_style.Config(vocab=256, d_model=64, num_layers=2, num_heads=4, hidden=128)
+               if tiny else llama_style.Config())
+        step, init = llama_style.make(cfg, batch=batch, seq=16 if tiny else 512)
+        return step, init, llama_style.parameter_count(cfg)
+    from hetpar import zoo
+
+    w = (zoo.get("transformer", small=True) if tiny else
+         zoo.get("transformer", batch=batch, d_model=2048, num_layers=16, num_heads=16))
+    return w.train_step, (lambda key: w.example_args()), None
+
+
+def _median_step(step, state, batch, steps):
+    import jax
+
+    params, opt_state = state
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, batch)
+        float(loss)
+        jax.block_until_ready((params, opt_state))
+        times.append(time.perf_counter() - t)
+    return times, float(loss)
+
+
+def run_cell(args) -> dict:
+    import jax
+
+    import hetpar
+
+    try:
+        gpu, acc = jax.devices("gpu")[0], "gpu:0"
+    except RuntimeError:  # a smoke run on CPUs (--tiny, two host devices)
+        gpu, acc = jax.devices("cpu")[1], "cpu:1"
+    cpu = jax.devices("cpu")[0]
+    out = {"model": args.model, "fraction": args.fraction, "mode": args.mode,
+           "card": gpu.device_kind,
+           "limit_gb": (gpu.memory_stats() or {}).get("bytes_limit", 0) / 1e9}
+    train_step, init, n = _workload(args.model, args.batch, args.tiny)
+    # Built on the host: a cell whose GPU is too small must still get its state.
+    with jax.default_device(cpu if args.mode == "hetpar" else gpu):
+        params, opt_state, batch = init(jax.random.key(0))
+        jax.block_until_ready((params, opt_state, batch))
+    out["params"] = n or sum(x.size for x in jax.tree_util.tree_leaves(params))
+    out["state_gb"] = sum(x.nbytes for x in jax.tree_util.tree_leaves((params, opt_state))) / 1e9
+    t0 = time.perf_counter()
+    try:
+        if args.mode == "jit":
+            step = jax.jit(train_step)
+            p, o, loss = step(params, opt_state, batch)
+            float(loss)
+            out["first_call_s"] = time.perf_counter() - t0
+            times, loss = _median_step(step, [p, o], batch, args.steps)
+        else:
+            step = hetpar.auto(train_step, devices=[acc, "cpu:0"])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                params, opt_state, batch = step.place(params, opt_state, batch)
+                p, o, loss = step(params, opt_state, batch)
+                float(loss)
+                out["first_call_s"] = time.perf_counter() - t0
+                del params, opt_state
+                times, loss = _median_step(step, [p, o], batch, args.steps)
+            out["warnings"] = [f"{type(w.message).__name__}: {str(w.message)[:300]}"
+                               for w in caught if "Memory" in type(w.message).__name__]
+            plan = step.plan
+            placements = step.placements
+            out["plan"] = {
+                "compute": _count(p.compute for p in placements.values()),
+                "state": _count(p.state for p in placements.values()),
+                "activations": _count(p.activations for p in placements.values()),
+                "replicas": list(plan.replicas) if plan is not None else [],
+            }
+            if plan is not None:
+                pred = plan.predicted
+                peaks = dict(pred.peak_memory_bytes or pred.memory_bytes or {})
+                peaks["gpu:0"] = peaks.get(acc)
+                out["predicted_s"] = pred.step_time_s
+                out["predicted_peak_gb"] = {d: v / 1e9 for d, v in peaks.items()}
+                out["memory_caps"] = dict(step.options.memory or {})
+    except Exception as e:  # noqa: BLE001 - the cell reports what failed
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
+        return out
+    stats = gpu.memory_stats() or {}
+    out.update({"median_s": statistics.median(times[1:]), "times_s": times, "loss": loss,
+                "gpu_peak_gb": (stats.get("peak_bytes_in_use") or 0) / 1e9})
+    return out
+
+
+def _count(values) -> dict:
+    out: dict = {}
+    for v in values:
+        out[str(v)] = out.get(str(v), 0) + 1
+    return out
+
+
+def _row(cell: dict) -> str:
+    def ms(x):
+        return "" if x is None else f"{x * 1e3:.1f}"
+
+    pred_peak = (cell.get("predicted_peak_gb") or {}).get("gpu:0")
+    measured = cell.get("gpu_peak_gb")
+    ratio = f"{measured / pred_peak:.2f}" if pred_peak and measured else ""
+    step_ratio = (f"{cell['median_s'] / cell['predicted_s']:.2f}"
+                  if cell.get("predicted_s") and cell.get("median_s") else "")
+    plan = cell.get("plan") or {}
+    what = cell.get("error") or ", ".join(f"{k}={v}" for k, v in plan.items() if v)
+    return (f"| {cell['model']} | {cell['fraction']} ({cell['limit_gb']:.0f} GB) | {cell['mode']} "
+            f"| {ms(cell.get('median_s'))} | {ms(cell.get('predicted_s'))} | {step_ratio} "
+            f"| {measured or 0:.1f} | {pred_peak or 0:.1f} | {ratio} "
+            f"| {cell.get('first_call_s') or 0:.1f} | {what[:160]} |")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="llama,zoo")
+    p.add_argument("--fractions", default="0.1,0.3,default")
+    p.add_argument("--modes", default="hetpar,jit")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--timeout", type=float, default=240.0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--tiny", action="store_true", help="a smoke run's shapes (CPU)")
+    p.add_argument("--model", help=argparse.SUPPRESS)
+    p.add_argument("--fraction", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.model:
+        print("CELL " + json.dumps(run_cell(args)), flush=True)
+        return
+    cells = []
+    for model in args.models.split(","):
+        for fraction in args.fractions.split(","):
+            for mode in args.modes.split(","):
+                env = dict(os.environ)
+                if fraction != "default":
+                    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
+                cmd = [sys.executable, __file__, "--model", model, "--fraction", fraction,
+                       "--mode", mode, "--batch", str(args.batch), "--steps", str(args.steps)]
+                cmd += ["--tiny"] if args.tiny else []
+                t = time.perf_counter()
+                try:
+                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                          timeout=args.timeout)
+                    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CELL ")]
+                    cell = json.loads(lines[-1][5:]) if lines else {
+                        "model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
+                        "error": f"exit {proc.returncode}: " + proc.stderr.strip()[-400:]}
+                except subprocess.TimeoutExpired:
+                    cell = {"model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
+                            "error": f"timed out after {args.timeout:.0f} s"}
+                cell["wall_s"] = time.perf_counter() - t
+                cells.append(cell)
+                print(_row(cell), flush=True)
+                if args.out:
+                    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+                    with open(args.out, "w") as f:
+                        json.dump(cells, f, indent=1)
+    print("\n| model | GPU memory | run | step ms | predicted ms | measured/predicted "
+          "| GPU peak GB | predicted peak GB | measured/predicted peak | first call s | plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for cell in cells:
+        print(_row(cell))
+
+
+if __name__ == "__main__":
+    main()
