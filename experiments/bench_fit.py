@@ -113,7 +113,12 @@ def run_cell(args) -> dict:
                 out["predicted_peak_gb"] = {d: v / 1e9 for d, v in peaks.items()}
                 out["memory_caps"] = dict(step.options.memory or {})
     except Exception as e:  # noqa: BLE001 - the cell reports what failed
+        import traceback
+
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:400]}"
+        out["where"] = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}"
+                        for f in traceback.extract_tb(e.__traceback__)[-6:]]
+        out["after_first_call"] = "first_call_s" in out
         return out
     stats = gpu.memory_stats() or {}
     out.update({"median_s": statistics.median(times[1:]), "times_s": times, "loss": loss,

@@ -67,12 +67,14 @@ from hetpar._host_memory import warn_without_huge_pages
 from hetpar._nnx_args import NNX_MARK, NnxArgs
 from hetpar._options import Options, check_places, check_present, is_int
 from hetpar._recovery import (
+    CHECKED_STEPS,
     MAX_REPLANS,
     OutOfMemoryError,
     OutOfMemoryWarning,
     failed_device,
     give_up,
     is_out_of_memory,
+    ready,
     smaller_cap,
 )
 from hetpar._signature import batch_positions, fast_signature, signature
@@ -202,6 +204,7 @@ class CompiledStep:
         self._replicated = None
         self._replicated_known = None
         self._executor = None
+        self._checked_steps = 0  # calls whose results were waited for (`ready`)
         self._jit = None
         replicas = self.plan.replicas if self.plan is not None else ()
         if replicas:
@@ -808,7 +811,11 @@ class CompiledStep:
         if self._share is not None:
             args = self._share(args)
         flat = jax.tree_util.tree_leaves(args)
-        return jax.tree_util.tree_unflatten(self._out_tree, self._executor(flat))
+        out = self._executor(flat)
+        if self._checked_steps < CHECKED_STEPS:
+            self._checked_steps += 1
+            ready(out)
+        return jax.tree_util.tree_unflatten(self._out_tree, out)
 
 
 UNKNOWN = object()  # CompiledStep.call_known: not run, take the full path

@@ -18,6 +18,13 @@ from hetpar.core import HetparError, InfeasibleError, nbytes
 
 #: Plans tried after the first one ran out of memory.
 MAX_REPLANS = 3
+#: A split step's first calls wait for their results before returning: a GPU
+#: executable runs asynchronously, and one that runs out of memory says so
+#: only when its results are read (an H200 at 15 GB: in the caller's
+#: `float(loss)`, beyond hetpar's reach). By the third call a step holds
+#: what it holds in a training loop: its state, the last step's, and what
+#: is in flight.
+CHECKED_STEPS = 3
 #: Each retry keeps the device this far under what the last plan predicted
 #: it would hold: the model undercounted by at least capacity / predicted.
 SHRINK = 0.85
@@ -42,6 +49,28 @@ def is_out_of_memory(e: BaseException) -> bool:
             return True
         e = e.__cause__
     return False
+
+
+def ready(outputs) -> None:
+    """Waits for a split step's results; an error that shows only then (out of
+    memory on an accelerator) is raised as a `StageError` naming the device of
+    the first result that failed."""
+    import jax
+
+    from hetpar.cost_models import global_device_name
+    from hetpar.runtime import StageError
+
+    for x in outputs:
+        if not isinstance(x, jax.Array):
+            continue
+        try:
+            x.block_until_ready()
+        except Exception as e:  # noqa: BLE001 - re-raised with its device
+            devices = list(x.sharding.device_set)
+            name = global_device_name(devices[0]) if len(devices) == 1 else None
+            raise StageError(f"the step failed on {name or 'its devices'} while running: "
+                             f"{type(e).__name__}: {str(e).splitlines()[0][:300]}. The inputs "
+                             "you passed are unchanged.", device=name) from e
 
 
 def failed_device(e: BaseException, used: list[str]) -> str | None:
