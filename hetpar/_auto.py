@@ -71,6 +71,7 @@ from hetpar._recovery import (
     MAX_REPLANS,
     OutOfMemoryError,
     OutOfMemoryWarning,
+    bytes_wanted,
     failed_device,
     give_up,
     is_out_of_memory,
@@ -1038,7 +1039,7 @@ class AutoStep:
                     if table is not None else None) or live_capacity(step.devices[device])[0]
         predicted = step.predicted()
         held = (predicted.peak_memory_bytes or predicted.memory_bytes or {}) if predicted else {}
-        cap = smaller_cap(capacity or float("inf"), held.get(device))
+        cap = smaller_cap(capacity or float("inf"), held.get(device), tries, bytes_wanted(e))
         self._shrunk = (device, e if self._shrunk is None else self._shrunk[1], cap)
         self.options = dataclasses.replace(self.options,
                                            memory={**(self.options.memory or {}), device: cap})

@@ -29,7 +29,8 @@ CHECKED_STEPS = 3
 #: it would hold: the model undercounted by at least capacity / predicted.
 SHRINK = 0.85
 
-_ALLOCATE = re.compile(r"allocat\w* (\d+)(?:\.\d+)?\s*(bytes|[KMG]i?B)", re.IGNORECASE)
+_ALLOCATE = re.compile(r"allocat\w* (\d+(?:\.\d+)?)\s*(bytes|[KMG]i?B)", re.IGNORECASE)
+_GPU_ALLOCATOR = re.compile(r"allocator GPU_(\d+)_bfc")
 _UNITS = {"bytes": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -74,8 +75,17 @@ def ready(outputs) -> None:
 
 
 def failed_device(e: BaseException, used: list[str]) -> str | None:
-    """The device a failed step ran out of memory on: the one a `StageError` names,
-    else the only device the step used; None where it cannot tell."""
+    """The device a failed step ran out of memory on: the GPU whose allocator
+    XLA's message names (`GPU_0_bfc`: an error read off a later stage's result
+    on another device still names the GPU that ran out), else the device a
+    `StageError` names, else the only device the step used; None where it
+    cannot tell."""
+    cause = e
+    while cause is not None:
+        m = _GPU_ALLOCATOR.search(str(cause))
+        if m and f"gpu:{m.group(1)}" in used:
+            return f"gpu:{m.group(1)}"
+        cause = cause.__cause__
     device = getattr(e, "device", None)
     if device is not None:
         return device
@@ -92,11 +102,15 @@ def bytes_wanted(e: BaseException) -> float | None:
     return None
 
 
-def smaller_cap(capacity: float, predicted: float | None) -> float:
+def smaller_cap(capacity: float, predicted: float | None, tries: int = 0,
+                wanted: float | None = None) -> float:
     """The cap the next plan gets on a device that ran out of memory: under the
-    capacity and under what the failed plan predicted it would hold there."""
+    capacity and under what the failed plan predicted it would hold there, by
+    `SHRINK` more each try, less the allocation that failed (it was wanted on
+    top of all the plan had counted)."""
     base = capacity if not predicted else min(capacity, predicted)
-    return SHRINK * base
+    cap = SHRINK ** (tries + 1) * base - (wanted or 0.0)
+    return max(cap, 0.25 * SHRINK ** (tries + 1) * base)
 
 
 def give_up(device: str, e: BaseException, tries: int, cap: float | None,

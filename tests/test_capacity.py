@@ -229,3 +229,21 @@ def test_out_of_memory_under_a_given_plan_is_one_line_naming_the_device(monkeypa
     assert "\n" not in message
     assert message.startswith(f"{alloc.device} ran out of memory") and "B more)" in message
     assert "the plan was given" in message and "arguments are unchanged" in message
+
+
+def test_out_of_memory_is_blamed_on_the_gpu_whose_allocator_ran_out():
+    from hetpar._recovery import bytes_wanted, failed_device, smaller_cap
+    from hetpar.runtime import StageError
+
+    xla = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 760.01MiB "
+                       "with allocator GPU_0_bfc on device 0.")
+    try:  # read off a later stage's result on the host: the GPU still ran out
+        raise StageError("stage 3 on cpu:0 failed", device="cpu:0") from xla
+    except StageError as e:
+        read_on_host = e
+    assert failed_device(read_on_host, ["cpu:0", "gpu:0"]) == "gpu:0"
+    assert failed_device(StageError("x", device="cpu:1"), ["cpu:0", "cpu:1"]) == "cpu:1"
+    assert bytes_wanted(read_on_host) == pytest.approx(760.01 * 2**20)
+    # Each try asks for less, and the allocation that failed comes off the top.
+    caps = [smaller_cap(100 * GB, 90 * GB, tries, 1 * GB) for tries in range(3)]
+    assert caps[0] == pytest.approx(0.85 * 90 * GB - 1 * GB) and caps[0] > caps[1] > caps[2]
