@@ -958,6 +958,7 @@ class AutoStep:
         self._workers = Workers()
         # (device, first error, cap) once a step ran out of memory and was replanned.
         self._shrunk: tuple[str, Exception, float] | None = None
+        self._replanned: CompiledStep | None = None  # the step that last ran out of memory
 
     def lower(self, *args) -> CompiledStep:
         """Traces, plans and compiles for these arguments without running.
@@ -1021,14 +1022,16 @@ class AutoStep:
         donates them), caps the device that ran out below what the plan predicted
         there, so that the next call plans again; raises `OutOfMemoryError` where
         that cannot help (see hetpar/_recovery.py)."""
-        step, self._direct = self._last, None
+        # A replanned step that failed while compiling (XLA's autotuner, out of
+        # memory beside the state) is not `_last` yet: the step replanned is.
+        step, self._direct = self._last or self._replanned, None
         if isinstance(e, InfeasibleError) and tries > 0 and self._shrunk is not None:
             device, first, cap = self._shrunk
             raise give_up(device, first, tries - 1, cap, why=e) from first
         if step is None:
             raise e
         used = sorted({memory_place(d)[0] for p in step.placements.values() for d in p.devices})
-        device = failed_device(e, used)
+        device = failed_device(e, used) or (self._shrunk[0] if self._shrunk else None)
         if device is None:
             raise e
         if (self.options.plan is not None or tries >= MAX_REPLANS
@@ -1044,7 +1047,7 @@ class AutoStep:
         self.options = dataclasses.replace(self.options,
                                            memory={**(self.options.memory or {}), device: cap})
         self._compiled.clear()  # every signature plans again under the cap
-        self._last = None
+        self._replanned, self._last = step, None
         first_line = str(e).splitlines()[0][:200]
         msg = (f"hetpar: {device} ran out of memory running the step ({first_line}); your "
                f"arguments are unchanged. Planning again with {device} capped at "

@@ -247,3 +247,35 @@ def test_out_of_memory_is_blamed_on_the_gpu_whose_allocator_ran_out():
     # Each try asks for less, and the allocation that failed comes off the top.
     caps = [smaller_cap(100 * GB, 90 * GB, tries, 1 * GB) for tries in range(3)]
     assert caps[0] == pytest.approx(0.85 * 90 * GB - 1 * GB) and caps[0] > caps[1] > caps[2]
+
+
+def test_out_of_memory_while_compiling_a_replanned_step_plans_again(monkeypatch):
+    """XLA's autotuner can run out of memory compiling the new plan beside the
+    state (an H200 at 15 GB: RESOURCE_EXHAUSTED, 'Failed to get configs'):
+    that is one more try, not an escape."""
+    from hetpar.runtime import _executor
+
+    step, args = _mlp_step()
+    alloc = _Allocator()
+    alloc.install(monkeypatch)
+    compile_all = _executor.Executor._compile_all
+    built = []
+
+    def autotuner_out_of_memory_once(executor, stages):
+        built.append(len(stages))
+        if len(built) == 2:  # the first replanned step
+            raise RuntimeError("RESOURCE_EXHAUSTED: Failed to get configs for: 2 out of 42 "
+                               "instructions.")
+        return compile_all(executor, stages)
+
+    monkeypatch.setattr(_executor.Executor, "_compile_all", autotuner_out_of_memory_once)
+    held = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[:2]))
+    cap = 0.6 * 3 * held
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1", "cpu:2"], profile=None,
+                       memory=dict.fromkeys(["cpu:0", "cpu:1", "cpu:2"], cap))
+    with pytest.warns(hetpar.OutOfMemoryWarning):
+        out = auto(*args)
+    assert len(built) >= 3 and alloc.failed >= 1
+    want = jax.jit(step)(*args)
+    for got, ref in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
