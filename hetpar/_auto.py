@@ -78,7 +78,7 @@ from hetpar._recovery import (
     ready,
     smaller_cap,
 )
-from hetpar._signature import batch_positions, fast_signature, signature
+from hetpar._signature import batch_positions, donated_positions, fast_signature, signature
 from hetpar._step_clock import StepClock
 from hetpar.passes import (
     LayerGraph,
@@ -154,6 +154,7 @@ class CompiledStep:
         m = options.microbatches
         self._nargs = len(args)
         self._batch_argnums = batch_positions(options.batch_argnums, len(args))
+        self._donated = donated_positions(options.donate_argnums, len(args))
         step = microbatched(fn, m, self._batch_argnums)
         # Non-array leaves (an Equinox model's activation function) are closed
         # over, as eqx.filter_jit does: the graph and every runtime see arrays.
@@ -219,7 +220,8 @@ class CompiledStep:
                 self._static = StaticLeaves(fn, user_args)
                 fn = self._static.pure_step
             self._replicated = Replicated(fn, [self.devices[d] for d in replicas], args,
-                                          self._batch_argnums)
+                                          self._batch_argnums,
+                                          donate_argnums=() if self._static else self._donated)
             if self._static is None and not multi:
                 # Later calls with these leaves' shapes and dtypes go straight
                 # to its jit (`call_known`): the full path's checks of GPT-2's
@@ -236,13 +238,19 @@ class CompiledStep:
             # the same executable (jit's cache tells committed inputs apart).
             # With static leaves, jit takes the traced leaves as one flat list.
             jitted = self._step if self._static is None else self._static.flat_step
-            self._jit = jax.jit(_traced_when_known(jitted), in_shardings=sharding,
-                                out_shardings=sharding)
-            self._sharding = self._placed_like = sharding
             # Flat positions of the batch arguments' leaves, static leaves counted.
             ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a))
                                              for a in user_args))
             starts = [0, *ends[:-1]]
+            donate = self._donated
+            if self._static is not None and donate:  # jit takes the traced leaves flat
+                fixed = set(static_where(user_args))
+                traced = [i for i in range(ends[-1]) if i not in fixed]
+                donate = tuple(j for j, i in enumerate(traced)
+                               if any(starts[k] <= i < ends[k] for k in self._donated))
+            self._jit = jax.jit(_traced_when_known(jitted), in_shardings=sharding,
+                                out_shardings=sharding, donate_argnums=donate)
+            self._sharding = self._placed_like = sharding
             self._batch_leaves = tuple(i for k in self._batch_argnums
                                        for i in range(starts[k], ends[k]))
         elif self._share is not None:
@@ -254,6 +262,10 @@ class CompiledStep:
         else:
             if multi:
                 self._check_placements_across()
+            if self._donated:
+                logging.warning("hetpar: donate_argnums: a plan split over %s does not donate "
+                                "its arguments yet; the old and the new state coexist during "
+                                "a step, as the planner counts them", used)
             self.stages = split(self.graph, self.placements, schedule=options.schedule)
             self._executor = Executor(self.stages,
                                       {d: self.devices[memory_place(d)[0]] for d in used},
@@ -1011,6 +1023,13 @@ class AutoStep:
             try:
                 return self._call(args, start)
             except Exception as e:  # noqa: BLE001 - only out-of-memory is caught
+                if self.options.donate_argnums and "deleted" in str(e):
+                    raise HetparError(
+                        f"an argument was deleted: donate_argnums="
+                        f"{self.options.donate_argnums} gave its buffers to an earlier step. "
+                        "Pass the state the last step returned, as with jax.jit, or drop "
+                        f"donate_argnums ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                    ) from e
                 replanned_infeasible = isinstance(e, InfeasibleError) and tries > 0
                 if (not is_out_of_memory(e) and not replanned_infeasible) \
                         or isinstance(e, OutOfMemoryError):
@@ -1165,7 +1184,7 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
          profile: Any = "auto", depth: int | None = None,
          on_missing_device: str = "error", data_parallel: bool = True,
          memory: Mapping[str, float] | None = None, batch: str = "global",
-         hierarchical: bool | str = "auto"):
+         hierarchical: bool | str = "auto", donate_argnums: int | Sequence[int] = ()):
     """Runs a training step across the devices present, placed by hetpar's planner.
 
     Usable as `@hetpar.auto` or `hetpar.auto(step, devices=[...], ...)`.
@@ -1239,6 +1258,13 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         against its plan over every process's devices and runs the faster
         (objective "time", no plan given). False: never. Ignored with one
         process.
+      donate_argnums: arguments the step replaces (its parameters and
+        optimizer state), as `jax.jit` takes them: their buffers may hold
+        the new state, so one copy of the state lives on the device instead
+        of two, and the arrays passed are deleted by the call (pass the
+        state the step returned, as with jax.jit). One-device and data
+        parallel plans donate; a plan split over devices does not yet (the
+        planner counts the old and the new state there).
 
     Returns:
       An `AutoStep`: call it like `fn`; it has `.plan`, `.report()`,
@@ -1268,7 +1294,10 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
                       else bool(data_parallel),
                       memory=None if memory is None else dict(memory)
                       if isinstance(memory, Mapping) else memory, batch=batch,
-                      hierarchical=hierarchical)
+                      hierarchical=hierarchical,
+                      donate_argnums=(donate_argnums,) if is_int(donate_argnums)
+                      else tuple(donate_argnums) if isinstance(donate_argnums, Sequence)
+                      else donate_argnums)
     if fn is None:
         return functools.partial(_wrap, options=options)
     return _wrap(fn, options)

@@ -42,6 +42,7 @@ class Options:
     memory: Mapping[str, float] | None = None
     batch: str = "global"
     hierarchical: bool | str = "auto"
+    donate_argnums: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
@@ -59,6 +60,10 @@ class Options:
                 isinstance(self.batch_argnums, tuple) and all(map(is_int, self.batch_argnums))):
             raise HetparError("batch_argnums must be an int, a sequence of ints or None, got "
                               f"{self.batch_argnums!r}")
+        if not (isinstance(self.donate_argnums, tuple)
+                and all(map(is_int, self.donate_argnums))):
+            raise HetparError("donate_argnums must be an int or a sequence of ints, got "
+                              f"{self.donate_argnums!r}")
         if not (isinstance(self.data_parallel, bool) or self.data_parallel == "always"):
             raise HetparError(f"data_parallel must be True, False or 'always', got "
                               f"{self.data_parallel!r}")

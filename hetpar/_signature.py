@@ -20,6 +20,15 @@ def batch_positions(batch_argnums: tuple[int, ...] | None, n: int) -> tuple[int,
     return tuple(k % n for k in batch_argnums)
 
 
+def donated_positions(donate_argnums: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """The donated arguments' positions among `n` arguments, made non-negative."""
+    bad = [k for k in donate_argnums if not -n <= k < n]
+    if bad:
+        raise HetparError(f"donate_argnums {list(donate_argnums)} name arguments {bad} the step "
+                          f"was not given: it was called with {n} arguments")
+    return tuple(sorted({k % n for k in donate_argnums}))
+
+
 def signature(args) -> tuple:
     """What a compiled step is keyed on: the argument structure, the shapes and
     dtypes of the traced leaves (a Python number by its type, as jax.jit's weak

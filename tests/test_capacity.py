@@ -279,3 +279,57 @@ def test_out_of_memory_while_compiling_a_replanned_step_plans_again(monkeypatch)
     want = jax.jit(step)(*args)
     for got, ref in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+# -- donation ----------------------------------------------------------------------
+
+
+def test_donated_state_is_replaced_on_one_device_as_under_jax_jit():
+    step, args = _mlp_step()
+    want = jax.jit(step)(*_copy(args))
+    auto = hetpar.auto(step, devices="cpu:0", donate_argnums=(0, 1))
+    params, opt_state, batch = jax.device_put(args, jax.devices("cpu")[0])
+    out = auto(params, opt_state, batch)
+    # The state passed was donated (its buffers hold the new state), the batch not.
+    assert all(x.is_deleted() for x in jax.tree_util.tree_leaves((params, opt_state)))
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(batch))
+    for got, ref in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-6, atol=1e-7)
+    out2 = auto(out[0], out[1], batch)  # the returned state goes in next, as with jax.jit
+    assert np.isfinite(float(out2[2]))
+    # Passing the donated state again is one line that says what happened.
+    with pytest.raises(hetpar.HetparError, match="donate_argnums=\\(0, 1\\) gave its buffers"):
+        auto(params, opt_state, batch)
+
+
+def test_a_split_plan_with_donate_argnums_keeps_the_callers_state_and_equals_jit():
+    step, args = _mlp_step()
+    layers = hetpar.trace(step, *args).layers
+    plan = {name: ("cpu:0" if i < 3 else "cpu:1") for i, name in enumerate(layers)}
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], plan=plan, profile=None,
+                       donate_argnums=(0, 1))
+    out = auto(*args)
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(args))
+    want = jax.jit(step)(*args)
+    for got, ref in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_donate_argnums_is_checked():
+    with pytest.raises(hetpar.HetparError, match="donate_argnums must be"):
+        hetpar.auto(lambda x: x, donate_argnums="params")
+    step, args = _mlp_step()
+    with pytest.raises(hetpar.HetparError, match="name arguments \\[5\\]"):
+        hetpar.auto(step, devices="cpu:0", donate_argnums=5)(*args)
+
+
+def test_data_parallel_with_donate_argnums_equals_jit():
+    step, args = _mlp_step()
+    want = jax.jit(step)(*_copy(args))
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], data_parallel="always",
+                       donate_argnums=(0, 1))
+    out = auto(*args)
+    out = auto(*jax.tree_util.tree_map(lambda x: x, (out[0], out[1], args[2])))
+    want = jax.jit(step)(want[0], want[1], args[2])
+    for got, ref in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)

@@ -40,6 +40,7 @@ class Replicated:
       batch: "global" (every process passes the whole batch) or "local"
         (each process passes its share: see the module docstring). The same
         with one process.
+      donate_argnums: arguments whose buffers the step may reuse (jax.jit's).
 
     Raises:
       HetparError: a batch leaf whose leading axis does not split evenly, or,
@@ -48,7 +49,8 @@ class Replicated:
     """
 
     def __init__(self, fn: Callable, devices: Sequence[jax.Device], args: tuple,
-                 batch_argnums: Sequence[int] | None, *, batch: str = "global"):
+                 batch_argnums: Sequence[int] | None, *, batch: str = "global",
+                 donate_argnums: Sequence[int] = ()):
         n = len(devices)
         mesh = Mesh(np.array(devices), ("replica",))
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -85,7 +87,8 @@ class Replicated:
         self.shardings = tuple(
             jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(a), ls) if i in nums
             else self.replicated for i, (a, ls) in enumerate(zip(args, leaf_shardings)))
-        self._jit = jax.jit(fn, in_shardings=self.shardings, out_shardings=self.replicated)
+        self._jit = jax.jit(fn, in_shardings=self.shardings, out_shardings=self.replicated,
+                            donate_argnums=tuple(donate_argnums))
         # The arguments call_placed_batch checks (None: not yet known).
         self._recheck: frozenset[int] | None = None
 
