@@ -36,7 +36,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from hetpar._grad import microbatched
+from hetpar._grad import is_key, microbatched
 from hetpar.core import (
     HetparError,
     Placement,
@@ -857,7 +857,7 @@ class _BatchShare:
         self.i, self.n = jax.process_index(), jax.process_count()
         for k in self.nums:
             for x in jax.tree_util.tree_leaves(args[k]):
-                rows = np.shape(x)[0] if np.ndim(x) else None
+                rows = np.shape(x)[0] if np.ndim(x) and not is_key(x) else None
                 if self.whole and rows is not None and rows % self.n:
                     raise HetparError(
                         f"a batch array of shape {np.shape(x)} does not split over "
@@ -868,7 +868,7 @@ class _BatchShare:
             return args
 
         def rows(x):
-            if not np.ndim(x):
+            if not np.ndim(x) or is_key(x):  # a PRNG key in the batch goes whole
                 return x
             b = np.shape(x)[0] // self.n
             return x[self.i * b:(self.i + 1) * b]

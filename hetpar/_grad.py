@@ -182,10 +182,10 @@ def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
     roles: dict[int, _Role] = {}
     for k, a in enumerate(args):
         for leaf in jax.tree_util.tree_leaves(a):
-            if k in explicit and _leads_with(leaf, n):
+            if k in explicit and _leads_with(leaf, n) and not is_key(leaf):
                 roles[id(leaf)] = _Role.SLICE
             elif explicit:
-                roles.setdefault(id(leaf), _Role.FOLD if _is_key(leaf) else _Role.WHOLE)
+                roles.setdefault(id(leaf), _Role.FOLD if is_key(leaf) else _Role.WHOLE)
             else:
                 roles.setdefault(id(leaf), sorter.role(leaf, "an argument of the loss"))
     for c in closed:
@@ -246,7 +246,7 @@ def _raw_key_shape(impl: str) -> tuple[int, ...]:
     return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
 
 
-def _is_key(x) -> bool:
+def is_key(x) -> bool:
     """A typed PRNG key (array), or a raw key of the default implementation (uint32[2])."""
     dtype = getattr(x, "dtype", None)
     if dtype is None:
@@ -304,6 +304,8 @@ class _Sorter:
         if eqns is not None:
             start = {}
             for b in batch_leaves:
+                if is_key(b):
+                    continue  # a key in the batch: what it draws is not the batch's rows
                 if getattr(b, "_trace", None) is self.trace and isinstance(b.val, jcore.Var):
                     start[b.val] = _ROW if _leads_with(b, n) else _OTHER
             self.states = _flow(eqns, start, n)
@@ -312,22 +314,24 @@ class _Sorter:
         if self._is_batch(x, what):
             return _Role.SLICE
         # A key not cut with the batch, wherever it comes from, gets a stream per microbatch.
-        return _Role.FOLD if _is_key(x) else _Role.WHOLE
+        return _Role.FOLD if is_key(x) else _Role.WHOLE
 
     def _is_batch(self, x, what: str) -> bool:
         if id(x) in self.batch_ids:
-            return _leads_with(x, self.n)
+            # A raw key (uint32[2]) in a batch of 2 leads with the batch size
+            # too: it is a key all the same, folded, never cut.
+            return _leads_with(x, self.n) and not is_key(x)
         if not isinstance(x, jax.core.Tracer):
             return False  # a constant of the step: never cut
         if self.states is not None and getattr(x, "_trace", None) is self.trace:
             state = self.states.get(x.val) if isinstance(x.val, jcore.Var) else None
-            if state == _OTHER and _leads_with(x, self.n) and not _is_key(x):
+            if state == _OTHER and _leads_with(x, self.n) and not is_key(x):
                 raise self._ambiguous(x, what, "is computed from the step's batch, but an "
                                       "operation on the way (a transpose, a matrix product "
                                       "or reduction over the batch axis) put another axis first")
             # _OTHER without the batch size first (batch statistics): one value for all.
             return state == _ROW
-        if _leads_with(x, self.n) and not _is_key(x):
+        if _leads_with(x, self.n) and not is_key(x):
             raise self._ambiguous(x, what, "was computed inside a transformation in the step "
                                   "(vmap, scan, an inner jit), where hetpar cannot see whether "
                                   "it comes from the batch")
@@ -526,9 +530,10 @@ def _check_rebound(fun_i, part_args, swapped) -> None:
 
 
 def _batch_size(trees) -> int | None:
-    """The batch size: the most common leading dimension among the batch leaves."""
+    """The batch size: the most common leading dimension among the batch
+    leaves, PRNG keys (a raw key's 2) left out."""
     dims = [x.shape[0] for t in trees for x in jax.tree_util.tree_leaves(t)
-            if getattr(x, "ndim", 0)]
+            if getattr(x, "ndim", 0) and not is_key(x)]
     if not dims:
         return None
     return max(set(dims), key=lambda d: (dims.count(d), d))

@@ -257,3 +257,38 @@ def test_jax_tracing_frame_contract():
         f"JAX's tracing frame changed (jax {jax.__version__}): hetpar/_grad.py's _frame_eqns "
         "and _Sorter read DynamicJaxprTracer.val and frame.get_eqns() to find which arrays a "
         "loss closes over come from the batch; pyproject pins jax<0.12 until it is updated.")
+
+
+def test_raw_key_in_a_batch_of_two_is_folded_not_cut():
+    """A `jax.random.PRNGKey` (uint32[2]) carried in a batch of 2 leads with the
+    batch size; it is still a key: folded per microbatch, never cut."""
+    state = make_state(dropout=0.5)
+    batch = {**make_batch(2), "dropout_rng": jax.random.PRNGKey(3)}
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["image"], training=True,
+                                    rngs={"dropout": batch["dropout_rng"]})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+        loss, grads = hetpar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    def by_hand(state, batch):  # microbatch i: row i, fold_in(key, i)
+        grads, losses = [], []
+        for i in range(2):
+            def loss_fn(params, i=i):
+                logits = state.apply_fn(
+                    {"params": params}, batch["image"][i:i + 1], training=True,
+                    rngs={"dropout": jax.random.fold_in(batch["dropout_rng"], i)})
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits, batch["label"][i:i + 1]).mean()
+
+            loss, g = jax.value_and_grad(loss_fn)(state.params)
+            losses.append(loss)
+            grads.append(g)
+        grads = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, *grads)
+        return state.apply_gradients(grads=grads), (losses[0] + losses[1]) / 2
+
+    got = hetpar.auto(step, microbatches=2, devices="cpu:0")(state, batch)
+    assert_close(got, jax.jit(by_hand)(state, batch))
