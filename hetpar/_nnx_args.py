@@ -10,6 +10,8 @@ from typing import Any
 import jax
 
 from hetpar.core import HetparError
+from hetpar.passes import LayerGraph
+from hetpar.passes import trace as trace_pure
 
 NNX_MARK = object()  # AutoStep._compiled's mark of a signature holding Flax NNX objects
 
@@ -80,3 +82,19 @@ def _nnx_object_test(nnx) -> Callable[[Any], bool]:
     # Module, Optimizer, Rngs and Object are Pytrees. Not Variables: the State
     # of the functional form (`nnx.split`) holds them, as values.
     return lambda x: isinstance(x, nnx.Pytree)
+
+
+def trace(step_fn: Callable, *example_args, **kwargs) -> LayerGraph:
+    """`hetpar.passes.trace`, with Flax NNX objects among the arguments taken
+    as `hetpar.auto` takes them (`NnxArgs`): the graph is the step on their
+    state, returning `(the step's output, their new state)`.
+
+    A step that updates NNX objects in place (`optimizer.update(model,
+    grads)`) returns only its loss; traced on the objects themselves, its
+    update would be dead code, cut from the graph. Other arguments are
+    traced as `hetpar.passes.trace` traces them; see it for the options.
+    """
+    if NnxArgs.present(example_args):
+        nnx_args = NnxArgs(example_args)
+        step_fn, example_args = nnx_args.pure_step(step_fn), nnx_args.pure_args
+    return trace_pure(step_fn, *example_args, **kwargs)

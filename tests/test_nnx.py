@@ -164,3 +164,22 @@ def test_functional_split_merge_step_equals_jax_jit():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(values(got_state), values(ref_state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_trace_of_a_stateful_step_holds_its_update():
+    """`hetpar.trace` takes NNX objects as `hetpar.auto` does: the graph returns
+    the loss and the objects' new state, and running it equals `nnx.jit`'s step."""
+    model, opt = fresh()
+    graph = hetpar.trace(train_step, model, opt, X, Y)
+    ref_model, ref_opt = fresh()
+    ref_loss = nnx.jit(train_step)(ref_model, ref_opt, X, Y)
+
+    from hetpar._nnx_args import NnxArgs
+
+    pure = NnxArgs((model, opt, X, Y)).pure_args
+    loss, state = graph.program(*pure)  # the traced graph, run op by op
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    nnx.update((model, opt), state)
+    assert_same_state(model, ref_model)
+    assert_same_state(opt, ref_opt)
+    assert int(opt.step[...]) == 1
