@@ -69,6 +69,7 @@ from hetpar.passes import (
     LayerGraph,
     StageGraph,
     StaticLeaves,
+    batch_argnums_of,
     check_covers,
     microbatch_of,
     split,
@@ -116,6 +117,11 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, args: tuple, options: Options,
                  workers: Workers | None = None):
+        if options.batch_argnums is None:
+            # Found once, here, for every path below (a share per process, the
+            # replicas' split, microbatches): a batch of two arguments, `x` and
+            # `y` of step(params, opt_state, x, y), is cut as one.
+            options = dataclasses.replace(options, batch_argnums=batch_argnums_of(args))
         self.options = options
         self.clock = StepClock()
         self.devices = present_devices()
