@@ -40,6 +40,7 @@ import dataclasses
 import enum
 import functools
 import threading
+import traceback
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -198,7 +199,7 @@ def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
             "loss as an argument and name it with batch_argnums=... of hetpar.value_and_grad.")
     swapped = [c for c in closed if roles[id(c)] is not _Role.WHOLE]
 
-    results = []
+    results, first = [], None
     for i in range(m):
         # The slicing belongs to the microbatch too: it is where its forward starts.
         with jax.named_scope(f"{MICROBATCH_SCOPE}{i}"):
@@ -209,17 +210,34 @@ def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
                 return _fold(x, i) if role is _Role.FOLD else x
 
             part_args = [jax.tree_util.tree_map(part, a) for a in args]
-            fun_i = fun
-            if swapped:
-                fun_i = _rebind_closure(fun, {id(c): part(c) for c in swapped}, swapped, roles)
-                if i == 0:
-                    _check_rebound(fun_i, part_args, swapped)
-            results.append(grad_of(fun_i)(*part_args))
+            # Each microbatch's loss gets its own copies of the dicts and lists
+            # it closes over: a `batch.pop("labels")` in it (transformers'
+            # run_clm_flax.py) then pops from its copy, once per microbatch.
+            rebinder = _Rebinder({id(c): part(c) for c in swapped}, copy=True)
+            fun_i = rebinder(fun, 0)
+            _check_all_rebound(rebinder, swapped, roles)
+            if swapped and i == 0:
+                _check_rebound(fun_i, part_args, swapped)
+            try:
+                results.append(grad_of(fun_i)(*part_args))
+            except (KeyError, IndexError) as e:
+                raise _lost_to_mutation(e) from e
+            first = first or rebinder
+    # What the loss did to the containers it closes over, it did to its copies:
+    # done once more on the originals, the step then sees them as under JAX.
+    first.replay()
     return jax.tree_util.tree_map(lambda *xs: _mean(xs), *results)
 
 
 def _closed_over(fun, args) -> list:
-    """The arrays `fun(*args)` reads besides its arguments (tracers of the step, constants)."""
+    """The arrays `fun(*args)` reads besides its arguments (tracers of the step, constants).
+
+    Traced on copies of the dicts and lists `fun` closes over and of the
+    arguments' containers, so that a loss that pops from its batch dict
+    leaves the step's dict as it was.
+    """
+    fun = _Rebinder({}, copy=True)(fun, 0)
+    args = [jax.tree_util.tree_map(lambda x: x, a) for a in args]
     try:
         jaxpr = jax.make_jaxpr(fun)(*args)
     except Exception:  # noqa: BLE001 - the real call below raises JAX's own error
@@ -413,9 +431,7 @@ def _keeps_batch_first(eqn, ins, n) -> bool:
 # -- rebuilding the loss's closure ------------------------------------------
 
 
-def _rebind_closure(fun, subst: dict[int, Any], swapped, roles):
-    rebinder = _Rebinder(subst)
-    new = rebinder(fun, 0)
+def _check_all_rebound(rebinder: _Rebinder, swapped, roles) -> None:
     missing = [c for c in swapped if id(c) not in rebinder.hit]
     if missing:
         c = missing[0]
@@ -427,7 +443,25 @@ def _rebind_closure(fun, subst: dict[int, Any], swapped, roles):
             "a class instance's method). Pass it to the loss as an argument instead "
             "(e.g. loss(params, x, y, key)); arguments that are the step's batch are split "
             "into microbatches and keys folded per microbatch.")
-    return new
+
+
+def _lost_to_mutation(e: Exception) -> HetparError:
+    """A microbatch's loss missing a key or item: the loss changed (popped
+    from) a container hetpar does not copy per microbatch (one reached
+    through a global or an object's attribute), so the first trace took what
+    the next one looks for."""
+    where = ""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if "/jax/" not in f.filename and not f.filename.endswith("hetpar/_grad.py")]
+    if frames:
+        f = frames[-1]
+        where = f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    return HetparError(
+        f"microbatching: the loss raised {type(e).__name__}: {e}{where}; a loss traced once "
+        "per microbatch finds a container as the last trace left it, and hetpar copies per "
+        "microbatch only the dicts and lists the loss closes over or takes as arguments, not "
+        "one reached through a global or an object's attribute. Read it without changing "
+        "it (batch['labels'] rather than batch.pop('labels')), or pass it to the loss.")
 
 
 class _Rebinder:
@@ -440,10 +474,12 @@ class _Rebinder:
     _ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType)
     _MAX_DEPTH = 8
 
-    def __init__(self, subst: dict[int, Any]):
+    def __init__(self, subst: dict[int, Any], copy: bool = False):
         self.subst = subst
+        self.copy = copy  # copy every dict and list reached, changed or not
         self.hit: set[int] = set()
         self.memo: dict[int, Any] = {}
+        self.copies: list[tuple[Any, Any, Any]] = []  # (original, copy, copy's first contents)
 
     def __call__(self, obj, depth: int):
         key = id(obj)
@@ -461,6 +497,14 @@ class _Rebinder:
         return new
 
     def _rebuild(self, obj, depth):
+        if self.copy and type(obj) in (dict, list):
+            if type(obj) is dict:
+                new = {k: self(v, depth) for k, v in obj.items()}
+                self.copies.append((obj, new, dict(new)))
+            else:
+                new = [self(v, depth) for v in obj]
+                self.copies.append((obj, new, list(new)))
+            return new
         if isinstance(obj, types.FunctionType):
             return self._function(obj, depth)
         if isinstance(obj, functools.partial):
@@ -486,6 +530,26 @@ class _Rebinder:
         if all(a is b for a, b in zip(new, leaves)):
             return obj
         return jax.tree_util.tree_unflatten(treedef, new)
+
+    def replay(self) -> None:
+        """Applies to the originals what the loss did to their copies: keys it
+        removed (`batch.pop("labels")`, `del batch["mask"]`) are removed.
+        Raises HetparError where it set or replaced a value, or changed a
+        list: that value is one microbatch's, not the batch's."""
+        for orig, new, before in self.copies:
+            if type(orig) is dict:
+                gone = [k for k in before if k not in new]
+                changed = [k for k in new if k not in before or new[k] is not before[k]]
+            else:
+                gone, changed = [], [] if new == before else ["an item"]
+            if changed:
+                raise HetparError(
+                    f"microbatching: the loss sets {changed[0]!r} in a "
+                    f"{type(orig).__name__} it closes over; under microbatches each "
+                    "microbatch's loss would set its own value and the step could read only "
+                    "one. Return the value from the loss instead (has_aux=True).")
+            for k in gone:
+                orig.pop(k, None)
 
     def _function(self, f, depth):
         cells = f.__closure__ or ()

@@ -292,3 +292,79 @@ def test_raw_key_in_a_batch_of_two_is_folded_not_cut():
 
     got = hetpar.auto(step, microbatches=2, devices="cpu:0")(state, batch)
     assert_close(got, jax.jit(by_hand)(state, batch))
+
+
+def test_batch_of_two_arguments_is_cut_as_one():
+    """`step(params, opt_state, x, y)`: x and y are both the batch (the default
+    batch_argnums takes the arguments before the last with as many rows)."""
+    model = MLP()
+    x, y = make_batch()["image"], jax.nn.one_hot(make_batch()["label"], 3)
+    params = model.init(jax.random.key(0), x, training=False)
+    tx = optax.adam(1e-2)
+
+    def step(params, opt_state, x, y):
+        def loss_fn(params, x, y):
+            return jnp.mean((model.apply(params, x, training=False) - y) ** 2)
+
+        loss, grads = hetpar.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    args = (params, tx.init(params), x, y)
+    # No dropout: two equal microbatches of a mean loss give the full batch's gradient.
+    assert_close(hetpar.auto(step, microbatches=2, devices="cpu:0")(*args),
+                 jax.jit(step)(*args), rtol=1e-4)
+
+
+# -- a loss that pops from the batch ---------------------------------------------
+
+
+def pop_step(value_and_grad):
+    """As transformers' run_clm_flax.py writes its loss: `labels = batch.pop(...)`."""
+
+    def train_step(state, batch):
+        def compute_loss(params):
+            labels = batch.pop("label")
+            logits = state.apply_fn({"params": params}, batch["x"], training=False)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = value_and_grad(compute_loss)(state.params)
+        # After the loss, the step's batch has no labels, as under JAX.
+        popped = jnp.asarray("label" not in batch, jnp.float32)
+        return state.apply_gradients(grads=grads), loss, popped
+
+    return train_step
+
+
+def test_loss_popping_labels_from_the_batch_is_microbatched():
+    state, batch = make_state(), make_batch()
+    batch = {"x": batch["image"], "label": batch["label"]}
+    got = hetpar.auto(pop_step(hetpar.value_and_grad), microbatches=2,
+                      devices="cpu:0")(state, batch)
+    expected = jax.jit(pop_step(jax.value_and_grad))(state, dict(batch))
+    assert sorted(batch) == ["label", "x"]  # the caller's dict is untouched
+    assert float(got[2]) == float(expected[2]) == 1.0
+    assert_close(got, expected, rtol=1e-4)  # two equal halves: the full batch's gradient
+
+
+OPTIONS = {}  # a module's global: hetpar cannot copy it per microbatch
+
+
+def test_pop_from_a_dict_hetpar_cannot_copy_names_the_line():
+    state, batch = make_state(), make_batch()
+    OPTIONS["smoothing"] = 0.1
+
+    def step(state, batch):
+        def compute_loss(params):
+            smoothing = OPTIONS.pop("smoothing")
+            logits = state.apply_fn({"params": params}, batch["image"], training=False)
+            labels = optax.smooth_labels(jax.nn.one_hot(batch["label"], 3), smoothing)
+            return optax.softmax_cross_entropy(logits, labels).mean()
+
+        loss, grads = hetpar.value_and_grad(compute_loss)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    with pytest.raises(HetparError, match=r"KeyError: 'smoothing' at .*test_microbatching.py:"
+                                          r"\d+ \(`smoothing = OPTIONS.pop\(\"smoothing\"\)`\)"
+                                          r".*batch\['labels'\] rather than"):
+        jax.make_jaxpr(microbatched(step, 2))(state, batch)
