@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import sys
 import threading
 import traceback
 import types
@@ -115,35 +116,58 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
     Returns:
       A function with `jax.value_and_grad`'s signature and results. Under
-      microbatching, the value (and float aux leaves) are microbatch means and
-      the gradient is the mean of the microbatch gradients: equal to the
-      full-batch result when the loss is a mean over the batch and uses no
-      randomness (microbatch i draws from `jax.random.fold_in(key, i)`).
+      microbatching, the value is the microbatch mean and the gradient the
+      mean of the microbatch gradients: equal to the full-batch result when
+      the loss is a mean over the batch and uses no randomness (microbatch i
+      draws from `jax.random.fold_in(key, i)`). Aux outputs are recombined
+      leaf by leaf (`_combine_aux`): per-example ones (logits) concatenated,
+      as the full batch gives them; floats of the full batch's shape
+      averaged (a mean over the batch, an accuracy, Flax BatchNorm's
+      updated statistics: the mean of the microbatches'); anything else a
+      HetparError naming the output.
+
+      With Flax NNX objects among the arguments (an `nnx.Module`), the
+      gradient is `nnx.value_and_grad`'s (with respect to their `nnx.Param`s),
+      so an NNX step writes `hetpar.value_and_grad` where it wrote
+      `nnx.value_and_grad`.
 
       Leaves of the arguments that are not arrays or Python numbers (an
       Equinox model's activation function), where JAX's would raise, are
       static as under `eqx.filter_value_and_grad`: the loss closes over them
       and their gradient is None.
     """
-    vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
-
     def wrapped(*args):
+        # Flax NNX objects among the arguments (a Module): the gradient is
+        # nnx.value_and_grad's, with respect to their nnx.Param variables.
+        transform = _nnx_value_and_grad() if _holds_nnx(args) else jax.value_and_grad
         static = StaticLeaves(fun, args)
-        f, g = fun, vg
+        f = fun
         if static.in_args:
             f, args = static.pure_step, static.pure_args
-            g = jax.value_and_grad(f, argnums=argnums, has_aux=has_aux, **kwargs)
+        g = transform(f, argnums=argnums, has_aux=has_aux, **kwargs)
         mb = getattr(_state, "mb", None)
         if mb is None or mb.count == 1:
             value, grads = g(*args)
         else:
             with microbatching(None):  # a gradient inside the loss is a plain one
-                grad_of = functools.partial(jax.value_and_grad, argnums=argnums,
+                grad_of = functools.partial(transform, argnums=argnums,
                                             has_aux=has_aux, **kwargs)
-                value, grads = _microbatch(f, grad_of, args, mb, batch_argnums)
+                value, grads = _microbatch(f, grad_of, args, mb, batch_argnums, has_aux)
         return static.result(value), grads
 
     return wrapped
+
+
+def _holds_nnx(args) -> bool:
+    nnx = sys.modules.get("flax.nnx")  # not imported: no NNX object can be here
+    if nnx is None:
+        return False
+    is_object = lambda x: isinstance(x, nnx.Pytree)  # noqa: E731
+    return any(map(is_object, jax.tree_util.tree_leaves(args, is_leaf=is_object)))
+
+
+def _nnx_value_and_grad():
+    return sys.modules["flax.nnx"].value_and_grad
 
 
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
@@ -170,7 +194,7 @@ class _Role(enum.Enum):
     WHOLE = "whole"  # everything else
 
 
-def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
+def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums, has_aux=False):
     m = mb.count
     explicit = set() if batch_argnums is None else {k % len(args) for k in batch_argnums}
     n = _batch_size([args[k] for k in explicit] if explicit else mb.batch_leaves)
@@ -178,7 +202,7 @@ def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
         raise HetparError(
             f"batch size {n} is not divisible by microbatches={m}; choose a microbatch "
             f"count that divides the batch size (divisors of {n}).")
-    closed = _closed_over(fun, args)
+    closed, whole_out = _closed_over(fun, args, with_shape=True)
     sorter = _Sorter(mb.batch_leaves, n)
     roles: dict[int, _Role] = {}
     for k, a in enumerate(args):
@@ -226,11 +250,18 @@ def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
     # What the loss did to the containers it closes over, it did to its copies:
     # done once more on the originals, the step then sees them as under JAX.
     first.replay()
-    return jax.tree_util.tree_map(lambda *xs: _mean(xs), *results)
+    values, grads = zip(*results)
+    grads = jax.tree_util.tree_map(lambda *xs: _mean(xs), *grads)
+    if not has_aux:
+        return _mean(values), grads
+    aux = _combine_aux([v[1] for v in values], None if whole_out is None else whole_out[1], m)
+    return (_mean([v[0] for v in values]), aux), grads
 
 
-def _closed_over(fun, args) -> list:
-    """The arrays `fun(*args)` reads besides its arguments (tracers of the step, constants).
+def _closed_over(fun, args, with_shape: bool = False):
+    """The arrays `fun(*args)` reads besides its arguments (tracers of the step, constants),
+    and, `with_shape`, the shapes of its result on these arguments (None where
+    it does not trace).
 
     Traced on copies of the dicts and lists `fun` closes over and of the
     arguments' containers, so that a loss that pops from its batch dict
@@ -239,15 +270,15 @@ def _closed_over(fun, args) -> list:
     fun = _Rebinder({}, copy=True)(fun, 0)
     args = [jax.tree_util.tree_map(lambda x: x, a) for a in args]
     try:
-        jaxpr = jax.make_jaxpr(fun)(*args)
+        jaxpr, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     except Exception:  # noqa: BLE001 - the real call below raises JAX's own error
-        return []
+        return ([], None) if with_shape else []
     seen, out = set(), []
     for c in jaxpr.consts:
         if id(c) not in seen and hasattr(c, "shape"):
             seen.add(id(c))
             out.append(c)
-    return out
+    return (out, shape) if with_shape else out
 
 
 def _leading(x) -> int | None:
@@ -601,6 +632,67 @@ def _batch_size(trees) -> int | None:
     if not dims:
         return None
     return max(set(dims), key=lambda d: (dims.count(d), d))
+
+
+def _combine_aux(auxes: list, whole, m: int):
+    """The microbatches' aux outputs as one, leaf by leaf, by comparing each
+    leaf's shape for a microbatch with its shape for the whole batch (`whole`,
+    from tracing the loss on it; None where that failed):
+
+    - per example (the whole batch's leaf has M times the rows): concatenated
+      along axis 0, as the whole batch would give it;
+    - the same shape (a reduction over the batch, or no batch in it): floats
+      are the microbatches' mean, which is the whole batch's value for a mean
+      over the batch (an accuracy; Flax BatchNorm's running mean); PRNG keys
+      and arrays every microbatch returns alike are microbatch 0's;
+      integers that differ between microbatches (a count over the batch)
+      cannot be recombined;
+    - any other shape cannot be recombined.
+
+    Raises:
+      HetparError: naming the aux leaf that cannot be recombined, and how to
+        return it.
+    """
+    paths_leaves, tree = jax.tree_util.tree_flatten_with_path(auxes[0])
+    columns = [[leaf] for _, leaf in paths_leaves]
+    for aux in auxes[1:]:
+        for col, leaf in zip(columns, tree.flatten_up_to(aux)):
+            col.append(leaf)
+    try:
+        wholes = tree.flatten_up_to(whole) if whole is not None else [None] * len(columns)
+    except (ValueError, TypeError):  # another structure for the whole batch
+        wholes = [None] * len(columns)
+    out = []
+    for (path, x), xs, w in zip(paths_leaves, columns, wholes):
+        shape = tuple(getattr(x, "shape", ()))
+        full = None if w is None else tuple(getattr(w, "shape", ()))
+        name = "aux" + jax.tree_util.keystr(path)
+
+        if full is not None and shape and full != shape:
+            if full[1:] == shape[1:] and full[0] == m * shape[0]:
+                out.append(jnp.concatenate(xs, axis=0))
+                continue
+            raise _unrecombined(name, x, full, "cannot be recombined from its microbatches")
+        dtype = jnp.result_type(x) if hasattr(x, "dtype") else None
+        if (dtype is None or all(y is x for y in xs)
+                or jnp.issubdtype(dtype, jax.dtypes.prng_key)):
+            out.append(x)
+        elif jnp.issubdtype(dtype, jnp.inexact):
+            out.append(_mean(xs))
+        else:
+            raise _unrecombined(name, x, full, "differs between microbatches and is not a "
+                                "mean, so cannot be recombined")
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _unrecombined(name: str, x, full, why: str) -> HetparError:
+    shape = list(getattr(x, "shape", ()))
+    return HetparError(
+        f"microbatching: the loss's aux output {name} ({getattr(x, 'dtype', type(x).__name__)}"
+        f"{shape} per microbatch" + ("" if full is None else f", {list(full)} for the whole "
+                                     "batch")
+        + f") {why}; return it per example (batch axis first: microbatches are concatenated) "
+        "or as a float mean over the batch (microbatches are averaged).")
 
 
 def _mean(xs):

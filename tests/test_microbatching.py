@@ -368,3 +368,104 @@ def test_pop_from_a_dict_hetpar_cannot_copy_names_the_line():
                                           r"\d+ \(`smoothing = OPTIONS.pop\(\"smoothing\"\)`\)"
                                           r".*batch\['labels'\] rather than"):
         jax.make_jaxpr(microbatched(step, 2))(state, batch)
+
+
+# -- aux outputs: the Flax BatchNorm guide's step --------------------------------
+
+
+class BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+class BatchNormState(train_state.TrainState):
+    batch_stats: dict
+
+
+def batch_norm_state():
+    model = BatchNormNet()
+    variables = model.init(jax.random.key(0), jnp.zeros((BATCH, 5)), train=False)
+    state = BatchNormState.create(apply_fn=model.apply, params=variables["params"],
+                                  tx=optax.sgd(0.1), batch_stats=variables["batch_stats"])
+    return state.replace(step=jnp.zeros((), jnp.int32))
+
+
+def batch_norm_step(state, batch):
+    """The Flax BatchNorm guide's `train_step`, with hetpar's value_and_grad."""
+
+    def loss_fn(params):
+        logits, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats},
+            x=batch["image"], train=True, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(
+            logits=logits, labels=batch["label"]).mean()
+        return loss, (logits, updates)
+
+    grad_fn = hetpar.value_and_grad(loss_fn, has_aux=True)
+    (loss, (logits, updates)), grads = grad_fn(state.params)
+    state = state.apply_gradients(grads=grads)
+    state = state.replace(batch_stats=updates["batch_stats"])
+    metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+               "logits": logits}
+    return state, metrics
+
+
+def batch_norm_by_hand(state, batch, microbatches=2):
+    """The same step written out: each microbatch normalised by its own
+    statistics; logits concatenated; batch statistics, loss and gradients
+    averaged (the documented recombination)."""
+    size = BATCH // microbatches
+    outs = []
+    for i in range(microbatches):
+        x, y = batch["image"][i * size:(i + 1) * size], batch["label"][i * size:(i + 1) * size]
+
+        def loss_fn(params, x=x, y=y):
+            logits, updates = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats},
+                x=x, train=True, mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), (
+                logits, updates)
+
+        outs.append(jax.value_and_grad(loss_fn, has_aux=True)(state.params))
+    mean = lambda *xs: sum(xs) / len(xs)  # noqa: E731
+    loss = mean(*[o[0][0] for o in outs])
+    logits = jnp.concatenate([o[0][1][0] for o in outs])
+    stats = jax.tree_util.tree_map(mean, *[o[0][1][1]["batch_stats"] for o in outs])
+    grads = jax.tree_util.tree_map(mean, *[o[1] for o in outs])
+    state = state.apply_gradients(grads=grads).replace(batch_stats=stats)
+    return state, {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+                   "logits": logits}
+
+
+def test_batch_norm_guide_step_microbatched_equals_jit():
+    state, batch = batch_norm_state(), make_batch()
+    step = hetpar.auto(batch_norm_step, microbatches=2, plan=split_plan(
+        batch_norm_step, state, batch))
+    reference = jax.jit(batch_norm_by_hand)
+    for _ in range(2):
+        got, expected = step(state, batch), reference(*jax.device_put((state, batch), CPU[0]))
+        assert got[1]["logits"].shape == (BATCH, 3)  # per example: concatenated
+        assert_close(got, expected)
+        state = got[0]
+
+
+def test_aux_that_cannot_be_recombined_is_a_one_line_error():
+    """A count over the batch (an integer, not per example, not a mean)."""
+    state, batch = make_state(), make_batch()
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["image"], training=False)
+            correct = jnp.sum(jnp.argmax(logits, -1) == batch["label"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+            return loss, {"correct": correct}
+
+        (loss, aux), grads = hetpar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), loss, aux
+
+    with pytest.raises(HetparError, match=r"^[^\n]*aux output aux\['correct'\] \(int32\[\] per "
+                                          r"microbatch, \[\] for the whole batch\).*float mean"):
+        jax.make_jaxpr(microbatched(step, 2))(state, batch)

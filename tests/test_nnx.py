@@ -183,3 +183,46 @@ def test_trace_of_a_stateful_step_holds_its_update():
     assert_same_state(model, ref_model)
     assert_same_state(opt, ref_opt)
     assert int(opt.step[...]) == 1
+
+
+# -- microbatched, with metrics ------------------------------------------------
+
+
+def metrics_step(value_and_grad):
+    """The NNX MNIST tutorial's step: the loss returns the logits as aux, and
+    an `nnx.MultiMetric` is updated from them."""
+
+    def loss_fn(model, batch):
+        logits = model(batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, logits
+
+    def train_step(model, optimizer, metrics, batch):
+        (loss, logits), grads = value_and_grad(loss_fn, has_aux=True)(model, batch)
+        metrics.update(loss=loss, logits=logits, labels=batch["label"])
+        optimizer.update(model, grads)
+
+    return train_step
+
+
+def fresh_with_metrics():
+    model, optimizer = fresh()
+    return model, optimizer, nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+                                             loss=nnx.metrics.Average("loss"))
+
+
+def test_microbatched_metrics_step_equals_nnx_jit():
+    """Per-example aux outputs (the logits) come back concatenated: the
+    metrics are the full batch's, not averaged halves."""
+    batch = {"x": X, "label": np.arange(8, dtype=np.int32) % 2}
+    ref = fresh_with_metrics()
+    got = fresh_with_metrics()
+    ref_step = nnx.jit(metrics_step(nnx.value_and_grad))
+    step = hetpar.auto(metrics_step(hetpar.value_and_grad), microbatches=2, devices="cpu:0")
+    for _ in range(2):
+        ref_step(*ref, batch)
+        step(*got, batch)
+    for a, b in zip(got, ref, strict=True):
+        assert_same_state(a, b)
+    for name, value in ref[2].compute().items():
+        np.testing.assert_allclose(got[2].compute()[name], value, rtol=1e-5)
