@@ -61,7 +61,7 @@ from hetpar._calibration import (
     whole_step_s,
 )
 from hetpar._host_memory import warn_without_huge_pages
-from hetpar._nnx_args import NNX_MARK, NnxArgs
+from hetpar._nnx_args import NNX_MARK, NnxArgs, NnxFastCall
 from hetpar._options import Options, check_places, check_present, is_int
 from hetpar._signature import batch_positions, fast_signature, signature
 from hetpar._step_clock import StepClock
@@ -939,6 +939,9 @@ class AutoStep:
         self._last: CompiledStep | None = None
         # The last step called, when calls may go straight to its jit (`CompiledStep.direct`).
         self._direct: CompiledStep | None = None
+        # The last step called on Flax NNX objects, when it is `direct`, and
+        # how to call it again on those objects without splitting them anew.
+        self._nnx_direct: tuple[CompiledStep, NnxFastCall] | None = None
         # Every signature's executor runs on these: one thread per device,
         # however many shapes the step is called with.
         self._workers = Workers()
@@ -999,6 +1002,13 @@ class AutoStep:
                 if not direct.clock.done:
                     direct.clock.observe(start, out, direct)
                 return out
+        if self._nnx_direct is not None:
+            out = self._call_nnx_direct(args)
+            if out is not UNKNOWN:
+                step = self._nnx_direct[0]
+                if not step.clock.done:
+                    step.clock.observe(start, out, step)
+                return out
         step, nnx_args = self._step_for(args)
         if nnx_args is None:
             out = step(*args)
@@ -1007,8 +1017,25 @@ class AutoStep:
             self._direct = None
             out, state = step(*nnx_args.pure_args)
             nnx_args.update(state)
+            fast = NnxFastCall.build(args, nnx_args, state) if step.direct else None
+            self._nnx_direct = None if fast is None else (step, fast)
         if not step.clock.done:
             step.clock.observe(start, out, step)
+        return out
+
+    def _call_nnx_direct(self, args: tuple):
+        """The last NNX step, straight to its jit, on objects unchanged since
+        (`NnxFastCall`); `UNKNOWN` where they or the other arguments differ."""
+        step, fast = self._nnx_direct
+        pure = fast.pure_args(args)
+        if pure is None:
+            return UNKNOWN
+        result = step.call_known(pure)
+        if result is UNKNOWN:
+            return UNKNOWN
+        out, state = result
+        fast.update(state)
+        self._last = step
         return out
 
     def _need_last(self) -> CompiledStep:

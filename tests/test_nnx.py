@@ -226,3 +226,19 @@ def test_microbatched_metrics_step_equals_nnx_jit():
         assert_same_state(a, b)
     for name, value in ref[2].compute().items():
         np.testing.assert_allclose(got[2].compute()[name], value, rtol=1e-5)
+
+
+def test_later_calls_follow_objects_changed_between_steps():
+    """Calls after the first skip the split (`NnxFastCall`), but a submodule
+    replaced by an equal one, a value set by hand, or eval() mode between
+    steps is seen, as under nnx.jit."""
+    objects, ref = fresh(), fresh()
+    step, ref_step = hetpar.auto(train_step, devices="cpu:0"), nnx.jit(train_step)
+    np.testing.assert_allclose(train(step, objects, 2), train(ref_step, ref, 2), rtol=1e-5)
+    assert step._nnx_direct is not None  # the later call took the fast path
+    for model, _ in (objects, ref):
+        model.l2 = nnx.Linear(16, 2, rngs=nnx.Rngs(5))  # new Variables, same structure
+        model.l1.bias[...] = jnp.full((16,), 0.1)
+    np.testing.assert_allclose(train(step, objects, 2), train(ref_step, ref, 2), rtol=1e-5)
+    for a, b in zip(objects, ref, strict=True):
+        assert_same_state(a, b)
