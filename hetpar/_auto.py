@@ -1150,7 +1150,8 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         `hetpar.value_and_grad`/`hetpar.grad`, the gradient part runs as M
         microbatches through the device pipeline and the update runs once.
       batch_argnums: which arguments of `fn` are batch data: an int or ints
-        (default: the last).
+        (default: the last, and the arguments just before it every leaf of
+        which has as many rows: `x` and `y` of `step(params, opt_state, x, y)`).
       schedule: "gpipe" or "1f1b".
       profile: "auto" (the profile file named by $HETPAR_PROFILES, else spec
         sheets), a path to a `hetpar profile` file, or a ProfileSet.
