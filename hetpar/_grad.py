@@ -245,6 +245,8 @@ def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums, has_aux=F
             try:
                 results.append(grad_of(fun_i)(*part_args))
             except (KeyError, IndexError) as e:
+                if whole_out is None:  # the whole batch's trace failed too: not this
+                    raise
                 raise _lost_to_mutation(e) from e
             first = first or rebinder
     # What the loss did to the containers it closes over, it did to its copies:
