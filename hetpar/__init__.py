@@ -33,7 +33,7 @@ _LAZY = {
     "report": "hetpar._report",
     "LayerGraph": "hetpar.passes",
     "layer": "hetpar.passes",
-    "trace": "hetpar.passes",
+    "trace": "hetpar._nnx_args",  # hetpar.passes.trace, NNX objects as hetpar.auto takes them
     "Plan": "hetpar.planner",
     "plan": "hetpar.planner",
     "StageError": "hetpar.runtime",
@@ -48,10 +48,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from hetpar._auto import AutoStep, auto
     from hetpar._grad import grad, value_and_grad
     from hetpar._host_memory import HostMemoryWarning
+    from hetpar._nnx_args import trace
     from hetpar._recovery import OutOfMemoryError, OutOfMemoryWarning
     from hetpar._report import CostReport, report
     from hetpar._step_clock import PredictionWarning
-    from hetpar.passes import LayerGraph, layer, trace
+    from hetpar.passes import LayerGraph, layer
     from hetpar.planner import Plan, plan
     from hetpar.runtime import StageError, gather
 

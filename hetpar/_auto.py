@@ -37,7 +37,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from hetpar._grad import microbatched
+from hetpar._grad import is_key, microbatched
 from hetpar.core import (
     HetparError,
     InfeasibleError,
@@ -64,7 +64,7 @@ from hetpar._calibration import (
     whole_step_s,
 )
 from hetpar._host_memory import warn_without_huge_pages
-from hetpar._nnx_args import NNX_MARK, NnxArgs
+from hetpar._nnx_args import NNX_MARK, NnxArgs, NnxFastCall
 from hetpar._options import Options, check_places, check_present, is_int
 from hetpar._recovery import (
     CHECKED_STEPS,
@@ -84,6 +84,7 @@ from hetpar.passes import (
     LayerGraph,
     StageGraph,
     StaticLeaves,
+    batch_argnums_of,
     check_covers,
     microbatch_of,
     split,
@@ -131,6 +132,11 @@ class CompiledStep:
 
     def __init__(self, fn: Callable, args: tuple, options: Options,
                  workers: Workers | None = None):
+        if options.batch_argnums is None:
+            # Found once, here, for every path below (a share per process, the
+            # replicas' split, microbatches): a batch of two arguments, `x` and
+            # `y` of step(params, opt_state, x, y), is cut as one.
+            options = dataclasses.replace(options, batch_argnums=batch_argnums_of(args))
         self.options = options
         self.clock = StepClock()
         self.devices = present_devices()
@@ -889,7 +895,7 @@ class _BatchShare:
         self.i, self.n = jax.process_index(), jax.process_count()
         for k in self.nums:
             for x in jax.tree_util.tree_leaves(args[k]):
-                rows = np.shape(x)[0] if np.ndim(x) else None
+                rows = np.shape(x)[0] if np.ndim(x) and not is_key(x) else None
                 if self.whole and rows is not None and rows % self.n:
                     raise HetparError(
                         f"a batch array of shape {np.shape(x)} does not split over "
@@ -900,7 +906,7 @@ class _BatchShare:
             return args
 
         def rows(x):
-            if not np.ndim(x):
+            if not np.ndim(x) or is_key(x):  # a PRNG key in the batch goes whole
                 return x
             b = np.shape(x)[0] // self.n
             return x[self.i * b:(self.i + 1) * b]
@@ -965,6 +971,9 @@ class AutoStep:
         self._last: CompiledStep | None = None
         # The last step called, when calls may go straight to its jit (`CompiledStep.direct`).
         self._direct: CompiledStep | None = None
+        # The last step called on Flax NNX objects, when it is `direct`, and
+        # how to call it again on those objects without splitting them anew.
+        self._nnx_direct: tuple[CompiledStep, NnxFastCall] | None = None
         # Every signature's executor runs on these: one thread per device,
         # however many shapes the step is called with.
         self._workers = Workers()
@@ -1085,6 +1094,13 @@ class AutoStep:
                 if not direct.clock.done:
                     direct.clock.observe(start, out, direct)
                 return out
+        if self._nnx_direct is not None:
+            out = self._call_nnx_direct(args)
+            if out is not UNKNOWN:
+                step = self._nnx_direct[0]
+                if not step.clock.done:
+                    step.clock.observe(start, out, step)
+                return out
         step, nnx_args = self._step_for(args)
         if nnx_args is None:
             out = step(*args)
@@ -1093,8 +1109,25 @@ class AutoStep:
             self._direct = None
             out, state = step(*nnx_args.pure_args)
             nnx_args.update(state)
+            fast = NnxFastCall.build(args, nnx_args, state) if step.direct else None
+            self._nnx_direct = None if fast is None else (step, fast)
         if not step.clock.done:
             step.clock.observe(start, out, step)
+        return out
+
+    def _call_nnx_direct(self, args: tuple):
+        """The last NNX step, straight to its jit, on objects unchanged since
+        (`NnxFastCall`); `UNKNOWN` where they or the other arguments differ."""
+        step, fast = self._nnx_direct
+        pure = fast.pure_args(args)
+        if pure is None:
+            return UNKNOWN
+        result = step.call_known(pure)
+        if result is UNKNOWN:
+            return UNKNOWN
+        out, state = result
+        fast.update(state)
+        self._last = step
         return out
 
     def _need_last(self) -> CompiledStep:
@@ -1209,7 +1242,8 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         `hetpar.value_and_grad`/`hetpar.grad`, the gradient part runs as M
         microbatches through the device pipeline and the update runs once.
       batch_argnums: which arguments of `fn` are batch data: an int or ints
-        (default: the last).
+        (default: the last, and the arguments just before it every leaf of
+        which has as many rows: `x` and `y` of `step(params, opt_state, x, y)`).
       schedule: "gpipe" or "1f1b".
       profile: "auto" (the profile file named by $HETPAR_PROFILES, else spec
         sheets), a path to a `hetpar profile` file, or a ProfileSet.

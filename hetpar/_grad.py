@@ -39,7 +39,9 @@ import contextlib
 import dataclasses
 import enum
 import functools
+import sys
 import threading
+import traceback
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -114,35 +116,58 @@ def value_and_grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: boo
 
     Returns:
       A function with `jax.value_and_grad`'s signature and results. Under
-      microbatching, the value (and float aux leaves) are microbatch means and
-      the gradient is the mean of the microbatch gradients: equal to the
-      full-batch result when the loss is a mean over the batch and uses no
-      randomness (microbatch i draws from `jax.random.fold_in(key, i)`).
+      microbatching, the value is the microbatch mean and the gradient the
+      mean of the microbatch gradients: equal to the full-batch result when
+      the loss is a mean over the batch and uses no randomness (microbatch i
+      draws from `jax.random.fold_in(key, i)`). Aux outputs are recombined
+      leaf by leaf (`_combine_aux`): per-example ones (logits) concatenated,
+      as the full batch gives them; floats of the full batch's shape
+      averaged (a mean over the batch, an accuracy, Flax BatchNorm's
+      updated statistics: the mean of the microbatches'); anything else a
+      HetparError naming the output.
+
+      With Flax NNX objects among the arguments (an `nnx.Module`), the
+      gradient is `nnx.value_and_grad`'s (with respect to their `nnx.Param`s),
+      so an NNX step writes `hetpar.value_and_grad` where it wrote
+      `nnx.value_and_grad`.
 
       Leaves of the arguments that are not arrays or Python numbers (an
       Equinox model's activation function), where JAX's would raise, are
       static as under `eqx.filter_value_and_grad`: the loss closes over them
       and their gradient is None.
     """
-    vg = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux, **kwargs)
-
     def wrapped(*args):
+        # Flax NNX objects among the arguments (a Module): the gradient is
+        # nnx.value_and_grad's, with respect to their nnx.Param variables.
+        transform = _nnx_value_and_grad() if _holds_nnx(args) else jax.value_and_grad
         static = StaticLeaves(fun, args)
-        f, g = fun, vg
+        f = fun
         if static.in_args:
             f, args = static.pure_step, static.pure_args
-            g = jax.value_and_grad(f, argnums=argnums, has_aux=has_aux, **kwargs)
+        g = transform(f, argnums=argnums, has_aux=has_aux, **kwargs)
         mb = getattr(_state, "mb", None)
         if mb is None or mb.count == 1:
             value, grads = g(*args)
         else:
             with microbatching(None):  # a gradient inside the loss is a plain one
-                grad_of = functools.partial(jax.value_and_grad, argnums=argnums,
+                grad_of = functools.partial(transform, argnums=argnums,
                                             has_aux=has_aux, **kwargs)
-                value, grads = _microbatch(f, grad_of, args, mb, batch_argnums)
+                value, grads = _microbatch(f, grad_of, args, mb, batch_argnums, has_aux)
         return static.result(value), grads
 
     return wrapped
+
+
+def _holds_nnx(args) -> bool:
+    nnx = sys.modules.get("flax.nnx")  # not imported: no NNX object can be here
+    if nnx is None:
+        return False
+    is_object = lambda x: isinstance(x, nnx.Pytree)  # noqa: E731
+    return any(map(is_object, jax.tree_util.tree_leaves(args, is_leaf=is_object)))
+
+
+def _nnx_value_and_grad():
+    return sys.modules["flax.nnx"].value_and_grad
 
 
 def grad(fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False,
@@ -169,7 +194,7 @@ class _Role(enum.Enum):
     WHOLE = "whole"  # everything else
 
 
-def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
+def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums, has_aux=False):
     m = mb.count
     explicit = set() if batch_argnums is None else {k % len(args) for k in batch_argnums}
     n = _batch_size([args[k] for k in explicit] if explicit else mb.batch_leaves)
@@ -177,15 +202,15 @@ def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
         raise HetparError(
             f"batch size {n} is not divisible by microbatches={m}; choose a microbatch "
             f"count that divides the batch size (divisors of {n}).")
-    closed = _closed_over(fun, args)
+    closed, whole_out = _closed_over(fun, args, with_shape=True)
     sorter = _Sorter(mb.batch_leaves, n)
     roles: dict[int, _Role] = {}
     for k, a in enumerate(args):
         for leaf in jax.tree_util.tree_leaves(a):
-            if k in explicit and _leads_with(leaf, n):
+            if k in explicit and _leads_with(leaf, n) and not is_key(leaf):
                 roles[id(leaf)] = _Role.SLICE
             elif explicit:
-                roles.setdefault(id(leaf), _Role.FOLD if _is_key(leaf) else _Role.WHOLE)
+                roles.setdefault(id(leaf), _Role.FOLD if is_key(leaf) else _Role.WHOLE)
             else:
                 roles.setdefault(id(leaf), sorter.role(leaf, "an argument of the loss"))
     for c in closed:
@@ -198,7 +223,7 @@ def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
             "loss as an argument and name it with batch_argnums=... of hetpar.value_and_grad.")
     swapped = [c for c in closed if roles[id(c)] is not _Role.WHOLE]
 
-    results = []
+    results, first = [], None
     for i in range(m):
         # The slicing belongs to the microbatch too: it is where its forward starts.
         with jax.named_scope(f"{MICROBATCH_SCOPE}{i}"):
@@ -209,27 +234,53 @@ def _microbatch(fun, grad_of, args, mb: _Microbatching, batch_argnums):
                 return _fold(x, i) if role is _Role.FOLD else x
 
             part_args = [jax.tree_util.tree_map(part, a) for a in args]
-            fun_i = fun
-            if swapped:
-                fun_i = _rebind_closure(fun, {id(c): part(c) for c in swapped}, swapped, roles)
-                if i == 0:
-                    _check_rebound(fun_i, part_args, swapped)
-            results.append(grad_of(fun_i)(*part_args))
-    return jax.tree_util.tree_map(lambda *xs: _mean(xs), *results)
+            # Each microbatch's loss gets its own copies of the dicts and lists
+            # it closes over: a `batch.pop("labels")` in it (transformers'
+            # run_clm_flax.py) then pops from its copy, once per microbatch.
+            rebinder = _Rebinder({id(c): part(c) for c in swapped}, copy=True)
+            fun_i = rebinder(fun, 0)
+            _check_all_rebound(rebinder, swapped, roles)
+            if swapped and i == 0:
+                _check_rebound(fun_i, part_args, swapped)
+            try:
+                results.append(grad_of(fun_i)(*part_args))
+            except (KeyError, IndexError) as e:
+                if whole_out is None:  # the whole batch's trace failed too: not this
+                    raise
+                raise _lost_to_mutation(e) from e
+            first = first or rebinder
+    # What the loss did to the containers it closes over, it did to its copies:
+    # done once more on the originals, the step then sees them as under JAX.
+    first.replay()
+    values, grads = zip(*results)
+    grads = jax.tree_util.tree_map(lambda *xs: _mean(xs), *grads)
+    if not has_aux:
+        return _mean(values), grads
+    aux = _combine_aux([v[1] for v in values], None if whole_out is None else whole_out[1], m)
+    return (_mean([v[0] for v in values]), aux), grads
 
 
-def _closed_over(fun, args) -> list:
-    """The arrays `fun(*args)` reads besides its arguments (tracers of the step, constants)."""
+def _closed_over(fun, args, with_shape: bool = False):
+    """The arrays `fun(*args)` reads besides its arguments (tracers of the step, constants),
+    and, `with_shape`, the shapes of its result on these arguments (None where
+    it does not trace).
+
+    Traced on copies of the dicts and lists `fun` closes over and of the
+    arguments' containers, so that a loss that pops from its batch dict
+    leaves the step's dict as it was.
+    """
+    fun = _Rebinder({}, copy=True)(fun, 0)
+    args = [jax.tree_util.tree_map(lambda x: x, a) for a in args]
     try:
-        jaxpr = jax.make_jaxpr(fun)(*args)
+        jaxpr, shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     except Exception:  # noqa: BLE001 - the real call below raises JAX's own error
-        return []
+        return ([], None) if with_shape else []
     seen, out = set(), []
     for c in jaxpr.consts:
         if id(c) not in seen and hasattr(c, "shape"):
             seen.add(id(c))
             out.append(c)
-    return out
+    return (out, shape) if with_shape else out
 
 
 def _leading(x) -> int | None:
@@ -246,7 +297,7 @@ def _raw_key_shape(impl: str) -> tuple[int, ...]:
     return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
 
 
-def _is_key(x) -> bool:
+def is_key(x) -> bool:
     """A typed PRNG key (array), or a raw key of the default implementation (uint32[2])."""
     dtype = getattr(x, "dtype", None)
     if dtype is None:
@@ -304,6 +355,8 @@ class _Sorter:
         if eqns is not None:
             start = {}
             for b in batch_leaves:
+                if is_key(b):
+                    continue  # a key in the batch: what it draws is not the batch's rows
                 if getattr(b, "_trace", None) is self.trace and isinstance(b.val, jcore.Var):
                     start[b.val] = _ROW if _leads_with(b, n) else _OTHER
             self.states = _flow(eqns, start, n)
@@ -312,22 +365,24 @@ class _Sorter:
         if self._is_batch(x, what):
             return _Role.SLICE
         # A key not cut with the batch, wherever it comes from, gets a stream per microbatch.
-        return _Role.FOLD if _is_key(x) else _Role.WHOLE
+        return _Role.FOLD if is_key(x) else _Role.WHOLE
 
     def _is_batch(self, x, what: str) -> bool:
         if id(x) in self.batch_ids:
-            return _leads_with(x, self.n)
+            # A raw key (uint32[2]) in a batch of 2 leads with the batch size
+            # too: it is a key all the same, folded, never cut.
+            return _leads_with(x, self.n) and not is_key(x)
         if not isinstance(x, jax.core.Tracer):
             return False  # a constant of the step: never cut
         if self.states is not None and getattr(x, "_trace", None) is self.trace:
             state = self.states.get(x.val) if isinstance(x.val, jcore.Var) else None
-            if state == _OTHER and _leads_with(x, self.n) and not _is_key(x):
+            if state == _OTHER and _leads_with(x, self.n) and not is_key(x):
                 raise self._ambiguous(x, what, "is computed from the step's batch, but an "
                                       "operation on the way (a transpose, a matrix product "
                                       "or reduction over the batch axis) put another axis first")
             # _OTHER without the batch size first (batch statistics): one value for all.
             return state == _ROW
-        if _leads_with(x, self.n) and not _is_key(x):
+        if _leads_with(x, self.n) and not is_key(x):
             raise self._ambiguous(x, what, "was computed inside a transformation in the step "
                                   "(vmap, scan, an inner jit), where hetpar cannot see whether "
                                   "it comes from the batch")
@@ -409,9 +464,7 @@ def _keeps_batch_first(eqn, ins, n) -> bool:
 # -- rebuilding the loss's closure ------------------------------------------
 
 
-def _rebind_closure(fun, subst: dict[int, Any], swapped, roles):
-    rebinder = _Rebinder(subst)
-    new = rebinder(fun, 0)
+def _check_all_rebound(rebinder: _Rebinder, swapped, roles) -> None:
     missing = [c for c in swapped if id(c) not in rebinder.hit]
     if missing:
         c = missing[0]
@@ -423,7 +476,25 @@ def _rebind_closure(fun, subst: dict[int, Any], swapped, roles):
             "a class instance's method). Pass it to the loss as an argument instead "
             "(e.g. loss(params, x, y, key)); arguments that are the step's batch are split "
             "into microbatches and keys folded per microbatch.")
-    return new
+
+
+def _lost_to_mutation(e: Exception) -> HetparError:
+    """A microbatch's loss missing a key or item: the loss changed (popped
+    from) a container hetpar does not copy per microbatch (one reached
+    through a global or an object's attribute), so the first trace took what
+    the next one looks for."""
+    where = ""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if "/jax/" not in f.filename and not f.filename.endswith("hetpar/_grad.py")]
+    if frames:
+        f = frames[-1]
+        where = f" at {f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
+    return HetparError(
+        f"microbatching: the loss raised {type(e).__name__}: {e}{where}; a loss traced once "
+        "per microbatch finds a container as the last trace left it, and hetpar copies per "
+        "microbatch only the dicts and lists the loss closes over or takes as arguments, not "
+        "one reached through a global or an object's attribute. Read it without changing "
+        "it (batch['labels'] rather than batch.pop('labels')), or pass it to the loss.")
 
 
 class _Rebinder:
@@ -436,10 +507,12 @@ class _Rebinder:
     _ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType)
     _MAX_DEPTH = 8
 
-    def __init__(self, subst: dict[int, Any]):
+    def __init__(self, subst: dict[int, Any], copy: bool = False):
         self.subst = subst
+        self.copy = copy  # copy every dict and list reached, changed or not
         self.hit: set[int] = set()
         self.memo: dict[int, Any] = {}
+        self.copies: list[tuple[Any, Any, Any]] = []  # (original, copy, copy's first contents)
 
     def __call__(self, obj, depth: int):
         key = id(obj)
@@ -457,6 +530,14 @@ class _Rebinder:
         return new
 
     def _rebuild(self, obj, depth):
+        if self.copy and type(obj) in (dict, list):
+            if type(obj) is dict:
+                new = {k: self(v, depth) for k, v in obj.items()}
+                self.copies.append((obj, new, dict(new)))
+            else:
+                new = [self(v, depth) for v in obj]
+                self.copies.append((obj, new, list(new)))
+            return new
         if isinstance(obj, types.FunctionType):
             return self._function(obj, depth)
         if isinstance(obj, functools.partial):
@@ -482,6 +563,26 @@ class _Rebinder:
         if all(a is b for a, b in zip(new, leaves)):
             return obj
         return jax.tree_util.tree_unflatten(treedef, new)
+
+    def replay(self) -> None:
+        """Applies to the originals what the loss did to their copies: keys it
+        removed (`batch.pop("labels")`, `del batch["mask"]`) are removed.
+        Raises HetparError where it set or replaced a value, or changed a
+        list: that value is one microbatch's, not the batch's."""
+        for orig, new, before in self.copies:
+            if type(orig) is dict:
+                gone = [k for k in before if k not in new]
+                changed = [k for k in new if k not in before or new[k] is not before[k]]
+            else:
+                gone, changed = [], [] if new == before else ["an item"]
+            if changed:
+                raise HetparError(
+                    f"microbatching: the loss sets {changed[0]!r} in a "
+                    f"{type(orig).__name__} it closes over; under microbatches each "
+                    "microbatch's loss would set its own value and the step could read only "
+                    "one. Return the value from the loss instead (has_aux=True).")
+            for k in gone:
+                orig.pop(k, None)
 
     def _function(self, f, depth):
         cells = f.__closure__ or ()
@@ -526,12 +627,74 @@ def _check_rebound(fun_i, part_args, swapped) -> None:
 
 
 def _batch_size(trees) -> int | None:
-    """The batch size: the most common leading dimension among the batch leaves."""
+    """The batch size: the most common leading dimension among the batch
+    leaves, PRNG keys (a raw key's 2) left out."""
     dims = [x.shape[0] for t in trees for x in jax.tree_util.tree_leaves(t)
-            if getattr(x, "ndim", 0)]
+            if getattr(x, "ndim", 0) and not is_key(x)]
     if not dims:
         return None
     return max(set(dims), key=lambda d: (dims.count(d), d))
+
+
+def _combine_aux(auxes: list, whole, m: int):
+    """The microbatches' aux outputs as one, leaf by leaf, by comparing each
+    leaf's shape for a microbatch with its shape for the whole batch (`whole`,
+    from tracing the loss on it; None where that failed):
+
+    - per example (the whole batch's leaf has M times the rows): concatenated
+      along axis 0, as the whole batch would give it;
+    - the same shape (a reduction over the batch, or no batch in it): floats
+      are the microbatches' mean, which is the whole batch's value for a mean
+      over the batch (an accuracy; Flax BatchNorm's running mean); PRNG keys
+      and arrays every microbatch returns alike are microbatch 0's;
+      integers that differ between microbatches (a count over the batch)
+      cannot be recombined;
+    - any other shape cannot be recombined.
+
+    Raises:
+      HetparError: naming the aux leaf that cannot be recombined, and how to
+        return it.
+    """
+    paths_leaves, tree = jax.tree_util.tree_flatten_with_path(auxes[0])
+    columns = [[leaf] for _, leaf in paths_leaves]
+    for aux in auxes[1:]:
+        for col, leaf in zip(columns, tree.flatten_up_to(aux)):
+            col.append(leaf)
+    try:
+        wholes = tree.flatten_up_to(whole) if whole is not None else [None] * len(columns)
+    except (ValueError, TypeError):  # another structure for the whole batch
+        wholes = [None] * len(columns)
+    out = []
+    for (path, x), xs, w in zip(paths_leaves, columns, wholes):
+        shape = tuple(getattr(x, "shape", ()))
+        full = None if w is None else tuple(getattr(w, "shape", ()))
+        name = "aux" + jax.tree_util.keystr(path)
+
+        if full is not None and shape and full != shape:
+            if full[1:] == shape[1:] and full[0] == m * shape[0]:
+                out.append(jnp.concatenate(xs, axis=0))
+                continue
+            raise _unrecombined(name, x, full, "cannot be recombined from its microbatches")
+        dtype = jnp.result_type(x) if hasattr(x, "dtype") else None
+        if (dtype is None or all(y is x for y in xs)
+                or jnp.issubdtype(dtype, jax.dtypes.prng_key)):
+            out.append(x)
+        elif jnp.issubdtype(dtype, jnp.inexact):
+            out.append(_mean(xs))
+        else:
+            raise _unrecombined(name, x, full, "differs between microbatches and is not a "
+                                "mean, so cannot be recombined")
+    return jax.tree_util.tree_unflatten(tree, out)
+
+
+def _unrecombined(name: str, x, full, why: str) -> HetparError:
+    shape = list(getattr(x, "shape", ()))
+    return HetparError(
+        f"microbatching: the loss's aux output {name} ({getattr(x, 'dtype', type(x).__name__)}"
+        f"{shape} per microbatch" + ("" if full is None else f", {list(full)} for the whole "
+                                     "batch")
+        + f") {why}; return it per example (batch axis first: microbatches are concatenated) "
+        "or as a float mean over the batch (microbatches are averaged).")
 
 
 def _mean(xs):

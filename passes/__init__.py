@@ -23,6 +23,7 @@ from hetpar.passes._layer_graph import (
     PARAM,
     LayerGraph,
     LayerInfo,
+    batch_argnums_of,
     trace,
 )
 from hetpar.passes._layers import (
@@ -64,6 +65,7 @@ __all__ = [
     "StageGraph",
     "Work",
     "balanced_names",
+    "batch_argnums_of",
     "XlaCost",
     "check_covers",
     "compiled_cost",

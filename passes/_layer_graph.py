@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import networkx as nx
+import numpy as np
 from jax.extend import core as jcore
 
 from hetpar.core import fingerprint
@@ -475,7 +476,8 @@ def trace(
         than half the FLOPs or there are fewer than four (see
         `hetpar.passes.balanced_names`).
       batch_argnums: which positional arguments are data rather than state
-        (default: the last one).
+        (default: the last one and the arguments just before it that are
+        batches of as many rows, `batch_argnums_of`).
       auto_layers: how many balanced layers to form when nothing is named.
 
     Returns:
@@ -492,11 +494,48 @@ def trace(
     return LayerGraph(program, eqn_layers, input_layers, roles, depth)
 
 
+def batch_argnums_of(args: Sequence) -> tuple[int, ...]:
+    """The batch arguments of a step called with `args`, where none are named:
+    the last argument and, before it, the run of arguments every leaf of
+    which is an array of as many rows as the last one's (`x` of `step(params,
+    opt_state, x, y)`). The first argument never is (the parameters),
+    unless it is the only one.
+
+    The batch size is the most common leading dimension of the last
+    argument's array leaves, PRNG keys left out (a raw key's 2 is no batch).
+    """
+    n = len(args)
+    if n <= 1:
+        return tuple(range(n))
+    rows = [np.shape(x)[0] for x in jax.tree_util.tree_leaves(args[-1])
+            if np.ndim(x) and not _is_key_like(x)]
+    found = [n - 1]
+    if not rows:
+        return tuple(found)
+    size = max(set(rows), key=lambda d: (rows.count(d), d))
+    for k in range(n - 2, 0, -1):
+        leaves = jax.tree_util.tree_leaves(args[k])
+        if not leaves or not all(hasattr(x, "shape") and len(x.shape) and x.shape[0] == size
+                                 and not _is_key_like(x) for x in leaves):
+            break
+        found.insert(0, k)
+    return tuple(found)
+
+
+def _is_key_like(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == np.uint32 and tuple(np.shape(x)) == (2,)
+
+
 def input_roles(program: Program, args: Sequence, batch_argnums) -> list[str]:
     """Role of every flat input: batch data, parameter (the forward reads it) or optimizer state."""
     n = len(args)
     if batch_argnums is None:
-        batch = {n - 1} if n > 1 else set()
+        batch = set(batch_argnums_of(args)) if n > 1 else set()
     else:
         batch = {batch_argnums} if isinstance(batch_argnums, int) else set(batch_argnums)
         batch = {b % n for b in batch}

@@ -457,3 +457,61 @@ def test_transformer_plan_kinds_across_two_processes(tmp_path):
         assert got[0][3] == got[1][3], got  # the same plan on both processes
         for i in range(2):
             assert float(got[i][2]) <= 1e-5, (kind, got[i])
+
+
+# Run by every process: a step whose batch is two arguments, `step(params,
+# opt_state, x, y)`, under `hetpar.auto` with its defaults (the planner's
+# own plan) across 2 processes x 2 CPU devices, against jax.jit on one device.
+TWO_ARGUMENT_SCRIPT = """from hetpar._distributed import initialize
+
+assert initialize()
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import hetpar
+
+rng = np.random.default_rng(0)
+params = {"w": rng.normal(size=(4, 1)).astype(np.float32), "b": np.zeros(1, np.float32)}
+x = rng.normal(size=(16, 4)).astype(np.float32)
+y = rng.normal(size=(16, 1)).astype(np.float32)
+opt = optax.adam(1e-2)
+
+
+def loss_fn(params, x, y):
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def step(params, opt_state, x, y):
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    updates, opt_state = opt.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def run(f, gather=lambda t: t):
+    p, o, out = params, opt.init(params), []
+    for _ in range(3):
+        p, o, loss = f(p, o, x, y)
+        out.append(loss)
+    return [np.asarray(v) for v in jax.tree.leaves((gather(p), gather(o), out))]
+
+
+dev = jax.local_devices()[0]
+ref = jax.jit(step)
+want = run(lambda *a: ref(*jax.device_put(a, dev)))
+got = run(hetpar.auto(step), hetpar.gather)
+err = max(float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30))
+          for a, b in zip(got, want))
+print(f"TWO_ARGS {err:.2e}")
+"""
+
+
+@pytest.mark.slow  # two processes: ~20 s of the 2 cores
+def test_batch_of_two_arguments_across_two_processes(tmp_path):
+    proc, _ = run_launcher(tmp_path, "x", script_text=TWO_ARGUMENT_SCRIPT, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    for i in range(2):
+        err = next(ln for ln in lines_of(proc, i) if ln.startswith("TWO_ARGS "))
+        assert float(err.split()[1]) <= 1e-5, err

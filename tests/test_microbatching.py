@@ -257,3 +257,215 @@ def test_jax_tracing_frame_contract():
         f"JAX's tracing frame changed (jax {jax.__version__}): hetpar/_grad.py's _frame_eqns "
         "and _Sorter read DynamicJaxprTracer.val and frame.get_eqns() to find which arrays a "
         "loss closes over come from the batch; pyproject pins jax<0.12 until it is updated.")
+
+
+def test_raw_key_in_a_batch_of_two_is_folded_not_cut():
+    """A `jax.random.PRNGKey` (uint32[2]) carried in a batch of 2 leads with the
+    batch size; it is still a key: folded per microbatch, never cut."""
+    state = make_state(dropout=0.5)
+    batch = {**make_batch(2), "dropout_rng": jax.random.PRNGKey(3)}
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["image"], training=True,
+                                    rngs={"dropout": batch["dropout_rng"]})
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+        loss, grads = hetpar.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    def by_hand(state, batch):  # microbatch i: row i, fold_in(key, i)
+        grads, losses = [], []
+        for i in range(2):
+            def loss_fn(params, i=i):
+                logits = state.apply_fn(
+                    {"params": params}, batch["image"][i:i + 1], training=True,
+                    rngs={"dropout": jax.random.fold_in(batch["dropout_rng"], i)})
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits, batch["label"][i:i + 1]).mean()
+
+            loss, g = jax.value_and_grad(loss_fn)(state.params)
+            losses.append(loss)
+            grads.append(g)
+        grads = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, *grads)
+        return state.apply_gradients(grads=grads), (losses[0] + losses[1]) / 2
+
+    got = hetpar.auto(step, microbatches=2, devices="cpu:0")(state, batch)
+    assert_close(got, jax.jit(by_hand)(state, batch))
+
+
+def test_batch_of_two_arguments_is_cut_as_one():
+    """`step(params, opt_state, x, y)`: x and y are both the batch (the default
+    batch_argnums takes the arguments before the last with as many rows)."""
+    model = MLP()
+    x, y = make_batch()["image"], jax.nn.one_hot(make_batch()["label"], 3)
+    params = model.init(jax.random.key(0), x, training=False)
+    tx = optax.adam(1e-2)
+
+    def step(params, opt_state, x, y):
+        def loss_fn(params, x, y):
+            return jnp.mean((model.apply(params, x, training=False) - y) ** 2)
+
+        loss, grads = hetpar.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    args = (params, tx.init(params), x, y)
+    # No dropout: two equal microbatches of a mean loss give the full batch's gradient.
+    assert_close(hetpar.auto(step, microbatches=2, devices="cpu:0")(*args),
+                 jax.jit(step)(*args), rtol=1e-4)
+
+
+# -- a loss that pops from the batch ---------------------------------------------
+
+
+def pop_step(value_and_grad):
+    """As transformers' run_clm_flax.py writes its loss: `labels = batch.pop(...)`."""
+
+    def train_step(state, batch):
+        def compute_loss(params):
+            labels = batch.pop("label")
+            logits = state.apply_fn({"params": params}, batch["x"], training=False)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = value_and_grad(compute_loss)(state.params)
+        # After the loss, the step's batch has no labels, as under JAX.
+        popped = jnp.asarray("label" not in batch, jnp.float32)
+        return state.apply_gradients(grads=grads), loss, popped
+
+    return train_step
+
+
+def test_loss_popping_labels_from_the_batch_is_microbatched():
+    state, batch = make_state(), make_batch()
+    batch = {"x": batch["image"], "label": batch["label"]}
+    got = hetpar.auto(pop_step(hetpar.value_and_grad), microbatches=2,
+                      devices="cpu:0")(state, batch)
+    expected = jax.jit(pop_step(jax.value_and_grad))(state, dict(batch))
+    assert sorted(batch) == ["label", "x"]  # the caller's dict is untouched
+    assert float(got[2]) == float(expected[2]) == 1.0
+    assert_close(got, expected, rtol=1e-4)  # two equal halves: the full batch's gradient
+
+
+OPTIONS = {}  # a module's global: hetpar cannot copy it per microbatch
+
+
+def test_pop_from_a_dict_hetpar_cannot_copy_names_the_line():
+    state, batch = make_state(), make_batch()
+    OPTIONS["smoothing"] = 0.1
+
+    def step(state, batch):
+        def compute_loss(params):
+            smoothing = OPTIONS.pop("smoothing")
+            logits = state.apply_fn({"params": params}, batch["image"], training=False)
+            labels = optax.smooth_labels(jax.nn.one_hot(batch["label"], 3), smoothing)
+            return optax.softmax_cross_entropy(logits, labels).mean()
+
+        loss, grads = hetpar.value_and_grad(compute_loss)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    with pytest.raises(HetparError, match=r"KeyError: 'smoothing' at .*test_microbatching.py:"
+                                          r"\d+ \(`smoothing = OPTIONS.pop\(\"smoothing\"\)`\)"
+                                          r".*batch\['labels'\] rather than"):
+        jax.make_jaxpr(microbatched(step, 2))(state, batch)
+
+
+# -- aux outputs: the Flax BatchNorm guide's step --------------------------------
+
+
+class BatchNormNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = nn.Dense(16)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dense(3)(nn.relu(x))
+
+
+class BatchNormState(train_state.TrainState):
+    batch_stats: dict
+
+
+def batch_norm_state():
+    model = BatchNormNet()
+    variables = model.init(jax.random.key(0), jnp.zeros((BATCH, 5)), train=False)
+    state = BatchNormState.create(apply_fn=model.apply, params=variables["params"],
+                                  tx=optax.sgd(0.1), batch_stats=variables["batch_stats"])
+    return state.replace(step=jnp.zeros((), jnp.int32))
+
+
+def batch_norm_step(state, batch):
+    """The Flax BatchNorm guide's `train_step`, with hetpar's value_and_grad."""
+
+    def loss_fn(params):
+        logits, updates = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats},
+            x=batch["image"], train=True, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(
+            logits=logits, labels=batch["label"]).mean()
+        return loss, (logits, updates)
+
+    grad_fn = hetpar.value_and_grad(loss_fn, has_aux=True)
+    (loss, (logits, updates)), grads = grad_fn(state.params)
+    state = state.apply_gradients(grads=grads)
+    state = state.replace(batch_stats=updates["batch_stats"])
+    metrics = {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+               "logits": logits}
+    return state, metrics
+
+
+def batch_norm_by_hand(state, batch, microbatches=2):
+    """The same step written out: each microbatch normalised by its own
+    statistics; logits concatenated; batch statistics, loss and gradients
+    averaged (the documented recombination)."""
+    size = BATCH // microbatches
+    outs = []
+    for i in range(microbatches):
+        x, y = batch["image"][i * size:(i + 1) * size], batch["label"][i * size:(i + 1) * size]
+
+        def loss_fn(params, x=x, y=y):
+            logits, updates = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats},
+                x=x, train=True, mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), (
+                logits, updates)
+
+        outs.append(jax.value_and_grad(loss_fn, has_aux=True)(state.params))
+    mean = lambda *xs: sum(xs) / len(xs)  # noqa: E731
+    loss = mean(*[o[0][0] for o in outs])
+    logits = jnp.concatenate([o[0][1][0] for o in outs])
+    stats = jax.tree_util.tree_map(mean, *[o[0][1][1]["batch_stats"] for o in outs])
+    grads = jax.tree_util.tree_map(mean, *[o[1] for o in outs])
+    state = state.apply_gradients(grads=grads).replace(batch_stats=stats)
+    return state, {"loss": loss, "accuracy": jnp.mean(jnp.argmax(logits, -1) == batch["label"]),
+                   "logits": logits}
+
+
+def test_batch_norm_guide_step_microbatched_equals_jit():
+    state, batch = batch_norm_state(), make_batch()
+    step = hetpar.auto(batch_norm_step, microbatches=2, plan=split_plan(
+        batch_norm_step, state, batch))
+    reference = jax.jit(batch_norm_by_hand)
+    for _ in range(2):
+        got, expected = step(state, batch), reference(*jax.device_put((state, batch), CPU[0]))
+        assert got[1]["logits"].shape == (BATCH, 3)  # per example: concatenated
+        assert_close(got, expected)
+        state = got[0]
+
+
+def test_aux_that_cannot_be_recombined_is_a_one_line_error():
+    """A count over the batch (an integer, not per example, not a mean)."""
+    state, batch = make_state(), make_batch()
+
+    def step(state, batch):
+        def loss_fn(params):
+            logits = state.apply_fn({"params": params}, batch["image"], training=False)
+            correct = jnp.sum(jnp.argmax(logits, -1) == batch["label"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+            return loss, {"correct": correct}
+
+        (loss, aux), grads = hetpar.value_and_grad(loss_fn, has_aux=True)(state.params)
+        return state.apply_gradients(grads=grads), loss, aux
+
+    with pytest.raises(HetparError, match=r"^[^\n]*aux output aux\['correct'\] \(int32\[\] per "
+                                          r"microbatch, \[\] for the whole batch\).*float mean"):
+        jax.make_jaxpr(microbatched(step, 2))(state, batch)

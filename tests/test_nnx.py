@@ -164,3 +164,81 @@ def test_functional_split_merge_step_equals_jax_jit():
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for a, b in zip(values(got_state), values(ref_state), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_trace_of_a_stateful_step_holds_its_update():
+    """`hetpar.trace` takes NNX objects as `hetpar.auto` does: the graph returns
+    the loss and the objects' new state, and running it equals `nnx.jit`'s step."""
+    model, opt = fresh()
+    graph = hetpar.trace(train_step, model, opt, X, Y)
+    ref_model, ref_opt = fresh()
+    ref_loss = nnx.jit(train_step)(ref_model, ref_opt, X, Y)
+
+    from hetpar._nnx_args import NnxArgs
+
+    pure = NnxArgs((model, opt, X, Y)).pure_args
+    loss, state = graph.program(*pure)  # the traced graph, run op by op
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    nnx.update((model, opt), state)
+    assert_same_state(model, ref_model)
+    assert_same_state(opt, ref_opt)
+    assert int(opt.step[...]) == 1
+
+
+# -- microbatched, with metrics ------------------------------------------------
+
+
+def metrics_step(value_and_grad):
+    """The NNX MNIST tutorial's step: the loss returns the logits as aux, and
+    an `nnx.MultiMetric` is updated from them."""
+
+    def loss_fn(model, batch):
+        logits = model(batch["x"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, logits
+
+    def train_step(model, optimizer, metrics, batch):
+        (loss, logits), grads = value_and_grad(loss_fn, has_aux=True)(model, batch)
+        metrics.update(loss=loss, logits=logits, labels=batch["label"])
+        optimizer.update(model, grads)
+
+    return train_step
+
+
+def fresh_with_metrics():
+    model, optimizer = fresh()
+    return model, optimizer, nnx.MultiMetric(accuracy=nnx.metrics.Accuracy(),
+                                             loss=nnx.metrics.Average("loss"))
+
+
+def test_microbatched_metrics_step_equals_nnx_jit():
+    """Per-example aux outputs (the logits) come back concatenated: the
+    metrics are the full batch's, not averaged halves."""
+    batch = {"x": X, "label": np.arange(8, dtype=np.int32) % 2}
+    ref = fresh_with_metrics()
+    got = fresh_with_metrics()
+    ref_step = nnx.jit(metrics_step(nnx.value_and_grad))
+    step = hetpar.auto(metrics_step(hetpar.value_and_grad), microbatches=2, devices="cpu:0")
+    for _ in range(2):
+        ref_step(*ref, batch)
+        step(*got, batch)
+    for a, b in zip(got, ref, strict=True):
+        assert_same_state(a, b)
+    for name, value in ref[2].compute().items():
+        np.testing.assert_allclose(got[2].compute()[name], value, rtol=1e-5)
+
+
+def test_later_calls_follow_objects_changed_between_steps():
+    """Calls after the first skip the split (`NnxFastCall`), but a submodule
+    replaced by an equal one, a value set by hand, or eval() mode between
+    steps is seen, as under nnx.jit."""
+    objects, ref = fresh(), fresh()
+    step, ref_step = hetpar.auto(train_step, devices="cpu:0"), nnx.jit(train_step)
+    np.testing.assert_allclose(train(step, objects, 2), train(ref_step, ref, 2), rtol=1e-5)
+    assert step._nnx_direct is not None  # the later call took the fast path
+    for model, _ in (objects, ref):
+        model.l2 = nnx.Linear(16, 2, rngs=nnx.Rngs(5))  # new Variables, same structure
+        model.l1.bias[...] = jnp.full((16,), 0.1)
+    np.testing.assert_allclose(train(step, objects, 2), train(ref_step, ref, 2), rtol=1e-5)
+    for a, b in zip(objects, ref, strict=True):
+        assert_same_state(a, b)

@@ -211,6 +211,34 @@ def test_hf_gpt2_microbatched_closure_loss_equals_full_batch(gpt2):
     check_equals_jit(step, clm_eval_mode_step(gpt2, tx, jax.value_and_grad), args)
 
 
+# run_clm_flax.py's loss pops the labels from the batch it closes over (here in
+# evaluation mode, so that two microbatches average to the full batch).
+def clm_pop_labels_step(model, tx, value_and_grad):
+    def train_step(params, opt_state, batch):
+        def compute_loss(params):
+            labels = batch.pop("labels")
+            logits = model(**batch, params=params, train=False)[0]
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1], labels[:, 1:]).mean()
+
+        loss, grads = value_and_grad(compute_loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return train_step
+
+
+@pytest.mark.slow
+def test_hf_gpt2_loss_popping_labels_microbatched_equals_full_batch(gpt2):
+    tx = hf_optimizer()
+    step_fn = clm_pop_labels_step(gpt2, tx, hetpar.value_and_grad)
+    params = gpt2.params
+    args = (params, tx.init(params), token_batch())
+    step = hetpar.auto(step_fn, microbatches=2, plan=half_plan(step_fn, args))
+    check_equals_jit(step, clm_pop_labels_step(gpt2, tx, jax.value_and_grad), args)
+    assert "labels" in args[-1]  # the caller's batch keeps its labels
+
+
 # BERT's training step split in two is checked with gradient checkpointing on
 # (remat inside the layers, dropout on); microbatched Hugging Face steps are
 # GPT-2's above (CI time: ~30 s of compiles a BERT case on 2 cores).
