@@ -1052,7 +1052,7 @@ class AutoStep:
         that cannot help (see hetpar/_recovery.py)."""
         # A replanned step that failed while compiling (XLA's autotuner, out of
         # memory beside the state) is not `_last` yet: the step replanned is.
-        step, self._direct = self._last or self._replanned, None
+        step, self._direct, self._nnx_direct = self._last or self._replanned, None, None
         if isinstance(e, InfeasibleError) and tries > 0 and self._shrunk is not None:
             device, first, cap = self._shrunk
             raise give_up(device, first, tries - 1, cap, why=e) from first
