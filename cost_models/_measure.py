@@ -150,7 +150,7 @@ def measure_step(
     times the same arguments with everything on the device: GPT-2 small at
     batch 16 ran 19.5 ms that way and 23.1 ms threaded with a host batch on
     an H100, which a user's loop measured (22.7 ms,
-    experiments/probe_step_timing.py).
+    experiments/results/predictions_step_timing).
 
     Args:
       fn: the step, `fn(*state, batch) -> (*new_state, ...)` or any jit-able function.

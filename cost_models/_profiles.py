@@ -357,7 +357,7 @@ def load_profiles(path: str | os.PathLike | None = None, *, specs: bool = True) 
     if loaded.meta.get("mode") == "quick":
         # Seen on two H200s: a quick profile predicted a 2 ms transformer block
         # at 0.8 s, and its peer link (fitted up to 16 MB) at 46 GB/s where
-        # 256-512 MB copies ran at 340-370 GB/s (experiments/probe_peer.py).
+        # 256-512 MB copies ran at 340-370 GB/s (experiments/results/probe_peer_h200x2.txt).
         logging.warning(
             "profile file %s was measured with `hetpar profile --quick`: its compute "
             "efficiencies are fitted on small, launch-bound sizes and can be off by 100x or "

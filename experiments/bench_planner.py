@@ -40,7 +40,7 @@ _ZOO_ONLY = flags.DEFINE_bool("zoo_only", False, "only (re)run the zoo compariso
 
 _ONE_TIGHT_ONLY = flags.DEFINE_bool(
     "one_tight_only", False, "only add the one-tight-accelerator timing rows "
-    "(docs/architecture.md's instance) to the results already in the output file")
+    "(docs/architecture/planner.md's instance) to the results already in the output file")
 
 
 def solve_times(layers: int, devices: int, *, mode: str = "sequential", memory: str = "loose",
@@ -183,7 +183,8 @@ def render(r) -> str:
     lines = ["# Planner benchmark", "", f"Machine: {r['machine']}.", "",
              "Random DAGs (chain + skip edges) from `random_cost_table`; *loose*: every device "
              "holds the model, *one_tight*: the first accelerator holds 25-45% of it, the other "
-             "devices all of it (docs/architecture.md's 'tight GPU memory limit' instance), "
+             "devices all of it (docs/architecture/planner.md's 'tight GPU memory limit' "
+             "instance), "
              "*tight*: each accelerator holds 25-45% of it. Time = model build "
              f"+ solve, median over seeds; solver time limit {r['timings'][0]['time_limit_s']} s, "
              f"relative gap option {r['timings'][0]['gap_option']}.", "",

@@ -152,7 +152,7 @@ def graph_records(graph, model: str, device, *, batch: int | None, small: bool =
                   k: int = LAYER_RUNS, progress: Callable[[str], None] | None = None,
                   ) -> list[dict[str, Any]]:
     """`layer_records` of any traced step (`graph`), named `model`
-    (experiments/layer_sweep.py's synthetic layers)."""
+    (the synthetic layer sweep, `hetpar.zoo.sweep_grid`)."""
     dev = resolve_device(device)
     out = []
     for name in graph.layers:

@@ -58,9 +58,7 @@ def _measure(args) -> int:
     import jax
 
     from hetpar import zoo
-    from hetpar.cost_models import load_profiles
-
-    from hetpar.cost_models import present_devices
+    from hetpar.cost_models import load_profiles, present_devices
 
     dev = present_devices().get(args.device)
     if dev is None:
@@ -251,7 +249,8 @@ def main(argv=None) -> int:
     m.add_argument("--models", nargs="*", default=None)
     m.add_argument("--k", type=int, default=10)
     m.add_argument("--device", default="gpu:0", help="the present device to time (cpu:0 to try it)")
-    c = sub.add_parser("compare", help="set each card's predictions beside the other's measurements")
+    c = sub.add_parser("compare",
+                       help="set each card's predictions beside the other's measurements")
     c.add_argument("--steps", nargs=2, default=None, metavar="STEPS_JSON",
                    help="the two cards' `measure` files (whole steps)")
     c.add_argument("--layers", nargs=2, default=None, metavar="ACCURACY_JSON")

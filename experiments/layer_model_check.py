@@ -37,18 +37,16 @@ def _records(path, device):
 
 def _equations(records):
     """{id(record): the product's matmul_equations of its layer}, traced again."""
-    import layer_sweep as ls
-
     import hetpar
     from hetpar.cost_models import matmul_equations
-    from hetpar.zoo import trace_model
+    from hetpar.zoo import sweep_grid, sweep_step, trace_model
 
     out = {}
     for key in sorted({(r["model"], bool(r["small"]), r.get("batch"), r.get("scale"),
                         r.get("hw_scale")) for r in records}, key=str):
         model, small, batch, scale, hw = key
         if model == "sweep":
-            step, params, b = ls.sweep_step(ls.grid(scale, hw))
+            step, params, b = sweep_step(sweep_grid(scale, hw))
             g = hetpar.trace(step, params, b)
         else:
             g = trace_model(model, small=small, batch=batch)[1]

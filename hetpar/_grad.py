@@ -8,7 +8,7 @@ trace then holds M independent forward/backward chains per layer (which the
 stage splitter turns into a device pipeline) followed by one accumulation
 and one optimizer update (Alpa's `alpa.grad` idea, done at trace time).
 
-What each microbatch gets (docs/architecture.md, "Microbatching and random
+What each microbatch gets (docs/architecture/microbatching.md, "Microbatching and random
 keys"): every array the loss reads, as an argument or closed over, is sorted
 by where it comes from in the step being traced:
 

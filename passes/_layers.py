@@ -201,7 +201,7 @@ def is_tiny(v) -> bool:
 
     "Tiny" is a size, not a role: a one-element value costs one transfer's
     latency and a few bytes wherever it goes, so it never decides where a
-    layer's parameters or optimizer state live (docs/architecture.md, "Layers").
+    layer's parameters or optimizer state live (docs/architecture/layers.md, "Layers").
     """
     return _size(v) == 1
 

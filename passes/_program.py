@@ -8,7 +8,7 @@ relative stack is appended to the caller's).
 
 Control flow (`scan`, `while`, `cond`), `custom_jvp`/`custom_vjp` calls,
 `remat` and custom calls are never opened: they stay whole as one equation,
-so no later pass can split them (docs/architecture.md, "Layers"). One
+so no later pass can split them (docs/architecture/layers.md, "Layers"). One
 exception: a top-level `cond` without effects whose results fall into
 independent groups (Optax's `apply_if_finite` and `MultiSteps` write the
 whole optimizer update as one `cond`) is cut into one `cond` per group and

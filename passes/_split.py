@@ -120,7 +120,7 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
       graph: the traced step.
       assignment: layer name -> device name, or -> Placement (or its dict
         form) for a layer whose state and update live apart from its compute
-        (docs/architecture.md, "State apart from compute"). Covers every layer.
+        (docs/architecture/offload.md, "State apart from compute"). Covers every layer.
       schedule: "gpipe" or "1f1b": each device's stage order when microbatched.
       update_apart: without microbatches, put the update (the optimizer) in
         stages of its own, phase "update", so that what it reads from the

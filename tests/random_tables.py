@@ -31,7 +31,7 @@ def random_cost_table(seed: int, layers: int = 8, devices: int = 3, *, shape: st
       shape: "chain" (l_i -> l_{i+1}) or "dag" (a chain plus random skip edges).
       memory: "loose" (everything fits on any device), "tight" (every
         accelerator holds about a third of the model) or "one_tight" (the first
-        accelerator holds about a third, the others everything: docs/architecture.md's
+        accelerator holds about a third, the others everything: docs/architecture/planner.md's
         "tight GPU memory limit" instance).
       missing_links: drop some accelerator-to-accelerator links.
       restrict: give some layers `allowed` lists and pins.
