@@ -117,11 +117,13 @@ def _run(args: argparse.Namespace) -> int:
                   max_step_time=args.max_step_time, solver=args.solver,
                   time_limit=args.time_limit, gap=args.gap, schedule=args.schedule,
                   memory=memory or None, offload=args.offload)
+    # The file first: a reader that stops early (`| head`) must not cost the plan.
+    if args.out:
+        result.save(args.out)
     print(result.summary(table))
     if args.explain:
         print()
         print(result.explain(table))
     if args.out:
-        result.save(args.out)
         print(f"\nwrote {args.out}")
     return 0
