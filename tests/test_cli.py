@@ -301,3 +301,82 @@ def test_cli_costs_measures_the_fixed_part_per_microbatch(tmp_path, capsys):
                       "--k", "2", "--microbatches", "2", "--out", str(out))
     layers = json.loads(out.read_text())["layers"]
     assert all(0 <= layer["fixed_s"]["cpu:0"] <= layer["time_s"]["cpu:0"] for layer in layers)
+
+
+def _plan_over_cpu0_cpu1(tmp_path, *, rename: dict | None = None):
+    """plan.json for the small MLP over cpu:0 and cpu:1 (every layer on cpu:0),
+    its device names edited by `rename` ({'cpu:1': 'cpu:7'}: planned elsewhere)."""
+    w = zoo.get("mlp", small=True)
+    graph = hetpar.trace(w.train_step, *jax.eval_shape(w.example_args))
+    from hetpar.cost_models import cost_table
+
+    table = cost_table(graph, ["cpu:0", "cpu:1"])
+    p = hetpar.plan(table, baselines=False)
+    data = p.to_json()
+    data["assignment"] = dict.fromkeys(data["assignment"], "cpu:0")
+    data["devices"] = [(rename or {}).get(d, d) for d in data["devices"]]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return w, path
+
+
+# Issue 45, item 3: the command gives advice in flags, the API in arguments.
+def test_cli_errors_advise_flags_and_the_api_arguments(tmp_path, capsys):
+    from hetpar.core import ProfileError
+
+    proc = hetpar_in_process(capsys, "costs", "mlp", "--small", "--devices", "cpu:0",
+                             "--microbatches", "2", check=False)
+    assert proc.returncode == 2 and "add --measure" in proc.stderr, proc.stderr
+    with pytest.raises(ProfileError, match="pass measure=True"):
+        zoo.cost_table("mlp", ["cpu:0"], small=True, microbatches=2)
+
+    # A plan file naming a device that is not here.
+    w, path = _plan_over_cpu0_cpu1(tmp_path, rename={"cpu:1": "cpu:7"})
+    proc = hetpar_in_process(capsys, "run", "mlp", "--small", "--plan", path, "--steps", "1",
+                             "--no-what-if", "--no-baseline", "--profile", "auto", check=False)
+    assert proc.returncode == 2, proc
+    assert "cpu:7 is not present here" in proc.stderr, proc.stderr
+    assert "leave --plan out" in proc.stderr and "on_missing_device" not in proc.stderr
+    with pytest.raises(hetpar.PlanError, match="on_missing_device='replan'") as e:
+        hetpar.auto(w.train_step, plan=path).lower(*jax.eval_shape(w.example_args))
+    assert "cpu:7 is not present here" in str(e.value) and "--plan" not in str(e.value)
+
+    # A graph no plan fits: memory, in --memory and graph.json terms.
+    from tests.random_tables import random_cost_table
+
+    graph = tmp_path / "graph.json"
+    random_cost_table(1, layers=4, devices=2).save(graph)
+    proc = hetpar_in_process(capsys, "plan", "--graph", graph, "--memory", "cpu:0=1e-9",
+                             "--memory", "gpu:1=1e-9", "--no-offload", check=False)
+    assert proc.returncode == 2 and "--memory" in proc.stderr, proc.stderr
+    assert "raise memory_bytes" not in proc.stderr
+    proc = hetpar_in_process(capsys, "plan", "--graph", graph, "--max-cost", "1e-30",
+                             check=False)
+    assert proc.returncode == 2 and "raise --max-cost" in proc.stderr, proc.stderr
+
+
+# Issue 45, item 7: one rule for device names; plans reaching past devices= refused.
+def test_an_indexed_device_name_means_a_present_device(capsys):
+    proc = hetpar_in_process(capsys, "costs", "mlp", "--small", "--devices", "cpu:0,cpu:7",
+                             check=False)
+    assert proc.returncode == 2, proc.stdout
+    assert "device 'cpu:7' is not present" in proc.stderr, proc.stderr
+    # The bare kind is the spec sheet, as before.
+    out = hetpar_in_process(capsys, "costs", "mlp", "--small", "--devices", "cpu:0,h100").stdout
+    assert "h100:0" in out
+
+
+def test_a_hand_plan_outside_the_devices_given_is_refused(tmp_path):
+    w = zoo.get("mlp", small=True)
+    args = jax.eval_shape(w.example_args)
+    layers = list(hetpar.trace(w.train_step, *args).layers)
+    plan = dict.fromkeys(layers, "cpu:0") | {layers[-1]: "cpu:2"}
+    with pytest.raises(hetpar.PlanError, match=r"\['cpu:2'\], which the devices given "
+                                               r"\(cpu:0, cpu:1\) leave out"):
+        hetpar.auto(w.train_step, devices=["cpu:0", "cpu:1"], plan=plan).lower(*args)
+    # A plan file planned over a device not here names it, not "a different model".
+    w, path = _plan_over_cpu0_cpu1(tmp_path, rename={"cpu:1": "cpu:7"})
+    with pytest.raises(hetpar.PlanError) as e:
+        hetpar.auto(w.train_step, plan=path).lower(*args)
+    assert "cpu:7 is not present here" in str(e.value), e.value
+    assert "different model" not in str(e.value)

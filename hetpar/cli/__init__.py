@@ -51,7 +51,7 @@ def _main(args) -> int:
         return int(args.func(args) or 0)
     except HetparError as e:
         logging.debug("hetpar error", exc_info=True)
-        print(f"hetpar {args.command}: error: {e}", file=sys.stderr)
+        print(f"hetpar {args.command}: error: {e.for_cli()}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`hetpar plan ... | head -3`): what the command

@@ -223,6 +223,18 @@ class Plan:
                             f"devices present ({', '.join(table.device_names)}); re-plan for "
                             "these devices")
         if self.fingerprint != table.fingerprint():
+            if self.devices and set(self.devices) != set(table.device_names):
+                # The fingerprint covers the device set: say which device differs
+                # rather than suspect the model.
+                lacking = sorted(set(self.devices) - devices)
+                extra = sorted(devices - set(self.devices))
+                raise PlanError(
+                    f"the plan was planned over {list(self.devices)}; this table's devices "
+                    f"are {list(table.device_names)}"
+                    + (f" (without {', '.join(lacking)})" if lacking else "")
+                    + (f" (with {', '.join(extra)} besides)" if extra else ""),
+                    api="cost the same devices as the plan, or re-plan for these",
+                    cli="give --devices as the plan's, or re-plan with `hetpar plan` for these")
             layers = set(table.layer_names)
             extra = sorted(set(self.assignment) - layers)[:5]
             lacking = sorted(layers - set(self.assignment))[:5]

@@ -128,7 +128,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     short = _feasibility.memory_shortfall(arr)
     search = offload and _offload.memory_tight(arr)
     if short and not search:
-        raise InfeasibleError(short)
+        raise short
     result, err, status = None, None, "infeasible"
     if not short:
         sol = req.solve(arr)
@@ -147,7 +147,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     if search and activations:
         result = _with_remat(table, arr, req, result, offload=offload)
     if result is None:
-        err = err or InfeasibleError(short or "no plan meets the constraints")
+        err = err or short or InfeasibleError("no plan meets the constraints")
         # No placement of layers meets the budgets; replicas still might.
         shell = req.plan(table, assignment={}, predicted=None,
                          solver={"name": req.solver, "status": status,
@@ -571,14 +571,20 @@ def _infeasible(arr: Arrays, sol: _ilp.IlpSolution, req: _Request) -> PlanError:
             p = evaluate(arr.table, free.assignment, req.mode, req.microbatches, arrays=arr)
             if max_cost is not None and max_step_time is None:
                 return InfeasibleError(f"no plan costs at most ${max_cost:.3g} per step; the "
-                                       f"cheapest costs ${p.cost_usd_per_step:.3g}; raise "
-                                       "max_cost")
+                                       f"cheapest costs ${p.cost_usd_per_step:.3g}",
+                                       api="raise max_cost", cli="raise --max-cost")
             if max_step_time is not None and max_cost is None:
                 return InfeasibleError(f"no plan takes at most {seconds(max_step_time)} per "
-                                       f"step; the fastest takes {seconds(p.step_time_s)}; raise "
-                                       "max_step_time")
-            return InfeasibleError("no plan meets both max_cost and max_step_time; relax one")
+                                       f"step; the fastest takes {seconds(p.step_time_s)}",
+                                       api="raise max_step_time", cli="raise --max-step-time")
+            return InfeasibleError("no plan meets both max_cost and max_step_time",
+                                   api="relax one", cli="relax --max-cost or --max-step-time")
     contiguous = " and contiguous stages" if req.contiguous else ""
     return InfeasibleError("no assignment satisfies memory, links and pins"
-                           f"{contiguous} together (each alone can be met); raise "
-                           "memory_bytes of the accelerators, add links, or relax pins/allowed")
+                           f"{contiguous} together (each alone can be met)",
+                           api="raise memory_bytes of the accelerators (or plan's memory=), "
+                               "add links, or relax the layers' pinned/allowed devices",
+                           cli=f"give the accelerators more memory (--memory DEVICE=GB, or "
+                               f"devices[].memory_bytes in graph.json), add links to graph.json, "
+                               f"or relax the layers' pinned/allowed there"
+                               f"{'; or drop --contiguous' if req.contiguous else ''}")
