@@ -835,3 +835,44 @@ def test_explain_counts_a_working_set_in_memory_full():
     text = p.explain(table)
     b_lines = text[text.index("b -> cpu:0"):]
     assert "memory full: would exceed gpu:0 by 2 GB" in b_lines
+
+
+# Issue 45, item 5: large M ran for minutes with no output.
+def test_the_order_of_work_is_not_quadratic_in_microbatches():
+    import time
+
+    from hetpar.core import device_aware_order
+
+    # M microbatches' forwards on one device, all ready at once, each its own
+    # stage key, then their backwards: a scan of every ready key at each
+    # switch took ~15 s here at M=4096.
+    M = 4096
+    keys = [("a", m, "forward") for m in range(M)] + [("a", m, "backward") for m in range(M)]
+    deps = [set() for _ in range(M)] + [{m} for m in range(M)]
+    start = time.perf_counter()
+    order = device_aware_order(deps, keys)
+    assert time.perf_counter() - start < 2.0
+    assert order == list(range(2 * M))
+
+
+def test_too_many_microbatches_are_refused_at_once(tmp_path, capsys):
+    import time
+
+    from hetpar import cli
+    from hetpar.planner._solve import MAX_REPLAYED_WORK
+
+    table = random_cost_table(3, layers=7, devices=2)
+    start = time.perf_counter()
+    with pytest.raises(PlanError, match=r"1000000 microbatches x 7 layers .* pass "
+                                        rf"microbatches={MAX_REPLAYED_WORK // 7} or fewer"):
+        plan(table, mode="pipelined", microbatches=1_000_000)
+    assert time.perf_counter() - start < 1.0
+    graph = tmp_path / "graph.json"
+    table.save(graph)
+    argv = ["plan", "--graph", str(graph), "--mode", "pipelined", "--microbatches"]
+    assert cli._main(cli._parser().parse_args([*argv, "1000000"])) == 2
+    assert f"pass --microbatches {MAX_REPLAYED_WORK // 7} or fewer" in capsys.readouterr().err
+    # Long replays (microbatches x layers over REPLAY_PROGRESS_WORK) say so as they go.
+    assert cli._main(cli._parser().parse_args([*argv, "1024", "--no-offload"])) == 0
+    out = capsys.readouterr().out
+    assert "replaying the gpipe schedule of 1024 microbatches over 7 layers" in out, out

@@ -116,6 +116,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
                    contiguous=contiguous, max_cost=max_cost, max_step_time=max_step_time,
                    solver=solver, time_limit=time_limit, gap=gap, schedule=schedule)
     req = req.checked()
+    _check_replay_size(table, req)
     if memory:
         table = with_memory(table, memory)
     if pins:
@@ -443,6 +444,31 @@ def _layer_plan(table: CostTable, arr: Arrays, sol: _ilp.IlpSolution, req: _Requ
                 arr, req, assignment, predicted, solver_info)
     return req.plan(table, assignment=assignment, predicted=predicted, solver=solver_info,
                     contiguous=contiguous)
+
+
+#: The most microbatches x layers a pipelined plan may ask for. Its step time
+#: replays the schedule, every microbatch of every layer, for the plan and
+#: each baseline: about 8 s at this many on a 2-core machine (7 layers, M =
+#: 4681), linear in M; at a million microbatches it would run for hours.
+MAX_REPLAYED_WORK = 32768
+
+
+def _check_replay_size(table: CostTable, req: _Request) -> None:
+    """Refuses, at once, a pipelined plan whose replays would run for minutes.
+
+    Raises:
+      PlanError: microbatches x layers over MAX_REPLAYED_WORK.
+    """
+    layers = max(len(table.layers), 1)
+    if req.mode != "pipelined" or req.microbatches * layers <= MAX_REPLAYED_WORK:
+        return
+    most = MAX_REPLAYED_WORK // layers
+    raise PlanError(
+        f"{req.microbatches} microbatches x {layers} layers is more schedule than the planner "
+        f"replays ({MAX_REPLAYED_WORK} microbatch-layers at most: its predicted step replays "
+        f"every microbatch of every layer, for the plan and each baseline)",
+        api=f"pass microbatches={most} or fewer for this graph",
+        cli=f"pass --microbatches {most} or fewer for this graph")
 
 
 def _evaluated_baselines(table: CostTable, arr: Arrays, req: _Request, *,
