@@ -427,3 +427,20 @@ def test_report_labels_a_prediction_that_is_its_own_calibration(monkeypatch):
     # Two microbatches: a prediction (the layers per microbatch), on one device: no stages.
     assert "calibration's own" not in report[2] and "measured / predicted" in report[2]
     assert "as one stage" in report[2] and "stages overlap" not in report[2], report[2]
+
+
+def test_cli_run_does_not_say_a_profile_file_comes_from_another_machine(
+        tmp_path, capsys, monkeypatch):
+    # Spec-sheet figures saved as a profile file: a CPU step they miss by far.
+    from hetpar.cost_models import load_profiles, save_profiles
+
+    monkeypatch.delenv("HETPAR_PROFILES", raising=False)
+    path = tmp_path / "profiles.json"
+    save_profiles(path, load_profiles())
+    out = hetpar_in_process(capsys, "run", "mlp", "--small", "--devices", "cpu:0",
+                            "--steps", "3", "--no-what-if", "--no-baseline",
+                            "--profile", path).stdout
+    assert "predicted step (planner)" in out and "measured / predicted" in out, out
+    warning = [ln for ln in out.splitlines() if "WARNING" in ln]
+    assert warning and "another machine" not in warning[0], out
+    assert f"the figures come from {path}" in warning[0], warning
