@@ -40,12 +40,17 @@ class Timing:
         planned with (see there).
       samples: every timed run, seconds.
       cached: True when read from the disk cache instead of measured.
+      earlier: cached, from an entry this process did not write (a run
+        before this one timed it): what progress lines call "cached". An
+        entry timed in this run and read back (every layer timed together
+        first, or a second device of the same kind) is not.
     """
 
     median_s: float
     iqr_s: float
     samples: tuple[float, ...]
     cached: bool = False
+    earlier: bool = dataclasses.field(default=False, compare=False)
 
     @classmethod
     def of(cls, samples: Sequence[float]) -> Timing:
@@ -77,10 +82,12 @@ class Timing:
         return {"median_s": self.median_s, "iqr_s": self.iqr_s, "samples": list(self.samples)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], *, cached: bool = False) -> Timing:
+    def from_json(cls, data: dict[str, Any], *, cached: bool = False,
+                  earlier: bool = False) -> Timing:
         """Builds a Timing from its JSON form."""
         return cls(
-            float(data["median_s"]), float(data["iqr_s"]), tuple(data["samples"]), cached
+            float(data["median_s"]), float(data["iqr_s"]), tuple(data["samples"]), cached,
+            earlier and cached,
         )
 
 
@@ -321,7 +328,7 @@ def measure_cached(
 
     data = cached_json("measure", digest, timed, required=("median_s", "iqr_s", "samples"),
                        valid=lambda d: _enough(d, k, budget_s))
-    return Timing.from_json(data, cached=not cached)
+    return Timing.from_json(data, cached=not cached, earlier=_from_before("measure", digest))
 
 
 #: Arguments of at most this many bytes, summed, are on a device at once
@@ -384,7 +391,7 @@ def measure_interleaved(items: Sequence[Timed], device, *, k: int = 20, warmup: 
         first[digest] = i
         data = _cache_read("measure", digest, ("median_s", "iqr_s", "samples"), enough)
         if data is not None:
-            out[i] = Timing.from_json(data, cached=True)
+            out[i] = Timing.from_json(data, cached=True, earlier=_from_before("measure", digest))
     todo = [i for i in first.values() if out[i] is None]
     for group in _groups(todo, [_nbytes(items[i].shapes) for i in todo]):
         samples = _time_group([items[i] for i in group], dev, k=k, warmup=warmup,
@@ -500,8 +507,20 @@ def _cache_read(kind: str, digest: str, required: Sequence[str] = (),
         return None
 
 
+#: (kind, digest) of the entries this process wrote: read back later in the
+#: same run (the rows after `measure_interleaved` timed every layer, or a
+#: second device of the same kind) they were timed now, not `cached`.
+_WRITTEN: set[tuple[str, str]] = set()
+
+
+def _from_before(kind: str, digest: str) -> bool:
+    """Whether a cache entry read now was there before this process timed anything."""
+    return (kind, digest) not in _WRITTEN
+
+
 def _cache_write(kind: str, digest: str, data: dict) -> None:
     """Writes an entry atomically (a reader never sees half a file)."""
+    _WRITTEN.add((kind, digest))
     path = cache_dir() / kind / f"{digest}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

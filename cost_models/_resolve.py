@@ -8,7 +8,8 @@ A device list mixes two kinds of entries:
   (`cpu:0`, `gpu:0`). Their graph.json name is that JAX name, so the runtime
   can find them; their `kind` is the spec-sheet kind (`cpu`, `h200`, ...).
   A name that a profile file describes may be planned for on a machine where
-  it is absent, but not measured there.
+  it is absent, but not measured there; any other such name that is absent
+  (`cpu:7`) is an error, even where its platform is also a spec-sheet kind.
 - spec-sheet kinds (`h100`, `tpu-v5e`, `cpu`) for what-if planning. Each
   becomes a device named `<kind>:<i>` (`h100:0`, `h100:1` when listed twice),
   with the first index no present device already uses; `h100:1` may also be
@@ -203,9 +204,9 @@ def resolve_devices(
         else:
             k = _KIND.match(entry)
             proc, kind, idx = (k.group(1), k.group(2), None) if k else (None, entry, None)
-        if kind in spec_kinds():
-            spec_entries.append((None if proc is None else int(proc), kind, idx))
-            continue
+        # One rule for every platform, `cpu` included though it is also a spec
+        # kind: a JAX name with an index (`cpu:7`, `gpu:0`) means that device,
+        # refused when absent; the bare kind (`cpu`) is the spec sheet.
         if m and kind in ("cpu", "gpu", "tpu", "cuda", "rocm"):
             raise ProfileError(
                 f"device {entry!r} is not present (present: {', '.join(present)})"
@@ -213,6 +214,9 @@ def resolve_devices(
                 + "; to plan for a device that is not here, name its spec-sheet kind "
                 f"({', '.join(spec_kinds())}) or pass a profile file that describes it"
             )
+        if kind in spec_kinds():
+            spec_entries.append((None if proc is None else int(proc), kind, idx))
+            continue
         raise ProfileError(
             f"unknown device kind {entry!r}; known kinds: {', '.join(spec_kinds())}; "
             f"present devices: {', '.join(present)}"

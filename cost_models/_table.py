@@ -386,7 +386,7 @@ def _measure_updates(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
         out[d.name] = times.updates.setdefault(name, {})[d.name] = t.typical_s
         if say:
             say(f"{name}'s update on {d.name}: {seconds(t.typical_s)}"
-                + (" cached" if t.cached else ""))
+                + (" cached" if t.earlier else ""))
     return out
 
 
@@ -427,7 +427,7 @@ def _measure_present(graph, name: str, devs: Sequence[ResolvedDevice], times: _T
         if say:
             say(f"{name} on {d.name}: {seconds(t.typical_s)}"
                 f" (predicted {seconds(times.predicted[name][d.name])})"
-                + (" cached" if t.cached else ""))
+                + (" cached" if t.earlier else ""))
     return out
 
 

@@ -465,14 +465,36 @@ class CompiledStep:
                         | set(getattr(plan, "replicas", ())))
         check_places(wanted, self.devices)
         absent = [d for d in wanted if memory_place(d)[0] not in self.devices]
+        # A plan file's fingerprint covers every device it was planned over,
+        # idle ones too: one absent here rejects it as surely as a used one.
+        absent += [d for d in getattr(plan, "devices", ())
+                   if not is_memory_place(d) and d not in self.devices and d not in absent]
         if absent:
             if options.on_missing_device == "replan":
+                devices = self._candidate_devices(options)  # within devices=, if given
                 logging.warning("hetpar: plan names devices %s that are not present; replanning "
-                                "on %s", absent, sorted(self.devices))
-                return self._solve(options, list(self.devices))
-            raise PlanError(f"the plan places layers on {absent}, which are not present here "
-                            f"(present: {sorted(self.devices)}). Pass "
-                            "on_missing_device='replan' to plan afresh for these devices.")
+                                "on %s", absent, devices)
+                return self._solve(options, devices)
+            used = [d for d in absent if d in wanted]
+            raise PlanError(
+                (f"the plan places layers on {used}" if used else
+                 f"the plan was planned over {list(plan.devices)}, its fingerprint covering "
+                 "them all")
+                + f"; {', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not present "
+                f"here (present: {', '.join(sorted(self.devices))})",
+                api="pass on_missing_device='replan' to plan afresh for these devices",
+                cli="leave --plan out to plan afresh for these devices, or re-plan for them "
+                    "with `hetpar plan`")
+        if options.devices:
+            # devices= says where the step may run: a plan reaching past it is a
+            # mistake to report, not a placement to run silently.
+            outside = [d for d in wanted if memory_place(d)[0] not in options.devices]
+            if outside:
+                raise PlanError(
+                    f"the plan places layers on {outside}, which the devices given "
+                    f"({', '.join(options.devices)}) leave out",
+                    api="add them to devices=, or place those layers on the devices given",
+                    cli="add them to --devices, or leave --devices out")
         if isinstance(plan, Mapping):
             return assignment
         # The plan's fingerprint names the devices it was planned over: those it

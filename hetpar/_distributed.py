@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 
 # Set by hetpar.launch; kept in sync with the names there (not imported, so that
 # this module and the launcher stay independent of each other's imports).
@@ -86,12 +87,43 @@ def abort(code: int = 1) -> None:
     standard streams and calls `os._exit`: no barrier, no atexit handlers.
     Use it instead of `sys.exit(nonzero)` in multi-process scripts.
     """
+    if code != 0:
+        _note_failure()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # a closed or broken stream must not stop the exit
             pass
     os._exit(code)
+
+
+# Kept in sync with hetpar.launch.ENV_FAILURE_DIR (not imported: see above).
+ENV_FAILURE_DIR = "HETPAR_FAILURE_DIR"
+
+
+def _note_failure() -> None:
+    """Tell the launcher when this process failed, the first time it does.
+
+    Its peers fail moments later of this failure (a collective's "Connection
+    closed by peer") and may exit within the launcher's look; the time
+    written here, before the traceback is printed, says who came first.
+    """
+    folder = os.environ.get(ENV_FAILURE_DIR)
+    if not folder:
+        return
+    path = os.path.join(folder, os.environ.get(ENV_PROCESS_ID, "0"))
+    try:
+        # "x": the first failure's time stays when a later one (abort after the
+        # hook) comes; the temporary name and rename keep a reader from a half-file.
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "x") as f:
+            f.write(repr(time.time()))
+        if not os.path.exists(path):
+            os.replace(tmp, path)
+        else:
+            os.remove(tmp)
+    except OSError:  # best effort: the launcher still times the exit
+        pass
 
 
 def _install_fail_fast() -> None:
@@ -105,6 +137,7 @@ def _install_fail_fast() -> None:
         return
 
     def hook(exc_type, exc, tb):
+        _note_failure()  # before the traceback: printing it takes time a peer may use
         try:
             previous(exc_type, exc, tb)
         finally:

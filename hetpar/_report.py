@@ -65,6 +65,12 @@ class CostReport:
                 "intensity", "param_bytes", "activation_bytes"]
         heads = ["layer" if self.by == "layer" else "op", "FLOPs", "FLOPs (XLA)", "bytes",
                  "bytes (XLA)", "FLOP/B", "params", "activations"]
+        # XLA's columns when nothing was compiled (xla=False, `AutoStep.report()`)
+        # would be a column of "?" each: leave them out.
+        known = [c == "name" or any(r.get(c) is not None for r in (*self.rows, self.totals))
+                 for c in cols]
+        cols = [c for c, k in zip(cols, known) if k]
+        heads = [h for h, k in zip(heads, known) if k]
         units = {"bytes_accessed": "B", "xla_bytes_accessed": "B", "param_bytes": "B",
                  "activation_bytes": "B"}
 
@@ -99,12 +105,16 @@ def step_line(step: dict) -> str:
     from hetpar.core import seconds
 
     p, m = step.get("predicted_s"), step.get("measured_s")
+    own = step.get("calibration")
     text = ("predicted step: " + ("none (the plan was given as a dict)" if p is None
                                   else seconds(p))
+            + (f" (the calibration's own timing of this step, {own}: not a test of the "
+               "cost model)" if own and p is not None else "")
             + "; measured: " + (f"not yet ({step.get('steps', 0)} steps timed)" if m is None
                                 else f"{seconds(m)} (median of {step['steps']} steps)"))
     if p and m:
-        text += f"; measured / predicted {m / p:.2f}"
+        text += (f"; measured / calibration {m / p:.2f}" if own
+                 else f"; measured / predicted {m / p:.2f}")
     if step.get("warning"):
         text += "\nWARNING: " + step["warning"]
     return text
@@ -156,7 +166,19 @@ def report_graph(graph: LayerGraph, *, backend: str = "cpu", xla: bool = True,
         "xla_bytes_accessed": xla_step.bytes_accessed,
         "xla_transcendentals": xla_step.transcendentals,
     }
+    if batch is None:
+        batch = batch_size(graph)
     return CostReport(tuple(rows), totals, model, batch, mode, backend, by)
+
+
+def batch_size(graph: LayerGraph) -> int | None:
+    """The leading dimension of the step's first batch input (None without one)."""
+    invars = graph.program.jaxpr.jaxpr.invars
+    for var, role in zip(invars, graph.input_roles):
+        shape = getattr(var.aval, "shape", ())
+        if role == "batch" and shape:
+            return int(shape[0])
+    return None
 
 
 def report(step_fn: Callable, *example_args, backend: str = "cpu", xla: bool = True,

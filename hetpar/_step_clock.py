@@ -68,12 +68,15 @@ class StepClock:
                     warnings.warn(gap["warning"], PredictionWarning, stacklevel=3)
 
     def summary(self, step) -> dict:
-        """{"predicted_s", "measured_s", "steps", "ratio", "warning"} (None where unknown)."""
+        """{"predicted_s", "measured_s", "steps", "ratio", "calibration", "warning"}
+        (None where unknown); `calibration` says where the prediction is the
+        calibration's own timing of this step (`calibration_timing`)."""
         predicted = step.predicted()
         p = None if predicted is None else predicted.step_time_s
         m = self.measured_s
+        own = calibration_timing(step)
         out = {"predicted_s": p, "measured_s": m, "steps": len(self.samples),
-               "ratio": None, "warning": None}
+               "ratio": None, "calibration": own, "warning": None}
         if p and m:
             out["ratio"] = m / p
             if abs(m / p - 1) > self.TOLERANCE:
@@ -81,12 +84,26 @@ class StepClock:
                         f"{len(self.samples)}) is {m / p:.2f}x the planner's prediction "
                         f"({seconds(p)}), off by more than {self.TOLERANCE:.0%}. ")
                 untimed = _untimed(step.table)
+                used = {d for pl in step.placements.values() for d in pl.devices}
                 if step.options.profile == "measure" and untimed:
                     out["warning"] = head + (
                         f"profile='measure' left {', '.join(untimed)} untimed (predicted "
                         "over 10x slower than the fastest device, cost_models.TimingBudget): "
                         "if the plan computes there, its figures are the spec sheet's; "
                         "`hetpar costs MODEL --measure --calibrate --measure-all` times them")
+                elif own:
+                    out["warning"] = head + (
+                        f"The prediction is the calibration's own timing: profile='measure' "
+                        f"timed this whole step ({own}) while planning and scaled its layers "
+                        "to it, so the gap says how repeatable the step's time is here (other "
+                        "work on the machine, the first steps settling), not how good the "
+                        "cost model is")
+                elif step.options.profile == "measure" and len(used) == 1:
+                    out["warning"] = head + (
+                        f"The step runs on {next(iter(used))} alone, as one stage: the gap "
+                        "is in its layers' times (timed here, each alone, and scaled to the "
+                        "whole step), e.g. a step of microbatches, which that scaling did not "
+                        "time whole")
                 elif step.options.profile == "measure":
                     out["warning"] = head + (
                         "The layers, the whole step and the runtime's costs per stage "
@@ -104,6 +121,33 @@ class StepClock:
                         "--out profiles.json` here and pass profile='profiles.json' (or set "
                         "HETPAR_PROFILES)")
         return out
+
+
+def calibration_timing(step) -> str | None:
+    """Where a step's prediction is its calibration's own timing, what was timed
+    (`cpu:0`, `data parallel over gpu:0, gpu:1`); else None.
+
+    Under profile="measure" the whole step is timed on each present device
+    (and data parallel over a pair) while planning, and the layers are scaled
+    to it (`cost_models.scale_to_step`): a plan that runs the step as it was
+    timed (one device, one microbatch; or data parallel over the pair timed)
+    is predicted what was just measured. Set beside later steps, that says
+    how repeatable the timing is, not how good the cost model is (issue 42).
+    """
+    table = step.table
+    if step.options.profile != "measure" or table is None:
+        return None
+    plan = step.plan
+    if plan is not None and plan.replicas:
+        if " ".join(plan.replicas) in (table.meta.get("replicated_step_s") or {}):
+            return f"data parallel over {', '.join(plan.replicas)}"
+        return None
+    used = {d for pl in step.placements.values() for d in pl.devices}
+    if len(used) == 1 and step.options.microbatches == 1:
+        (device,) = used
+        if device in (table.meta.get("step_s") or {}):
+            return device
+    return None
 
 
 def _untimed(table) -> list[str]:

@@ -24,7 +24,13 @@ own `jax.distributed.initialize()` detects. Each copy gets the environment
 Every output line of copy i is printed as `[p{i}] line`. When a copy exits
 non-zero, the others get `--grace` seconds to finish (they usually hang in a
 collective waiting for the dead one), are then killed, and the launcher exits
-non-zero, naming the copy that failed first.
+non-zero, naming the copy that failed first. A peer often fails moments
+after the first, of the first's failure (gloo: "Connection closed by peer"),
+so both may have exited by the time the launcher looks: each copy's exit is
+timed by a thread waiting on it, and a copy started by
+`hetpar._distributed.initialize()` also writes when its uncaught exception
+(or `abort`) happened into the folder HETPAR_FAILURE_DIR names; the earliest
+failure is the one named.
 
 This module never imports JAX: it only starts processes.
 """
@@ -34,10 +40,12 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -49,6 +57,9 @@ from hetpar import _host_memory
 ENV_COORDINATOR = "HETPAR_COORDINATOR"
 ENV_NUM_PROCESSES = "HETPAR_NUM_PROCESSES"
 ENV_PROCESS_ID = "HETPAR_PROCESS_ID"
+#: A folder where a failing copy writes `<process id>` holding the time.time()
+#: of its failure (hetpar._distributed's fail-fast hook and abort).
+ENV_FAILURE_DIR = "HETPAR_FAILURE_DIR"
 
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 
@@ -61,10 +72,13 @@ def free_port() -> int:
 
 
 def child_env(base: dict, *, process_id: int, num_processes: int, coordinator: str,
-              devices_per_process: int | None, gpus_per_process: int | None = None) -> dict:
+              devices_per_process: int | None, gpus_per_process: int | None = None,
+              failure_dir: str | None = None) -> dict:
     """The environment of copy `process_id`: `base` plus the variables in the module doc."""
     env = dict(base)
     env[ENV_COORDINATOR] = coordinator
+    if failure_dir is not None:
+        env[ENV_FAILURE_DIR] = failure_dir
     env[ENV_NUM_PROCESSES] = str(num_processes)
     env[ENV_PROCESS_ID] = str(process_id)
     # gloo is JAX 0.10's default already; set it anyway so that an older or newer
@@ -154,42 +168,50 @@ def launch(argv: list[str], num_processes: int, *, devices_per_process: int | No
     coordinator = f"localhost:{port or free_port()}"
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
-    pumps: list[threading.Thread] = []
+    threads: list[threading.Thread] = []
+    # exited[i]: time.time() when copy i's waiter saw it exit. One thread per
+    # copy blocks in its wait(), so exits are timed as they happen, not at
+    # the next poll, where a peer failing of the first's failure would look
+    # as early as the first (and the lower process number won).
+    exited: list[float | None] = [None] * num_processes
+    failure_dir = tempfile.mkdtemp(prefix="hetpar-launch-")
 
     def note(msg: str) -> None:
         with lock:
             print(f"[launch] {msg}", file=sys.stderr, flush=True)
 
+    def wait(i: int, p: subprocess.Popen) -> None:
+        p.wait()
+        exited[i] = time.time()
+
     try:
         for i in range(num_processes):
             env = child_env(os.environ, process_id=i, num_processes=num_processes,
                             coordinator=coordinator, devices_per_process=devices_per_process,
-                            gpus_per_process=gpus_per_process)
+                            gpus_per_process=gpus_per_process, failure_dir=failure_dir)
             procs.append(subprocess.Popen(
                 [python, *argv], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent))
         # Threads only now: preexec_fn is unsafe while other threads run.
         for i, p in enumerate(procs):
-            t = threading.Thread(target=_pump, args=(i, p.stdout, out, lock), daemon=True)
+            threads.append(threading.Thread(target=_pump, args=(i, p.stdout, out, lock),
+                                            daemon=True))
+            threads.append(threading.Thread(target=wait, args=(i, p), daemon=True))
+        for t in threads:
             t.start()
-            pumps.append(t)
 
         first_failed: int | None = None
         deadline: float | None = None
         while True:
-            # Poll every copy (no any(): it would stop at the first live one and
-            # leave a later copy's exit unseen).
-            alive = [p.poll() is None for p in procs]
-            if not any(alive):
+            if all(t is not None for t in exited):
                 break
             if first_failed is None:
-                for i, p in enumerate(procs):
-                    if p.returncode not in (None, 0):
-                        first_failed = i
-                        deadline = time.monotonic() + grace
-                        note(f"process {i} failed first (exit code {p.returncode}); "
-                             f"stopping the others in at most {grace:g} s")
-                        break
+                first_failed = _first_failure(procs, exited, failure_dir)
+                if first_failed is not None:
+                    deadline = time.monotonic() + grace
+                    note(f"process {first_failed} failed first (exit code "
+                         f"{_exit_code(procs[first_failed])}); stopping the others in at "
+                         f"most {grace:g} s")
             if deadline is not None and time.monotonic() >= deadline:
                 _stop(procs, note)
                 break
@@ -197,7 +219,7 @@ def launch(argv: list[str], num_processes: int, *, devices_per_process: int | No
         for p in procs:
             p.wait()
         if first_failed is None:  # every copy finished before we looked
-            first_failed = next((i for i, p in enumerate(procs) if p.returncode != 0), None)
+            first_failed = _first_failure(procs, exited, failure_dir)
             if first_failed is not None:
                 note(f"process {first_failed} failed first "
                      f"(exit code {procs[first_failed].returncode})")
@@ -211,12 +233,51 @@ def launch(argv: list[str], num_processes: int, *, devices_per_process: int | No
         _stop(procs, note)
         raise
     finally:
-        for t in pumps:
+        for t in threads:
             t.join(timeout=5)
+        shutil.rmtree(failure_dir, ignore_errors=True)
 
     if first_failed is None:
         return 0
     return _exit_status(procs[first_failed].returncode)
+
+
+def _first_failure(procs: list[subprocess.Popen], exited: list[float | None],
+                   failure_dir: str) -> int | None:
+    """The copy whose failure came first, or None while none has failed.
+
+    A copy fails when it exits non-zero; it is timed by when it said it
+    failed (a file in `failure_dir`, written by hetpar's fail-fast hook
+    before the traceback is printed) or else when it exited. A copy that
+    wrote a file but has not exited yet is failing too: it counts, so that
+    a peer's consequent exit is not named first while the first still prints.
+    """
+    when: dict[int, float] = {}
+    for i, p in enumerate(procs):
+        said = _failure_time(failure_dir, i)
+        if said is not None:
+            when[i] = said
+        elif exited[i] is not None and p.returncode != 0:
+            when[i] = exited[i]
+    if not any(exited[i] is not None and procs[i].returncode != 0 for i in range(len(procs))):
+        return None  # nobody has exited non-zero yet: a file alone may be a handled abort
+    return min(when, key=lambda i: (when[i], i)) if when else None
+
+
+def _exit_code(p: subprocess.Popen) -> int | str:
+    """`p`'s return code; a copy that said it failed may still be printing its traceback."""
+    try:
+        return p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return "not exited yet"
+
+
+def _failure_time(failure_dir: str, i: int) -> float | None:
+    try:
+        with open(os.path.join(failure_dir, str(i))) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _stop(procs: list[subprocess.Popen], note, term_wait: float = 2.0) -> None:

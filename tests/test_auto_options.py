@@ -184,7 +184,9 @@ def test_prediction_warning_names_what_measure_left_untimed(monkeypatch):
 
     monkeypatch.setattr(StepClock, "TOLERANCE", 0.0)
     auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure")
-    with pytest.warns(hetpar.PredictionWarning, match="overlap"):
+    # (A plan of one device, or data parallel over the pair timed, is predicted
+    # its own calibration, and the warning says so instead: issue 42.)
+    with pytest.warns(hetpar.PredictionWarning, match="overlap|calibration's own timing"):
         for _ in range(StepClock.SETTLE + StepClock.STEPS + 1):
             auto(W, X)
     compiled = auto.lower(W, X)

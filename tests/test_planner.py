@@ -303,6 +303,84 @@ def test_plan_save_load_check(tmp_path):
         Plan.load(tmp_path / "bad.json")
 
 
+def _pipelined_plan_json() -> dict:
+    """A pipelined plan's file form: every optional `predicted` field is present."""
+    return plan(random_cost_table(1, layers=6, devices=3), mode="pipelined",
+                microbatches=4).to_json()
+
+
+# (a path into plan.json, a bad value, the field the message names): every
+# field type of `predicted` (number, {device: number}, {schedule: {device:
+# number}}, string, schedule name), a baseline's, the solver's and the rest.
+MALFORMED_PLAN = [
+    (("predicted", "step_time_s"), "x", "predicted.step_time_s"),
+    (("predicted", "step_time_s"), -1, "predicted.step_time_s"),
+    (("predicted", "step_time_s"), float("nan"), "predicted.step_time_s"),
+    (("predicted", "step_time_s"), True, "predicted.step_time_s"),
+    (("predicted", "cost_usd_per_step"), None, "predicted.cost_usd_per_step"),
+    (("predicted", "energy_j_per_step"), [1], "predicted.energy_j_per_step"),
+    (("predicted", "compute_s"), "1", "predicted.compute_s"),
+    (("predicted", "transfer_s"), -0.5, "predicted.transfer_s"),
+    (("predicted", "bottleneck_s"), {}, "predicted.bottleneck_s"),
+    (("predicted", "closed_form_s"), "x", "predicted.closed_form_s"),
+    (("predicted", "busy_s"), "x", "predicted.busy_s"),
+    (("predicted", "busy_s"), {"cpu:0": "x"}, "predicted.busy_s['cpu:0']"),
+    (("predicted", "memory_bytes"), [], "predicted.memory_bytes"),
+    (("predicted", "peak_memory_bytes"), {"cpu:0": -1}, "predicted.peak_memory_bytes['cpu:0']"),
+    (("predicted", "activation_bytes_in_flight"), 3, "predicted.activation_bytes_in_flight"),
+    (("predicted", "activation_bytes_in_flight"), {"gpipe": {"cpu:0": "x"}},
+     "predicted.activation_bytes_in_flight['gpipe']['cpu:0']"),
+    (("predicted", "bottleneck"), 7, "predicted.bottleneck"),
+    (("predicted", "schedule"), "zigzag", "predicted.schedule"),
+    (("predicted",), "x", "predicted must be an object"),
+    (("baselines", "heft", "predicted", "step_time_s"), "x",
+     "baselines['heft'].predicted.step_time_s"),
+    (("solver", "solve_time_s"), "x", "solver.solve_time_s"),
+    (("solver", "gap"), -1, "solver.gap"),
+    (("solver", "status"), 0, "solver.status"),
+    (("solver",), [], "solver must be an object"),
+    (("fingerprint",), 3, "fingerprint"),
+    (("contiguous",), "no", "contiguous"),
+    (("constraints", "max_cost"), "x", "constraints.max_cost"),
+    (("constraints",), 1, "constraints must be an object"),
+]
+
+
+@pytest.mark.parametrize("path,value,field", MALFORMED_PLAN, ids=lambda x: str(x))
+def test_malformed_plan_names_the_file_and_field(path, value, field, tmp_path):
+    data = _pipelined_plan_json()
+    assert {"activation_bytes_in_flight", "schedule", "closed_form_s",
+            "bottleneck"} <= set(data["predicted"])
+    where = data
+    for key in path[:-1]:
+        where = where[key]
+    where[path[-1]] = value
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(PlanError) as e:
+        Plan.load(bad)
+    assert str(e.value).startswith(f"{bad}: {field}"), str(e.value)
+
+
+def test_every_predicted_field_is_checked():
+    from hetpar.planner._evaluate import _PREDICTED_FIELDS, Predicted
+
+    assert set(_PREDICTED_FIELDS) == {f.name for f in dataclasses.fields(Predicted)}
+
+
+def test_plan_writes_its_file_before_printing_and_survives_a_closed_pipe(tmp_path):
+    graph = tmp_path / "graph.json"
+    random_cost_table(4, layers=6, devices=3).save(graph)
+    out = tmp_path / "plan.json"
+    # As `| head -3` once it has its lines, `true` goes away; at once, so
+    # that the first line printed meets a closed pipe every time.
+    run = subprocess.run(f"{sys.executable} -m hetpar plan --graph {graph} --explain "
+                         f"--out {out} | true", shell=True, capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert "Traceback" not in run.stderr and "BrokenPipeError" not in run.stderr, run.stderr
+    Plan.load(out).check(CostTable.load(graph))
+
+
 def test_layer_listing_is_not_a_graph():
     listing = {"format": "hetpar.layers", "version": 1, "layers": [], "edges": []}
     with pytest.raises(GraphFormatError) as e:
@@ -757,3 +835,44 @@ def test_explain_counts_a_working_set_in_memory_full():
     text = p.explain(table)
     b_lines = text[text.index("b -> cpu:0"):]
     assert "memory full: would exceed gpu:0 by 2 GB" in b_lines
+
+
+# Issue 45, item 5: large M ran for minutes with no output.
+def test_the_order_of_work_is_not_quadratic_in_microbatches():
+    import time
+
+    from hetpar.core import device_aware_order
+
+    # M microbatches' forwards on one device, all ready at once, each its own
+    # stage key, then their backwards: a scan of every ready key at each
+    # switch took ~15 s here at M=4096.
+    M = 4096
+    keys = [("a", m, "forward") for m in range(M)] + [("a", m, "backward") for m in range(M)]
+    deps = [set() for _ in range(M)] + [{m} for m in range(M)]
+    start = time.perf_counter()
+    order = device_aware_order(deps, keys)
+    assert time.perf_counter() - start < 2.0
+    assert order == list(range(2 * M))
+
+
+def test_too_many_microbatches_are_refused_at_once(tmp_path, capsys):
+    import time
+
+    from hetpar import cli
+    from hetpar.planner._solve import MAX_REPLAYED_WORK
+
+    table = random_cost_table(3, layers=7, devices=2)
+    start = time.perf_counter()
+    with pytest.raises(PlanError, match=r"1000000 microbatches x 7 layers .* pass "
+                                        rf"microbatches={MAX_REPLAYED_WORK // 7} or fewer"):
+        plan(table, mode="pipelined", microbatches=1_000_000)
+    assert time.perf_counter() - start < 1.0
+    graph = tmp_path / "graph.json"
+    table.save(graph)
+    argv = ["plan", "--graph", str(graph), "--mode", "pipelined", "--microbatches"]
+    assert cli._main(cli._parser().parse_args([*argv, "1000000"])) == 2
+    assert f"pass --microbatches {MAX_REPLAYED_WORK // 7} or fewer" in capsys.readouterr().err
+    # Long replays (microbatches x layers over REPLAY_PROGRESS_WORK) say so as they go.
+    assert cli._main(cli._parser().parse_args([*argv, "1024", "--no-offload"])) == 0
+    out = capsys.readouterr().out
+    assert "replaying the gpipe schedule of 1024 microbatches over 7 layers" in out, out

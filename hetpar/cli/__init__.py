@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging as pylogging
+import os
 import sys
 
 from absl import app, flags, logging
@@ -50,8 +51,20 @@ def _main(args) -> int:
         return int(args.func(args) or 0)
     except HetparError as e:
         logging.debug("hetpar error", exc_info=True)
-        print(f"hetpar {args.command}: error: {e}", file=sys.stderr)
+        print(f"hetpar {args.command}: error: {e.for_cli()}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`hetpar plan ... | head -3`): what the command
+        # writes to files is written; stop printing, quietly, as `cat` would.
+        # stdout goes to /dev/null so that the flush at exit does not fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return _SIGPIPE_STATUS
+
+
+# What a shell reports for a command ended by SIGPIPE (128 + 13), as `yes | head` gives.
+_SIGPIPE_STATUS = 141
 
 
 def run(argv: list[str] | None = None) -> None:

@@ -34,7 +34,8 @@ def register(subparsers) -> None:
     p.add_argument("--objective", choices=("time", "cost", "energy"), default="time")
     p.add_argument("--mode", choices=("sequential", "pipelined"), default="sequential")
     p.add_argument("--microbatches", type=int, default=None,
-                   help="microbatches M (pipelined mode; default 4 there, 1 otherwise)")
+                   help="microbatches M (pipelined mode; default 4 there, 1 otherwise; "
+                        "M x layers at most 32768: the predicted step replays each)")
     p.add_argument("--contiguous", action="store_true",
                    help="pipelined: each device holds one contiguous run of layers (default: "
                         "the better of with and without, by the replayed schedule)")
@@ -117,16 +118,23 @@ def _run(args: argparse.Namespace) -> int:
     microbatches = args.microbatches
     if microbatches is None:
         microbatches = 4 if args.mode == "pipelined" else 1
-    result = plan(table, objective=args.objective, mode=args.mode, microbatches=microbatches,
-                  contiguous=args.contiguous, max_cost=args.max_cost,
-                  max_step_time=args.max_step_time, solver=args.solver,
-                  time_limit=args.time_limit, gap=args.gap, schedule=args.schedule,
-                  memory=memory or None, offload=args.offload)
+    from hetpar.cli._run import _progress
+
+    # Pipelined planning replays every microbatch: many of them take a while,
+    # and the replays say so (hetpar.planner._simulate.REPLAY_PROGRESS_WORK).
+    with _progress(args.mode == "pipelined"):
+        result = plan(table, objective=args.objective, mode=args.mode,
+                      microbatches=microbatches, contiguous=args.contiguous,
+                      max_cost=args.max_cost, max_step_time=args.max_step_time,
+                      solver=args.solver, time_limit=args.time_limit, gap=args.gap,
+                      schedule=args.schedule, memory=memory or None, offload=args.offload)
+    # The file first: a reader that stops early (`| head`) must not cost the plan.
+    if args.out:
+        result.save(args.out)
     print(result.summary(table))
     if args.explain:
         print()
         print(result.explain(table))
     if args.out:
-        result.save(args.out)
         print(f"\nwrote {args.out}")
     return 0

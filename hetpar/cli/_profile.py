@@ -78,7 +78,8 @@ def _run(args) -> int:
             raise
         # sys.exit would wait at JAX's exit barrier while the other processes
         # wait for this one: leave at once (docs/distributed.md, `abort`).
-        print(f"hetpar profile: error (process {jax.process_index()}): {e}", file=sys.stderr)
+        print(f"hetpar profile: error (process {jax.process_index()}): {e.for_cli()}",
+              file=sys.stderr)
         abort(2)
         raise  # not reached
 

@@ -183,9 +183,10 @@ def _run(args) -> int:
     steady = _median_steady(times["hetpar.auto"])
     over = (f"median of steps 1-{args.steps - 1}" if args.steps > 1
             else "step 0 alone, compilation included")
+    interleaved = " interleaved" if "jax.jit" in times else ""
     if "jax.jit" in times:
         base = _median_steady(times["jax.jit"])
-        print(f"\n   measured step ({over}): hetpar.auto {_ms(steady).strip()}, "
+        print(f"\n   measured step{interleaved} ({over}): hetpar.auto {_ms(steady).strip()}, "
               f"jax.jit {_ms(base).strip()}: ratio {steady / base:.3f} (hetpar.auto / jax.jit)")
     else:
         print(f"\n   measured step ({over}): hetpar.auto {_ms(steady).strip()}")
@@ -193,11 +194,16 @@ def _run(args) -> int:
     if predicted is None:
         print("   predicted step: none")
     else:
+        from hetpar._step_clock import StepClock, calibration_timing
+
         p = predicted.step_time_s
+        own = calibration_timing(compiled)
+        what = (f"the calibration's own timing of this step ({own}, timed while planning "
+                "and its layers scaled to it: --profile measure)" if own else "planner")
         # The prediction is for the step alone; interleaved with jax.jit both
         # ran slower (GPT-2 b8 on an H200: 1.20x its prediction interleaved,
         # 1.01x alone), so a few more steps alone are what it is set beside.
-        measured, timed, how = steady, args.steps - 1, ""
+        measured, timed, how = steady, args.steps - 1, f"hetpar.auto ({over})"
         if "jax.jit" in times:
             fn, state, data = runs["hetpar.auto"]
             timed = min(10, args.steps)
@@ -206,23 +212,43 @@ def _run(args) -> int:
                 t, state, _ = _timed_step(fn, state, data)
                 alone.append(t)
             measured = statistics.median(alone)
-            how = f" (hetpar.auto alone: the median of {timed} more step{'s' * (timed != 1)})"
-        print(f"   predicted step (planner): {seconds(p)}; measured hetpar.auto "
-              f"{seconds(measured)}: measured / predicted {measured / p:.3g}{how}")
-        from hetpar._step_clock import StepClock
+            how = f"hetpar.auto alone (median of {timed} more step{'s' * (timed != 1)})"
+        print(f"   predicted step ({what}): {seconds(p)}")
+        if timed == 0 or not p > 0:
+            # Only the compiling step was timed: beside a prediction of the step
+            # alone its ratio (6.5e+03 once) says nothing.
+            print(f"   measured {how}: {seconds(measured)}; no measured / predicted: the one "
+                  "step timed includes compilation (pass --steps 2 or more)")
+            return _what_if(args, graph, hetpar, cost_table)
+        ratio = "measured / calibration" if own else "measured / predicted"
+        print(f"   measured {how}: {seconds(measured)}; {ratio} {measured / p:.3g}"
+              + (" (how repeatable the step's time is, not the cost model's accuracy)"
+                 if own else ""))
 
         if abs(measured / p - 1) > StepClock.TOLERANCE:
-            if profile == "measure":
+            if own:
+                hint = ("the prediction is this step timed moments before: the gap is the "
+                        "machine's, other work on it or the first steps settling; more "
+                        "--steps steady the median")
+            elif profile == "measure":
                 hint = _measured_hint(timed)
             elif profile != "auto":
-                hint = (f"{profile} may come from another machine or lack this one's "
-                        "devices; --profile measure times them here at the first call")
+                hint = (f"the figures come from {profile}, a profile of this machine's or "
+                        "another's devices (microbenchmarks, not this step's layers); "
+                        "--profile measure times this step's layers and the step here at the "
+                        "first call")
             else:
                 hint = ("calibrate with --profile measure (timed here at the first call), or "
                         "`hetpar profile --out profiles.json` on this machine and --profile "
                         "profiles.json")
             print(f"   WARNING: measured and predicted differ by more than "
                   f"{StepClock.TOLERANCE:.0%}; {hint}")
+    return _what_if(args, graph, hetpar, cost_table)
+
+
+def _what_if(args, graph, hetpar, cost_table) -> int:
+    """On a machine without accelerators, plans for CPU + H100 and + TPU v5e from spec sheets."""
+    import jax
 
     accelerators = [d for d in jax.devices() if d.platform != "cpu"]
     if not accelerators and not args.no_what_if:

@@ -43,7 +43,7 @@ def load_json(path: str | os.PathLike, from_json: Callable[[Any], T],
     try:
         return from_json(data)
     except error as e:
-        raise error(f"{where}: {e}") from None
+        raise e.within(where) from None
 
 
 def save_json(path: str | os.PathLike, data: Any) -> None:

@@ -35,26 +35,46 @@ def device_aware_order(deps: Sequence[Collection[int]], keys: Sequence[Key]) -> 
         for j in d:
             users[j].append(i)
     ready: dict[Key, list[int]] = {}
-    for i in range(n):
-        if waiting[i] == 0:
-            heapq.heappush(ready.setdefault(keys[i], []), i)
 
     def priority(key, head):
         _, mb, ph = key[:3]  # a 4th part only cuts stages finer (offloaded layers)
         return (PHASE_RANK[ph], -1 if mb is None else mb, head)
 
+    # The keys by priority, kept lazily: an entry is pushed whenever a key's
+    # head changes and skipped when popped stale. A scan of every ready key
+    # at each switch made the order quadratic in microbatches (all M
+    # forwards of the first device are ready at once): 12.7 s at M=1024.
+    choices: list[tuple[tuple, Key]] = []
+
+    def push(i: int) -> None:
+        queue = ready.setdefault(keys[i], [])
+        if not queue or i < queue[0]:
+            heapq.heappush(choices, (priority(keys[i], i), keys[i]))
+        heapq.heappush(queue, i)
+
+    for i in range(n):
+        if waiting[i] == 0:
+            push(i)
+
     order, current = [], None
     while ready:
         if current not in ready:
-            current = min(ready, key=lambda k: priority(k, ready[k][0]))
-        i = heapq.heappop(ready[current])
-        if not ready[current]:
+            while True:
+                (*_, head), key = heapq.heappop(choices)
+                if key in ready and ready[key][0] == head:
+                    break
+            current = key
+        queue = ready[current]
+        i = heapq.heappop(queue)
+        if queue:
+            heapq.heappush(choices, (priority(current, queue[0]), current))
+        else:
             del ready[current]
         order.append(i)
         for j in users[i]:
             waiting[j] -= 1
             if waiting[j] == 0:
-                heapq.heappush(ready.setdefault(keys[j], []), j)
+                push(j)
     if len(order) != n:
         raise ValueError("the work items' dependencies form a cycle")
     return order

@@ -63,7 +63,8 @@ class BaselineResult:
         if not isinstance(data, Mapping) or data.get("status") not in ("ok", "infeasible"):
             raise PlanError(f"baselines[{name!r}] must have status 'ok' or 'infeasible'")
         if data["status"] == "ok":
-            return cls(name, predicted=Predicted.from_json(data.get("predicted", {})))
+            return cls(name, predicted=Predicted.from_json(
+                data.get("predicted", {}), where=f"baselines[{name!r}].predicted"))
         return cls(name, reason=str(data.get("reason")))
 
 

@@ -57,6 +57,7 @@ import numpy as np
 
 from hetpar.core import (
     MEMORY_KINDS,
+    SCHEDULES,
     CostTable,
     Placement,
     PlanError,
@@ -146,15 +147,77 @@ class Predicted:
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> Predicted:
+    def from_json(cls, data: Mapping[str, Any], where: str = "predicted") -> Predicted:
+        """Builds a Predicted from its plan.json form, every field checked.
+
+        Args:
+          data: the `predicted` object.
+          where: its place in the file, for messages (`baselines['heft'].predicted`).
+
+        Raises:
+          PlanError: naming the field (`predicted.busy_s['gpu:0']`) and what it must be.
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{where} must be an object, got {data!r}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names
         if unknown:
-            raise PlanError(f"predicted has unknown fields {sorted(unknown)}")
-        for key in ("step_time_s", "cost_usd_per_step", "energy_j_per_step", "busy_s"):
+            raise PlanError(f"{where} has unknown fields {sorted(unknown)}")
+        required = ("step_time_s", "cost_usd_per_step", "energy_j_per_step", "busy_s")
+        for key in required:
             if key not in data:
-                raise PlanError(f"predicted is missing field {key!r}")
+                raise PlanError(f"{where} is missing field {key!r}")
+        # A figure the summary prints and `hetpar run` divides by: a string or
+        # a negative time would surface later as a traceback or a nonsense ratio.
+        for key, check in _PREDICTED_FIELDS.items():
+            if data.get(key) is not None or key in required:
+                check(data.get(key), f"{where}.{key}")
         return cls(**data)
+
+
+def _check_amount(value: Any, where: str) -> None:
+    """A finite number >= 0 (seconds, dollars, joules, bytes)."""
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not np.isfinite(value) or value < 0):
+        raise PlanError(f"{where} must be a finite number >= 0, got {value!r}")
+
+
+def _check_amounts(value: Any, where: str) -> None:
+    """An object {device or resource: finite number >= 0}."""
+    if not isinstance(value, Mapping):
+        raise PlanError(f"{where} must be an object {{device: number}}, got {value!r}")
+    for k, v in value.items():
+        _check_amount(v, f"{where}[{k!r}]")
+
+
+def _check_in_flight(value: Any, where: str) -> None:
+    """{schedule: {device: bytes}}."""
+    if not isinstance(value, Mapping):
+        raise PlanError(f"{where} must be an object {{schedule: {{device: bytes}}}}, "
+                        f"got {value!r}")
+    for k, v in value.items():
+        _check_amounts(v, f"{where}[{k!r}]")
+
+
+def _check_text(value: Any, where: str) -> None:
+    if not isinstance(value, str):
+        raise PlanError(f"{where} must be a string, got {value!r}")
+
+
+def _check_schedule(value: Any, where: str) -> None:
+    if value not in SCHEDULES:
+        raise PlanError(f"{where} must be one of {SCHEDULES}, got {value!r}")
+
+
+_PREDICTED_FIELDS = {
+    "step_time_s": _check_amount, "cost_usd_per_step": _check_amount,
+    "energy_j_per_step": _check_amount, "busy_s": _check_amounts,
+    "compute_s": _check_amount, "transfer_s": _check_amount,
+    "memory_bytes": _check_amounts, "bottleneck_s": _check_amount,
+    "bottleneck": _check_text, "activation_bytes_in_flight": _check_in_flight,
+    "schedule": _check_schedule, "closed_form_s": _check_amount,
+    "peak_memory_bytes": _check_amounts,
+}
 
 
 class Arrays:

@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from hetpar.core import nbytes
+from hetpar.core import InfeasibleError, nbytes
 from hetpar.planner._evaluate import Arrays
 
 # Above this many devices, only single devices and the whole set are checked
@@ -18,8 +18,8 @@ from hetpar.planner._evaluate import Arrays
 _MAX_SUBSET_DEVICES = 10
 
 
-def memory_shortfall(arr: Arrays) -> str | None:
-    """A message naming the devices short of memory, or None if memory alone is no obstacle.
+def memory_shortfall(arr: Arrays) -> InfeasibleError | None:
+    """An error naming the devices short of memory, or None if memory alone is no obstacle.
 
     Checks a Hall-type condition: for every set S of devices, the layers that
     may only run inside S need at least Σ (their smallest memory within S),
@@ -35,10 +35,15 @@ def memory_shortfall(arr: Arrays) -> str | None:
         if np.all(need > arr.cap[devs]):
             k = int(np.argmax(arr.cap[devs] - need))
             j = devs[k]
-            return (f"layer {arr.layers[i]} needs at least {nbytes(need[k])} on "
-                    f"{arr.devices[j]} but {arr.devices[j]} holds {nbytes(arr.cap[j])} "
-                    f"({nbytes(need[k] - arr.cap[j])} missing); raise memory_bytes of "
-                    f"{arr.devices[j]}, allow the layer on a larger device, or split it")
+            d = arr.devices[j]
+            return InfeasibleError(
+                f"layer {arr.layers[i]} needs at least {nbytes(need[k])} on {d} but {d} "
+                f"holds {nbytes(arr.cap[j])} ({nbytes(need[k] - arr.cap[j])} missing)",
+                api=f"raise memory_bytes of {d}, allow the layer on a larger device, or "
+                    "split it",
+                cli=f"give {d} more memory (--memory {d}=GB, or its memory_bytes in "
+                    "graph.json), allow the layer on a larger device there, or use a smaller "
+                    "--batch")
     masks = (arr.ok * (1 << np.arange(D))).sum(axis=1)
     # Devices no layer may use (memory places) hold no layer: leave them out.
     usable = [int(j) for j in np.nonzero(arr.ok.any(axis=0))[0]]
@@ -61,10 +66,14 @@ def memory_shortfall(arr: Arrays) -> str | None:
             names = " + ".join(arr.devices[j] for j in s)
             who = "layers" if len(s) == len(usable) else f"layers that may only run on {names}"
             holds = "holds" if len(s) == 1 else "hold"
-            return (f"{who} need at least {nbytes(need)} but {names} {holds} {nbytes(hold)} "
-                    f"({nbytes(missing)} missing); raise memory_bytes of {tight} by "
-                    f"{nbytes(missing)}, allow those layers on other devices, unpin some, or "
-                    "use a smaller batch")
+            return InfeasibleError(
+                f"{who} need at least {nbytes(need)} but {names} {holds} {nbytes(hold)} "
+                f"({nbytes(missing)} missing)",
+                api=f"raise memory_bytes of {tight} by {nbytes(missing)}, allow those layers "
+                    "on other devices, unpin some, or use a smaller batch",
+                cli=f"give {tight} {nbytes(missing)} more memory (--memory {tight}=GB, or its "
+                    "memory_bytes in graph.json), allow those layers on other devices or unpin "
+                    "some there, or use a smaller --batch")
     return None
 
 

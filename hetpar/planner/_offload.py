@@ -246,7 +246,9 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
             break
     else:
         return InfeasibleError("no placement fits memory even with state offloaded to the "
-                               "host; raise memory_bytes of the accelerators")
+                               "host", api="raise memory_bytes of the accelerators",
+                               cli="give the accelerators more memory (--memory DEVICE=GB, or "
+                                   "devices[].memory_bytes in graph.json), or a smaller --batch")
     over = {j: float(v.varValue or 0.0) * _GB for j, v in slack.items()}
     compute = np.array([max(m.dev_of[i], key=lambda j, i=i: m.x[i, j].varValue or 0.0)
                         for i in range(len(arr.layers))])

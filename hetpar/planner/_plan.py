@@ -154,17 +154,24 @@ class Plan:
             raise PlanError("assignment must map layer names to device names (strings) or "
                             "placement objects ({\"compute\", \"state\", \"update\"})")
         assignment = parse_placements(assignment)
-        if not isinstance(data["solver"], Mapping):
-            raise PlanError("solver must be an object")
-        if not isinstance(data["predicted"], Mapping):
-            raise PlanError("predicted must be an object")
-        try:
-            predicted = Predicted.from_json(data["predicted"])
-        except TypeError as e:
-            raise PlanError(f"predicted is malformed: {e}") from None
+        if not isinstance(data["fingerprint"], str):
+            raise PlanError(f"fingerprint must be a string, got {data['fingerprint']!r}")
+        _check_solver(data["solver"])
+        predicted = Predicted.from_json(data["predicted"])
         baselines = data.get("baselines", {})
         if not isinstance(baselines, Mapping):
             raise PlanError("baselines must be an object")
+        contiguous = data.get("contiguous", False)
+        if not isinstance(contiguous, bool):
+            raise PlanError(f"contiguous must be true or false, got {contiguous!r}")
+        constraints = data.get("constraints", {})
+        if not isinstance(constraints, Mapping):
+            raise PlanError(f"constraints must be an object, got {constraints!r}")
+        for key, value in constraints.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, int | float) or not value > 0 or value == float("inf")):
+                raise PlanError(f"constraints.{key} must be a positive number or null, "
+                                f"got {value!r}")
         replicas = data.get("replicas", [])
         if not isinstance(replicas, list) or not all(isinstance(d, str) for d in replicas) or (
                 len(replicas) == 1):
@@ -182,8 +189,7 @@ class Plan:
             objective=data["objective"], microbatches=mb, assignment=dict(assignment),
             predicted=predicted, solver=dict(data["solver"]),
             baselines={k: BaselineResult.from_json(k, v) for k, v in baselines.items()},
-            contiguous=bool(data.get("contiguous", False)),
-            constraints=dict(data.get("constraints", {})), replicas=tuple(replicas),
+            contiguous=contiguous, constraints=dict(constraints), replicas=tuple(replicas),
             devices=tuple(devices))
 
     def save(self, path: str | os.PathLike) -> None:
@@ -217,6 +223,18 @@ class Plan:
                             f"devices present ({', '.join(table.device_names)}); re-plan for "
                             "these devices")
         if self.fingerprint != table.fingerprint():
+            if self.devices and set(self.devices) != set(table.device_names):
+                # The fingerprint covers the device set: say which device differs
+                # rather than suspect the model.
+                lacking = sorted(set(self.devices) - devices)
+                extra = sorted(devices - set(self.devices))
+                raise PlanError(
+                    f"the plan was planned over {list(self.devices)}; this table's devices "
+                    f"are {list(table.device_names)}"
+                    + (f" (without {', '.join(lacking)})" if lacking else "")
+                    + (f" (with {', '.join(extra)} besides)" if extra else ""),
+                    api="cost the same devices as the plan, or re-plan for these",
+                    cli="give --devices as the plan's, or re-plan with `hetpar plan` for these")
             layers = set(table.layer_names)
             extra = sorted(set(self.assignment) - layers)[:5]
             lacking = sorted(layers - set(self.assignment))[:5]
@@ -390,6 +408,25 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def _check_solver(solver: Any) -> None:
+    """The solver record is free-form, but the figures the summary prints must be numbers.
+
+    Raises:
+      PlanError: naming the field (`solver.solve_time_s`).
+    """
+    if not isinstance(solver, Mapping):
+        raise PlanError(f"solver must be an object, got {solver!r}")
+    for key in ("gap", "solve_time_s", "build_time_s", "objective"):
+        value = solver.get(key)
+        # A solver stopped before proving anything reports an infinite gap.
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                                  or not value >= 0):
+            raise PlanError(f"solver.{key} must be a number >= 0 or null, got {value!r}")
+    for key in ("name", "status"):
+        if solver.get(key) is not None and not isinstance(solver[key], str):
+            raise PlanError(f"solver.{key} must be a string, got {solver[key]!r}")
 
 
 def _offload_line(placements: Mapping[str, Placement], p: Predicted) -> str:

@@ -63,6 +63,7 @@ import heapq
 from collections.abc import Mapping
 
 import numpy as np
+from absl import logging
 
 from hetpar.core import (
     SCHEDULES,
@@ -115,6 +116,11 @@ class Replay:
         return [dataclasses.asdict(s) for s in self.stages]
 
 
+#: Above this many microbatches x layers, a replay logs a progress line
+#: (about 1 s of replaying on a 2-core machine).
+REPLAY_PROGRESS_WORK = 4096
+
+
 def simulate(table: CostTable, assignment: Mapping, microbatches: int = 1,
              schedule: str = "gpipe", *, arrays: Arrays | None = None) -> Replay:
     """Replays the step under `assignment` with M microbatches and `schedule`.
@@ -131,6 +137,10 @@ def simulate(table: CostTable, assignment: Mapping, microbatches: int = 1,
         without a link.
     """
     arr = arrays or Arrays(table)
+    if microbatches * len(arr.layers) > REPLAY_PROGRESS_WORK:
+        # A long replay should not be a silent one (`hetpar plan` prints these lines).
+        logging.info("hetpar: replaying the %s schedule of %d microbatches over %d layers",
+                     schedule, microbatches, len(arr.layers))
     placed = arr.placed(assignment)
     a = placed.compute
     M = int(microbatches)

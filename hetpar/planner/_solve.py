@@ -116,6 +116,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
                    contiguous=contiguous, max_cost=max_cost, max_step_time=max_step_time,
                    solver=solver, time_limit=time_limit, gap=gap, schedule=schedule)
     req = req.checked()
+    _check_replay_size(table, req)
     if memory:
         table = with_memory(table, memory)
     if pins:
@@ -128,7 +129,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     short = _feasibility.memory_shortfall(arr)
     search = offload and _offload.memory_tight(arr)
     if short and not search:
-        raise InfeasibleError(short)
+        raise short
     result, err, status = None, None, "infeasible"
     if not short:
         sol = req.solve(arr)
@@ -147,7 +148,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     if search and activations:
         result = _with_remat(table, arr, req, result, offload=offload)
     if result is None:
-        err = err or InfeasibleError(short or "no plan meets the constraints")
+        err = err or short or InfeasibleError("no plan meets the constraints")
         # No placement of layers meets the budgets; replicas still might.
         shell = req.plan(table, assignment={}, predicted=None,
                          solver={"name": req.solver, "status": status,
@@ -472,6 +473,31 @@ def _layer_plan(table: CostTable, arr: Arrays, sol: _ilp.IlpSolution, req: _Requ
                     contiguous=contiguous)
 
 
+#: The most microbatches x layers a pipelined plan may ask for. Its step time
+#: replays the schedule, every microbatch of every layer, for the plan and
+#: each baseline: about 8 s at this many on a 2-core machine (7 layers, M =
+#: 4681), linear in M; at a million microbatches it would run for hours.
+MAX_REPLAYED_WORK = 32768
+
+
+def _check_replay_size(table: CostTable, req: _Request) -> None:
+    """Refuses, at once, a pipelined plan whose replays would run for minutes.
+
+    Raises:
+      PlanError: microbatches x layers over MAX_REPLAYED_WORK.
+    """
+    layers = max(len(table.layers), 1)
+    if req.mode != "pipelined" or req.microbatches * layers <= MAX_REPLAYED_WORK:
+        return
+    most = MAX_REPLAYED_WORK // layers
+    raise PlanError(
+        f"{req.microbatches} microbatches x {layers} layers is more schedule than the planner "
+        f"replays ({MAX_REPLAYED_WORK} microbatch-layers at most: its predicted step replays "
+        f"every microbatch of every layer, for the plan and each baseline)",
+        api=f"pass microbatches={most} or fewer for this graph",
+        cli=f"pass --microbatches {most} or fewer for this graph")
+
+
 def _evaluated_baselines(table: CostTable, arr: Arrays, req: _Request, *,
                          contiguous: bool) -> dict[str, BaselineResult]:
     """The baselines on the plan's terms (pipelined: their steps replayed too), and
@@ -598,14 +624,20 @@ def _infeasible(arr: Arrays, sol: _ilp.IlpSolution, req: _Request) -> PlanError:
             p = evaluate(arr.table, free.assignment, req.mode, req.microbatches, arrays=arr)
             if max_cost is not None and max_step_time is None:
                 return InfeasibleError(f"no plan costs at most ${max_cost:.3g} per step; the "
-                                       f"cheapest costs ${p.cost_usd_per_step:.3g}; raise "
-                                       "max_cost")
+                                       f"cheapest costs ${p.cost_usd_per_step:.3g}",
+                                       api="raise max_cost", cli="raise --max-cost")
             if max_step_time is not None and max_cost is None:
                 return InfeasibleError(f"no plan takes at most {seconds(max_step_time)} per "
-                                       f"step; the fastest takes {seconds(p.step_time_s)}; raise "
-                                       "max_step_time")
-            return InfeasibleError("no plan meets both max_cost and max_step_time; relax one")
+                                       f"step; the fastest takes {seconds(p.step_time_s)}",
+                                       api="raise max_step_time", cli="raise --max-step-time")
+            return InfeasibleError("no plan meets both max_cost and max_step_time",
+                                   api="relax one", cli="relax --max-cost or --max-step-time")
     contiguous = " and contiguous stages" if req.contiguous else ""
     return InfeasibleError("no assignment satisfies memory, links and pins"
-                           f"{contiguous} together (each alone can be met); raise "
-                           "memory_bytes of the accelerators, add links, or relax pins/allowed")
+                           f"{contiguous} together (each alone can be met)",
+                           api="raise memory_bytes of the accelerators (or plan's memory=), "
+                               "add links, or relax the layers' pinned/allowed devices",
+                           cli=f"give the accelerators more memory (--memory DEVICE=GB, or "
+                               f"devices[].memory_bytes in graph.json), add links to graph.json, "
+                               f"or relax the layers' pinned/allowed there"
+                               f"{'; or drop --contiguous' if req.contiguous else ''}")

@@ -106,7 +106,8 @@ def cost_table(
     if microbatches > 1:
         full = int(w.config["batch_size"])
         if not measure:
-            raise ProfileError("microbatches > 1 fits fixed_s from measurements: add measure")
+            raise ProfileError("microbatches > 1 fits fixed_s from measurements",
+                               api="pass measure=True", cli="add --measure")
         if full % microbatches:
             raise ProfileError(f"microbatches={microbatches} does not divide the batch ({full})")
         _, small_graph = trace_model(model, small=small, batch=full // microbatches,
