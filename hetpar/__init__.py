@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
 
 
 # Sub-packages reachable as attributes (`hetpar.zoo.get(...)` after `import hetpar`).
-_SUBPACKAGES = ("core", "cost_models", "passes", "planner", "runtime", "zoo")
+_SUBPACKAGES = ("core", "cost_models", "distributed", "passes", "planner", "runtime", "zoo")
 
 
 def __getattr__(name: str):

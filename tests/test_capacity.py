@@ -333,3 +333,4 @@ def test_data_parallel_with_donate_argnums_equals_jit():
     want = jax.jit(step)(want[0], want[1], args[2])
     for got, ref in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
+
