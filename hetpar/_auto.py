@@ -718,6 +718,25 @@ class CompiledStep:
                 self.table = table
         return self._given_prediction
 
+    def given_plan(self):
+        """A Plan for a step nothing planned (a plan dict, one device): its
+        placements priced on their devices (`predicted`), named "given"."""
+        from hetpar.planner import Plan
+
+        predicted = self.predicted()
+        if predicted is None:
+            return None
+        m = self.options.microbatches
+        return Plan(fingerprint=self.table.fingerprint(),
+                    mode="pipelined" if m > 1 else "sequential",
+                    objective=self.options.objective, microbatches=m,
+                    assignment=dict(self.assignment), predicted=predicted,
+                    solver={"name": "given", "status": "given by the caller",
+                            "gap": 0.0, "solve_time_s": 0.0},
+                    offloaded={n: p for n, p in self.placements.items()
+                               if p.offloaded or p.activations != "keep"},
+                    devices=tuple(d.name for d in self.table.devices))
+
     # -- running ----------------------------------------------------------
 
     def _batch_here(self, args: tuple) -> tuple:
@@ -1159,8 +1178,13 @@ class AutoStep:
 
     @property
     def plan(self):
-        """The Plan of the last compiled signature (None when given as a dict)."""
-        return self._need_last().plan
+        """The Plan of the last compiled signature: the planner's, or, for a plan
+        given as a dict or a step on one device, what runs costed as a Plan
+        (`solver["name"] == "given"`), so `step.plan` always describes the step."""
+        step = self._need_last()
+        if step.plan is not None:
+            return step.plan
+        return step.given_plan()
 
     @property
     def plan_fingerprint(self) -> str | None:

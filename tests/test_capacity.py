@@ -334,3 +334,15 @@ def test_data_parallel_with_donate_argnums_equals_jit():
     for got, ref in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-6)
 
+
+
+def test_step_plan_describes_a_hand_plan_too():
+    step, args = _mlp_step()
+    layers = hetpar.trace(step, *args).layers
+    given = {name: ("cpu:0" if i < 3 else "cpu:1") for i, name in enumerate(layers)}
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], plan=given, profile=None)
+    auto(*args)
+    plan = auto.plan
+    assert plan.solver["name"] == "given" and dict(plan.assignment) == given
+    assert plan.predicted.step_time_s > 0 and set(plan.devices) >= {"cpu:0", "cpu:1"}
+    assert "given" in plan.summary(auto._last.table)
