@@ -413,6 +413,7 @@ def test_gpt_split_over_two_devices_equals_filter_jit():
     assert_close(out, train(eqx.filter_jit(gpt_step), *args))
 
 
+@pytest.mark.slow  # compiles the GPT; test_gpt_layers_follow_its_blocks traces it fast
 def test_gpt_on_one_device_equals_filter_jit():
     args = gpt_args()
     out = train(hetpar.auto(gpt_step, devices="cpu:0"), *args)
