@@ -32,10 +32,14 @@ update, all placed on one device (DESIGN, "Layers"). The rules, in order:
    leaf's layer by rule 3, since shared producers never pull.
 5. What is left joins the layer of its first consumer; failing that, its
    program-order predecessor's layer.
+6. A parameter's unnamed gradient and update join the parameter's layer
+   (`_parameter_updates`); rules 3-5 then place the rest again around them.
 
-When nothing is named (plain JAX), the forward equations are clustered into
+When nothing is named (plain JAX, Flax NNX; `jnp.einsum`'s subscripts name
+nothing), equations are named by the parameters they read (`owner_paths`);
+when those carry no names either, the forward equations are clustered into
 contiguous layers of balanced FLOPs, cut after heavy (dot/conv) equations,
-and rules 2-5 place the rest.
+and rules 2-6 place the rest.
 """
 
 from __future__ import annotations
