@@ -2,9 +2,9 @@
 
 Small random-weight models built from configs the way each library's users
 build them (Hugging Face Flax GPT-2, BERT (also with gradient checkpointing),
-ViT, ResNet and T5; an Equinox MLP and CNN; a Haiku ResNet-18; a Flax linen
-`nn.scan` transformer stack), each with the optimizer and step of a Hugging
-Face Flax script::
+ViT, ResNet and T5; an Equinox MLP, CNN and GPT; a plain-JAX Llama-style
+model; a Haiku ResNet-18; a Flax linen `nn.scan` transformer stack), each
+with the optimizer and step of a Hugging Face Flax script::
 
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -356,6 +356,115 @@ def build_eqx_cnn():
     return _eqx_case(model, loss, batch)
 
 
+def build_eqx_gpt():
+    import equinox as eqx
+
+    class Block(eqx.Module):
+        norm1: eqx.nn.LayerNorm
+        attention: eqx.nn.MultiheadAttention
+        norm2: eqx.nn.LayerNorm
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, width, key):
+            k1, k2, k3 = jax.random.split(key, 3)
+            self.norm1, self.norm2 = eqx.nn.LayerNorm(width), eqx.nn.LayerNorm(width)
+            self.attention = eqx.nn.MultiheadAttention(4, width, key=k1)
+            self.up = eqx.nn.Linear(width, 4 * width, key=k2)
+            self.down = eqx.nn.Linear(4 * width, width, key=k3)
+
+        def __call__(self, x):
+            h = jax.vmap(self.norm1)(x)
+            causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
+            x = x + self.attention(h, h, h, mask=causal)
+            h = jax.vmap(self.norm2)(x)
+            return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(h)))
+
+    class GPT(eqx.Module):
+        embedding: eqx.nn.Embedding
+        pos: jax.Array
+        blocks: list
+        norm: eqx.nn.LayerNorm
+        head: eqx.nn.Linear
+
+        def __init__(self, key, width=64, layers=4):
+            keys = jax.random.split(key, layers + 3)
+            self.embedding = eqx.nn.Embedding(VOCAB, width, key=keys[0])
+            self.pos = 0.02 * jax.random.normal(keys[1], (SEQ, width))
+            self.blocks = [Block(width, k) for k in keys[3:]]
+            self.norm = eqx.nn.LayerNorm(width)
+            self.head = eqx.nn.Linear(width, VOCAB, key=keys[2])
+
+        def __call__(self, ids):
+            x = jax.vmap(self.embedding)(ids) + self.pos
+            for block in self.blocks:
+                x = block(x)
+            return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+    def loss(model, x, y):
+        logits = jax.vmap(model)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    ids = _ids()
+    return _eqx_case(GPT(jax.random.key(0)), loss, {"x": ids, "y": jnp.roll(ids, -1, 1)},
+                     note="4 blocks of (LayerNorm, eqx.nn.MultiheadAttention, LayerNorm, MLP), "
+                          "a bare learned `pos`; no field holds a function")
+
+
+# -- plain JAX --------------------------------------------------------------
+
+
+def build_jax_llama():
+    """A Llama-style model in plain JAX: a params dict, RMSNorm, causal
+    `jax.nn.dot_product_attention`, SwiGLU; nothing named."""
+    width, heads, blocks = 64, 4, 4
+    keys = iter(jax.random.split(jax.random.key(0), 7 * blocks + 2))
+
+    def dense(n, m):
+        return jax.random.normal(next(keys), (n, m)) / np.sqrt(n)
+
+    params = {"embed": dense(VOCAB, width),
+              "blocks": [{"attn_norm": jnp.ones(width), "wq": dense(width, width),
+                          "wk": dense(width, width), "wv": dense(width, width),
+                          "wo": dense(width, width), "mlp_norm": jnp.ones(width),
+                          "w1": dense(width, 4 * width), "w3": dense(width, 4 * width),
+                          "w2": dense(4 * width, width)} for _ in range(blocks)],
+              "norm": jnp.ones(width), "head": dense(width, VOCAB)}
+
+    def rms(x, w):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+    def block(p, x):
+        b, t, d = x.shape
+        h = rms(x, p["attn_norm"])
+        q, k, v = ((h @ p[w]).reshape(b, t, heads, d // heads) for w in ("wq", "wk", "wv"))
+        x = x + jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d) @ p["wo"]
+        h = rms(x, p["mlp_norm"])
+        return x + (jax.nn.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
+
+    tx = make_tx()
+
+    def step_with(value_and_grad):
+        def train_step(params, opt_state, batch):
+            def loss_fn(params):
+                x = params["embed"][batch["input_ids"]]
+                for p in params["blocks"]:
+                    x = block(p, x)
+                logits = rms(x, params["norm"]) @ params["head"]
+                return optax.softmax_cross_entropy_with_integer_labels(
+                    logits[:, :-1], batch["input_ids"][:, 1:]).mean()
+
+            loss, grads = value_and_grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+        return train_step
+
+    args = (params, tx.init(params), {"input_ids": _ids()})
+    return Case("jax", step_with(jax.value_and_grad), args,
+                mb_step=step_with(hetpar.value_and_grad), mb_ref=step_with(jax.value_and_grad),
+                mb_args=args, note="4 blocks, params dict, jax.nn.dot_product_attention")
+
+
 # -- Haiku ------------------------------------------------------------------
 
 
@@ -455,6 +564,8 @@ MODELS: dict[str, Callable[[], Case]] = {
     "hf_t5": build_t5,
     "eqx_mlp": build_eqx_mlp,
     "eqx_cnn": build_eqx_cnn,
+    "eqx_gpt": build_eqx_gpt,
+    "jax_llama": build_jax_llama,
     "haiku_resnet18": build_haiku_resnet18,
     "flax_scan": build_flax_scan,
 }

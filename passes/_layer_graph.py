@@ -489,8 +489,9 @@ def trace(
     depth = None if depth is None else int(depth)
     program = trace_program(step_fn, *example_args)
     flops = [eqn_work(e).flops for e in program.eqns]
-    eqn_layers, input_layers = assign_layers(program, depth, auto_layers, flops)
     roles = input_roles(program, example_args, batch_argnums)
+    eqn_layers, input_layers = assign_layers(program, depth, auto_layers, flops,
+                                             [role == PARAM for role in roles])
     return LayerGraph(program, eqn_layers, input_layers, roles, depth)
 
 

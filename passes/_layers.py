@@ -32,10 +32,14 @@ update, all placed on one device (DESIGN, "Layers"). The rules, in order:
    leaf's layer by rule 3, since shared producers never pull.
 5. What is left joins the layer of its first consumer; failing that, its
    program-order predecessor's layer.
+6. A parameter's unnamed gradient and update join the parameter's layer
+   (`_parameter_updates`); rules 3-5 then place the rest again around them.
 
-When nothing is named (plain JAX), the forward equations are clustered into
+When nothing is named (plain JAX, Flax NNX; `jnp.einsum`'s subscripts name
+nothing), equations are named by the parameters they read (`owner_paths`);
+when those carry no names either, the forward equations are clustered into
 contiguous layers of balanced FLOPs, cut after heavy (dot/conv) equations,
-and rules 2-5 place the rest.
+and rules 2-6 place the rest.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ _HEAVY = frozenset({"dot_general", "conv_general_dilated"})
 #: Scopes JAX itself adds, which name no module: `jax.checkpoint` wraps the
 #: recomputed forward of a rematerialised region in `rematted_computation`.
 _JAX_SCOPES = frozenset({"rematted_computation"})
+#: `jnp.einsum` names its call after its subscripts (`jax.named_call(...,
+#: name=spec)`): `BTNH,BSNH->BNTS` inside `jax.nn.dot_product_attention`
+#: names an operation, not a module, so it names no layer.
+_EINSUM = re.compile(r"^[A-Za-z. ]*(,[A-Za-z. ]*)*->[A-Za-z. ]*$|^[A-Za-z. ]*(,[A-Za-z. ]*)+$")
 
 
 def module_path(name_stack: str) -> tuple[str, ...]:
@@ -77,7 +85,7 @@ def module_path(name_stack: str) -> tuple[str, ...]:
     for part in str(name_stack).split("/"):
         while (m := _WRAPPER.match(part)) is not None:
             part = m.group(1)
-        if _MICROBATCH.match(part) or part in _JAX_SCOPES:
+        if _MICROBATCH.match(part) or part in _JAX_SCOPES or _EINSUM.match(part):
             continue  # microbatch scopes say when, not which layer
         # Rematerialised regions repeat the scope they were traced in
         # (`transpose(jvp(M))/jvp(M)`): collapse the repeat.
@@ -224,7 +232,7 @@ def _stacks_tiny(eqn, light: set) -> bool:
 
 def assign_layers(
     program: Program, depth: int | None = None, auto_layers: int = 8,
-    flops: Sequence[float] | None = None
+    flops: Sequence[float] | None = None, params: Sequence[bool] | None = None
 ) -> tuple[list[str], list[str | None]]:
     """Assigns every equation to a layer (or to `SHARED`).
 
@@ -234,6 +242,8 @@ def assign_layers(
         direct children); None: balanced (see `balanced_names`).
       auto_layers: how many layers to form when nothing is named.
       flops: per-equation FLOPs, used to balance automatic clusters.
+      params: per flat input, whether it is a parameter (the forward reads
+        it and it is not batch data); None: no input is.
 
     Returns:
       (eqn_layers, input_layers): one layer name (or SHARED) per equation,
@@ -245,7 +255,11 @@ def assign_layers(
     eqns = jaxpr.eqns
     stacks = [str(e.source_info.name_stack) for e in eqns]
     paths = _strip_root(_merge_methods([eqn_path(e) for e in eqns]))
-    paths = split_instances(eqns, paths, jaxpr.invars, program.in_paths)
+    paths = split_instances(eqns, paths, jaxpr.invars, program.in_paths,
+                            program.in_types)
+    param_vars = {v for v, p in zip(jaxpr.invars, params or ()) if p and not is_tiny(v)}
+    if not any(paths):
+        paths = owner_paths(eqns, jaxpr.invars, program.in_paths, param_vars)
     if depth is None:
         weights = [float(f) for f in flops] if flops is not None else [1.0] * len(eqns)
         inputs = set(jaxpr.invars)
@@ -268,7 +282,14 @@ def assign_layers(
         for a in e.invars:
             if isinstance(a, jcore.Var):
                 consumers.setdefault(a, []).append(i)
+    named = list(layer)
     _place_unnamed(eqns, layer, consumers)
+    seeds = _parameter_updates(eqns, layer, named, param_vars, first_named_consumer, consumers)
+    if seeds:  # rule 6 decided: place the rest again around it
+        layer = list(named)
+        for i, name in seeds.items():
+            layer[i] = name
+        _place_unnamed(eqns, layer, consumers)
 
     # Rule 2. Inputs nothing named reads (optimizer state): the layer of their first
     # consumer. A tiny one read by several layers (a step count that every
@@ -374,6 +395,112 @@ def _place_unnamed(eqns, layer: list[str | None], consumers: dict[jcore.Var, lis
             order.setdefault(found, len(order))
         layer[i] = found
         define(i)
+
+
+#: How far `_follow_parameters` walks an update before it gives up.
+UPDATE_WALK = 256
+
+
+def _parameter_updates(eqns, layer: Sequence[str | None], named: Sequence[str | None],
+                       params: set, first_named_consumer: dict, consumers: dict
+                       ) -> dict[int, str]:
+    """Rule 6: {unnamed equation: layer} for a parameter's gradient and update
+    placed away from the parameter's layer (`layer`: rules 1-5's placement).
+
+    Data flow alone (rule 3) puts a parameter's update where its gradient is
+    computed. That is the parameter's own layer when a named module reads
+    it, but not when unnamed code does: the gradient of a bare learned array
+    (`x + pos`) is the sum of a later layer's cotangent, so the sum, the
+    Adam update and the state it reads went there while the array stayed
+    where its forward ran. And an update that reads the parameter itself
+    (Adafactor's parameter scale, `rms(p)`) read no layer's data, so it
+    followed its consumers or program order, into a neighbouring layer that
+    then received the whole parameter every step.
+
+    So an unnamed equation of the optimizer (neither forward nor backward),
+    or an unnamed backward equation whose results only the optimizer reads
+    (a parameter's gradient), whose results lead (through the optimizer's
+    equations, following values of more than one element) to the update of
+    exactly one parameter, or which reads one itself, joins that parameter's
+    layer (rule 2's: its first named consumer's, else its first consumer's).
+    Tiny values are not followed: a global norm's partial sums stay where
+    they are (rule 4 combines them). Rules 3-5 then place the rest again
+    around these equations, so what reads their results follows them.
+    """
+    if not params:
+        return {}
+    stacks = [str(e.source_info.name_stack) for e in eqns]
+    optimizer = [not is_forward(st) and not is_backward(st) for st in stacks]
+
+    def owner_of(v) -> str | None:
+        owner = first_named_consumer.get(v)
+        if owner is None:
+            owner = next((layer[j] for j in consumers.get(v, ())
+                          if layer[j] not in (None, SHARED)), None)
+        return owner
+
+    owners = {v: o for v in params if (o := owner_of(v)) is not None}
+
+    def big_outs(i):
+        return [o for o in eqns[i].outvars if not isinstance(o, jcore.DropVar) and not is_tiny(o)]
+
+    seeds: dict[int, str] = {}
+    for i, e in enumerate(eqns):
+        if named[i] is not None or layer[i] in (None, SHARED):
+            continue
+        if not optimizer[i]:
+            if not is_backward(stacks[i]) or next(_subjaxprs(e), None) is not None:
+                continue
+            outs = big_outs(i)
+            if not outs or not all(optimizer[j] for o in outs for j in consumers.get(o, ())):
+                continue
+        found: set = set()
+        frontier, seen = [i], {i}
+        while frontier and len(seen) <= UPDATE_WALK:
+            j = frontier.pop()
+            found.update(a for a in eqns[j].invars if isinstance(a, jcore.Var) and a in owners)
+            for o in big_outs(j):
+                for c in consumers.get(o, ()):
+                    if c not in seen and optimizer[c]:
+                        seen.add(c)
+                        frontier.append(c)
+        if len(found) == 1 and len(seen) <= UPDATE_WALK:
+            seeds[i] = owners[found.pop()]
+    # All of them, where one moves: placed again, the others must not move away.
+    return seeds if any(layer[i] != name for i, name in seeds.items()) else {}
+
+
+def owner_paths(eqns, invars, in_paths: Sequence[str], params: set) -> list[tuple[str, ...]]:
+    """Module paths for code that names nothing (plain JAX, Flax NNX): each
+    equation that reads the parameters of one owner gets the owner's path.
+
+    A parameter's owner is its key path without the argument it came in and
+    without its own name (`params['blocks'][0]['wq']` -> `blocks[0]`; an NNX
+    `model.blocks[0].attn.query.kernel` -> `blocks[0]/attn/query`); a
+    parameter at the top of its argument (`params['embed']`, a bare `pos`)
+    is its own owner. The residual blocks a step loops over are then its
+    layers, named as the user's parameters are (`balanced_names` chooses the
+    depth); equations that read no parameter, or those of several owners,
+    stay unnamed and follow the data (rules 2-5). Paths are all empty when
+    the parameters say nothing (a single array, or a flat list of arrays:
+    their keys are indices only), so that automatic clustering takes over.
+    """
+    index = {v: k for k, v in enumerate(invars)}
+    owner: dict[jcore.Var, tuple[str, ...]] = {}
+    for v in params:
+        # `.value`: an NNX Variable's array.
+        keys = [k for k in _KEY.findall(in_paths[index[v]])[1:] if k != ".value"]
+        if not any(map(_is_name, keys)):
+            continue  # indices only: nothing a user would read as a name
+        parts = key_components(keys)
+        owner[v] = parts[:-1] if _is_name(keys[-1]) and len(parts) > 1 else parts
+    if len(set(owner.values())) < 2:
+        return [()] * len(eqns)
+    out: list[tuple[str, ...]] = []
+    for e in eqns:
+        found = {owner[a] for a in e.invars if isinstance(a, jcore.Var) and a in owner}
+        out.append(found.pop() if len(found) == 1 else ())
+    return out
 
 
 def _named_readers(eqns, i: int, layer: list[str | None], consumers: dict,
@@ -508,22 +635,51 @@ def _render(keys: Sequence[str]) -> str:
     return out.lstrip("./")
 
 
-def split_instances(eqns, paths: Sequence[tuple[str, ...]], invars, in_paths: Sequence[str]
-                    ) -> list[tuple[str, ...]]:
+def _is_name(key: str) -> bool:
+    """Whether a key is a name (`.ln`, `['wq']`), not a list index (`[0]`)."""
+    return not key.startswith("[") or key[1:2] in ("'", '"')
+
+
+def key_components(keys: Sequence[str]) -> tuple[str, ...]:
+    """Path components of a key path: each name starts one, an index joins
+    the name before it. `('.blocks', '[0]', '.ln')` -> `('blocks[0]', 'ln')`;
+    `("['blocks']", '[0]', "['wq']")` -> `('blocks[0]', 'wq')`."""
+    out: list[str] = []
+    for k in keys:
+        if k.startswith("['") or k.startswith('["'):
+            out.append(k[2:-2])
+        elif k.startswith("[") and out:
+            out[-1] += k
+        else:
+            out.append(k.lstrip("."))
+    return tuple(out)
+
+
+def split_instances(eqns, paths: Sequence[tuple[str, ...]], invars, in_paths: Sequence[str],
+                    in_types: Sequence[tuple[str, ...]] = ()) -> list[tuple[str, ...]]:
     """Tells apart module instances that share one scope name.
 
     Equinox names scopes by class (`eqx.nn.MLP/eqx.nn.Linear`), so the four
-    Linears of an MLP share one path. When one module path reads the
-    parameters of several owners (sibling subtrees of the argument holding
-    the parameters: `model.layers[0]`, `model.layers[1]`, ...), that path
-    component is replaced by the owner (`layers[0]`), level by level, so
-    nested instances (the q/k/v Linears of each block's attention) come
-    apart too. Flax names every instance, so its paths never read two
-    owners and are returned unchanged; a module applied twice (tied weights)
-    reads one owner and stays one.
+    Linears of an MLP share one path, and a user's own modules (a block
+    holding two LayerNorms and a Linear) name nothing. When the parameters a
+    scope reads sit in instances of the scope's class (`in_types`: the
+    `LayerNorm` nodes on their key paths), the scope's component is replaced
+    by the instance's key path below the enclosing instance: `blocks[0]/ln1`
+    and `ln_f` for `eqx.nn.LayerNorm`, then `query_proj` inside
+    `blocks[0]/attn`; so the equations of one user block share its first
+    component (`blocks[0]`) whatever classes they run. Without class
+    information, when one module path reads the parameters of several
+    owners (sibling subtrees of the argument holding the parameters:
+    `model.layers[0]`, `model.layers[1]`, ...), that path component is
+    replaced by the owner (`layers[0]`), level by level. Flax names every
+    instance, so its paths never read two owners and are returned
+    unchanged; a module applied twice (tied weights) reads one owner and
+    stays one.
     """
     index = {v: k for k, v in enumerate(invars)}
     keys = [tuple(_KEY.findall(p)) for p in in_paths]
+    types = [t if k < len(in_types) and len(t := in_types[k]) == len(keys[k]) else None
+             for k in range(len(keys))]
     reads = [[index[a] for a in e.invars if isinstance(a, jcore.Var) and a in index
               and not is_tiny(a)] for e in eqns]
     paths = list(paths)
@@ -532,6 +688,7 @@ def split_instances(eqns, paths: Sequence[tuple[str, ...]], invars, in_paths: Se
         for a in e.invars:
             if isinstance(a, jcore.Var):
                 downstream.setdefault(a, []).append(i)
+    within: dict[int, tuple] = {}  # equation -> key path of the instance it was given
     level = 0
     while level < 32:
         groups: dict[tuple, list[int]] = {}
@@ -541,25 +698,39 @@ def split_instances(eqns, paths: Sequence[tuple[str, ...]], invars, in_paths: Se
         if not groups:
             break
         for prefix, members in groups.items():
-            owner = _instance_owners(eqns, members, paths, reads, keys, prefix[-1], downstream)
-            parent = prefix[-2] if level else ""
+            owner = _instance_owners(eqns, members, paths, reads, keys, types, prefix[-1],
+                                     downstream)
             for i, o in owner.items():
-                name = _render(o[1:])
-                rest = name[len(parent):] if parent and name.startswith(parent) else ""
-                if rest[:1] in (".", "/"):
-                    name = rest[1:]  # `blocks[0].attn` under `blocks[0]`: `attn`
-                elif rest[:1] == "[":  # `mlp.layers[0]` under `mlp.layers`: `layers[0]`
-                    name = parent.rsplit(".", 1)[-1] + rest
+                outer = within.get(i)
+                below = o[len(outer):] if outer and o[:len(outer)] == outer else o[1:]
+                name = key_components(below)
+                if not name:
+                    continue
+                within[i] = o
                 p = paths[i]
-                paths[i] = p[:level] + (name,) + p[level + 1:]
+                paths[i] = p[:level] + name + p[level + 1:]
         level += 1
     return paths
 
 
-def _instance_owners(eqns, members: list[int], paths, reads, keys, scope: str,
+def _class_owner(read, keys, types, cls: str):
+    """`owner_of(k)` for scopes named after a class: the deepest instance of
+    `cls` on parameter k's key path (None when none is); None when no
+    parameter the scope reads lies in one."""
+    def owner_of(k: int):
+        t = types[k]
+        if t is None:
+            return None
+        at = [j for j in range(len(t) - 1) if t[j] == cls]
+        return keys[k][:at[-1] + 1] if at else None
+
+    return owner_of if any(owner_of(k) is not None for k in read) else None
+
+
+def _instance_owners(eqns, members: list[int], paths, reads, keys, types, scope: str,
                      downstream: dict) -> dict[int, tuple]:
-    """{equation: owner} for a group of equations under one scope when that
-    scope stands for several instances (see `split_instances`); else {}.
+    """{equation: owner's key path} for a group of equations under one scope
+    when that scope stands for instances (see `split_instances`); else {}.
 
     Not instances: a scope whose name is a key of the parameters it reads
     (Flax's `['params']['bn1']` and `['batch_stats']['bn1']` are one
@@ -567,19 +738,24 @@ def _instance_owners(eqns, members: list[int], paths, reads, keys, scope: str,
     cell's fused gate kernels).
     """
     read = {k for i in members for k in reads[i] if keys[k]}
-    if len(read) < 2:
+    if not read:
         return {}
     named = {f"['{scope}']", f".{scope}", f'["{scope}"]'}
     if any(named & set(keys[k]) for k in read):
         return {}
-    arg = Counter(keys[k][0] for k in read).most_common(1)[0][0]
-    params = [keys[k] for k in read if keys[k][0] == arg]
-    common = _common_prefix(params)
-    n = len(common)
+    owner_of = _class_owner(read, keys, types, scope.rsplit(".", 1)[-1])
+    by_class = owner_of is not None
+    if not by_class:
+        if len(read) < 2:
+            return {}
+        arg = Counter(keys[k][0] for k in read).most_common(1)[0][0]
+        params = [keys[k] for k in read if keys[k][0] == arg]
+        common = _common_prefix(params)
+        n = len(common)
 
-    def owner_of(k: int):
-        key = keys[k]
-        return key[:n + 1] if key[:n] == common and len(key) > n + 1 else None
+        def owner_of(k: int):
+            key = keys[k]
+            return key[:n + 1] if key[:n] == common and len(key) > n + 1 else None
 
     owners_by_path: dict[tuple, set] = {}
     inst: dict[int, tuple] = {}
@@ -590,8 +766,11 @@ def _instance_owners(eqns, members: list[int], paths, reads, keys, scope: str,
         if found:
             owners_by_path.setdefault(paths[i], set()).update(found)
             inst[i] = found[0]
-    if not any(len(s) >= 2 for s in owners_by_path.values()):
+    owners = set(inst.values())
+    if not owners or (not by_class and not any(len(s) >= 2 for s in owners_by_path.values())):
         return {}
+    if len(owners) == 1:  # one instance of the class: all of the group is it
+        return dict.fromkeys(members, owners.pop())
     # The rest of the group (bias gradients, reshapes, the backward's matmul
     # with saved inputs) joins the instance it shares data with: an input read
     # by an instance's equation, then a consumer, then a producer.
@@ -617,24 +796,26 @@ def _instance_owners(eqns, members: list[int], paths, reads, keys, scope: str,
                     changed = True
     # A weight gradient whose inputs are all shared (the first block's q, k
     # and v read the batch) is told apart by where it goes: the update of
-    # its own parameter.
+    # its own parameter (one of this group's: the search may reach others').
     for i in members:
         if i not in inst:
             found = {o for j in _reachable(eqns, i, downstream) for k in reads[j]
-                     if (o := owner_of(k)) is not None}
+                     if (o := owner_of(k)) in owners}
             if len(found) == 1:
                 inst[i] = found.pop()
     resolved = sorted(inst)
     for i in members:
         if i not in inst and resolved:
             inst[i] = inst[min(resolved, key=lambda j: abs(j - i))]
+    if by_class:
+        return inst
     # Each instance is named by all it reads (`blocks[0].attn`, not `blocks[0]`).
     read_by: dict[tuple, list[tuple]] = {}
     for i, o in inst.items():
         read_by.setdefault(o, []).extend(keys[k] for k in reads[i] if owner_of(k) == o)
     full = {}
     for o, ks in read_by.items():
-        c = _common_prefix(ks)
+        c = _common_prefix(ks) if ks else o
         full[o] = c[:-1] if any(len(k) == len(c) for k in ks) else c
     return {i: full[o] for i, o in inst.items()}
 

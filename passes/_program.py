@@ -20,7 +20,8 @@ Leaves of the arguments and result that are not arrays (an Equinox model's
 activation function, a `custom_jvp` such as `jax.nn.relu`, a string) are
 static, as under `eqx.filter_jit`: `StaticLeaves` closes over them when the
 step is traced and puts the result's back afterwards, so the jaxpr sees
-arrays only. Python numbers are traced, as `jax.jit` traces them.
+arrays only. Python numbers are traced, as `jax.jit` traces them, except
+inside an Equinox module or beside such static leaves (`static_where`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,17 +64,41 @@ def static_where(parts: Sequence) -> tuple[int, ...]:
     inside a part that holds such leaves: an Equinox module's fields
     (`MaxPool2d`'s `-inf` init, a dropout rate) are static under
     `eqx.filter_jit`, and `lax.reduce_window` cannot differentiate through a
-    traced init value. A Python number passed on its own (a learning rate)
-    stays traced, as under jax.jit.
+    traced init value; so is one inside an Equinox module (`_in_equinox_module`).
+    A Python number passed on its own (a learning rate), or in a plain
+    container or a Flax `TrainState` (its `step`), stays traced, as under
+    jax.jit.
     """
     where, offset = [], 0
     for part in parts:
         leaves = jax.tree_util.tree_leaves(part)
         filtered = any(not is_traced(x) for x in leaves)
+        modular = _in_equinox_module(part) if not filtered else None
         where.extend(offset + k for k, x in enumerate(leaves)
-                     if not is_traced(x) or (filtered and isinstance(x, _NUMBERS)))
+                     if not is_traced(x) or (isinstance(x, _NUMBERS) and (
+                         filtered or (modular is not None and k in modular))))
         offset += len(leaves)
     return tuple(where)
+
+
+def _in_equinox_module(part) -> set[int] | None:
+    """Flat positions of the leaves of `part` inside an Equinox module, or None
+    when there are none. An Equinox module's Python numbers and bools (a
+    dropout's `inference` flag, which its `__call__` branches on) are static
+    under `eqx.filter_jit` whether or not the module also holds a function."""
+    eqx = sys.modules.get("equinox")  # not imported: no Equinox module can be here
+    if eqx is None:
+        return None
+    pieces = jax.tree_util.tree_leaves(part, is_leaf=lambda x: isinstance(x, eqx.Module))
+    if not any(isinstance(x, eqx.Module) for x in pieces):
+        return None
+    inside, k = set(), 0
+    for piece in pieces:
+        n = len(jax.tree_util.tree_leaves(piece)) if isinstance(piece, eqx.Module) else 1
+        if isinstance(piece, eqx.Module):
+            inside.update(range(k, k + n))
+        k += n
+    return inside
 
 
 class StaticLeaves:
@@ -236,6 +262,9 @@ class Program:
         when there is none.
       static: the non-array leaves of the arguments and result, held static
         (None when there are none).
+      in_types: per flat input, the class name of every node on its key path,
+        one per key (`('Model', 'list', 'Block', 'LayerNorm', 'ArrayImpl')` for
+        `[0].blocks[0].ln.weight`): which Equinox instance a parameter is in.
     """
 
     jaxpr: jcore.ClosedJaxpr
@@ -244,6 +273,7 @@ class Program:
     in_paths: tuple[str, ...]
     notes: tuple[str, ...] = ()
     static: StaticLeaves | None = None
+    in_types: tuple[tuple[str, ...], ...] = ()
 
     @property
     def eqns(self) -> list[jcore.JaxprEqn]:
@@ -303,7 +333,27 @@ def trace_program(fn: Callable, *args) -> Program:
     out_tree = jax.tree_util.tree_structure(out_shape)
     flat, notes = split_conds(inline_calls(closed))
     return Program(flat, in_tree, out_tree, tuple(paths), notes,
-                   static if static.any else None)
+                   static if static.any else None, node_types(static.pure_args))
+
+
+def node_types(tree) -> tuple[tuple[str, ...], ...]:
+    """Per leaf of `tree` (in flattening order), the class name of each node on
+    its key path, one per key: what `Program.in_types` holds."""
+    out: list[tuple[str, ...]] = []
+
+    def walk(node, types: tuple[str, ...]) -> None:
+        tree = jax.tree_util.tree_structure(node)
+        if tree.num_leaves == 0:  # an empty subtree (None: a static leaf taken out)
+            return
+        if tree.num_nodes == 1:
+            out.append(types)
+            return
+        for _, child in jax.tree_util.tree_flatten_with_path(
+                node, is_leaf=lambda x: x is not node)[0]:
+            walk(child, (*types, type(child).__name__))
+
+    walk(tree, ())
+    return tuple(out)
 
 
 def inline_calls(closed: jcore.ClosedJaxpr) -> jcore.ClosedJaxpr:

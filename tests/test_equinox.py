@@ -242,3 +242,180 @@ def test_numbers_inside_a_module_are_static_as_under_filter_jit():
     expected = train(eqx.filter_jit(cnn_step), model, opt_state, batch)
     got = train(hetpar.auto(cnn_step), model, opt_state, batch)
     assert_close(got, expected)
+
+
+# -- transformers: user blocks of library layers (issue 44, items 1, 2, 7) ------
+
+
+class NormLinearBlock(eqx.Module):
+    """A user's block: its own class, so Equinox names no scope for it."""
+
+    norm1: eqx.nn.LayerNorm
+    linear1: eqx.nn.Linear
+    norm2: eqx.nn.LayerNorm
+    linear2: eqx.nn.Linear
+
+    def __init__(self, width, key):
+        k1, k2 = jax.random.split(key)
+        self.norm1, self.norm2 = eqx.nn.LayerNorm(width), eqx.nn.LayerNorm(width)
+        self.linear1 = eqx.nn.Linear(width, width, key=k1)
+        self.linear2 = eqx.nn.Linear(width, width, key=k2)
+
+    def __call__(self, x):
+        x = x + self.linear1(self.norm1(x))
+        return x + self.linear2(self.norm2(x))
+
+
+class NormedStack(eqx.Module):
+    """Two blocks, a final LayerNorm and a head; a bare learned offset `pos`."""
+
+    pos: jax.Array
+    blocks: list
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        self.pos = jnp.zeros(6)
+        self.blocks = [NormLinearBlock(6, k) for k in keys[:2]]
+        self.norm = eqx.nn.LayerNorm(6)
+        self.head = eqx.nn.Linear(6, 3, key=keys[2])
+
+    def __call__(self, x):
+        x = x + self.pos
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def fresh_stack():
+    model = NormedStack(jax.random.key(0))
+    return model, TX.init(eqx.filter(model, eqx.is_array))
+
+
+def param_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(eqx.filter(tree, eqx.is_array)))
+
+
+def test_blocks_with_a_final_norm_give_one_layer_per_block():
+    model, opt_state = fresh_stack()
+    graph = hetpar.trace(mlp_step, model, opt_state, *mlp_data_for(6), batch_argnums=(2, 3))
+    # Each block's LayerNorms and Linears are one layer; `pos` joins the layer
+    # that reads it first, with its Adam state and its update.
+    assert graph.layers == ["blocks[0]", "blocks[1]", "norm", "head"]
+    for k, extra in ((0, model.pos.nbytes), (1, 0)):
+        own = param_bytes(model.blocks[k]) + extra
+        assert graph[f"blocks[{k}]"].param_bytes == own
+        assert graph[f"blocks[{k}]"].opt_state_bytes == 2 * own
+    held = {layer for layer, path in zip(graph.input_layers, graph.program.in_paths)
+            if path.endswith(".pos")}
+    assert len(held) == 1  # the array, its mu and its nu
+    jaxpr = graph.program.jaxpr.jaxpr
+    producer = {o: graph.eqn_layers[i] for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    # mlp_step returns (model, opt_state, loss): outputs in input order.
+    new_pos = [jaxpr.outvars[k] for k, path in enumerate(graph.program.in_paths)
+               if path.endswith(".pos")]
+    assert {producer[v] for v in new_pos} == held
+
+
+def mlp_data_for(width):
+    x = jax.random.normal(jax.random.key(1), (8, width))
+    y = jax.random.normal(jax.random.key(2), (8, 3))
+    return x, y
+
+
+def test_blocks_with_a_final_norm_split_over_two_devices_equal_filter_jit():
+    model, opt_state = fresh_stack()
+    data = mlp_data_for(6)
+    step = hetpar.auto(mlp_step, plan=two_device_plan(mlp_step, model, opt_state, *data))
+    out = train(step, model, opt_state, *data)
+    assert set(step.assignment.values()) == {"cpu:0", "cpu:1"}
+    assert_close(out, train(eqx.filter_jit(mlp_step), model, opt_state, *data))
+
+
+class AttentionBlock(eqx.Module):
+    norm1: eqx.nn.LayerNorm
+    attention: eqx.nn.MultiheadAttention
+    norm2: eqx.nn.LayerNorm
+    up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __init__(self, width, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.norm1, self.norm2 = eqx.nn.LayerNorm(width), eqx.nn.LayerNorm(width)
+        self.attention = eqx.nn.MultiheadAttention(2, width, key=k1)
+        self.up = eqx.nn.Linear(width, 2 * width, key=k2)
+        self.down = eqx.nn.Linear(2 * width, width, key=k3)
+
+    def __call__(self, x):  # one sequence: [tokens, width]
+        h = jax.vmap(self.norm1)(x)
+        causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
+        x = x + self.attention(h, h, h, mask=causal)
+        h = jax.vmap(self.norm2)(x)
+        return x + jax.vmap(self.down)(jax.nn.gelu(jax.vmap(self.up)(h)))
+
+
+class GPT(eqx.Module):
+    """Embedding, two attention blocks, a final LayerNorm and a head. No field
+    holds a function, so only Equinox's rule makes the dropouts' `inference`
+    flags static."""
+
+    embedding: eqx.nn.Embedding
+    blocks: list
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, key, vocab=16, width=8):
+        keys = jax.random.split(key, 4)
+        self.embedding = eqx.nn.Embedding(vocab, width, key=keys[0])
+        self.blocks = [AttentionBlock(width, k) for k in keys[1:3]]
+        self.norm = eqx.nn.LayerNorm(width)
+        self.head = eqx.nn.Linear(width, vocab, key=keys[3])
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embedding)(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.head)(jax.vmap(self.norm)(x))
+
+
+def gpt_step(model, opt_state, tokens, labels):
+    def loss(model):
+        logits = jax.vmap(model)(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    loss_value, grads = eqx.filter_value_and_grad(loss)(model)
+    updates, opt_state = TX.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss_value
+
+
+def gpt_args():
+    model = GPT(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 5), 0, 16)
+    return model, TX.init(eqx.filter(model, eqx.is_array)), tokens, jnp.roll(tokens, -1, 1)
+
+
+def test_gpt_layers_follow_its_blocks():
+    args = gpt_args()
+    graph = hetpar.trace(gpt_step, *args, batch_argnums=(2, 3))
+    assert graph.layers == ["embedding", "blocks[0]", "blocks[1]", "norm", "head"]
+    model = args[0]
+    for k in range(2):
+        assert graph[f"blocks[{k}]"].param_bytes == param_bytes(model.blocks[k])
+        assert graph[f"blocks[{k}]"].opt_state_bytes == 2 * param_bytes(model.blocks[k])
+
+
+@pytest.mark.slow  # compiles the GPT's stages on two devices: ~15 s on 2 cores
+def test_gpt_split_over_two_devices_equals_filter_jit():
+    args = gpt_args()
+    plan = two_device_plan(gpt_step, *args)
+    out = train(hetpar.auto(gpt_step, plan=plan), *args)
+    assert_close(out, train(eqx.filter_jit(gpt_step), *args))
+
+
+@pytest.mark.slow  # compiles the GPT; test_gpt_layers_follow_its_blocks traces it fast
+def test_gpt_on_one_device_equals_filter_jit():
+    args = gpt_args()
+    out = train(hetpar.auto(gpt_step, devices="cpu:0"), *args)
+    assert_close(out, train(eqx.filter_jit(gpt_step), *args))
+    assert out[0].blocks[0].attention.dropout.inference is False  # static, given back

@@ -13,6 +13,7 @@ hetpar code is `hetpar.trace`. Tracing compiles nothing, so these run fast.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -502,3 +503,139 @@ def test_a_gate_in_the_parent_keeps_its_gradient_out_of_the_earlier_layer():
     step2, tx2 = adam_step(pooled.apply)
     g2 = hetpar.trace(step2, p2, tx2.init(p2), {"x": xi, "y": jnp.ones((2, 8))})
     assert backward_results_sent_forward(g2) == []
+
+
+# -- code without module names (issue 44, item 3) ----------------------------
+
+
+def llama_params(blocks=4, width=16, vocab=32, key=0):
+    """A plain-JAX Llama-style model's parameters, as a dict of arrays."""
+    keys = iter(jax.random.split(jax.random.key(key), 7 * blocks + 2))
+
+    def dense(n, m):
+        return jax.random.normal(next(keys), (n, m)) / jnp.sqrt(n)
+
+    return {
+        "embed": dense(vocab, width),
+        "blocks": [{"attn_norm": jnp.ones(width), "wq": dense(width, width),
+                    "wk": dense(width, width), "wv": dense(width, width),
+                    "wo": dense(width, width), "mlp_norm": jnp.ones(width),
+                    "w1": dense(width, 2 * width), "w3": dense(width, 2 * width),
+                    "w2": dense(2 * width, width)} for _ in range(blocks)],
+        "norm": jnp.ones(width),
+        "head": dense(width, vocab),
+    }
+
+
+def rms_norm(x, w):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * w
+
+
+def llama_block(p, x, heads=2):
+    b, t, d = x.shape
+    h = rms_norm(x, p["attn_norm"])
+    q, k, v = ((h @ p[w]).reshape(b, t, heads, d // heads) for w in ("wq", "wk", "wv"))
+    x = x + jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, t, d) @ p["wo"]
+    h = rms_norm(x, p["mlp_norm"])
+    return x + (jax.nn.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
+
+
+def llama_step(checkpoint=False, tx=None, blocks=4):
+    tx = tx or optax.adam(1e-3)
+    block = jax.checkpoint(llama_block) if checkpoint else llama_block
+
+    def train_step(params, opt_state, batch):
+        def loss_fn(params):
+            x = params["embed"][batch["tokens"]]
+            for p in params["blocks"]:
+                x = block(p, x)
+            logits = rms_norm(x, params["norm"]) @ params["head"]
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["labels"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    params = llama_params(blocks)
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
+    return train_step, (params, tx.init(params), {"tokens": tokens,
+                                                  "labels": jnp.roll(tokens, -1, 1)})
+
+
+def largest_opt_state_share(graph) -> float:
+    held = [graph[n].opt_state_bytes for n in graph.layers]
+    return max(held) / sum(held)
+
+
+LLAMA_LAYERS = ["embed", "blocks[0]", "blocks[1]", "blocks[2]", "blocks[3]", "norm", "head"]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_plain_jax_blocks_are_the_layers(checkpoint):
+    # jax.nn.dot_product_attention runs jnp.einsum, whose subscripts
+    # (`BTNH,BSNH->BNTS`) were the only names: two layers held everything.
+    step, args = llama_step(checkpoint)
+    g = hetpar.trace(step, *args)
+    assert g.layers == LLAMA_LAYERS
+    assert largest_opt_state_share(g) < 0.3
+    block = sum(x.nbytes for x in jax.tree.leaves(args[0]["blocks"][0]))
+    assert all(g[f"blocks[{k}]"].param_bytes == block for k in range(4))
+    assert updates_in_own_layer(g) == 1.0
+
+
+@pytest.mark.slow  # ~15 s of compiling on 2 cores; the Equinox block stack splits fast
+def test_plain_jax_blocks_split_over_two_devices_equal_jit():
+    step, args = llama_step(blocks=2)  # two blocks: fast-tier compile time
+    layers = hetpar.trace(step, *args).layers
+    assert layers == ["embed", "blocks[0]", "blocks[1]", "norm", "head"]
+    # The cut falls between the blocks: few stages to compile.
+    auto = hetpar.auto(step, plan={n: f"cpu:{int(k >= 2)}" for k, n in enumerate(layers)})
+    state, ref = args[:2], args[:2]
+    for _ in range(2):
+        *state, loss = auto(*state, args[2])
+        *ref, ref_loss = jax.jit(step)(*ref, args[2])
+        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- optimizers that read the parameter itself (issue 44, item 8) ------------
+
+
+class Embedded(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        x = nn.Embed(32, 16, name="wte")(tokens)
+        for i in range(2):
+            x = Block(name=f"h{i}")(x)
+        return nn.Dense(32, name="head")(nn.LayerNorm(name="ln_f")(x))
+
+
+def embedded_graph(tx):
+    model = Embedded()
+    tokens = jax.random.randint(jax.random.key(1), (2, 8), 0, 32)
+    params = model.init(jax.random.key(0), tokens)
+
+    def train_step(params, opt_state, batch):
+        def loss_fn(params):
+            logits = model.apply(params, batch["tokens"])
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, batch["tokens"]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return hetpar.trace(train_step, params, tx.init(params), {"tokens": tokens})
+
+
+def test_adafactor_parameter_scale_stays_with_its_parameter():
+    def edges(g):
+        return {(u, v): (d["bytes"], d["bytes_backward"]) for u, v, d in g.graph.edges(data=True)}
+
+    adam = embedded_graph(optax.adam(1e-3))
+    adafactor = embedded_graph(optax.adafactor(1e-3))
+    # rms(wte) ran in ln_f, which then received the whole table every step.
+    assert edges(adafactor) == edges(adam)
+    assert updates_in_own_layer(adafactor) == 1.0

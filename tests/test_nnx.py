@@ -242,3 +242,78 @@ def test_later_calls_follow_objects_changed_between_steps():
     np.testing.assert_allclose(train(step, objects, 2), train(ref_step, ref, 2), rtol=1e-5)
     for a, b in zip(objects, ref, strict=True):
         assert_same_state(a, b)
+
+
+# -- a GPT: NNX names no module in the trace (issue 44, item 3) --------------
+
+
+class Block(nnx.Module):
+    def __init__(self, width, rngs):
+        self.ln1 = nnx.LayerNorm(width, rngs=rngs)
+        # No biases: a key bias's gradient is zero in exact arithmetic, so Adam
+        # turns rounding noise there into +-lr steps under any two compilations.
+        self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=width, decode=False,
+                                           use_bias=False, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(width, rngs=rngs)
+        self.fc = nnx.Linear(width, 2 * width, rngs=rngs)
+        self.proj = nnx.Linear(2 * width, width, rngs=rngs)
+
+    def __call__(self, x, mask):
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.proj(nnx.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+    def __init__(self, rngs, blocks=4, vocab=16, width=8, length=6):
+        self.embed = nnx.Embed(vocab, width, rngs=rngs)
+        self.pos = nnx.Param(jax.random.normal(rngs.params(), (length, width)) * 0.02)
+        self.blocks = nnx.List([Block(width, rngs) for _ in range(blocks)])
+        self.ln_f = nnx.LayerNorm(width, rngs=rngs)
+        self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens) + self.pos[...]
+        mask = nnx.make_causal_mask(tokens)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.ln_f(x))
+
+
+def gpt_loss(model, tokens, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(model(tokens), labels).mean()
+
+
+def gpt_step(model, optimizer, tokens, labels):
+    loss, grads = nnx.value_and_grad(gpt_loss)(model, tokens, labels)
+    optimizer.update(model, grads)
+    return loss
+
+
+def fresh_gpt():
+    model = GPT(nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 6), 0, 16)
+    return (model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), tokens,
+            jnp.roll(tokens, -1, 1))
+
+
+def test_gpt_layers_are_its_blocks():
+    # The attention's einsum subscripts (`BTNH,BSNH->BNTS`) were the only
+    # names: two layers, one holding most of the optimizer state.
+    graph = hetpar.auto(gpt_step, devices="cpu:0").lower(*fresh_gpt()).graph
+    blocks = [f"blocks[{k}]" for k in range(4)]
+    assert graph.layers == ["embed", "pos", *blocks, "ln_f", "head"]
+    held = {n: graph[n].opt_state_bytes for n in graph.layers}
+    assert max(held.values()) < 0.5 * sum(held.values())
+    assert len({held[n] for n in blocks}) == 1  # equal blocks, equal state
+
+
+@pytest.mark.slow  # compiles the GPT's stages on two devices
+def test_gpt_split_over_two_devices_trains_as_under_nnx_jit():
+    ref_model, ref_opt, tokens, labels = fresh_gpt()
+    ref = [float(nnx.jit(gpt_step)(ref_model, ref_opt, tokens, labels)) for _ in range(2)]
+    model, opt, _, _ = fresh_gpt()
+    step = hetpar.auto(gpt_step, plan=two_device_plan(gpt_step, model, opt, tokens, labels))
+    losses = [float(step(model, opt, tokens, labels)) for _ in range(2)]
+    np.testing.assert_allclose(losses, ref, rtol=1e-5)
+    assert_same_state(model, ref_model)
+    assert set(step.assignment.values()) == {"cpu:0", "cpu:1"}
