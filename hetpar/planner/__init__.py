@@ -1,14 +1,19 @@
 """hetpar.planner: place layers on devices with an ILP (graph.json -> plan.json).
 
-The public surface is this flat list; the work lives in private modules:
-`_evaluate` (the cost model), `_ilp` (the pulp model), `_baselines`,
-`_feasibility` (infeasibility diagnosis), `_simulate` (replays a pipelined
-schedule, or a step with state apart from compute), `_offload` (where each
-layer's state lives and its update runs), `_plan` (Plan), `_solve` (plan). The input,
-CostTable (graph.json), is `hetpar.core`'s, re-exported here.
+The public surface is this flat list; the work lives in private modules,
+each importing only those before it: `_arrays` (the data model: `Arrays`,
+`Placed`, `Predicted`, `held_bytes`), `_closed_form` (a step's cost in
+closed form), `_simulate` (replays a pipelined schedule, or a step with state
+apart from compute), `_evaluate` (the cost model: `evaluate` picks the closed
+form or the replay; `violations`, data parallel), `_ilp` (the pulp model),
+`_feasibility` (infeasibility diagnosis), `_baselines`, `_offload` (where
+each layer's state lives and its update runs), `_plan` (Plan), `_solve`
+(plan). The input, CostTable (graph.json), is `hetpar.core`'s, re-exported
+here.
 """
 
 from hetpar.core import CostTable, Device, Edge, Layer, Link
+from hetpar.planner._arrays import Arrays, Predicted, held_bytes
 from hetpar.planner._baselines import (
     BaselineResult,
     all_baselines,
@@ -19,12 +24,9 @@ from hetpar.planner._baselines import (
     single_device,
 )
 from hetpar.planner._evaluate import (
-    Arrays,
-    Predicted,
     data_parallel_obstacle,
     evaluate,
     evaluate_data_parallel,
-    held_bytes,
     violations,
 )
 from hetpar.planner._ilp import highs_available

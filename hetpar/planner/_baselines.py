@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from hetpar.core import CostTable, PlanError
-from hetpar.planner._evaluate import Arrays, Predicted, evaluate, violations
+from hetpar.planner._arrays import Arrays, Predicted
+from hetpar.planner._evaluate import evaluate, violations
 
 # The oracle's limit: about 12 layers x 3 devices.
 MAX_EXHAUSTIVE_ASSIGNMENTS = 3**12

@@ -11,7 +11,7 @@ import itertools
 import numpy as np
 
 from hetpar.core import InfeasibleError, nbytes
-from hetpar.planner._evaluate import Arrays
+from hetpar.planner._arrays import Arrays
 
 # Above this many devices, only single devices and the whole set are checked
 # (2^D subsets would be too many); the diagnosis is then less specific.

@@ -32,7 +32,7 @@ import numpy as np
 import pulp
 
 from hetpar.core import PlanError
-from hetpar.planner._evaluate import Arrays
+from hetpar.planner._arrays import Arrays
 
 SOLVERS = ("cbc", "highs")
 # Default relative gap: 0.01%, far below the cost model's own error; on

@@ -23,7 +23,7 @@ The search is one small ILP (pulp) over layer x compute device x way, built
 on the placement ILP's variables (`_ilp`: x[l, d] and the edges' marginal
 z): a binary y per offload option, at most x[l, c] of them per layer.
 
-Memory (`hetpar.planner._evaluate.held_bytes`, linear but for one max): a
+Memory (`hetpar.planner._arrays.held_bytes`, linear but for one max): a
 resident layer holds its `memory_bytes`; an offloaded layer holds on its
 compute device its weights, gradient and activations (memory_bytes less its
 optimizer state), plus, streamed, the optimizer state in flight for the
@@ -63,7 +63,7 @@ import pulp
 
 from hetpar.core import CostTable, InfeasibleError, Placement, nbytes, seconds
 from hetpar.planner import _ilp
-from hetpar.planner._evaluate import (
+from hetpar.planner._arrays import (
     HOST_STATE_COPIES,
     STREAMED_IN_FLIGHT,
     Arrays,

@@ -24,14 +24,14 @@ from hetpar.core import (
     seconds,
     signed_seconds,
 )
-from hetpar.planner._baselines import BaselineResult
-from hetpar.planner._evaluate import (
+from hetpar.planner._arrays import (
     MODES,
     OBJECTIVES,
     Arrays,
     Predicted,
     held_bytes,
 )
+from hetpar.planner._baselines import BaselineResult
 from hetpar.planner._simulate import FORWARD_SHARE
 
 FORMAT = "hetpar.plan"

@@ -74,7 +74,8 @@ from hetpar.core import (
     runs,
     stage_deps,
 )
-from hetpar.planner._evaluate import Arrays, Placed, Predicted, evaluate, held_bytes
+from hetpar.planner._arrays import Arrays, Placed, Predicted, held_bytes
+from hetpar.planner._closed_form import closed_form, microbatches_of
 
 # A backward pass costs about twice its forward (two matmuls per forward one).
 FORWARD_SHARE = 1.0 / 3.0
@@ -500,7 +501,7 @@ def evaluate_replayed(table: CostTable, assignment: Mapping, microbatches: int,
     placed = arr.placed(assignment)
     if placed.any_apart:
         return _evaluate_apart(arr, assignment, placed, microbatches, schedule)
-    p = evaluate(table, assignment, "pipelined", microbatches, arrays=arr)
+    p = closed_form(arr, placed, "pipelined", microbatches_of("pipelined", microbatches))
     if not np.isfinite(p.step_time_s):
         return p
     step = simulate(table, assignment, microbatches, schedule, arrays=arr).step_time_s

@@ -24,16 +24,12 @@ from hetpar.core import (
     seconds,
 )
 from hetpar.planner import _baselines, _feasibility, _ilp, _offload
+from hetpar.planner._arrays import MODES, OBJECTIVES, Arrays, Predicted, is_place
 from hetpar.planner._baselines import BaselineResult
 from hetpar.planner._evaluate import (
-    MODES,
-    OBJECTIVES,
-    Arrays,
-    Predicted,
     data_parallel_obstacle,
     evaluate,
     evaluate_data_parallel,
-    is_place,
     violations,
 )
 from hetpar.planner._plan import Plan

@@ -1,0 +1,550 @@
+"""The planner's data model: a CostTable as arrays, an assignment as device
+positions, and what a step costs and holds.
+
+`Arrays` (the table indexed by layer and device position), `Placed` (each
+layer's compute, state, update and parameter device), `Predicted` (a step's
+time, dollars, joules and memory; its plan.json form checked at load), and
+each device's peak bytes over a step (`held_bytes`, `ram_bytes`). The closed
+form (`_closed_form`), the replay (`_simulate`), the public `evaluate`
+(`_evaluate`), the ILPs and the baselines all read these; this module
+imports none of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from hetpar.core import (
+    MEMORY_KINDS,
+    SCHEDULES,
+    CostTable,
+    Placement,
+    PlanError,
+    is_memory_place,
+)
+
+MODES = ("sequential", "pipelined")
+OBJECTIVES = ("time", "cost", "energy")
+#: Copies of an offloaded layer's parameters and optimizer state its host
+#: holds at the step's peak: the old state and the new one coexist, since the
+#: runtime donates no buffer (the caller's state is never left half-updated).
+HOST_STATE_COPIES = 2
+
+#: Streamed optimizer states a device may hold at once, counted in its largest
+#: one: the runtime lets `Executor.PREFETCH` (2) stages that read streamed
+#: state be in flight per device, each holding its old state and its new one
+#: (until the copy home ends), while the next one's state arrives.
+STREAMED_IN_FLIGHT = 5
+
+
+def streamed_in_flight(n: int) -> int:
+    """Optimizer states in flight on a device that streams `n` layers' state:
+    old and new of each, at most STREAMED_IN_FLIGHT."""
+    return min(2 * int(n), STREAMED_IN_FLIGHT)
+
+
+def is_place(device) -> bool:
+    """Whether a table `Device` is a memory place (`gpu:0:pinned_host`): memory
+    beside an accelerator that holds state and never computes."""
+    return device.kind in MEMORY_KINDS or is_memory_place(device.name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Predicted:
+    """What one step costs under an assignment.
+
+    Attributes:
+      step_time_s: seconds per training step.
+      cost_usd_per_step: dollars per step.
+      energy_j_per_step: joules per step.
+      busy_s: seconds each device computes per step (devices used only).
+      compute_s: Σ of layer times (per step).
+      transfer_s: Σ of transfer times of crossing edges (per step, all microbatches).
+      memory_bytes: bytes held on each device used (the same figure as
+        `peak_memory_bytes` where that is known).
+      bottleneck_s: pipelined only: the busiest resource's time per microbatch.
+      bottleneck: pipelined only: which resource ("device gpu:0", "link a->b").
+      activation_bytes_in_flight: pipelined only: {"gpipe": {dev: bytes},
+        "1f1b": {dev: bytes}}.
+      schedule: set when step_time_s comes from replaying the schedule
+        ("gpipe" or "1f1b", `hetpar.planner.simulate`) rather than the
+        closed form; cost and energy then use the replayed step time.
+      closed_form_s: with `schedule`: the closed form's step time (the ILP's).
+      peak_memory_bytes: the step's peak bytes on each device used, by
+        `held_bytes`: with state offloaded, the compute device holds weight
+        copies, gradients and activations, the host the offloaded state.
+        None in plans written before it existed.
+    """
+
+    step_time_s: float
+    cost_usd_per_step: float
+    energy_j_per_step: float
+    busy_s: Mapping[str, float]
+    compute_s: float = 0.0
+    transfer_s: float = 0.0
+    memory_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    bottleneck_s: float | None = None
+    bottleneck: str | None = None
+    activation_bytes_in_flight: Mapping[str, Mapping[str, float]] | None = None
+    schedule: str | None = None
+    closed_form_s: float | None = None
+    peak_memory_bytes: Mapping[str, float] | None = None
+
+    def objective(self, objective: str) -> float:
+        """The value of `objective` ("time", "cost" or "energy")."""
+        return {"time": self.step_time_s, "cost": self.cost_usd_per_step,
+                "energy": self.energy_j_per_step}[objective]
+
+    def to_json(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["busy_s"] = dict(self.busy_s)
+        out["memory_bytes"] = dict(self.memory_bytes)
+        if self.peak_memory_bytes is not None:
+            out["peak_memory_bytes"] = dict(self.peak_memory_bytes)
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], where: str = "predicted") -> Predicted:
+        """Builds a Predicted from its plan.json form, every field checked.
+
+        Args:
+          data: the `predicted` object.
+          where: its place in the file, for messages (`baselines['heft'].predicted`).
+
+        Raises:
+          PlanError: naming the field (`predicted.busy_s['gpu:0']`) and what it must be.
+        """
+        if not isinstance(data, Mapping):
+            raise PlanError(f"{where} must be an object, got {data!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise PlanError(f"{where} has unknown fields {sorted(unknown)}")
+        required = ("step_time_s", "cost_usd_per_step", "energy_j_per_step", "busy_s")
+        for key in required:
+            if key not in data:
+                raise PlanError(f"{where} is missing field {key!r}")
+        # A figure the summary prints and `hetpar run` divides by: a string or
+        # a negative time would surface later as a traceback or a nonsense ratio.
+        for key, check in _PREDICTED_FIELDS.items():
+            if data.get(key) is not None or key in required:
+                check(data.get(key), f"{where}.{key}")
+        return cls(**data)
+
+
+def _check_amount(value: Any, where: str) -> None:
+    """A finite number >= 0 (seconds, dollars, joules, bytes)."""
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not np.isfinite(value) or value < 0):
+        raise PlanError(f"{where} must be a finite number >= 0, got {value!r}")
+
+
+def _check_amounts(value: Any, where: str) -> None:
+    """An object {device or resource: finite number >= 0}."""
+    if not isinstance(value, Mapping):
+        raise PlanError(f"{where} must be an object {{device: number}}, got {value!r}")
+    for k, v in value.items():
+        _check_amount(v, f"{where}[{k!r}]")
+
+
+def _check_in_flight(value: Any, where: str) -> None:
+    """{schedule: {device: bytes}}."""
+    if not isinstance(value, Mapping):
+        raise PlanError(f"{where} must be an object {{schedule: {{device: bytes}}}}, "
+                        f"got {value!r}")
+    for k, v in value.items():
+        _check_amounts(v, f"{where}[{k!r}]")
+
+
+def _check_text(value: Any, where: str) -> None:
+    if not isinstance(value, str):
+        raise PlanError(f"{where} must be a string, got {value!r}")
+
+
+def _check_schedule(value: Any, where: str) -> None:
+    if value not in SCHEDULES:
+        raise PlanError(f"{where} must be one of {SCHEDULES}, got {value!r}")
+
+
+_PREDICTED_FIELDS = {
+    "step_time_s": _check_amount, "cost_usd_per_step": _check_amount,
+    "energy_j_per_step": _check_amount, "busy_s": _check_amounts,
+    "compute_s": _check_amount, "transfer_s": _check_amount,
+    "memory_bytes": _check_amounts, "bottleneck_s": _check_amount,
+    "bottleneck": _check_text, "activation_bytes_in_flight": _check_in_flight,
+    "schedule": _check_schedule, "closed_form_s": _check_amount,
+    "peak_memory_bytes": _check_amounts,
+}
+
+
+class Arrays:
+    """A CostTable as numpy arrays indexed by layer and device position.
+
+    Attributes (L layers, D devices, E edges):
+      t, mem: [L, D] time and memory; t is inf where the layer cannot run.
+      ok: [L, D] whether the layer may run there (timed, allowed, pinned).
+      cap, price, watts_busy, watts_idle: [D].
+      price_alone: [D] hourly price when a plan uses that device alone.
+      eu, ev: [E] layer indices of each edge's ends.
+      lat, bw: [D, D] link latency and bandwidth (bw 0: no link).
+      links: {(i, j): Link}: `link_s` prices a copy by its curve where measured.
+      pair_ok: [E, D, D] whether edge e's ends may sit on (a, b).
+      act: [L] activation bytes saved per step.
+      param: [L] parameter (= gradient) bytes; nan where unknown.
+      resource: [D] each device's compute resource: the position of the first
+        device of its `compute_group`, else its own. Work on devices of one
+        resource is serialised.
+      opt: [L, D] optimizer-state bytes of the layer computing on d: its
+        `opt_state_bytes`, else what its memory there holds beyond 2 x
+        parameters and activations; nan where `param_bytes` is unknown (its
+        state cannot be offloaded).
+      upd: [L, D] seconds of the layer's update on d (`update_s`); nan where
+        unknown.
+      cpu: [D] whether the device is a CPU (kind "cpu"): where offloaded
+        state may live and its update run.
+      place: [D] whether the device is a memory place (kind "pinned_host",
+        or a name like `gpu:0:pinned_host`): offloaded state may live there,
+        nothing computes there.
+      ram: [D] the position whose memory each device draws on: a memory
+        place's host RAM is its table's first CPU device's (they share it),
+        every other device its own.
+      overhead: [D] seconds the runtime adds per stage on each device
+        (`Device.stage_overhead_s`; 0 unless measured).
+      step_scale: [D] the factor `scale_to_step` applied to each device's
+        layers (1 where none): the replay undoes the fusion a stage of few
+        layers cannot have.
+    """
+
+    def __init__(self, table: CostTable):
+        self.table = table
+        self.devices = list(table.device_names)
+        self.layers = list(table.layer_names)
+        dindex = {d: i for i, d in enumerate(self.devices)}
+        lindex = {n: i for i, n in enumerate(self.layers)}
+        self.dindex, self.lindex = dindex, lindex
+        L, D, E = len(self.layers), len(self.devices), len(table.edges)
+        self.t = np.full((L, D), np.inf)
+        self.mem = np.zeros((L, D))
+        self.fixed = np.zeros((L, D))
+        self.ok = np.zeros((L, D), dtype=bool)
+        for i, layer in enumerate(table.layers):
+            for d, v in layer.time_s.items():
+                self.t[i, dindex[d]] = v
+            for d, v in (layer.fixed_s or {}).items():
+                self.fixed[i, dindex[d]] = v
+            for d, v in layer.memory_bytes.items():
+                self.mem[i, dindex[d]] = v
+            for d in layer.devices():
+                self.ok[i, dindex[d]] = True
+        self.cap = np.array([d.memory_bytes for d in table.devices])
+        self.price = np.array([d.price_per_hour for d in table.devices])
+        self.price_alone = np.array([d.price_per_hour if d.price_alone_per_hour is None
+                                     else d.price_alone_per_hour for d in table.devices])
+        self.watts_busy = np.array([d.watts_busy for d in table.devices])
+        self.watts_idle = np.array([d.watts_idle for d in table.devices])
+        self.overhead = np.array([d.stage_overhead_s for d in table.devices])
+        scale = table.meta.get("step_scale") or {}
+        self.step_scale = np.array([float(scale.get(d, 1.0)) for d in self.devices])
+        first: dict[str, int] = {}
+        self.resource = np.array([j if d.compute_group is None
+                                  else first.setdefault(d.compute_group, j)
+                                  for j, d in enumerate(table.devices)], dtype=int)
+        self.eu = np.array([lindex[e.src] for e in table.edges], dtype=int)
+        self.ev = np.array([lindex[e.dst] for e in table.edges], dtype=int)
+        self.fwd = np.array([e.bytes for e in table.edges], dtype=float)
+        self.bwd = np.array([e.bytes_backward for e in table.edges], dtype=float)
+        self.lat = np.zeros((D, D))
+        self.bw = np.zeros((D, D))
+        self.links = {(dindex[k.src], dindex[k.dst]): k for k in table.links}
+        for (i, j), k in self.links.items():
+            self.lat[i, j] = k.latency_s
+            self.bw[i, j] = k.bandwidth_bytes_per_s
+        has = self.bw > 0
+        np.fill_diagonal(has, True)
+        needs_back = self.bwd > 0
+        # pair (a, b) needs a->b, and b->a too when the edge carries a gradient back.
+        self.pair_ok = np.broadcast_to(has, (E, D, D)) & (
+            ~needs_back[:, None, None] | has.T[None, :, :])
+        act = np.zeros(L)
+        for i, layer in enumerate(table.layers):
+            act[i] = np.nan if layer.activation_bytes is None else layer.activation_bytes
+        self.param = np.array([np.nan if layer.param_bytes is None else layer.param_bytes
+                               for layer in table.layers], dtype=float).reshape(L)
+        out_bytes = np.bincount(self.eu, weights=self.fwd, minlength=L) if E else np.zeros(L)
+        self.act = np.where(np.isnan(act), out_bytes, act)
+        # What a layer's stage holds only while it runs (0: unknown).
+        self.ws = np.array([layer.workspace_bytes or 0.0 for layer in table.layers], dtype=float)
+        # Share of a layer's forward a recomputation of its activations repeats.
+        self.recompute = np.array([1.0 if layer.recompute_fraction is None
+                                   else layer.recompute_fraction for layer in table.layers])
+        self.order = table.topological_order()
+        given = np.array([np.nan if layer.opt_state_bytes is None else layer.opt_state_bytes
+                          for layer in table.layers], dtype=float).reshape(L, 1)
+        rest = np.maximum(self.mem - 2 * self.param[:, None] - self.act[:, None], 0.0)
+        self.opt = np.where(np.isnan(given), rest, np.minimum(given, self.mem))
+        self.opt[np.isnan(self.param)] = np.nan
+        # A layer updated on its device holds its new parameters and optimizer
+        # state there beside the caller's old ones until the step returns:
+        # the runtime donates nothing (as `jax.jit` without donate_argnums).
+        # So what a layer holds on d is its `memory_bytes` and that new state.
+        self.table_mem = self.mem
+        self.mem = self.mem + np.nan_to_num(self.param)[:, None] + np.nan_to_num(self.opt)
+        self.resident = self.mem
+        self.upd = np.full((L, D), np.nan)
+        for i, layer in enumerate(table.layers):
+            for d, v in (layer.update_s or {}).items():
+                self.upd[i, dindex[d]] = v
+        self.cpu = np.array([d.kind == "cpu" for d in table.devices], dtype=bool)
+        self.place = np.array([is_place(d) for d in table.devices], dtype=bool)
+        host = int(np.argmax(self.cpu)) if self.cpu.any() else None
+        self.ram = np.array([host if self.place[j] and host is not None else j
+                             for j in range(D)], dtype=int)
+
+    def indices(self, assignment: Mapping[str, str]) -> np.ndarray:
+        """[L] each layer's device position under `assignment` ({layer: device}).
+
+        Raises:
+          PlanError: the assignment misses a layer, or names an unknown layer or device.
+        """
+        missing = [n for n in self.layers if n not in assignment]
+        if missing:
+            raise PlanError(f"assignment lacks layers {missing[:5]}; every layer needs a device")
+        extra = [n for n in assignment if n not in self.lindex]
+        if extra:
+            raise PlanError(f"assignment names unknown layers {extra[:5]}")
+        out = np.empty(len(self.layers), dtype=int)
+        for i, n in enumerate(self.layers):
+            d = assignment[n]
+            if not isinstance(d, str):
+                d = Placement.parse(d, n).compute
+            if d not in self.dindex:
+                raise PlanError(f"assignment puts {n!r} on unknown device {d!r}; devices: "
+                                f"{', '.join(self.devices)}")
+            out[i] = self.dindex[d]
+        return out
+
+    def placed(self, assignment: Mapping[str, Any]) -> Placed:
+        """The compute, params, state and update device of every layer under `assignment`.
+
+        Values are device names or `Placement`s (or their plan.json objects).
+
+        Raises:
+          PlanError: a missing or unknown layer or device, an update on a
+            device that is neither the layer's compute nor its state device,
+            or compute or update on a memory place.
+        """
+        compute = self.indices(assignment)
+        state, update, params = compute.copy(), compute.copy(), compute.copy()
+        remat = np.zeros(len(compute), bool)
+        for i, n in enumerate(self.layers):
+            v = assignment[n]
+            if isinstance(v, str):
+                continue
+            p = Placement.parse(v, n)
+            remat[i] = p.activations == "remat"
+            for what, name in (("state", p.state), ("update", p.update), ("params", p.params)):
+                if name not in self.dindex:
+                    raise PlanError(f"layer {n!r}: {what} device {name!r} is unknown; devices: "
+                                    f"{', '.join(self.devices)}")
+            state[i], update[i] = self.dindex[p.state], self.dindex[p.update]
+            params[i] = self.dindex[p.params]
+            if update[i] not in (compute[i], state[i]):
+                raise PlanError(f"layer {n!r}: its update runs on {p.update}, neither its "
+                                f"compute ({p.compute}) nor its state device ({p.state})")
+            for what, j in (("compute", compute[i]), ("update", update[i])):
+                if self.place[j]:
+                    raise PlanError(f"layer {n!r}: its {what} is on {self.devices[j]}, a "
+                                    "memory place (it holds state, it cannot compute)")
+        return Placed(compute, state, update, params, remat)
+
+    def resource_load(self, busy: np.ndarray) -> np.ndarray:
+        """[..., D] seconds per compute resource (at its first device's position; 0
+        elsewhere) from [..., D] seconds per device: devices of one group add up."""
+        out = np.zeros_like(busy, dtype=float)
+        for j in np.unique(self.resource):
+            out[..., j] = busy[..., self.resource == j].sum(axis=-1)
+        return out
+
+    def resource_label(self, j: int, used: np.ndarray | None = None) -> str:
+        """The resource at position j in words: "device gpu:0", or "devices cpu:0+cpu:1"
+        (the group's devices `used`, all when None) when a compute group shares it."""
+        members = np.nonzero(self.resource == j)[0]
+        if used is not None and used[members].any():
+            members = members[used[members]]
+        if len(members) == 1:
+            return f"device {self.devices[members[0]]}"
+        return "devices " + "+".join(self.devices[k] for k in members)
+
+    def hourly_price(self, used: np.ndarray) -> float:
+        """Dollars per hour of the devices `used` ([D] bool); one used alone at its solo
+        price (memory places, rented with their accelerator, do not count)."""
+        price = self.price_alone if (used & ~self.place).sum() == 1 else self.price
+        return float(price[used].sum())
+
+    def joules(self, used: np.ndarray, busy: np.ndarray, step: float) -> float:
+        """Joules of a step: busy watts while computing, idle watts for the rest, devices used."""
+        return float(np.sum((busy * self.watts_busy + (step - busy) * self.watts_idle)[used]))
+
+    def t_at(self, microbatches: int) -> np.ndarray:
+        """[L, D] seconds per step when the step runs as M microbatches.
+
+        Each microbatch pays the layer's fixed part whole and its scalable
+        part / M: M x (fixed + (t - fixed) / M) = t + (M - 1) x fixed.
+        """
+        return self.t + (int(microbatches) - 1) * self.fixed
+
+    def link_s(self, i: int, j: int, nbytes: float) -> float:
+        """Seconds sending `nbytes` over link i -> j takes (`Link.seconds`: its
+        measured curve where it has one)."""
+        return self.links[i, j].seconds(nbytes)
+
+    def edge_parts(self, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per-microbatch transfer times of each edge for each placement (a, b).
+
+        Returns:
+          (fwd, bwd): [E, D, D]; fwd[e, a, b] runs on link a->b, bwd[e, a, b]
+          (the gradient) on link b->a. Zero on the diagonal, inf where the
+          pair has no link. A crossing makes the receiving device run a stage
+          of its own, so each carries that device's stage overhead (the
+          replay, `simulate`, charges it per stage instead).
+        """
+        M = float(microbatches)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            into = self.lat + self.overhead[None, :]  # a -> b: b runs a stage more
+            f = into[None] + self.fwd[:, None, None] / M / self.bw[None]
+            bt = self.bw.T[None]
+            b = np.where(self.bwd[:, None, None] > 0,
+                         (self.lat.T + self.overhead[:, None])[None]
+                         + self.bwd[:, None, None] / M / bt, 0.0)
+        for (i, j), k in self.links.items():  # i -> j: forwards placed (i, j), grads (j, i)
+            if k.curve:
+                f[:, i, j] = into[i, j] + [k.copy_s(x / M) for x in self.fwd]
+                b[:, j, i] = np.where(self.bwd > 0, self.lat[i, j] + self.overhead[j] + np.array(
+                    [k.copy_s(x / M) for x in self.bwd]), 0.0)
+        D = len(self.devices)
+        eye = np.eye(D, dtype=bool)[None]
+        f = np.where(eye, 0.0, np.where(self.pair_ok, f, np.inf))
+        b = np.where(eye, 0.0, np.where(self.pair_ok, b, np.inf))
+        return f, b
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """An assignment as [L] device positions: compute, state, update and parameters
+    of every layer (`params` None: with the state, as `Placement` defaults)."""
+
+    compute: np.ndarray
+    state: np.ndarray
+    update: np.ndarray
+    params: np.ndarray | None = None
+    remat: np.ndarray | None = None  # [L] bool: activations recomputed in the backward
+
+    def __post_init__(self):
+        if self.params is None:
+            object.__setattr__(self, "params", np.array(self.state, copy=True))
+        if self.remat is None:
+            object.__setattr__(self, "remat", np.zeros(len(self.compute), bool))
+
+    @property
+    def apart(self) -> np.ndarray:
+        """[L] whether the layer's state or parameters live off its compute device."""
+        return (self.state != self.compute) | (self.params != self.compute)
+
+    @property
+    def state_apart(self) -> np.ndarray:
+        """[L] whether the layer's optimizer state lives off its compute device."""
+        return self.state != self.compute
+
+    @property
+    def params_apart(self) -> np.ndarray:
+        """[L] whether the layer's parameters live off its compute device (its
+        weights come in each step and its new parameters go back)."""
+        return self.params != self.compute
+
+    @property
+    def host_update(self) -> np.ndarray:
+        """[L] whether the layer's update runs on its state device, apart from compute."""
+        return self.state_apart & (self.update == self.state)
+
+    @property
+    def streamed(self) -> np.ndarray:
+        """[L] whether the layer's update runs on its compute device with something apart."""
+        return self.apart & (self.update == self.compute)
+
+    @property
+    def any_apart(self) -> bool:
+        """Whether the step needs the replay: state apart, or activations recomputed."""
+        return bool(self.apart.any() or self.remat.any())
+
+
+def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
+    """[D] each device's peak bytes over a step under `placed`.
+
+    - A layer whose state and parameters stay with its compute holds its
+      `memory_bytes` there (2 x parameters: values and gradients, optimizer
+      state, saved activations) and its new parameters and optimizer state
+      (`Arrays.resident`: nothing is donated, so the caller's old ones live
+      until the step returns).
+    - A layer whose optimizer state lives elsewhere (a host CPU device or a
+      memory place) holds on its compute device its weights (a copy, when
+      the parameters live elsewhere too), its gradient, its activations and
+      its new parameters when they live there. Streamed (update on the
+      compute device), its optimizer state also visits the compute device
+      during its update, old and new: n streamed layers add
+      `streamed_in_flight(n)` x the largest such state (2 for one; at most
+      STREAMED_IN_FLIGHT, the runtime's bounded prefetch), beside the
+      largest working set.
+    - Where its optimizer state lives: HOST_STATE_COPIES x the state (old
+      and new coexist: nothing is donated), plus its gradient when the
+      update runs there. Where its parameters live, when not on the compute
+      device: HOST_STATE_COPIES x the parameters. Streaming only the state
+      (parameters resident, JAX's host offload) halves neither copy but
+      leaves the host the optimizer state alone.
+
+    A memory place shares its host's RAM with the CPU device (`Arrays.ram`);
+    `violations` checks the two together, not this figure.
+
+    Everything counted can be alive at once (weights are copied in from the
+    step's start, activations live until the backward), so this bounds the
+    peak from above; it is not a plain sum of layer footprints.
+    """
+    L, D = arr.mem.shape
+    rows = np.arange(L)
+    c, s, w = placed.compute, placed.state, placed.params
+    state_apart, params_apart = placed.state_apart, placed.params_apart
+    mem_c = arr.resident[rows, c]
+    o = np.nan_to_num(arr.opt[rows, c])
+    p = np.nan_to_num(arr.param)
+    out = np.zeros(D)
+    # Apart, the old and new optimizer state leave the device (and the new
+    # parameters, when they live elsewhere too).
+    away = (np.where(state_apart, 2 * o, 0.0) + np.where(params_apart, p, 0.0)
+            + np.where(placed.remat, arr.act, 0.0))  # recomputed: not kept
+    np.add.at(out, c, np.maximum(mem_c - away, 0.0))
+    home = HOST_STATE_COPIES * o + np.where(placed.host_update, p, 0.0)
+    np.add.at(out, s[state_apart], home[state_apart])
+    np.add.at(out, w[params_apart], HOST_STATE_COPIES * p[params_apart])
+    # While the step runs: the streamed state in flight, beside the largest
+    # working set of a layer (its activations too where it recomputes them):
+    # a streamed layer's backward runs with its state arrived and the next's
+    # arriving.
+    visiting = placed.streamed & state_apart
+    in_flight = np.zeros(len(out))
+    for j in np.unique(c[visiting]):
+        mine = visiting & (c == j)
+        in_flight[j] = streamed_in_flight(mine.sum()) * float(o[mine].max())
+    working = np.zeros(len(out))
+    np.maximum.at(working, c, arr.ws + np.where(placed.remat, arr.act, 0.0))
+    return out + in_flight + working
+
+
+def ram_bytes(arr: Arrays, held: np.ndarray) -> np.ndarray:
+    """[D] bytes drawn from each memory (`Arrays.ram`): a memory place's count with
+    its host CPU device's, 0 at the place itself."""
+    out = np.zeros(len(held))
+    np.add.at(out, arr.ram, held)
+    return out
