@@ -19,9 +19,12 @@ measured, traced or fitted. One idea per module, lower ones first:
 - `_resolve`: a device list's graph.json devices and the links between them.
 - `_layer_fit`: a present device's efficiencies fitted on measured layers.
 - `_table`: the planner's CostTable of a traced step (graph.json).
+- `_calibrate_table`: a CostTable scaled to whole steps timed on the devices
+  present, with the runtime's costs the scaling took out measured back.
 - `_report`: a table's figures per sample (seconds, dollars, joules).
 """
 
+from hetpar.cost_models._calibrate_table import scale_to_step, scale_to_timed_step
 from hetpar.cost_models._devices import (
     device_name,
     global_device_name,
@@ -119,8 +122,6 @@ from hetpar.cost_models._table import (
     FUSED_BYTES_CLASSES,
     TimingBudget,
     cost_table,
-    scale_to_step,
-    scale_to_timed_step,
 )
 
 __all__ = [

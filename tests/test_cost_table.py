@@ -246,7 +246,7 @@ def test_timed_step_carries_the_runtimes_costs_to_the_table():
     assert at["cpu->cpu"] in edges
     assert sum(b for b in edges if b <= at["cpu->cpu"]) >= sum(edges) / 2
     assert sum(b for b in edges if b < at["cpu->cpu"]) < sum(edges) / 2
-    assert cost_models._table._copy_size(table, "cpu", "h100") >= at["cpu->cpu"]
+    assert cost_models._calibrate_table._copy_size(table, "cpu", "h100") >= at["cpu->cpu"]
     bw = scaled.meta["bandwidth_bytes_per_s"]["cpu->cpu"]
     assert bw > 0 and link["cpu:0", "cpu:1"].bandwidth_bytes_per_s == bw
     assert link["cpu:1", "cpu:0"].bandwidth_bytes_per_s == bw  # one kind: one figure each way
@@ -271,7 +271,7 @@ def test_timed_step_takes_measured_link_curves():
 
     scaled = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0,
                                              lambda name, dev: 1e-4, curve=curve)
-    sizes = cost_models._table._copy_sizes(table, "cpu", "cpu")
+    sizes = cost_models._calibrate_table._copy_sizes(table, "cpu", "cpu")
     assert asked == [sizes]  # one way per pair of kinds: cpu -> cpu
     link = {(k.src, k.dst): k for k in scaled.links}
     points = link["cpu:0", "cpu:1"].curve
