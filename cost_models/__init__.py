@@ -13,7 +13,11 @@ measured, traced or fitted. One idea per module, lower ones first:
 - `_roofline`: a layer's work (`LayerWork`), its predicted time, and the
   calibration of a profile's efficiencies on measurements.
 - `_measure`: timing a function on a device (or replicas), cached on disk.
-- `_microbench`: the benchmarks `hetpar profile` runs.
+- `_bench_config`: the sizes and repetitions of a benchmark run (`BenchConfig`).
+- `_link_bench`: the transfer paths between devices, and the network between
+  processes, timed by size and fitted (`profile_link`, `profile_network`).
+- `_microbench`: the device benchmarks, and the whole run `hetpar profile`
+  makes (`profile_devices`).
 - `_layer_work`: the roofline's view of a traced layer.
 - `_layer_timing`: timing a traced layer alone, on random inputs.
 - `_resolve`: a device list's graph.json devices and the links between them.
@@ -24,6 +28,7 @@ measured, traced or fitted. One idea per module, lower ones first:
 - `_report`: a table's figures per sample (seconds, dollars, joules).
 """
 
+from hetpar.cost_models._bench_config import FULL, QUICK, BenchConfig
 from hetpar.cost_models._calibrate_table import scale_to_step, scale_to_timed_step
 from hetpar.cost_models._devices import (
     device_name,
@@ -65,6 +70,7 @@ from hetpar.cost_models._layer_work import (
     layer_work,
     layer_xla_cost,
 )
+from hetpar.cost_models._link_bench import fit_link, profile_link, profile_network, transfer_paths
 from hetpar.cost_models._measure import (
     Timing,
     batch_share,
@@ -74,18 +80,7 @@ from hetpar.cost_models._measure import (
     measure_step,
     sweep_batch,
 )
-from hetpar.cost_models._microbench import (
-    FULL,
-    QUICK,
-    BenchConfig,
-    fit_link,
-    profile_device,
-    profile_devices,
-    profile_link,
-    profile_network,
-    summary_table,
-    transfer_paths,
-)
+from hetpar.cost_models._microbench import profile_device, profile_devices, summary_table
 from hetpar.cost_models._profile import (
     DEFAULT_NETWORK_BANDWIDTH,
     DEFAULT_NETWORK_LATENCY_S,

@@ -1,6 +1,8 @@
 """Compiler passes over jaxprs: tracing into layers, cost counting, XLA's view, splitting.
 
 Imported as `hetpar.passes`. Modules: `_program` (the traced step),
+`_tiny` (values too small to decide placement), `_layer_names` (layers
+named by the key paths of the parameters they read, at a balanced depth),
 `_layers` (which layer each equation belongs to), `_layer_graph` (the
 LayerGraph), `_costs` (FLOPs and bytes counted on the jaxpr), `_xla` (XLA's
 cost analysis and HLO), `_split` (per-device stages of a plan).
@@ -26,10 +28,10 @@ from hetpar.passes._layer_graph import (
     batch_argnums_of,
     trace,
 )
+from hetpar.passes._layer_names import balanced_names
 from hetpar.passes._layers import (
     MICROBATCH_SCOPE,
     SHARED,
-    balanced_names,
     eqn_path,
     is_backward,
     is_forward,

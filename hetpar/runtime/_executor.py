@@ -7,9 +7,8 @@ the stages that produce its inputs, pulls those inputs onto its device
 through the transfer engine (so a transfer starts as soon as its producer is
 done, while other stages compute) and runs its executable.
 
-Worker threads belong to a `Workers` object that several executors may
-share: `hetpar.auto` gives one to all the signatures a step compiles, so
-retracing on new shapes adds executables, never threads.
+Worker threads belong to a `Workers` object (`_workers`) that several
+executors may share.
 
 Failures: an exception inside a stage stops the step and surfaces as a
 `StageError` naming the stage's layers and device (for accelerator stages
@@ -27,7 +26,7 @@ import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import jax
@@ -40,6 +39,7 @@ from hetpar.cost_models import has_pinned_host
 from hetpar.passes import Stage, StageGraph
 from hetpar.runtime._network import Crossing, Network, crossings, global_order, local_part
 from hetpar.runtime._transfer import TransferEngine
+from hetpar.runtime._workers import Workers
 
 
 class StageError(HetparError, RuntimeError):
@@ -96,41 +96,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-class Workers:
-    """One worker thread per device, shared by every Executor given this object.
-
-    Threads start on first use. A step's calls to its devices' workers are
-    queued together under a lock: every worker then runs concurrent steps
-    (two signatures of one `hetpar.auto` step called from two threads) in the
-    same order, so no step waits on a worker that waits on it. The threads
-    end on `close()` or when this object is garbage collected.
-    """
-
-    def __init__(self):
-        self._pools: dict[str, ThreadPoolExecutor] = {}
-        self._lock = threading.Lock()
-
-    def run(self, calls: Mapping[str, Callable[[], None]]) -> None:
-        """Runs `calls[device]()` on each device's worker and waits for them all."""
-        with self._lock:
-            futures = [self._pool(name).submit(fn) for name, fn in calls.items()]
-        for f in futures:
-            f.result()
-
-    def _pool(self, name: str) -> ThreadPoolExecutor:
-        pool = self._pools.get(name)
-        if pool is None:
-            pool = self._pools[name] = ThreadPoolExecutor(1, thread_name_prefix=f"hetpar-{name}")
-        return pool
-
-    def close(self) -> None:
-        """Ends the threads (after the work queued on them); later runs start new ones."""
-        with self._lock:
-            pools, self._pools = self._pools, {}
-        for pool in pools.values():
-            pool.shutdown(wait=False)
 
 
 class Executor:
