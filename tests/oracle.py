@@ -186,3 +186,22 @@ def perturbations(before, after, *, relative: float = 1e-4, seed: int = 0):
                 [*values[:k], jnp.asarray(a + d.astype(a.dtype)), *values[k + 1:]])
         if old is not None and k < len(old) and not np.array_equal(_host(old[k]), a):
             yield f"stale {name}", tree.unflatten([*values[:k], old[k], *values[k + 1:]])
+
+
+def check_steps_equal_jit(auto_step: Callable, fn: Callable, args: Sequence, *,
+                          batches: Sequence | None = None, steps: int = 3,
+                          rtol: float = RTOL):
+    """Runs `auto_step` for `steps` steps (or one per batch of `batches`),
+    each checked against `jax.jit(fn)` from the same inputs, leaf by leaf.
+
+    `fn(*state, batch)` returns `(*new_state, loss)`; the state hetpar
+    returned, once checked, is both runs' next input. Returns the last result.
+    """
+    jitted = jax.jit(fn)
+    *state, batch = args
+    out = None
+    for b in batches if batches is not None else [batch] * steps:
+        out = auto_step(*state, b)
+        assert_equals_jit(out, fn, (*state, b), rtol=rtol, jitted=jitted)
+        state = out[:-1]
+    return out
