@@ -142,6 +142,40 @@ def test_every_model_pipelined(name):
     check_steps(w.train_step, step, args, steps=2, microbatches=2)
 
 
+# The fast tier's check of the central claim on each family: a CNN, a
+# transformer and an RNN, each split layer by layer over two devices and
+# pipelined (M=2, 1F1B), two steps under the per-leaf oracle. Their configs
+# are cut to the fewest layers that keep the family's kinds (convolutions,
+# pooling and dense; embedding, attention block and tied head; embedding,
+# LSTM scan and head): compiling each stage is what costs the time, so the
+# zoo's small configs of these models are slow-tier (conftest.SLOW_MODELS).
+# The cases are named by family so that conftest does not mark them slow.
+FAMILIES = {
+    "cnn": ("conv6", {"channels": (4, 8), "dense": (8,), "image_size": 8}),
+    "transformer": ("transformer", {"num_layers": 1}),
+    "rnn": ("rnn", {"num_layers": 1, "seq_len": 4}),
+}
+
+
+@pytest.mark.parametrize("mode", ["split", "pipelined"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_family_split_and_pipelined_equals_jit(family, mode):
+    name, config = FAMILIES[family]
+    w = zoo.get(name, small=True, learning_rate=1e-4, batch=4, **config)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    # The first half of the layers on cpu:0, the rest on cpu:1 (alternating
+    # every layer cost the transformer 5 minutes of stage compiles on 2 cores).
+    half = len(layers) // 2
+    plan = {n: ("cpu:0" if i < half else "cpu:1") for i, n in enumerate(layers)}
+    microbatches = 1 if mode == "split" else 2
+    step = hetpar.auto(w.train_step, plan=plan, microbatches=microbatches, schedule="1f1b")
+    out = check_steps(w.train_step, step, args, steps=2, microbatches=microbatches)
+    check_residency(step, args, out)
+    stages = step.lower(*args).stages
+    assert stages is not None and len({s.device for s in stages.stages}) == 2  # really split
+
+
 def test_microbatched_gradient_equals_full_batch_without_batchnorm():
     w = zoo.get("mlp", small=True, learning_rate=1e-4, batch=4)
     args = w.example_args()

@@ -203,8 +203,8 @@ def test_cond_tied_by_one_tensor_stays_whole_and_says_why():
     assert f"not cut per layer: {g.notes[0]}" in one.explain()
 
 
-# The fast tier's check of both activation policies (test_offload_runtime's
-# transformer case is slow).
+# The fast tier's check of the remat policy; offload is slow-tier here and
+# in test_offload_runtime.
 @pytest.mark.parametrize("activations", ["remat", pytest.param("offload", marks=pytest.mark.slow)])
 def test_optax_chain_with_state_in_pinned_memory_and_activation_policies_equals_jit(activations):
     """A Flax step with a clipped AdamW chain, written as users write it, with
