@@ -35,13 +35,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
-# Per leaf: measured split-versus-jit errors of well-scaled leaves sit at
-# 1e-7..2e-6 on the zoo (tests/test_oracle.py), so 1e-5 is an order above
-# them and an order under the 1e-4 perturbations the oracle must catch.
+# Per leaf. Measured (2 steps, small configs, CPU): ResNet-18 and MobileNet
+# split layer by layer equal jit bitwise; the transformer pipelined (M=2)
+# is within 2.4e-7 of every leaf. 1e-5 is well above that and an order
+# under the 1e-4 perturbations the oracle must catch (tests/test_oracle.py).
 RTOL = 1e-5
 # Two different orders of f32 rounding (stages against one program, op by
-# op against one program) differ by comparable amounts, not equal ones: a
-# rounding-dominated leaf may sit a few times further from jit than eager does.
+# op against one program) differ by comparable amounts, not equal ones:
+# CycleGAN split layer by layer put its noise leaves (instance-normed conv
+# biases and their Adam moments) up to 2.5x further from jit than op by op.
 FLOOR_FACTOR = 4.0
 
 
