@@ -1,8 +1,11 @@
 """The oracle (tests/oracle.py) can fail: one wrong leaf is caught.
 
-On every zoo model (small config), one step under `jax.jit`, then copies of
-its result each wrong in a single leaf: the leaf moved by 1e-4 of its own
-norm, or left at its input value (stale, never updated). The oracle must
+On every zoo model (small config, the equality tests' learning rate 1e-4),
+one step under `jax.jit`, then copies of its result each wrong in a single
+leaf: the leaf moved by 1e-4 of its own norm, or left at its input value
+(stale, never updated; only where the step moved it by more than the
+oracle's RTOL of its norm: VGG's 16 kernels under SGD move less, and no
+per-leaf check at 1e-5 can see them stale). The oracle must
 reject every such copy, but where the step itself does not fix the leaf to
 that precision: a leaf whose op-by-op result differs from jit's by more than
 the wrong copy does (FLOOR_FACTOR x the gap) is rounding noise in f32, and
@@ -44,27 +47,32 @@ FAST = ("mlp", "lm_embed")
 
 
 def wrong_leaves_missed(name):
-    """(missed, caught, total) of the single-leaf perturbations of one step."""
-    # The zoo's own learning rate: at 1e-4 an SGD step moves VGG's kernels by
-    # less than 1e-5 of their norm, so a stale kernel is within the oracle's
-    # tolerance (a perturbation of 1e-4 is caught there).
-    w = zoo.get(name, small=True)
+    """(missed, caught, total, unseen) of the single-leaf perturbations of one
+    step; `unseen`: stale leaves the step moved by less than RTOL of their
+    norm, which no per-leaf check at that tolerance can tell from updated
+    (VGG's kernels under SGD at lr 1e-4: the equality tests' rate)."""
+    w = zoo.get(name, small=True, learning_rate=1e-4)
     args = oracle.on_cpu0(tuple(w.example_args()))
     want = jax.jit(w.train_step)(*args)
     eager = oracle.eagerly(w.train_step, *args)
-    missed, total = [], 0
+    moved = oracle.relative_errors(args[:-1], want[:-1])
+    missed, unseen, total = [], [], 0
     for what, wrong in oracle.perturbations(args[:-1], want, relative=1e-4):
+        kind, leaf = what.split(" ", 1)
+        if kind == "stale" and moved[leaf] <= oracle.RTOL:
+            unseen.append(what)
+            continue
         total += 1
         if not oracle.mismatches(wrong, want, eager):
             missed.append(what)
-    return missed, total - len(missed), total
+    return missed, total - len(missed), total, unseen
 
 
 @pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow)
                                   for n in zoo.names()])
 def test_one_stale_or_perturbed_leaf_is_caught(name):
-    missed, caught, total = wrong_leaves_missed(name)
-    print(f"{name}: caught {caught}/{total}")
+    missed, caught, total, unseen = wrong_leaves_missed(name)
+    print(f"{name}: caught {caught}/{total}; stale leaves moved under RTOL: {len(unseen)}")
     noise = NOISE.get(name)
     unexplained = [m for m in missed if noise is None or not re.search(noise, m)]
     assert not unexplained, f"{name}: caught {caught}/{total}; missed {unexplained}"
