@@ -49,7 +49,9 @@ def _has_gpu() -> bool:
 # Zoo models whose compilation dominates a test on 2 cores (10-60 s each). A
 # test run over one of them, by parameter or by fixture parameter, belongs to
 # the slow tier; the fast tier (`-m "not slow"`) makes the same checks on the
-# small models (mlp, lm_embed, transformer). Tests slow for other reasons carry
+# small models (mlp, lm_embed, transformer), and splits and pipelines a CNN,
+# a transformer and an RNN cut to fewer layers (test_runtime.FAMILIES, whose
+# cases are named by family). Tests slow for other reasons carry
 # `@pytest.mark.slow` themselves.
 SLOW_MODELS = frozenset({"alexnet", "cnn_preprocess", "conv6", "cyclegan_generator",
                          "mobilenet_v1", "resnet18", "resnet50", "rnn", "vgg16"})

@@ -297,12 +297,20 @@ def test_cli_config_values_are_parsed_by_the_models_types():
     assert parse_config("mlp", ["hidden=16,8", "hidden=[4]"]) == {"hidden": (4,)}
 
 
-def test_cli_costs_measures_the_fixed_part_per_microbatch(tmp_path, capsys):
+def test_cli_costs_measures_the_fixed_part_per_microbatch(tmp_path, capsys, monkeypatch):
+    # Layers whose costs at batch and batch/2 are known (test_cost_table's):
+    # the file holds the fixed parts they imply, the clipped ones included.
+    from .test_cost_table import KNOWN_COSTS, KNOWN_FIXED, known_layer_times
+
+    known_layer_times(monkeypatch)
     out = tmp_path / "graph.json"
     hetpar_in_process(capsys, "costs", "mlp", "--small", "--devices", "cpu:0", "--measure",
                       "--k", "2", "--microbatches", "2", "--out", str(out))
-    layers = json.loads(out.read_text())["layers"]
-    assert all(0 <= layer["fixed_s"]["cpu:0"] <= layer["time_s"]["cpu:0"] for layer in layers)
+    layers = {layer["name"]: layer for layer in json.loads(out.read_text())["layers"]}
+    assert set(layers) == set(KNOWN_FIXED)
+    for name, layer in layers.items():
+        assert layer["time_s"]["cpu:0"] == pytest.approx(KNOWN_COSTS[name][4])
+        assert layer["fixed_s"]["cpu:0"] == pytest.approx(KNOWN_FIXED[name], abs=1e-12)
 
 
 def _plan_over_cpu0_cpu1(tmp_path, *, rename: dict | None = None):

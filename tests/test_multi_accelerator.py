@@ -18,6 +18,7 @@ import hetpar
 from hetpar import zoo
 from hetpar.cost_models import LinkProfile, ProfileSet, cost_table, spec
 
+from . import oracle
 from .test_runtime import check_steps
 
 GPUS = ("cpu:2", "cpu:3")
@@ -167,8 +168,7 @@ def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
     # A batch committed to one device goes straight to jit too, split first.
     on_one = jax.device_put(batch, jax.devices("cpu")[0])
     calls = len(signatures)
-    np.testing.assert_allclose(step(*state, on_one)[-1],
-                               jax.jit(w.train_step)(*state, batch)[-1], rtol=1e-5)
+    oracle.assert_equals_jit(step(*state, on_one), w.train_step, (*state, batch))
     assert len(signatures) == calls
     rep = compiled._replicated
     assert all(x.sharding == rep.split
@@ -178,8 +178,7 @@ def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
     loose = jax.tree.map(jnp.asarray, jax.tree.map(np.asarray, batch))
     assert not any(x.committed for x in jax.tree.leaves(loose))
     assert rep._placed((*state, loose), rep._nums)[0][-1] is loose
-    np.testing.assert_allclose(step(*state, loose)[-1],
-                               jax.jit(w.train_step)(*state, batch)[-1], rtol=1e-5)
+    oracle.assert_equals_jit(step(*state, loose), w.train_step, (*state, batch))
     # Another batch size, or state of another dtype: not run on the fast path.
     small = zoo.get("mlp", small=True, batch=4).example_args()[-1]
     half = jax.tree.map(lambda x: x.astype(jnp.bfloat16)
@@ -214,14 +213,8 @@ def test_data_parallel_user_step_with_an_uncommitted_batch_equals_jit():
     batch = (jax.random.normal(k3, (8, 8)), jnp.ones((8, 2)))
     assert not any(x.committed for x in jax.tree.leaves(batch))
     step = hetpar.auto(train_step, devices=list(GPUS), data_parallel="always")
-    want = got = (params, tx.init(params))
-    jitted = jax.jit(train_step)
-    for _ in range(3):
-        *got, loss_got = step(*got, batch)
-        *want, loss_want = jitted(*want, batch)
-        np.testing.assert_allclose(loss_got, loss_want, rtol=1e-5)
+    *got, _ = oracle.check_steps_equal_jit(step, train_step, (params, tx.init(params), batch))
     assert step.lower(*got, batch).plan.replicas == GPUS
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
 
 
 def test_data_parallel_compiles_once_when_the_first_state_is_uncommitted():
@@ -250,9 +243,9 @@ def test_data_parallel_compiles_once_when_the_first_state_is_uncommitted():
     got = step(w, b, hp, batch)
     traced = len(traces)
     reference = jax.jit(loss_step)
-    want = reference(w, b, hp, batch)
+    oracle.assert_equals_jit(got, loss_step, (w, b, hp, batch), jitted=reference)
     for _ in range(3):
-        got = step(*got[:2], hp, batch)
-        want = reference(*want[:2], hp, batch)
+        inputs = (*got[:2], hp, batch)
+        got = step(*inputs)
+        oracle.assert_equals_jit(got, loss_step, inputs, jitted=reference)
     assert len(traces) == traced  # steps 1-3 ran what step 0 compiled
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), got, want)

@@ -17,12 +17,13 @@ import re
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 from jax.extend import core as jcore
 
 import hetpar
+
+from . import oracle
 
 
 class Net(nn.Module):
@@ -103,23 +104,12 @@ def check_no_optimizer_edges(g, g_plain):
 
 
 def check_split_equals_jit(step, args, batches=None, steps=3):
-    """Layers alternate over cpu:0 / cpu:1; `steps` steps equal `jax.jit`'s (float leaves)."""
+    """Layers alternate over cpu:0 / cpu:1; `steps` steps equal `jax.jit`'s,
+    leaf by leaf from the same inputs (tests/oracle.py)."""
     g = hetpar.trace(step, *args)
     plan = {name: f"cpu:{k % 2}" for k, name in enumerate(g.layers)}
-    auto_step, jit_step = hetpar.auto(step, plan=plan), jax.jit(step)
-    batches = batches or [args[-1]] * steps
-    state, ref = args[:-1], args[:-1]
-    for batch in batches:
-        *state, loss = auto_step(*state, batch)
-        *ref, ref_loss = jit_step(*ref, batch)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    pairs = zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ref))
-    compared = 0
-    for a, b in pairs:
-        if jnp.issubdtype(jnp.asarray(b).dtype, jnp.floating):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
-            compared += 1
-    assert compared > 0
+    oracle.check_steps_equal_jit(hetpar.auto(step, plan=plan), step, args, batches=batches,
+                                 steps=steps)
     return g
 
 
@@ -213,8 +203,8 @@ def test_cond_tied_by_one_tensor_stays_whole_and_says_why():
     assert f"not cut per layer: {g.notes[0]}" in one.explain()
 
 
-# The fast tier's check of both activation policies (test_offload_runtime's
-# transformer case is slow).
+# The fast tier's check of the remat policy; offload is slow-tier here and
+# in test_offload_runtime.
 @pytest.mark.parametrize("activations", ["remat", pytest.param("offload", marks=pytest.mark.slow)])
 def test_optax_chain_with_state_in_pinned_memory_and_activation_policies_equals_jit(activations):
     """A Flax step with a clipped AdamW chain, written as users write it, with
@@ -225,16 +215,8 @@ def test_optax_chain_with_state_in_pinned_memory_and_activation_policies_equals_
     layers = hetpar.trace(step, *args).layers
     plan = {la: {"compute": "cpu:0", "params": "cpu:0", "state": "cpu:0:pinned_host",
                  "activations": activations} for la in layers}
-    auto_step, jit_step = hetpar.auto(step, plan=plan), jax.jit(step)
-    *state, batch = auto_step.place(*args)
-    ref = args[:-1]
-    for _ in range(3):
-        *state, loss = auto_step(*state, batch)
-        *ref, ref_loss = jit_step(*ref, batch)
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ref)):
-        if jnp.issubdtype(jnp.asarray(b).dtype, jnp.floating):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    auto_step = hetpar.auto(step, plan=plan)
+    oracle.check_steps_equal_jit(auto_step, step, auto_step.place(*args))
 
 
 def test_recomputed_layers_read_their_parameters_again_from_where_they_live():
@@ -287,11 +269,4 @@ def test_recomputed_layers_read_their_parameters_again_from_where_they_live():
         for v in st.inputs:
             if st.device == "cpu:0" and homes.get(v) == "cpu:1":
                 assert graph.input_roles[invars.index(v)] == "param"
-    auto_step, jit_step = hetpar.auto(train_step, plan=place("remat")), jax.jit(train_step)
-    state, ref = args[0], args[0]
-    for _ in range(3):
-        state, loss = auto_step(state, args[1])
-        ref, ref_loss = jit_step(ref, args[1])
-        np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    oracle.check_steps_equal_jit(hetpar.auto(train_step, plan=place("remat")), train_step, args)
