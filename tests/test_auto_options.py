@@ -230,11 +230,11 @@ def test_measure_times_what_the_plan_computes_on_an_untimed_device(monkeypatch, 
     graph = hetpar.trace(_train_step, W, X)
     roomy = hetpar.auto(_train_step, devices=["cpu:0", "cpu:1"], profile="measure").lower(W, X)
     assert set(roomy.table.meta["kept_predicted"]) == set(graph.layers)  # cpu:1 untimed
-    from hetpar import _auto
+    from hetpar import _auto, _step_planning
 
     timed_steps = []
     real = _auto.whole_step_s
-    monkeypatch.setattr(_auto, "whole_step_s",
+    monkeypatch.setattr(_step_planning, "whole_step_s",
                         lambda *a, **kw: timed_steps.append(a[2]) or real(*a, **kw))
     auto = hetpar.auto(_train_step, devices=["cpu:0", "cpu:1"], profile="measure",
                        memory={"cpu:0": graph["first"].memory_bytes})
@@ -261,7 +261,7 @@ def test_measure_times_the_whole_step_where_the_plan_spends_most_of_it(monkeypat
     # the untimed kind. Its layers timed alone are then scaled to its whole
     # step, timed there too (GPT-2 at batch 16 on an H100 host's CPU: layers
     # alone summed to 2.42 s, the plan ran in 2.02 s), as the fastest device's are.
-    from hetpar import _auto
+    from hetpar import _auto, _step_planning
     from hetpar.cost_models import ProfileSet, save_profiles, spec, spec_kinds
 
     base = spec("cpu")
@@ -286,7 +286,7 @@ def test_measure_times_the_whole_step_where_the_plan_spends_most_of_it(monkeypat
         _measure.Timing.of([1e-7]) if dev.id == 0 else real_layer(g, name, dev, **kw)))
     timed_steps = []
     real = _auto.whole_step_s
-    monkeypatch.setattr(_auto, "whole_step_s",
+    monkeypatch.setattr(_step_planning, "whole_step_s",
                         lambda *a, **kw: timed_steps.append(a[2]) or real(*a, **kw))
     auto = hetpar.auto(_train_step, devices=["cpu:0", "cpu:1"], profile="measure",
                        memory={"cpu:0": 1})
@@ -353,7 +353,7 @@ def test_profile_measure_measures_a_replicas_fixed_part_where_data_parallel_may_
         monkeypatch):
     # Two devices of one kind and a batch that splits: the step is timed data
     # parallel over them too, and layers carry the part a replica pays whole.
-    from hetpar import _auto
+    from hetpar import _auto, _step_planning
 
     rows, real = [], _auto.whole_step_s
 
@@ -361,7 +361,7 @@ def test_profile_measure_measures_a_replicas_fixed_part_where_data_parallel_may_
         rows.append(len(dev) if isinstance(dev, list) else 1)
         return real(fn, args, dev, batch_argnums, **kwargs)
 
-    monkeypatch.setattr(_auto, "whole_step_s", timed)
+    monkeypatch.setattr(_step_planning, "whole_step_s", timed)
     even = np.ones((6, 3), np.float32)
     compiled = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="measure").lower(W, even)
     assert rows == [1, 2]  # one device, then data parallel over both

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 import hetpar
-from hetpar import _auto
+from hetpar import _auto, _auto_step
 
 CPU = jax.devices("cpu")
 W = jnp.linspace(-1.0, 1.0, 6, dtype=jnp.float32).reshape(3, 2)
@@ -58,7 +58,7 @@ def test_same_static_leaf_reuses_the_step_another_retraces():
 def test_static_leaf_steps_go_straight_to_jit_too(monkeypatch):
     signatures = []
     full = _auto.signature
-    monkeypatch.setattr(_auto, "signature", lambda args: signatures.append(1) or full(args))
+    monkeypatch.setattr(_auto_step, "signature", lambda args: signatures.append(1) or full(args))
     step, seen = counting(activate)
     auto = hetpar.auto(step, devices="cpu:1")
     on_cpu0 = jax.device_put(X, CPU[0])
@@ -173,7 +173,7 @@ def flax_args(n=4):
 def test_one_device_calls_go_straight_to_jit(monkeypatch):
     signatures = []
     full = _auto.signature
-    monkeypatch.setattr(_auto, "signature", lambda args: signatures.append(1) or full(args))
+    monkeypatch.setattr(_auto_step, "signature", lambda args: signatures.append(1) or full(args))
     auto = hetpar.auto(flax_step, devices="cpu:1")
     jitted = jax.jit(flax_step)
     params, opt_state, batch = flax_args()

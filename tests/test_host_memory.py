@@ -174,7 +174,7 @@ def test_auto_asks_with_the_platforms_that_compute(fresh_warning, monkeypatch):
         return [a - 0.1 * b for a, b in zip(w, g)], val
 
     seen = []
-    monkeypatch.setattr("hetpar._auto.warn_without_huge_pages",
+    monkeypatch.setattr("hetpar._compiled_step.warn_without_huge_pages",
                         lambda platforms: seen.append(sorted(platforms)))
     w, x = [jnp.ones((4, 4)), jnp.ones((4, 4)) * 0.5], jnp.ones((2, 4))
     hetpar.auto(step, plan={"first": "cpu:0", "second": "cpu:1"})(w, x)

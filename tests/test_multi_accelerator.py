@@ -151,11 +151,11 @@ def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
     # leaf's shape and dtype (the full path's checks of GPT-2's 446 leaves
     # cost more than a batch-16 step on two H200s); anything new (another
     # batch, state of another dtype) takes the full path, which plans it.
-    from hetpar import _auto
+    from hetpar import _auto, _auto_step
 
     signatures = []
     full = _auto.signature
-    monkeypatch.setattr(_auto, "signature", lambda args: signatures.append(1) or full(args))
+    monkeypatch.setattr(_auto_step, "signature", lambda args: signatures.append(1) or full(args))
     w = zoo.get("mlp", small=True, batch=8)
     args = w.example_args()
     step = hetpar.auto(w.train_step, devices=list(GPUS), data_parallel="always")

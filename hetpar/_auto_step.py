@@ -1,0 +1,312 @@
+"""The call path of a `hetpar.auto` step: `AutoStep`.
+
+A call tries the last step called first, when it may go straight to its jit
+(`CompiledStep.call_known`, or `NnxFastCall` for Flax NNX objects unchanged
+since); otherwise the arguments' signature picks or builds a `CompiledStep`
+(one per signature, cached). A step that runs out of device memory is
+planned again with that device capped and run again (`_replan_smaller`,
+hetpar/_recovery.py). The properties (`plan`, `assignment`, `placements`,
+`explain()`, `report()`) describe the last signature compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from absl import logging
+
+from hetpar._compiled_step import UNKNOWN, CompiledStep
+from hetpar._nnx_args import NNX_MARK, NnxArgs, NnxFastCall
+from hetpar._options import Options
+from hetpar._recovery import (
+    MAX_REPLANS,
+    OutOfMemoryError,
+    OutOfMemoryWarning,
+    bytes_wanted,
+    failed_device,
+    give_up,
+    is_out_of_memory,
+    smaller_cap,
+)
+from hetpar._signature import signature
+from hetpar._step_planning import candidate_devices
+from hetpar.core import HetparError, InfeasibleError, Placement, memory_place, nbytes
+from hetpar.cost_models import live_capacity
+from hetpar.runtime import Workers
+
+
+class AutoStep:
+    """A training step under `hetpar.auto`: call it like the original.
+
+    Flax NNX objects among the arguments are updated in place, as under
+    `nnx.jit` (see `NnxArgs`). Leaves of the arguments that are neither
+    arrays nor Python numbers (an Equinox model's activation functions) are
+    static, as under `eqx.filter_jit`: a new one compiles afresh, an equal
+    one reuses the step (`StaticLeaves`, passes/_program.py).
+
+    A call first tries the last step called, if it is a one-device plan
+    (`CompiledStep.call_known`: straight to its jit, whose own check of the
+    arguments is the only one); otherwise, or for arguments that jit has not
+    run, it takes the full path: the arguments' signature (`signature`)
+    picks or builds the compiled step.
+    """
+
+    def __init__(self, fn: Callable, options: Options):
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self.options = options
+        # Signature -> its CompiledStep, or NNX_MARK where the arguments hold Flax
+        # NNX objects (whose steps are keyed by their GraphDef and state too).
+        self._compiled: dict[tuple, Any] = {}
+        self._last: CompiledStep | None = None
+        # The last step called, when calls may go straight to its jit (`CompiledStep.direct`).
+        self._direct: CompiledStep | None = None
+        # The last step called on Flax NNX objects, when it is `direct`, and
+        # how to call it again on those objects without splitting them anew.
+        self._nnx_direct: tuple[CompiledStep, NnxFastCall] | None = None
+        # Every signature's executor runs on these: one thread per device,
+        # however many shapes the step is called with.
+        self._workers = Workers()
+        # (device, first error, cap) once a step ran out of memory and was replanned.
+        self._shrunk: tuple[str, Exception, float] | None = None
+        self._replanned: CompiledStep | None = None  # the step that last ran out of memory
+
+    def lower(self, *args) -> CompiledStep:
+        """Traces, plans and compiles for these arguments without running.
+
+        With Flax NNX objects among `args`, this is the step on their state:
+        it takes and returns what `NnxArgs` describes.
+        """
+        return self._step_for(args)[0]
+
+    def place(self, *args) -> tuple:
+        """The arguments moved to where the plan keeps them between steps.
+
+        Plans and compiles for them first, like `lower`. A model larger than
+        the accelerator, built on it or on the host, is moved once: its
+        parameters to their devices, its offloaded optimizer state to the
+        host (`gpu:0:pinned_host`); drop the old references so their memory
+        frees before the first step:
+
+            params, opt_state, batch = step.place(params, opt_state, batch)
+        """
+        step, nnx_args = self._step_for(args)
+        if nnx_args is not None:
+            raise HetparError("place() takes arrays, not Flax NNX objects")
+        return step.place(args)
+
+    def _step_for(self, args: tuple) -> tuple[CompiledStep, NnxArgs | None]:
+        key = signature(args)
+        step = self._compiled.get(key)
+        if step is None:
+            # Looking for NNX objects walks the arguments in Python (10x a
+            # flatten): only once per signature, never on a known one.
+            step = NNX_MARK if NnxArgs.present(args) else CompiledStep(
+                self._fn, args, self.options, self._workers)
+            self._compiled[key] = step
+        nnx_args = None
+        if step is NNX_MARK:
+            nnx_args = NnxArgs(args)
+            key = nnx_args.key + signature(nnx_args.pure_args)
+            step = self._compiled.get(key)
+            if step is None:
+                step = self._compiled[key] = CompiledStep(
+                    nnx_args.pure_step(self._fn), nnx_args.pure_args, self.options,
+                    self._workers)
+        self._last = step
+        return step, nnx_args
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        for tries in itertools.count():
+            try:
+                return self._call(args, start)
+            except Exception as e:  # noqa: BLE001 - only out-of-memory is caught
+                if self.options.donate_argnums and "deleted" in str(e):
+                    raise HetparError(
+                        f"an argument was deleted: donate_argnums="
+                        f"{self.options.donate_argnums} gave its buffers to an earlier step. "
+                        "Pass the state the last step returned, as with jax.jit, or drop "
+                        f"donate_argnums ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+                    ) from e
+                replanned_infeasible = isinstance(e, InfeasibleError) and tries > 0
+                if (not is_out_of_memory(e) and not replanned_infeasible) \
+                        or isinstance(e, OutOfMemoryError):
+                    raise
+                self._replan_smaller(e, tries)
+
+    def _replan_smaller(self, e: Exception, tries: int) -> None:
+        """After a step ran out of memory (the caller's arguments intact: no stage
+        donates them), caps the device that ran out below what the plan predicted
+        there, so that the next call plans again; raises `OutOfMemoryError` where
+        that cannot help (see hetpar/_recovery.py)."""
+        # A replanned step that failed while compiling (XLA's autotuner, out of
+        # memory beside the state) is not `_last` yet: the step replanned is.
+        step, self._direct, self._nnx_direct = self._last or self._replanned, None, None
+        if isinstance(e, InfeasibleError) and tries > 0 and self._shrunk is not None:
+            device, first, cap = self._shrunk
+            raise give_up(device, first, tries - 1, cap, why=e) from first
+        if step is None:
+            raise e
+        used = sorted({memory_place(d)[0] for p in step.placements.values() for d in p.devices})
+        device = failed_device(e, used) or (self._shrunk[0] if self._shrunk else None)
+        if device is None:
+            raise e
+        if (self.options.plan is not None or tries >= MAX_REPLANS
+                or len(candidate_devices(step, self.options)) < 2):
+            raise give_up(device, e, tries, None) from e
+        table = step.table
+        capacity = ({d.name: d.memory_bytes for d in table.devices}.get(device)
+                    if table is not None else None) or live_capacity(step.devices[device])[0]
+        predicted = step.predicted()
+        held = (predicted.peak_memory_bytes or predicted.memory_bytes or {}) if predicted else {}
+        cap = smaller_cap(capacity or float("inf"), held.get(device), tries, bytes_wanted(e))
+        self._shrunk = (device, e if self._shrunk is None else self._shrunk[1], cap)
+        self.options = dataclasses.replace(self.options,
+                                           memory={**(self.options.memory or {}), device: cap})
+        self._compiled.clear()  # every signature plans again under the cap
+        self._replanned, self._last = step, None
+        first_line = str(e).splitlines()[0][:200]
+        msg = (f"hetpar: {device} ran out of memory running the step ({first_line}); your "
+               f"arguments are unchanged. Planning again with {device} capped at "
+               f"{nbytes(cap)} and running the step again.")
+        logging.warning(msg)
+        if tries == 0:
+            warnings.warn(msg, OutOfMemoryWarning, stacklevel=3)
+
+    def _call(self, args: tuple, start: float):
+        direct = self._direct
+        if direct is not None:
+            # A one-device plan: straight to its jit, which checks the
+            # arguments as jax.jit does; only arguments it has not run go on.
+            out = direct.call_known(args)
+            if out is not UNKNOWN:
+                if not direct.clock.done:
+                    direct.clock.observe(start, out, direct)
+                return out
+        if self._nnx_direct is not None:
+            out = self._call_nnx_direct(args)
+            if out is not UNKNOWN:
+                step = self._nnx_direct[0]
+                if not step.clock.done:
+                    step.clock.observe(start, out, step)
+                return out
+        step, nnx_args = self._step_for(args)
+        if nnx_args is None:
+            out = step(*args)
+            self._direct = step if step.direct else None
+        else:
+            self._direct = None
+            out, state = step(*nnx_args.pure_args)
+            nnx_args.update(state)
+            fast = NnxFastCall.build(args, nnx_args, state) if step.direct else None
+            self._nnx_direct = None if fast is None else (step, fast)
+        if not step.clock.done:
+            step.clock.observe(start, out, step)
+        return out
+
+    def _call_nnx_direct(self, args: tuple):
+        """The last NNX step, straight to its jit, on objects unchanged since
+        (`NnxFastCall`); `UNKNOWN` where they or the other arguments differ."""
+        step, fast = self._nnx_direct
+        pure = fast.pure_args(args)
+        if pure is None:
+            return UNKNOWN
+        result = step.call_known(pure)
+        if result is UNKNOWN:
+            return UNKNOWN
+        out, state = result
+        fast.update(state)
+        self._last = step
+        return out
+
+    def _need_last(self) -> CompiledStep:
+        if self._last is None:
+            raise HetparError("call the step (or .lower(*args)) once before asking for its plan")
+        return self._last
+
+    @property
+    def plan(self):
+        """The Plan of the last compiled signature: the planner's, or, for a plan
+        given as a dict or a step on one device, what runs costed as a Plan
+        (`solver["name"] == "given"`), so `step.plan` always describes the step."""
+        step = self._need_last()
+        if step.plan is not None:
+            return step.plan
+        return step.given_plan()
+
+    @property
+    def plan_fingerprint(self) -> str | None:
+        """Under several processes, the hash every process checked it shares (the
+        plan, its replicas and the global argument shapes); None with one process."""
+        return self._need_last().plan_fingerprint
+
+    @property
+    def assignment(self) -> dict[str, str]:
+        """{layer: the device that computes it} of the last compiled signature."""
+        return dict(self._need_last().assignment)
+
+    @property
+    def placements(self) -> dict[str, Placement]:
+        """{layer: Placement}: where each layer computes, keeps its state, updates."""
+        return dict(self._need_last().placements)
+
+    @property
+    def state_assignment(self) -> dict[str, str]:
+        """{layer: the device or memory place that holds its optimizer state}."""
+        return {layer: p.state for layer, p in self.placements.items()}
+
+    @property
+    def params_assignment(self) -> dict[str, str]:
+        """{layer: the device or memory place that holds its parameters}."""
+        return {layer: p.params for layer, p in self.placements.items()}
+
+    @property
+    def update_assignment(self) -> dict[str, str]:
+        """{layer: the device that runs its optimizer update}."""
+        return {layer: p.update for layer, p in self.placements.items()}
+
+    def report(self):
+        """The cost report of the last compiled signature's step, with its
+        predicted step beside the measured one (`step` in the report: the
+        median of `StepClock.STEPS` steps after `SETTLE` more than the
+        compiling one; a warning when they differ by more than 25%)."""
+        import dataclasses as dc
+
+        from hetpar._report import report_graph
+
+        step = self._need_last()
+        return dc.replace(report_graph(step.graph, xla=False), step=step.clock.summary(step))
+
+    @property
+    def measured_step_s(self) -> float | None:
+        """The last compiled signature's measured step (median seconds of its
+        first timed steps, see `StepClock`), or None before enough steps."""
+        return self._need_last().clock.measured_s
+
+    def explain(self) -> str:
+        """Why each layer is where it is (the planner's explanation)."""
+        step = self._need_last()
+        if step.plan is None or step.table is None:
+            why = ("given in the plan" if self.options.plan is not None
+                   else "the only device to plan for")
+            text = "\n".join(f"{layer}: {_describe(p)} ({why})"
+                             for layer, p in step.placements.items())
+        else:
+            text = step.plan.explain(step.table)
+        # Control flow the tracer could not cut per layer (an optimizer update
+        # written as one `cond` whose results are tied together) stays whole.
+        return "\n".join([text, *(f"not cut per layer: {n}" for n in step.graph.notes)])
+
+
+def _describe(p: Placement) -> str:
+    if not p.offloaded:
+        return p.compute
+    params = "" if p.params == p.state else f", parameters on {p.params}"
+    return f"computes on {p.compute}, state on {p.state}{params}, update on {p.update}"

@@ -1,0 +1,604 @@
+"""A step traced, planned and compiled for one signature of its arguments.
+
+`CompiledStep` traces the step into layers, has it planned
+(hetpar/_step_planning.py), splits it into per-device stages and compiles
+them, and runs it: a one-device plan as one `jax.jit` executable, a
+data-parallel one as `Replicated`, any other through the `Executor`; under
+several processes, data parallel across them or a hierarchical plan on each
+one's share of the batch. `call_known` is the fast path `AutoStep` tries
+first: straight to the jit executable, for arguments jit has already run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import os
+import threading
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+from hetpar._grad import microbatched
+from hetpar._host_memory import warn_without_huge_pages
+from hetpar._options import Options, check_present
+from hetpar._recovery import CHECKED_STEPS, ready
+from hetpar._signature import batch_positions, donated_positions, fast_signature
+from hetpar._step_clock import StepClock
+from hetpar._step_planning import (
+    BatchShare,
+    assign,
+    cost_table_for,
+    data_parallel_plan,
+    hierarchical_step_s,
+    replicates,
+    with_allreduce,
+)
+from hetpar.core import HetparError, Placement, PlanError, memory_place, parse_placements
+from hetpar.cost_models import present_devices
+from hetpar.passes import (
+    LayerGraph,
+    StageGraph,
+    StaticLeaves,
+    batch_argnums_of,
+    microbatch_of,
+    split,
+    static_where,
+    trace,
+)
+from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
+
+
+class CompiledStep:
+    """A step traced, planned and compiled for one signature of arguments.
+
+    Attributes:
+      graph: the LayerGraph of the (microbatch-marked) step.
+      table: the CostTable the planner saw; for a plan given as a dict, the one
+        `predicted()` costed it on (None until asked).
+      plan: the planner's Plan (None when given as a dict).
+      assignment: layer -> device name.
+      stages: the StageGraph (None on the one-device fast path).
+    """
+
+    def __init__(self, fn: Callable, args: tuple, options: Options,
+                 workers: Workers | None = None):
+        if options.batch_argnums is None:
+            # Found once, here, for every path below (a share per process, the
+            # replicas' split, microbatches): a batch of two arguments, `x` and
+            # `y` of step(params, opt_state, x, y), is cut as one.
+            options = dataclasses.replace(options, batch_argnums=batch_argnums_of(args))
+        self.options = options
+        self.clock = StepClock()
+        self.devices = present_devices()
+        check_present(options.devices, self.devices)
+        self.plan_fingerprint: str | None = None
+        if isinstance(options.plan, (str, os.PathLike)):  # read once, not per check
+            from hetpar.planner import Plan
+
+            options = dataclasses.replace(options, plan=Plan.load(options.plan))
+        multi = jax.process_count() > 1
+        self._share = None
+        if multi and options.hierarchical is True:
+            # Each process runs the per-host plan on its rows of the batch.
+            self._share = BatchShare(args, options)
+            args = self._share(args)
+        elif multi and (options.batch == "local" or replicates(options.plan)
+                        or (options.data_parallel == "always" and options.plan is None)):
+            # Each process passes its share of the batch: only data parallel takes that.
+            self._init_across_processes(fn, args, options)
+            return
+        m = options.microbatches
+        self._nargs = len(args)
+        self._batch_argnums = batch_positions(options.batch_argnums, len(args))
+        self._donated = donated_positions(options.donate_argnums, len(args))
+        step = microbatched(fn, m, self._batch_argnums)
+        # Non-array leaves (an Equinox model's activation function) are closed
+        # over, as eqx.filter_jit does: the graph and every runtime see arrays.
+        static = StaticLeaves(step, args)
+        # `trace` reads None as "the last argument, unless it is the only one".
+        self.graph: LayerGraph = trace(static.pure_step, *static.pure_args,
+                                       depth=options.depth, batch_argnums=options.batch_argnums)
+        self._static = static if static.any else None
+        self._step = step if self._static is None else static.pure_step
+        user_args, args = args, static.pure_args
+        # profile="measure" times the step on these, while planning only (kept,
+        # they would hold the caller's old state alive).
+        self._calibration_args = args if options.profile == "measure" else None
+        if m > 1 and not any(microbatch_of(str(e.source_info.name_stack)) is not None
+                             for e in self.graph.program.eqns):
+            raise HetparError(
+                f"microbatches={m} needs the step to take its gradient with "
+                "hetpar.value_and_grad or hetpar.grad (drop-in replacements for JAX's), "
+                "which mark what runs per microbatch.")
+        self.table = None
+        self.plan = None
+        self._given_prediction = None
+        self._whole_steps: dict = {}  # profile="measure"'s whole-step timings, while planning
+        self.placements: dict[str, Placement] = parse_placements(assign(self, options))
+        if self._share is not None and self.plan is not None:
+            if self.plan.replicas:
+                raise PlanError("a hierarchical plan places layers within each process; this "
+                                "plan replicates the step (data parallel), which "
+                                "hierarchical=False runs across every process's devices")
+            self.plan = with_allreduce(self, self.plan, options)
+        elif (multi and options.hierarchical == "auto" and options.plan is None
+              and options.objective == "time" and self.plan is not None):
+            alternative = hierarchical_step_s(self, fn, user_args, options)
+            if alternative is not None and alternative < self.plan.predicted.step_time_s:
+                logging.info("hetpar: a hierarchical plan (predicted %.3g s) beats the plan over "
+                             "every process's devices (%.3g s)", alternative,
+                             self.plan.predicted.step_time_s)
+                self.__init__(fn, user_args, dataclasses.replace(options, hierarchical=True),
+                              workers)
+                return
+        if multi and self.plan is not None and self.plan.replicas:
+            # The planner chose data parallel across processes: its own path.
+            self._init_across_processes(fn, user_args, options, plan=self.plan)
+            return
+        self.assignment = {layer: p.compute for layer, p in self.placements.items()}
+        used = sorted({d for p in self.placements.values() for d in p.devices})
+        self.stages: StageGraph | None = None
+        self._out_tree = self.graph.program.out_tree
+        self._replicated = None
+        self._replicated_known = None
+        self._executor = None
+        self._checked_steps = 0  # calls whose results were waited for (`ready`)
+        self._jit = None
+        replicas = self.plan.replicas if self.plan is not None else ()
+        if replicas:
+            absent = [d for d in replicas if d not in self.devices]
+            if absent:
+                raise PlanError(f"the plan replicates the step over {absent}, which are not "
+                                f"present (present: {sorted(self.devices)})")
+            # The user's step, not the microbatch-marked one: each replica runs
+            # its share of the batch whole.
+            if self._static is not None:
+                self._static = StaticLeaves(fn, user_args)
+                fn = self._static.pure_step
+            self._replicated = Replicated(fn, [self.devices[d] for d in replicas], args,
+                                          self._batch_argnums,
+                                          donate_argnums=() if self._static else self._donated)
+            if self._static is None and not multi:
+                # Later calls with these leaves' shapes and dtypes go straight
+                # to its jit (`call_known`): the full path's checks of GPT-2's
+                # 446 leaves cost more than a batch-16 step's GPU time.
+                self._replicated_known = fast_signature(args)
+            used = list(replicas)
+        elif (len(used) == 1 and not multi
+              and all(p.activations == "keep" for p in self.placements.values())):
+            # (A layer that offloads or recomputes its activations needs its
+            # forward and backward in stages apart: the split path below.)
+            self._device = self.devices[used[0]]
+            sharding = jax.sharding.SingleDeviceSharding(self._device)
+            # Explicit shardings in and out: fresh and resident arguments then hit
+            # the same executable (jit's cache tells committed inputs apart).
+            # With static leaves, jit takes the traced leaves as one flat list.
+            jitted = self._step if self._static is None else self._static.flat_step
+            # Flat positions of the batch arguments' leaves, static leaves counted.
+            ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a))
+                                             for a in user_args))
+            starts = [0, *ends[:-1]]
+            donate = self._donated
+            if self._static is not None and donate:  # jit takes the traced leaves flat
+                fixed = set(static_where(user_args))
+                traced = [i for i in range(ends[-1]) if i not in fixed]
+                donate = tuple(j for j, i in enumerate(traced)
+                               if any(starts[k] <= i < ends[k] for k in self._donated))
+            self._jit = jax.jit(_traced_when_known(jitted), in_shardings=sharding,
+                                out_shardings=sharding, donate_argnums=donate)
+            self._sharding = self._placed_like = sharding
+            self._batch_leaves = tuple(i for k in self._batch_argnums
+                                       for i in range(starts[k], ends[k]))
+        elif self._share is not None:
+            self.stages = split(self.graph, self.placements, schedule=options.schedule,
+                                update_apart=True)
+            mine, across = _hierarchical_devices(used, self.devices)
+            self._executor = Executor(self.stages, mine, TransferEngine(), workers,
+                                      across=across)
+        else:
+            if multi:
+                self._check_placements_across()
+            if self._donated:
+                logging.warning("hetpar: donate_argnums: a plan split over %s does not donate "
+                                "its arguments yet; the old and the new state coexist during "
+                                "a step, as the planner counts them", used)
+            self.stages = split(self.graph, self.placements, schedule=options.schedule)
+            self._executor = Executor(self.stages,
+                                      {d: self.devices[memory_place(d)[0]] for d in used},
+                                      TransferEngine(), workers)
+        if multi:
+            self._check_across_processes()
+        if self._executor is not None:
+            # The platforms that compute here (a CPU that only holds state computes nothing).
+            ex = self._executor
+            warn_without_huge_pages(ex.devices[d].platform for d in ex.local
+                                    if ex.stages.device_order[d])
+        if self._calibration_args is not None:
+            self.predicted()  # a step nothing planned is costed now, while the arguments are here
+            self._calibration_args = None
+        logging.info("hetpar: %d layers on %s", len(self.graph), used)
+
+    def _check_across_processes(self) -> None:
+        """A layer plan under several processes: each process runs its devices'
+        stages, and values cross by collectives (hetpar.runtime._network). Every
+        process must have planned the same (a collective compares fingerprints)."""
+        self.plan_fingerprint = _plan_fingerprint(self.plan, self.graph, self.placements,
+                                                  self.options.microbatches)
+        from hetpar._distributed import check_same_on_all_processes
+
+        check_same_on_all_processes(
+            self.plan_fingerprint, "the plan",
+            hint="every process must run the same step on arguments of the same shapes, with "
+                 "the same hetpar.auto options, plan and profiles")
+
+    def _check_placements_across(self) -> None:
+        """Each layer's devices belong to one process (its state is not sent
+        between processes every step)."""
+        for layer, p in self.placements.items():
+            owners = {self.devices[memory_place(d)[0]].process_index for d in p.devices}
+            if len(owners) > 1:
+                raise PlanError(f"layer {layer!r} computes on {p.compute} and keeps its state "
+                                f"on {p.state}: devices of different processes. Across "
+                                "processes a layer's state stays on its compute device's "
+                                "process")
+
+    def _init_across_processes(self, fn: Callable, args: tuple, options: Options,
+                               plan=None) -> None:
+        """Several processes (`jax.distributed`), data parallel: the whole step
+        over devices of every process (the planner's `plan`, a plan given with
+        `replicas`, or with `batch="local"` every device of the default backend).
+
+        Every process runs this at its first call with these shapes, with the
+        same arguments' shapes, options and devices; the plan's fingerprint is
+        compared across the processes (a collective: all of them must get here).
+        """
+        self._nargs = len(args)
+        self._batch_argnums = batch_positions(options.batch_argnums, len(args))
+        self._given_prediction = None
+        self.stages = None
+        self._executor = None
+        self._jit = None
+        self._replicated_known = None
+        chosen, table = plan, self.table if plan is not None else None
+        if plan is not None:
+            options = dataclasses.replace(options, plan=plan)
+        replicas = self._replicas_across_processes(options)
+        static = StaticLeaves(fn, args)
+        self._static = static if static.any else None
+        self._step = fn if self._static is None else static.pure_step
+        self._replicated = Replicated(self._step, [self.devices[d] for d in replicas],
+                                      static.pure_args, self._batch_argnums, batch=options.batch)
+        # Traced on the global shapes (batch="local": each process holds 1/P of the batch).
+        self.graph: LayerGraph = trace(self._step,
+                                       *self._replicated.global_shapes(static.pure_args),
+                                       depth=options.depth, batch_argnums=options.batch_argnums)
+        self._out_tree = self.graph.program.out_tree
+        if chosen is not None:  # the planner's, on the table it saw
+            self.table, plan = table, chosen
+        elif isinstance(options.plan, (str, os.PathLike)) or hasattr(options.plan, "replicas"):
+            self.table = cost_table_for(self, list(replicas), options)
+            from hetpar.planner import Plan
+
+            plan = options.plan if hasattr(options.plan, "replicas") else Plan.load(options.plan)
+            plan.check(self.table)
+        else:
+            self.table = cost_table_for(self, list(replicas), options)
+            plan = data_parallel_plan(self, replicas, options)
+        self.plan = plan
+        self.placements = dict(plan.placements)
+        self.assignment = {layer: p.compute for layer, p in self.placements.items()}
+        self.plan_fingerprint = _plan_fingerprint(plan, self.graph)
+        from hetpar._distributed import check_same_on_all_processes
+
+        check_same_on_all_processes(
+            self.plan_fingerprint, "the plan",
+            hint="every process must run the same step on arguments of the same shapes, with "
+                 "the same hetpar.auto options, plan and profiles")
+        logging.info("hetpar: %d layers data parallel over %s (%d processes)", len(self.graph),
+                     list(replicas), jax.process_count())
+
+    def _replicas_across_processes(self, options: Options) -> tuple[str, ...]:
+        """The replicas of a multi-process step: the plan's, `devices`, or every
+        device of the default backend on every process (`jax.devices()`)."""
+        n = jax.process_count()
+        plan = options.plan
+        if plan is not None:
+            from hetpar.planner import Plan
+
+            if isinstance(plan, (str, os.PathLike)):
+                plan = Plan.load(plan)
+            if not isinstance(plan, Plan) or not plan.replicas:
+                raise PlanError(
+                    "with batch='local' each process passes its share of the batch, which "
+                    "only a data-parallel plan takes (a pipeline's first stage reads the "
+                    "whole batch); this plan places layers. Pass the whole batch on every "
+                    "process (batch='global', the default), or a plan with `replicas`.")
+            replicas = tuple(plan.replicas)
+        else:
+            if not options.data_parallel:
+                raise HetparError(
+                    "with batch='local' each process passes its share of the batch, which "
+                    "only data parallel takes (a pipeline's first stage reads the whole "
+                    "batch); data_parallel=False asks for layer placements. Pass the whole "
+                    "batch on every process (batch='global', the default).")
+            from hetpar._distributed import device_names
+
+            replicas = (tuple(options.devices) if options.devices
+                        else tuple(device_names(jax.devices())))
+        absent = [d for d in replicas if d not in self.devices]
+        if absent:
+            raise PlanError(f"the plan replicates the step over {absent}, which are not "
+                            f"present (present: {sorted(self.devices)})")
+        if len(replicas) < 2:
+            raise PlanError(f"under several processes ({n}) hetpar.auto replicates the step over "
+                            f"two or more devices; got {list(replicas)}")
+        idle = sorted(set(range(n)) - {self.devices[d].process_index for d in replicas})
+        if idle:
+            raise PlanError(f"the replicas {list(replicas)} leave processes {idle} without a "
+                            "device; every process runs the step, so each must hold at least "
+                            "one replica")
+        from hetpar.cost_models import spec_kind_of
+
+        kinds = sorted({spec_kind_of(self.devices[d]) for d in replicas})
+        if len(kinds) > 1:
+            raise PlanError(f"data parallel across processes needs devices of one kind; "
+                            f"{list(replicas)} are of kinds {kinds}")
+        return replicas
+
+    # -- planning (how the placements are chosen: hetpar/_step_planning.py) --
+
+    def predicted(self):
+        """The planner's prediction of this step's costs (a `hetpar.planner.Predicted`), or None.
+
+        A planned step has its plan's prediction. A step nothing planned (one
+        device, or a plan given as a dict) is costed on its devices at the
+        first ask (with profile="measure", while planning, when the step was
+        timed): one device in closed form, anything else replayed under its
+        schedule (`hetpar.planner.evaluate_replayed`), as the planner prices
+        the plans it makes.
+        """
+        if self.plan is not None:
+            return self.plan.predicted
+        if self._given_prediction is None:
+            from hetpar.planner import evaluate, evaluate_replayed
+
+            used = sorted({d for p in self.placements.values() for d in p.devices})
+            table = cost_table_for(self, used, self.options)
+            m = self.options.microbatches
+            if len(used) == 1:
+                self._given_prediction = evaluate(
+                    table, self.assignment, mode="pipelined" if m > 1 else "sequential",
+                    microbatches=m)
+            else:
+                self._given_prediction = evaluate_replayed(
+                    table, self.placements, m, self.options.schedule)
+            if self.table is None:  # what the prediction was costed on, to inspect
+                self.table = table
+        return self._given_prediction
+
+    def given_plan(self):
+        """A Plan for a step nothing planned (a plan dict, one device): its
+        placements priced on their devices (`predicted`), named "given"."""
+        from hetpar.planner import Plan
+
+        predicted = self.predicted()
+        if predicted is None:
+            return None
+        m = self.options.microbatches
+        return Plan(fingerprint=self.table.fingerprint(),
+                    mode="pipelined" if m > 1 else "sequential",
+                    objective=self.options.objective, microbatches=m,
+                    assignment=dict(self.assignment), predicted=predicted,
+                    solver={"name": "given", "status": "given by the caller",
+                            "gap": 0.0, "solve_time_s": 0.0},
+                    offloaded={n: p for n, p in self.placements.items()
+                               if p.offloaded or p.activations != "keep"},
+                    devices=tuple(d.name for d in self.table.devices))
+
+    # -- running ----------------------------------------------------------
+
+    def _batch_here(self, args: tuple) -> tuple:
+        """`args` with batch arrays committed to another device moved to the plan's one.
+
+        jit would accept them and copy them itself, but by a slow path: a host
+        batch made AlexNet's step 4.1x jit's on the H200, against 1x when moved
+        with `device_put` first (experiments/results/probe_overhead_h200_run2.txt).
+        Numpy batches and resident arrays go to jit untouched (its C++ path).
+        """
+        moved = None
+        for i in self._batch_argnums:
+            for x in jax.tree_util.tree_leaves(args[i]):
+                if self._elsewhere(x):
+                    moved = moved or list(args)
+                    moved[i] = jax.device_put(args[i], self._device)
+                    break
+        return args if moved is None else tuple(moved)
+
+    def _elsewhere(self, x) -> bool:
+        """Whether `x` is a JAX array placed other than the plan's device.
+
+        On every call, for every batch leaf: a sharding object already found
+        equal (arrays of one source share theirs) is recognised by identity,
+        and NumPy arrays by type, before anything slower.
+        """
+        if type(x) is np.ndarray or not isinstance(x, jax.Array):
+            return False
+        sharding = x.sharding
+        if sharding is self._placed_like:
+            return False
+        if sharding != self._sharding:
+            return True
+        self._placed_like = sharding
+        return False
+
+    def _batch_leaves_here(self, leaves: list) -> list:
+        """`_batch_here` on the flat leaves of the arguments (the static-leaf path)."""
+        moved = [i for i in self._batch_leaves if self._elsewhere(leaves[i])]
+        if moved:
+            for i, y in zip(moved, jax.device_put([leaves[i] for i in moved], self._device)):
+                leaves[i] = y
+        return leaves
+
+    @property
+    def direct(self) -> bool:
+        """Whether calls may go straight to its jit executable (`call_known`): a
+        one-device plan, or data parallel in one process without static leaves."""
+        return self._jit is not None or self._replicated_known is not None
+
+    def call_known(self, args: tuple):
+        """Runs the step if jit has already run it for arguments like these, else `UNKNOWN`.
+
+        The fast path of a one-device plan: jit's C++ dispatch checks the
+        arguments' structure, shapes, dtypes and placement, and where they
+        are new it would trace, which `_traced_when_known` refuses outside
+        `__call__`; with static leaves, their structure and the leaves are
+        checked here first. Nothing runs for arguments not known, and the
+        caller takes the full path.
+        """
+        if len(args) != self._nargs:
+            return UNKNOWN
+        if self._jit is None:
+            # Data parallel: the arguments' structure, shapes and dtypes are
+            # checked here, so jit never traces on this path (it must not be
+            # refused a trace, as the one-device path does: an exception inside
+            # jit's dispatch leaves that signature on its slow path for good).
+            if fast_signature(args) != self._replicated_known:
+                return UNKNOWN
+            return self._replicated.call_placed_batch(args)
+        try:
+            if self._static is None:  # _call_jit's first case, one Python call less
+                return self._jit(*self._batch_here(args))
+            return self._call_jit(args)
+        except (_NewSignature, TypeError):  # TypeError: a non-array leaf (the full path says)
+            return UNKNOWN
+
+    def __call__(self, *args):
+        if self._jit is not None:
+            before, _known.on = getattr(_known, "on", False), True
+            try:
+                out = self._call_jit(args)
+            finally:
+                _known.on = before
+            if out is UNKNOWN:
+                raise HetparError("these arguments' structure or static (non-array) leaves "
+                                  "differ from those the step was compiled for; call the "
+                                  "hetpar.auto step itself, which compiles for them")
+            return out
+        if self._static is not None:
+            return self._static.result(self._run(self._static.strip(args)))
+        return self._run(args)
+
+    def _call_jit(self, args: tuple):
+        if self._static is None:
+            return self._jit(*self._batch_here(args))
+        static = self._static
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if tree != static.in_tree or not static.matches(leaves):
+            return UNKNOWN
+        out = self._jit(*static.dynamic(self._batch_leaves_here(leaves)))
+        return static.result_of(out)
+
+    def place(self, args: tuple) -> tuple:
+        """`args` moved to where the plan keeps them between steps (see `auto`'s `place`)."""
+        # Arrays only: static leaves (an activation function) and Python
+        # numbers (a learning rate) stay as they are, so the step's
+        # signature does not change.
+        def is_array(x):
+            return isinstance(x, (jax.Array, np.ndarray))
+
+        if (self._replicated is not None and self._replicated.multi_process
+                and self._static is None):
+            return self._replicated.global_args(args)
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        if self._executor is None:
+            if self._replicated is None:
+                leaves = [jax.device_put(x, self._sharding) if is_array(x) else x
+                          for x in leaves]
+            return jax.tree_util.tree_unflatten(tree, leaves)
+        fixed = set(static_where(args)) if self._static is not None else set()
+        traced = [i for i in range(len(leaves)) if i not in fixed]
+        placed = self._executor.place_inputs([leaves[i] for i in traced])
+        for i, y in zip(traced, placed):
+            if is_array(leaves[i]) and y is not None:  # None: another process keeps it
+                leaves[i] = y
+        return jax.tree_util.tree_unflatten(tree, leaves)
+
+    def _run(self, args: tuple):
+        if self._replicated is not None:
+            return self._replicated(*args)
+        if self._share is not None:
+            args = self._share(args)
+        flat = jax.tree_util.tree_leaves(args)
+        out = self._executor(flat)
+        if self._checked_steps < CHECKED_STEPS:
+            self._checked_steps += 1
+            ready(out)
+        return jax.tree_util.tree_unflatten(self._out_tree, out)
+
+
+UNKNOWN = object()  # CompiledStep.call_known: not run, take the full path
+
+
+class _NewSignature(Exception):
+    """jit was about to trace a one-device step outside `CompiledStep.__call__`."""
+
+
+_known = threading.local()  # .on: inside CompiledStep.__call__, where jit may trace
+
+
+def _traced_when_known(step: Callable) -> Callable:
+    """`step` for jit, refusing to be traced from `CompiledStep.call_known`.
+
+    jit traces only arguments it has no executable for: the signature check
+    of the fast path is jit's own, and a signature jit has not seen goes back
+    to `AutoStep`'s full path (which may plan it differently).
+    """
+
+    @functools.wraps(step)
+    def traced(*args):
+        if not getattr(_known, "on", False):
+            raise _NewSignature
+        return step(*args)
+
+    return traced
+
+
+def _plan_fingerprint(plan, graph: LayerGraph, placements=None, microbatches=None) -> str:
+    """What every process must agree on: the plan's graph and devices, where each
+    layer runs, the replicas, and the step's (global) argument shapes and dtypes.
+    Not the predicted figures (measured profiles may differ a little by process).
+    A plan given as a dict has only its `placements`."""
+    from hetpar.core import fingerprint
+
+    placements = plan.placements if plan is not None else placements
+    return fingerprint({
+        "graph": plan.fingerprint if plan is not None else graph.fingerprint(),
+        "mode": plan.mode if plan is not None else None,
+        "microbatches": plan.microbatches if plan is not None else microbatches,
+        "assignment": {n: p.to_json() for n, p in placements.items()},
+        "replicas": list(plan.replicas) if plan is not None else [],
+        "inputs": [a.str_short() for a in graph.program.jaxpr.in_avals],
+    })
+
+
+def _hierarchical_devices(used, present) -> tuple[dict, dict]:
+    """A per-host plan's devices (process 0's names) on this process, and each
+    one's counterpart on every process, in process order."""
+    from hetpar._distributed import parse_device_name
+
+    me, n = jax.process_index(), jax.process_count()
+    mine, across = {}, {}
+    for name in used:
+        device, _ = memory_place(name)
+        _, platform, index = parse_device_name(device)
+        peers = [present.get(f"p{q}/{platform}:{index}") for q in range(n)]
+        if any(d is None for d in peers):
+            raise PlanError(f"a hierarchical plan runs on {device} of every process, but "
+                            f"process {peers.index(None)} has no {platform}:{index}")
+        mine[name] = peers[me]
+        across[name] = peers
+    return mine, across

@@ -1,0 +1,399 @@
+"""Planning one compiled step: where its layers go, and on what figures.
+
+Functions of the `CompiledStep` being planned (`compiled`), which they read
+and fill in (`compiled.table`, `compiled.plan`): the devices it may run on
+(`candidate_devices`), a plan given checked against them or the ILP solved
+(`assign`, `solve_placements`), its cost table (`cost_table_for`, calibrated
+to the whole step measured here under `profile="measure"`: `calibrated`),
+a data-parallel plan (`data_parallel_plan`) and, under several processes,
+the hierarchical plan weighed against the plan over every process's devices
+(`hierarchical_step_s`, `with_allreduce`, `BatchShare`: this process's rows
+of the batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+from absl import logging
+
+from hetpar._grad import is_key, microbatched
+from hetpar.core import (
+    HetparError,
+    Placement,
+    PlanError,
+    is_memory_place,
+    memory_place,
+    parse_placements,
+    seconds,
+)
+
+# The planner (and pulp) load with this module, not lazily inside a call:
+# pulp keeps a traceback from an optional solver it fails to load, and a
+# traceback's frames hold their callers' frames, so a first import under a
+# step's first call pinned that call's arguments (a 40 GB optimizer state on
+# the GPU) for the life of the process.
+import hetpar.planner  # noqa: E402,F401  isort: skip
+from hetpar._calibration import (
+    allreduce_across_processes_s,
+    profiles_of,
+    runtime_costs,
+    whole_step_s,
+)
+from hetpar._options import Options, check_places
+from hetpar._signature import batch_positions
+from hetpar.passes import LayerGraph, StaticLeaves, check_covers, trace
+
+
+def _untimed_used(plan, table) -> frozenset[tuple[str, str]]:
+    """(layer, device) pairs the plan computes on that `table` left predicted
+    (`meta["kept_predicted"]`, profile="measure"'s TimingBudget)."""
+    kept = table.meta.get("kept_predicted", {})
+    return frozenset((n, p.compute) for n, p in plan.placements.items()
+                     if p.compute in kept.get(n, ()))
+
+
+def _untimed_steps(plan, table) -> frozenset[str]:
+    """Device kinds whose whole step `table` left untimed (`untimed_kinds`)
+    on which the plan spends at least half its predicted step: their layers,
+    timed alone, are scaled to no step of theirs."""
+    untimed = set(table.meta.get("untimed_kinds", ()))
+    if plan.predicted is None or not untimed:
+        return frozenset()
+    busy: dict[str, float] = {}
+    for name, s in plan.predicted.busy_s.items():
+        kind = table.device(name).kind
+        if kind in untimed:
+            busy[kind] = busy.get(kind, 0.0) + s
+    step = plan.predicted.step_time_s
+    return frozenset(k for k, s in busy.items() if s >= 0.5 * step)
+
+
+def data_parallel_plan(compiled, replicas: tuple[str, ...], options: Options):
+    """The Plan running the whole step data parallel over `replicas`, predicted
+    on `compiled.table` (no ILP)."""
+    from hetpar.planner import Plan, evaluate_data_parallel
+
+    predicted = evaluate_data_parallel(compiled.table, replicas)
+    return Plan(fingerprint=compiled.table.fingerprint(), mode="sequential",
+                objective=options.objective, microbatches=1,
+                assignment=dict.fromkeys(compiled.graph.layers, replicas[0]),
+                predicted=predicted,
+                solver={"name": "none", "status": "given",
+                        "chosen": "data parallel " + "+".join(replicas)},
+                replicas=replicas, devices=compiled.table.device_names)
+
+
+def candidate_devices(compiled, options: Options) -> list[str]:
+    # Options checked that the devices given are present.
+    if options.devices:
+        return list(options.devices)
+    if jax.process_count() > 1:
+        # Every process's devices of the default backend: the same list on
+        # every process (a GPU process lists only its own CPU device); a
+        # hierarchical plan's are process 0's (each process maps them to its own).
+        from hetpar._distributed import device_names
+
+        names = device_names(jax.devices())
+        if options.hierarchical:
+            names = [n for n in names if n.startswith("p0/")]
+        return names
+    return list(compiled.devices)
+
+
+def assign(compiled, options: Options) -> Mapping[str, str | Placement]:
+    # A malformed profile file fails here, where one device or a plan dict
+    # builds no cost table, not at report() after training.
+    profile_set(compiled, options)
+    plan = options.plan
+    if plan is None:
+        return solve_placements(compiled, options, candidate_devices(compiled, options))
+    from hetpar.planner import Plan
+
+    if isinstance(plan, (str, os.PathLike)):
+        plan = Plan.load(plan)
+    if isinstance(plan, Mapping):
+        check_covers(compiled.graph, plan)
+    assignment = dict(plan.placements if isinstance(plan, Plan) else parse_placements(plan))
+    wanted = sorted({d for p in assignment.values() for d in p.devices}
+                    | set(getattr(plan, "replicas", ())))
+    check_places(wanted, compiled.devices)
+    absent = [d for d in wanted if memory_place(d)[0] not in compiled.devices]
+    # A plan file's fingerprint covers every device it was planned over,
+    # idle ones too: one absent here rejects it as surely as a used one.
+    absent += [d for d in getattr(plan, "devices", ())
+               if not is_memory_place(d) and d not in compiled.devices and d not in absent]
+    if absent:
+        if options.on_missing_device == "replan":
+            devices = candidate_devices(compiled, options)  # within devices=, if given
+            logging.warning("hetpar: plan names devices %s that are not present; replanning "
+                            "on %s", absent, devices)
+            return solve_placements(compiled, options, devices)
+        used = [d for d in absent if d in wanted]
+        raise PlanError(
+            (f"the plan places layers on {used}" if used else
+             f"the plan was planned over {list(plan.devices)}, its fingerprint covering "
+             "them all")
+            + f"; {', '.join(absent)} {'is' if len(absent) == 1 else 'are'} not present "
+            f"here (present: {', '.join(sorted(compiled.devices))})",
+            api="pass on_missing_device='replan' to plan afresh for these devices",
+            cli="leave --plan out to plan afresh for these devices, or re-plan for them "
+                "with `hetpar plan`")
+    if options.devices:
+        # devices= says where the step may run: a plan reaching past it is a
+        # mistake to report, not a placement to run silently.
+        outside = [d for d in wanted if memory_place(d)[0] not in options.devices]
+        if outside:
+            raise PlanError(
+                f"the plan places layers on {outside}, which the devices given "
+                f"({', '.join(options.devices)}) leave out",
+                api="add them to devices=, or place those layers on the devices given",
+                cli="add them to --devices, or leave --devices out")
+    if isinstance(plan, Mapping):
+        return assignment
+    # The plan's fingerprint names the devices it was planned over: those it
+    # records (idle ones too), or, in a plan from before it recorded them,
+    # those it uses or every device given or present.
+    # (Memory places in it come with their devices' table.)
+    recorded = [d for d in plan.devices if not is_memory_place(d)]
+    over = [d for d in recorded if d in compiled.devices]
+    table = cost_table_for(compiled, over if len(over) == len(recorded) > 0 else wanted, options)
+    if plan.fingerprint != table.fingerprint():
+        wider = cost_table_for(compiled, candidate_devices(compiled, options), options)
+        if plan.fingerprint == wider.fingerprint():
+            table = wider
+    plan.check(table)
+    compiled.table, compiled.plan = table, plan
+    return dict(plan.placements)
+
+
+def profile_set(compiled, options: Options):
+    """The profiles this step's tables come from (`profiles_of`), read once."""
+    if not hasattr(compiled, "_profiles"):
+        compiled._profiles = profiles_of(options)
+    return compiled._profiles
+
+
+def cost_table_for(compiled, devices: list[str], options: Options,
+                   graph: LayerGraph | None = None,
+                   timed: frozenset[tuple[str, str]] = frozenset(),
+                   steps: frozenset[str] = frozenset()):
+    from hetpar.cost_models import TimingBudget, cost_table
+
+    calibrate = (options.profile == "measure" and graph is None
+                 and compiled._calibration_args is not None)
+    # profile="measure" times each layer alone on the present devices
+    # (cached on disk by its jaxpr), then scales them to the whole step:
+    # the roofline's layer shares put a pipeline's cut 10% off on GPT-2.
+    # Far slower devices stay predicted, but for the `timed` pairs and
+    # the whole step on the `steps` kinds.
+    budget = TimingBudget(timed=timed, steps=steps)
+    table = cost_table(graph or compiled.graph, devices, profiles=profile_set(compiled, options),
+                       measure=calibrate, budget=budget,
+                       progress=(lambda line: logging.info("hetpar: %s", line))
+                       if calibrate else None)
+    if calibrate:
+        table = calibrated(compiled, table, budget)
+    return table
+
+
+def calibrated(compiled, table, budget):
+    """`table` scaled to the whole step measured under `jax.jit` on one
+    present device of each kind it has (`profile="measure"`)."""
+    from hetpar.cost_models import batch_share, scale_to_timed_step
+
+    if jax.process_count() > 1:
+        raise HetparError("profile='measure' calibrates in one process; under "
+                          "jax.distributed run `hetpar profile` there and pass its file")
+    if compiled._calibration_args is None:  # only while planning
+        return table
+    step, args, batch = compiled._step, compiled._calibration_args, compiled._batch_argnums
+
+    def replicas(names: list[str], devs: list) -> float | None:
+        # The step data parallel over two devices, as Replicated runs it:
+        # what a replica pays whole (launches, the host's dispatch to both)
+        # is measured, not inferred from a smaller batch on one device.
+        if batch_share(args, batch, len(devs)) is None:  # the batch does not split
+            return None
+        return whole_step_s(step, args, devs, batch, failed="the step data parallel over "
+                             f"{', '.join(names)}; data parallel is predicted from the "
+                             "whole step on one device")
+
+    options = compiled.options
+    # Only where the step may run data parallel (one more compile); a
+    # microbatched step's layers were measured per microbatch already.
+    dp = (options.microbatches == 1 and bool(options.data_parallel)
+          and (options.plan is None or replicates(options.plan)))
+    def whole(_, dev) -> float:
+        # Timed once per device while planning: a re-planning round
+        # (`solve_placements`) builds the table again.
+        if dev not in compiled._whole_steps:
+            compiled._whole_steps[dev] = whole_step_s(step, args, dev, batch)
+        return compiled._whole_steps[dev]
+
+    def replicas_once(names: list[str], devs: list) -> float | None:
+        key = ("replicas", *names)
+        if key not in compiled._whole_steps:
+            compiled._whole_steps[key] = replicas(names, devs)
+        return compiled._whole_steps[key]
+
+    scaled = scale_to_timed_step(
+        table, compiled.devices, whole, **runtime_costs(),
+        time_replicas=replicas_once if dp else None, budget=budget)
+    steps = [f"{d} {seconds(t)}" for d, t in (scaled.meta.get("step_s") or {}).items()]
+    steps += [f"data parallel over {', '.join(pair.split())} {seconds(t)}"
+              for pair, t in (scaled.meta.get("replicated_step_s") or {}).items()]
+    logging.info("hetpar: calibrated to the whole step measured here: %s",
+                 ", ".join(steps) or "none")
+    return scaled
+
+
+def hierarchical_step_s(compiled, fn: Callable, args: tuple, options: Options) -> float | None:
+    """The predicted step of a hierarchical plan (see `auto`'s `hierarchical`):
+    the planner's plan over process 0's devices for one process's share of
+    the batch, plus the gradients' all-reduce across the processes. None
+    where the batch does not split over the processes."""
+    from hetpar.planner import plan as solve
+
+    try:
+        share = BatchShare(args, options)
+    except HetparError:
+        return None
+    local = share(args)
+    m = options.microbatches
+    static = StaticLeaves(microbatched(fn, m, batch_positions(options.batch_argnums,
+                                                               len(local))), local)
+    graph = trace(static.pure_step, *static.pure_args, depth=options.depth,
+                  batch_argnums=options.batch_argnums)
+    hier = dataclasses.replace(options, hierarchical=True)
+    devices = candidate_devices(compiled, hier)
+    if len(devices) == 1:
+        table = cost_table_for(compiled, devices, hier, graph)
+        from hetpar.planner import evaluate
+
+        step = evaluate(table, dict.fromkeys(graph.layers, devices[0])).step_time_s
+    else:
+        table = cost_table_for(compiled, devices, hier, graph)
+        step = solve(table, objective="time", mode="pipelined" if m > 1 else "sequential",
+                     microbatches=m, data_parallel=False, schedule=options.schedule,
+                     memory=options.memory).predicted.step_time_s
+    return step + allreduce_across_processes_s(table, options)
+
+
+def with_allreduce(compiled, plan, options: Options):
+    """A hierarchical plan with the gradients' all-reduce across processes
+    added to its predicted step (and so named in `solver`)."""
+    extra = allreduce_across_processes_s(compiled.table, options)
+    p = plan.predicted
+    return dataclasses.replace(
+        plan, predicted=dataclasses.replace(p, step_time_s=p.step_time_s + extra,
+                                            transfer_s=p.transfer_s + extra),
+        solver={**plan.solver, "chosen": f"hierarchical over {jax.process_count()} "
+                f"processes (gradients all-reduced: {extra:.3g} s)"})
+
+
+def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str, Placement]:
+    from hetpar.planner import plan as solve
+
+    if options.data_parallel == "always":
+        if not options.devices:
+            from hetpar._distributed import device_names
+
+            devices = device_names(jax.devices())  # the default backend's
+        compiled.table = cost_table_for(compiled, devices, options)
+        compiled.plan = data_parallel_plan(compiled, tuple(devices), options)
+        return dict(compiled.plan.placements)
+    if len(devices) == 1:
+        return dict.fromkeys(compiled.graph.layers, devices[0])
+    compiled.table = cost_table_for(compiled, devices, options)
+    m = options.microbatches
+
+    def planned():
+        return solve(compiled.table, objective=options.objective,
+                     mode="pipelined" if m > 1 else "sequential", microbatches=m,
+                     data_parallel=bool(options.data_parallel) and compiled._share is None,
+                     schedule=options.schedule, memory=options.memory)
+
+    compiled.plan = planned()
+    # profile="measure" left far slower devices predicted (TimingBudget);
+    # a plan that computes layers there stood on spec sheets: time those
+    # layers there and plan again (GPT-2 at batch 16 on an H200 host,
+    # planned on the CPU's spec sheet with a quarter of the GPU's memory,
+    # predicted 1.08 s and ran in 0.36 s).
+    # A plan that spends most of its step on such a device also has the
+    # whole step timed there, as the fastest device has: its layers timed
+    # alone summed to 1.2x the step (GPT-2, batch 16, an H100 host's CPU).
+    timed: frozenset[tuple[str, str]] = frozenset()
+    steps: frozenset[str] = frozenset()
+    for _ in range(3):  # each round times what the last plan used; few rounds move
+        used = _untimed_used(compiled.plan, compiled.table) - timed
+        busy = _untimed_steps(compiled.plan, compiled.table) - steps
+        if not used and not busy:
+            break
+        logging.info("hetpar: the plan computes %d layers on devices left untimed (%s)%s; "
+                     "timing them and planning again", len(used),
+                     ", ".join(sorted({d for _, d in used})),
+                     f", most of its step on {', '.join(sorted(busy))}" if busy else "")
+        timed |= used
+        steps |= busy
+        compiled.table = cost_table_for(compiled, devices, options, timed=timed, steps=steps)
+        compiled.plan = planned()
+    else:
+        left = _untimed_used(compiled.plan, compiled.table) - timed
+        busy = _untimed_steps(compiled.plan, compiled.table) - steps
+        if busy:
+            logging.warning("hetpar: after 3 rounds the plan spends most of its step on %s, "
+                            "whose whole step is not timed; its layers are not scaled to it",
+                            ", ".join(sorted(busy)))
+        if left:
+            logging.warning("hetpar: after 3 rounds the plan still computes %d layers on "
+                            "devices left untimed; their figures are predicted", len(left))
+    return dict(compiled.plan.placements)
+
+
+class BatchShare:
+    """A hierarchical plan's batch: this process's rows of it.
+
+    With `batch="global"` every process passes the whole batch and keeps rows
+    [i B/P, (i+1) B/P); with `batch="local"` it passes those rows itself.
+    """
+
+    def __init__(self, args: tuple, options: Options):
+        self.nums = batch_positions(options.batch_argnums, len(args))
+        self.whole = options.batch == "global"
+        self.i, self.n = jax.process_index(), jax.process_count()
+        for k in self.nums:
+            for x in jax.tree_util.tree_leaves(args[k]):
+                rows = np.shape(x)[0] if np.ndim(x) and not is_key(x) else None
+                if self.whole and rows is not None and rows % self.n:
+                    raise HetparError(
+                        f"a batch array of shape {np.shape(x)} does not split over "
+                        f"{self.n} processes: its leading axis must be a multiple of {self.n}")
+
+    def __call__(self, args: tuple) -> tuple:
+        if not self.whole:
+            return args
+
+        def rows(x):
+            if not np.ndim(x) or is_key(x):  # a PRNG key in the batch goes whole
+                return x
+            b = np.shape(x)[0] // self.n
+            return x[self.i * b:(self.i + 1) * b]
+
+        return tuple(jax.tree_util.tree_map(rows, a) if k in self.nums else a
+                     for k, a in enumerate(args))
+
+
+def replicates(plan) -> bool:
+    """Whether `plan` (a Plan, a plan.json path, a dict or None) runs data parallel."""
+    if plan is None or isinstance(plan, Mapping):
+        return False
+    if isinstance(plan, (str, os.PathLike)):
+        from hetpar.planner import Plan
+
+        plan = Plan.load(plan)
+    return bool(getattr(plan, "replicas", ()))
