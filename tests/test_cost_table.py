@@ -187,7 +187,7 @@ def test_measured_fixed_part_per_microbatch(monkeypatch):
     assert "batch/2" in table.meta["fixed_s"]
     assert CostTable.from_json(table.to_json()).layers == table.layers
 
-    with pytest.raises(ProfileError, match="add measure"):
+    with pytest.raises(ProfileError, match="pass measure=True"):
         zoo.cost_table("mlp", ["cpu:0"], small=True, microbatches=2)
     with pytest.raises(ProfileError, match="positive integer"):
         zoo.cost_table("mlp", ["cpu:0"], small=True, measure=True, microbatches=0)
