@@ -1,6 +1,7 @@
-"""Step timing shared by the benchmark scripts in this folder."""
+"""Step timing and host naming shared by the benchmark scripts in this folder."""
 
 import json
+import platform
 import statistics
 import time
 
@@ -35,3 +36,15 @@ def write_results(prefix: str, markdown: str, results: dict) -> None:
         f.write(markdown)
     with open(prefix + ".json", "w") as f:
         json.dump(results, f, indent=1, default=str)
+
+
+def host_cpu() -> str:
+    """The host CPU's model name, for a results file's header."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -14,7 +14,6 @@ through `NnxArgs`.
 """
 
 import os
-import platform
 import statistics
 import time
 
@@ -26,7 +25,7 @@ from absl import app, flags
 from flax import nnx
 
 import hetpar
-from experiments._timing import write_results
+from experiments._timing import host_cpu, write_results
 
 _STEPS = flags.DEFINE_integer("steps", 200, "timed steps of each, interleaved")
 _FULL_PATH = flags.DEFINE_bool("full_path", False, "time every call through NnxArgs "
@@ -113,17 +112,6 @@ def interleaved(steps, a, b, objects_a, objects_b, x, y) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main(argv):
     del argv
     if _FULL_PATH.value:
@@ -143,7 +131,7 @@ def main(argv):
         ref_s, our_s = interleaved(_STEPS.value, ref, ours, ref_objects, our_objects, x, y)
         rows.append({"model": name, "nnx_jit_ms": ref_s * 1e3, "hetpar_ms": our_s * 1e3,
                      "ratio": our_s / ref_s, "extra_ms": (our_s - ref_s) * 1e3})
-    cpu = cpu_name()
+    cpu = host_cpu()
     path = "every call through NnxArgs (before NnxFastCall)" if _FULL_PATH.value else (
         "NnxFastCall after the first call")
     lines = [f"# Flax NNX step: hetpar.auto against nnx.jit ({path})", "",

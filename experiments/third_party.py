@@ -74,7 +74,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import write_results  # noqa: E402
+from _timing import host_cpu, write_results  # noqa: E402
 
 import hetpar  # noqa: E402
 from hetpar.passes import SHARED, step_cost  # noqa: E402
@@ -999,17 +999,6 @@ def _version(mod: str) -> str:
         return version(mod)
     except Exception:
         return "absent"
-
-
-def host_cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None):

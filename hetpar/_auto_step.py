@@ -142,25 +142,27 @@ class AutoStep:
                 self._replan_smaller(e, tries)
 
     def _replan_smaller(self, e: Exception, tries: int) -> None:
-        """After a step ran out of memory (the caller's arguments intact: no stage
-        donates them), caps the device that ran out below what the plan predicted
-        there, so that the next call plans again; raises `OutOfMemoryError` where
-        that cannot help (see hetpar/_recovery.py)."""
+        """After a step ran out of memory, caps the device that ran out below what
+        the plan predicted there, so that the next call plans again on the same
+        arguments (intact: nothing is donated, unless `donate_argnums` says so,
+        and then it gives up); raises `OutOfMemoryError` where planning again
+        cannot help (see hetpar/_recovery.py)."""
         # A replanned step that failed while compiling (XLA's autotuner, out of
         # memory beside the state) is not `_last` yet: the step replanned is.
         step, self._direct, self._nnx_direct = self._last or self._replanned, None, None
         if isinstance(e, InfeasibleError) and tries > 0 and self._shrunk is not None:
             device, first, cap = self._shrunk
-            raise give_up(device, first, tries - 1, cap, why=e) from first
+            raise give_up(device, first, tries=tries - 1, cap=cap, why=e) from first
         if step is None:
             raise e
         used = sorted({memory_place(d)[0] for p in step.placements.values() for d in p.devices})
         device = failed_device(e, used) or (self._shrunk[0] if self._shrunk else None)
         if device is None:
             raise e
-        if (self.options.plan is not None or tries >= MAX_REPLANS
-                or len(candidate_devices(step, self.options)) < 2):
-            raise give_up(device, e, tries, None) from e
+        if (self.options.plan is not None or self.options.donate_argnums
+                or tries >= MAX_REPLANS or len(candidate_devices(step, self.options)) < 2):
+            raise give_up(device, e, tries=tries, given=self.options.plan is not None,
+                          donated=bool(self.options.donate_argnums)) from e
         table = step.table
         capacity = ({d.name: d.memory_bytes for d in table.devices}.get(device)
                     if table is not None else None) or live_capacity(step.devices[device])[0]

@@ -113,9 +113,12 @@ def smaller_cap(capacity: float, predicted: float | None, tries: int = 0,
     return max(cap, 0.25 * SHRINK ** (tries + 1) * base)
 
 
-def give_up(device: str, e: BaseException, tries: int, cap: float | None,
-            why: InfeasibleError | None = None) -> OutOfMemoryError:
-    """The one-line error after the last try (or where hetpar may not replan)."""
+def give_up(device: str, e: BaseException, *, tries: int = 0, cap: float | None = None,
+            why: InfeasibleError | None = None, given: bool = False,
+            donated: bool = False) -> OutOfMemoryError:
+    """The one-line error after the last try, or where hetpar may not plan again:
+    `given` a plan, `donated` arguments (no longer the caller's to retry with),
+    or no other device to take state (none of these)."""
     wanted = bytes_wanted(e)
     need = f" (XLA could not allocate {nbytes(wanted)} more)" if wanted else ""
     if why is not None:
@@ -123,12 +126,17 @@ def give_up(device: str, e: BaseException, tries: int, cap: float | None,
                  f"({str(why).splitlines()[0]})")
     elif tries:
         tried = f"; {tries} smaller plans ran out of memory too"
+    elif given:
+        tried = "; the plan was given, so hetpar did not plan again"
+    elif donated:
+        tried = "; its arguments were donated (donate_argnums), so hetpar cannot run it again"
     else:
-        return OutOfMemoryError(
-            f"{device} ran out of memory running the step{need}; the plan was given, so "
-            "hetpar did not plan again. Your arguments are unchanged. Give a plan that keeps "
-            f"less on {device}, or drop plan= and let hetpar plan for the memory there")
-    return OutOfMemoryError(
-        f"{device} ran out of memory running the step{need}{tried}. Your arguments are "
-        "unchanged. Try a smaller batch, microbatches=M with hetpar.value_and_grad, more "
-        "devices, or a CPU among the devices to hold state in host memory")
+        tried = "; no other device can take its state"
+    state = ("Arrays passed in donate_argnums may be deleted" if donated
+             else "Your arguments are unchanged")
+    advice = (f"Give a plan that keeps less on {device}, or drop plan= and let hetpar plan "
+              "for the memory there" if given else
+              "Try a smaller batch, microbatches=M with hetpar.value_and_grad, more devices, "
+              "or a CPU among the devices to hold state in host memory")
+    return OutOfMemoryError(f"{device} ran out of memory running the step{need}{tried}. "
+                            f"{state}. {advice}")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -35,7 +34,7 @@ from jax.extend import core as jcore
 from jax.sharding import SingleDeviceSharding
 
 from hetpar.core import HetparError, PlanError, memory_place
-from hetpar.cost_models import has_pinned_host
+from hetpar.cost_models import has_pinned_host, host_cores
 from hetpar.passes import Stage, StageGraph
 from hetpar.runtime._network import Crossing, Network, crossings, global_order, local_part
 from hetpar.runtime._transfer import TransferEngine
@@ -88,14 +87,6 @@ def _compile(stage: Stage, device: jax.Device):
                  out_shardings=sharding)
     fn.lower(*args).compile()
     return fn
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 class Executor:
@@ -356,7 +347,7 @@ class Executor:
         for key, st in zip(keys, stages):
             if key is not None:  # another process runs it
                 first.setdefault(key, st)
-        threads = min(len(first), _cores())
+        threads = min(len(first), host_cores())
         if not first:
             return [None] * len(keys)
         if threads <= 1:
