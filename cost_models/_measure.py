@@ -137,6 +137,7 @@ def measure(
 def measure_step(
     fn: Callable, args: Sequence[Any], device, *, batch_argnums: Sequence[int] = (-1,),
     k: int = 20, warmup: int = 3, budget_s: float | None = None,
+    jitted: Callable | None = None,
 ) -> Timing:
     """Times `jax.jit(fn)` on `device` as a training loop runs it, compile time excluded.
 
@@ -168,6 +169,10 @@ def measure_step(
       warmup: untimed runs first (at least 1: the first call compiles).
       budget_s: with it, fewer than k runs once the timed runs have taken
         this long (three at least), as for `measure`.
+      jitted: on one device, `fn` already under `jax.jit` as the caller will
+        run it later (the same executable then serves both: hetpar's
+        one-device step compiles once for its calibration and its run);
+        it must not donate its arguments.
 
     Returns:
       The Timing of the runs.
@@ -176,12 +181,13 @@ def measure_step(
 
     if k < 1:
         raise ProfileError(f"measure_step: k must be >= 1, got {k}")
+    prebuilt = jitted
     batch = {i % len(args) for i in batch_argnums} if args else set()
     state_at = [i for i in range(len(args)) if i not in batch]
     args = list(args)
     if isinstance(device, (str, jax.Device)):
         state_place = split = resolve_device(device)
-        jitted = jax.jit(fn)
+        jitted = prebuilt or jax.jit(fn)
     else:  # data parallel: a 1-D mesh of replicas
         n = len(device)
         uneven = [np.shape(x) for i in batch for x in jax.tree_util.tree_leaves(args[i])

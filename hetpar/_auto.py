@@ -79,13 +79,19 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         (default: the last, and the arguments just before it every leaf of
         which has as many rows: `x` and `y` of `step(params, opt_state, x, y)`).
       schedule: "gpipe" or "1f1b".
-      profile: "auto" (the profile file named by $HETPAR_PROFILES, else spec
-        sheets), a path to a `hetpar profile` file, or a ProfileSet.
-        "measure": as "auto", then calibrated here at the first call: the
-        whole step runs under `jax.jit` on one device of each kind planned
-        for, and each device's layer times are scaled to sum to it
-        (`scale_to_step`), so a one-device plan predicts what it measures
-        and the others are priced on this machine's figures. One process only.
+      profile: "auto" (the default): calibrated here at the first call: each
+        layer is timed alone on the present devices (cached on disk under
+        $HETPAR_CACHE_DIR, reused by later processes and by other models
+        with the same layers), the whole step runs under `jax.jit` on one
+        device of each kind planned for (also cached), and each device's
+        layer times are scaled to sum to it (`scale_to_step`); absent
+        devices are priced from spec sheets. "auto" uses the file
+        $HETPAR_PROFILES names instead, where it is set, and spec sheets
+        where timing is off: under jax.distributed, or with
+        $HETPAR_CALIBRATE=0 (test suites, jobs that must not spend the
+        first call timing). "measure": calibrate, always (one process).
+        "spec": spec sheets alone. Or a path to a `hetpar profile` file, or
+        a ProfileSet.
       depth: module-path depth naming layers (see `hetpar.trace`).
       on_missing_device: "error", or "replan" to plan afresh when a loaded
         plan names devices that are not present.

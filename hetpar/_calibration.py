@@ -16,9 +16,9 @@ from hetpar.core import HetparError
 
 
 def whole_step_s(step: Callable, args: tuple, dev, batch_argnums: Sequence[int] = (-1,),
-                  budget_s: float = 1.0, most: int = 20,
-                  failed: str = "the step on {dev}; its layers keep their predicted times",
-                  ) -> float | None:
+                 budget_s: float = 1.0, most: int = 20,
+                 failed: str = "the step on {dev}; its layers keep their predicted times",
+                 key: str | None = None, jitted: Callable | None = None) -> float | None:
     """Median seconds of `step` under `jax.jit` on `dev` (or data parallel over
     a list of devices) as a training loop runs it (`cost_models.measure_step`:
     state threaded, the batch as the caller passes it), or None where it does
@@ -26,16 +26,37 @@ def whole_step_s(step: Callable, args: tuple, dev, batch_argnums: Sequence[int] 
 
     Three timed runs at least, then more for a step short enough: up to
     `most`, about `budget_s` in all (a 3-run median of a millisecond step on
-    a busy CPU was off by 3x: an Equinox step's PredictionWarning)."""
-    from hetpar.cost_models import measure_step
+    a busy CPU was off by 3x: an Equinox step's PredictionWarning).
+
+    With `key` (the step's fingerprint: a hash of its jaxpr), the figure is
+    remembered on disk as layer timings are (`cost_models.cached_json`, keyed
+    also on the argument shapes, the device kind and count, and the jax
+    version): a later process, or another step object of the same program,
+    skips the compile and the runs. `jitted`: the step's jit on `dev` that
+    will run it later (`measure_step`'s)."""
+    from hetpar.cost_models import cache_key, cached_json, measure_step
+
+    def timed() -> dict:
+        return {"median_s": measure_step(step, args, dev, batch_argnums=batch_argnums, k=most,
+                                         warmup=1, budget_s=budget_s, jitted=jitted).median_s}
 
     try:
-        return measure_step(step, args, dev, batch_argnums=batch_argnums, k=most, warmup=1,
-                            budget_s=budget_s).median_s
+        if key is None:
+            return timed()["median_s"]
+        devs = list(dev) if isinstance(dev, (list, tuple)) else [dev]
+        digest = cache_key(f"{key}/devices={len(devs)}", args, devs[0])
+        return float(cached_json("step", digest, timed, required=("median_s",))["median_s"])
     except Exception as e:  # noqa: BLE001 - an accelerator too small: keep its predictions
-        logging.warning("hetpar: profile='measure' could not time %s (%s: %s)",
+        logging.warning("hetpar: the calibration could not time %s (%s: %s)",
                         failed.format(dev=dev), type(e).__name__, str(e).splitlines()[0][:200])
         return None
+
+
+def step_key(program) -> str:
+    """A whole step's fingerprint for `whole_step_s`'s cache: a hash of its jaxpr."""
+    import hashlib
+
+    return "step/" + hashlib.sha256(str(program).encode()).hexdigest()[:24]
 
 
 # The runtime's own costs measured by profile="measure": a property of the
@@ -50,7 +71,7 @@ def _once(key, what: str, measure: Callable[[], float]) -> float | None:
         try:
             OVERHEADS[key] = measure()
         except Exception as e:  # noqa: BLE001 - a calibration extra: keep planning
-            logging.warning("hetpar: profile='measure' could not time %s (%s: %s); it stays "
+            logging.warning("hetpar: the calibration could not time %s (%s: %s); it stays "
                             "as predicted", what, type(e).__name__, str(e).splitlines()[0][:200])
             OVERHEADS[key] = None
     return OVERHEADS[key]
@@ -83,15 +104,19 @@ def profiles_of(options: Options):
     from hetpar.cost_models import load_profiles
 
     profiles = options.profile
-    if profiles in (None, "auto", "measure"):
+    if profiles in (None, "spec"):
+        return None  # the spec sheets of the devices' kinds, alone
+    if profiles in ("auto", "measure"):
         # A profile file `hetpar profile` wrote, named by the environment;
-        # else the spec sheets of the devices' kinds.
+        # else the spec sheets of the devices' kinds (calibrated, where
+        # `options.calibrates()`, at the first call).
         profiles = os.environ.get("HETPAR_PROFILES") or None
     if profiles is options.profile and isinstance(profiles, (str, os.PathLike)) \
             and not os.path.exists(profiles):
-        raise HetparError(f"profile={str(profiles)!r} is not a file; pass 'auto' (spec sheets "
-                          "or $HETPAR_PROFILES), 'measure' (calibrate here at the first call), "
-                          "None, or the path of a `hetpar profile --out FILE` file")
+        raise HetparError(f"profile={str(profiles)!r} is not a file; pass 'auto' (calibrate "
+                          "here at the first call, or $HETPAR_PROFILES), 'measure', 'spec' "
+                          "(spec sheets alone), or the path of a `hetpar profile --out FILE` "
+                          "file")
     if isinstance(profiles, (str, os.PathLike)):
         try:
             profiles = load_profiles(profiles)

@@ -107,7 +107,7 @@ class CompiledStep:
         user_args, args = args, static.pure_args
         # profile="measure" times the step on these, while planning only (kept,
         # they would hold the caller's old state alive).
-        self._calibration_args = args if options.profile == "measure" else None
+        self._calibration_args = args if options.calibrates() else None
         if m > 1 and not any(microbatch_of(str(e.source_info.name_stack)) is not None
                              for e in self.graph.program.eqns):
             raise HetparError(
@@ -117,7 +117,8 @@ class CompiledStep:
         self.table = None
         self.plan = None
         self._given_prediction = None
-        self._whole_steps: dict = {}  # profile="measure"'s whole-step timings, while planning
+        self._whole_steps: dict = {}  # the calibration's whole-step timings, while planning
+        self._one_device_jits: dict = {}  # device -> the step's jit there (`_one_device_jit`)
         self.placements: dict[str, Placement] = parse_placements(assign(self, options))
         if self._share is not None and self.plan is not None:
             if self.plan.replicas:
@@ -173,24 +174,11 @@ class CompiledStep:
             # (A layer that offloads or recomputes its activations needs its
             # forward and backward in stages apart: the split path below.)
             self._device = self.devices[used[0]]
-            sharding = jax.sharding.SingleDeviceSharding(self._device)
-            # Explicit shardings in and out: fresh and resident arguments then hit
-            # the same executable (jit's cache tells committed inputs apart).
-            # With static leaves, jit takes the traced leaves as one flat list.
-            jitted = self._step if self._static is None else self._static.flat_step
-            # Flat positions of the batch arguments' leaves, static leaves counted.
+            self._jit = self._one_device_jit(self._device, user_args)
+            self._sharding = self._placed_like = jax.sharding.SingleDeviceSharding(self._device)
             ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a))
                                              for a in user_args))
             starts = [0, *ends[:-1]]
-            donate = self._donated
-            if self._static is not None and donate:  # jit takes the traced leaves flat
-                fixed = set(static_where(user_args))
-                traced = [i for i in range(ends[-1]) if i not in fixed]
-                donate = tuple(j for j, i in enumerate(traced)
-                               if any(starts[k] <= i < ends[k] for k in self._donated))
-            self._jit = jax.jit(_traced_when_known(jitted), in_shardings=sharding,
-                                out_shardings=sharding, donate_argnums=donate)
-            self._sharding = self._placed_like = sharding
             self._batch_leaves = tuple(i for k in self._batch_argnums
                                        for i in range(starts[k], ends[k]))
         elif self._share is not None:
@@ -501,6 +489,52 @@ class CompiledStep:
             return UNKNOWN
         out = self._jit(*static.dynamic(self._batch_leaves_here(leaves)))
         return static.result_of(out)
+
+    def _one_device_jit(self, device: jax.Device, user_args: tuple) -> Callable:
+        """The step under `jax.jit` on `device` alone, as the one-device plan runs it.
+
+        Built once per device: the calibration times the whole step with it
+        (`shared_jit`) and a one-device plan then runs the executable already
+        compiled, instead of compiling the step a second time.
+        """
+        if device in self._one_device_jits:
+            return self._one_device_jits[device]
+        sharding = jax.sharding.SingleDeviceSharding(device)
+        # Explicit shardings in and out: fresh and resident arguments then hit
+        # the same executable (jit's cache tells committed inputs apart).
+        # With static leaves, jit takes the traced leaves as one flat list.
+        jitted = self._step if self._static is None else self._static.flat_step
+        donate = self._donated
+        if self._static is not None and donate:  # jit takes the traced leaves flat
+            ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a))
+                                             for a in user_args))
+            starts = [0, *ends[:-1]]
+            fixed = set(static_where(user_args))
+            traced = [i for i in range(ends[-1]) if i not in fixed]
+            donate = tuple(j for j, i in enumerate(traced)
+                           if any(starts[k] <= i < ends[k] for k in self._donated))
+        self._one_device_jits[device] = jax.jit(
+            _traced_when_known(jitted), in_shardings=sharding, out_shardings=sharding,
+            donate_argnums=donate)
+        return self._one_device_jits[device]
+
+    def shared_jit(self, device: jax.Device) -> Callable | None:
+        """The one-device jit for the calibration to time the whole step with,
+        where it is the very function a one-device plan runs: the step takes
+        its arguments as given (no static leaves) and donates none (the
+        calibration runs it on the caller's arrays). Else None."""
+        if self._static is not None or self._donated:
+            return None
+        jitted = self._one_device_jit(device, ())
+
+        def call(*args):
+            before, _known.on = getattr(_known, "on", False), True
+            try:
+                return jitted(*args)
+            finally:
+                _known.on = before
+
+        return call
 
     def place(self, args: tuple) -> tuple:
         """`args` moved to where the plan keeps them between steps (see `auto`'s `place`)."""

@@ -18,6 +18,8 @@ from hetpar.cost_models import ProfileSet
 _OBJECTIVES = ("time", "cost", "energy")
 _ON_MISSING_DEVICE = ("error", "replan")
 _BATCH = ("global", "local")
+# `auto`'s profile names: calibrate by default, always, or spec sheets alone.
+PROFILE_CHOICES = ("auto", "measure", "spec")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,13 +69,24 @@ class Options:
         if not (isinstance(self.data_parallel, bool) or self.data_parallel == "always"):
             raise HetparError(f"data_parallel must be True, False or 'always', got "
                               f"{self.data_parallel!r}")
-        if not (self.profile in (None, "auto", "measure")
+        if not (self.profile in (None, *PROFILE_CHOICES)
                 or isinstance(self.profile, (str, os.PathLike, ProfileSet))):
-            raise HetparError("profile must be 'auto', 'measure', None, a path to a `hetpar "
+            raise HetparError("profile must be 'auto', 'measure', 'spec', a path to a `hetpar "
                               f"profile` file or a ProfileSet, got {type(self.profile).__name__}")
         _check_devices(self.devices)
         _check_plan(self.plan)
         _check_memory(self.memory)
+
+    def calibrates(self) -> bool:
+        """Whether the first call times the step and its layers here (see `auto`'s
+        `profile`): "measure" always; "auto" (the default) unless $HETPAR_PROFILES
+        names a profile file, $HETPAR_CALIBRATE is 0, or the step runs under
+        jax.distributed (one process cannot time the others' devices)."""
+        if self.profile == "measure":
+            return True
+        return (self.profile == "auto" and not os.environ.get("HETPAR_PROFILES")
+                and os.environ.get("HETPAR_CALIBRATE", "1") != "0"
+                and jax.process_count() == 1)
 
 
 def _check_memory(memory) -> None:

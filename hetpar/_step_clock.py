@@ -85,41 +85,41 @@ class StepClock:
                         f"({seconds(p)}), off by more than {self.TOLERANCE:.0%}. ")
                 untimed = _untimed(step.table)
                 used = {d for pl in step.placements.values() for d in pl.devices}
-                if step.options.profile == "measure" and untimed:
+                if step.options.calibrates() and untimed:
                     out["warning"] = head + (
-                        f"profile='measure' left {', '.join(untimed)} untimed (predicted "
+                        f"the calibration left {', '.join(untimed)} untimed (predicted "
                         "over 10x slower than the fastest device, cost_models.TimingBudget): "
                         "if the plan computes there, its figures are the spec sheet's; "
                         "`hetpar costs MODEL --measure --calibrate --measure-all` times them")
                 elif own:
                     out["warning"] = head + (
-                        f"The prediction is the calibration's own timing: profile='measure' "
+                        f"The prediction is the calibration's own timing: the first call "
                         f"timed this whole step ({own}) while planning and scaled its layers "
                         "to it, so the gap says how repeatable the step's time is here (other "
                         "work on the machine, the first steps settling), not how good the "
                         "cost model is")
-                elif step.options.profile == "measure" and len(used) == 1:
+                elif step.options.calibrates() and len(used) == 1:
                     out["warning"] = head + (
                         f"The step runs on {next(iter(used))} alone, as one stage: the gap "
                         "is in its layers' times (timed here, each alone, and scaled to the "
                         "whole step), e.g. a step of microbatches, which that scaling did not "
                         "time whole")
-                elif step.options.profile == "measure":
+                elif step.options.calibrates():
                     out["warning"] = head + (
                         "The layers, the whole step and the runtime's costs per stage "
-                        "and crossing were measured here (profile='measure'): the gap is "
+                        "and crossing were measured here (the calibration): the gap is "
                         "how the stages overlap, e.g. devices sharing cores (virtual CPU "
                         "devices) slowing each other's stages; the replay "
                         "(hetpar.planner.simulate) shows what was assumed")
                 else:
-                    given = step.options.profile not in (None, "auto") or os.environ.get(
-                        "HETPAR_PROFILES")
+                    given = step.options.profile not in (None, "auto", "spec") or (
+                        step.options.profile == "auto" and os.environ.get("HETPAR_PROFILES"))
                     source = "the profiles given" if given else "spec sheets (no profile given)"
                     out["warning"] = head + (
-                        f"The prediction comes from {source}; pass profile='measure' to "
-                        "calibrate on this machine at the first call, or run `hetpar profile "
-                        "--out profiles.json` here and pass profile='profiles.json' (or set "
-                        "HETPAR_PROFILES)")
+                        f"The prediction comes from {source}; pass profile='auto' (the "
+                        "default; with HETPAR_CALIBRATE unset) or 'measure' to calibrate on "
+                        "this machine at the first call, or run `hetpar profile --out "
+                        "profiles.json` here and pass profile='profiles.json'")
         return out
 
 
@@ -127,7 +127,7 @@ def calibration_timing(step) -> str | None:
     """Where a step's prediction is its calibration's own timing, what was timed
     (`cpu:0`, `data parallel over gpu:0, gpu:1`); else None.
 
-    Under profile="measure" the whole step is timed on each present device
+    Calibrating (`Options.calibrates`), the whole step is timed on each present device
     (and data parallel over a pair) while planning, and the layers are scaled
     to it (`cost_models.scale_to_step`): a plan that runs the step as it was
     timed (one device, one microbatch; or data parallel over the pair timed)
@@ -135,7 +135,7 @@ def calibration_timing(step) -> str | None:
     how repeatable the timing is, not how good the cost model is (issue 42).
     """
     table = step.table
-    if step.options.profile != "measure" or table is None:
+    if not step.options.calibrates() or table is None:
         return None
     plan = step.plan
     if plan is not None and plan.replicas:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import time
 from collections.abc import Callable, Mapping
 
 import jax
@@ -42,6 +44,7 @@ from hetpar._calibration import (
     allreduce_across_processes_s,
     profiles_of,
     runtime_costs,
+    step_key,
     whole_step_s,
 )
 from hetpar._options import Options, check_places
@@ -182,9 +185,9 @@ def cost_table_for(compiled, devices: list[str], options: Options,
                    graph: LayerGraph | None = None,
                    timed: frozenset[tuple[str, str]] = frozenset(),
                    steps: frozenset[str] = frozenset()):
-    from hetpar.cost_models import TimingBudget, cost_table
+    from hetpar.cost_models import TimingBudget, cache_dir, cost_table
 
-    calibrate = (options.profile == "measure" and graph is None
+    calibrate = (options.calibrates() and graph is None
                  and compiled._calibration_args is not None)
     # profile="measure" times each layer alone on the present devices
     # (cached on disk by its jaxpr), then scales them to the whole step:
@@ -192,13 +195,25 @@ def cost_table_for(compiled, devices: list[str], options: Options,
     # Far slower devices stay predicted, but for the `timed` pairs and
     # the whole step on the `steps` kinds.
     budget = TimingBudget(timed=timed, steps=steps)
+    if calibrate:
+        start = time.perf_counter()
+        _tell(f"hetpar: calibrating on {', '.join(d for d in devices if d in compiled.devices)}"
+              f" at the first call: each layer and the whole step timed here, cached in "
+              f"{cache_dir()} (profile='spec' or HETPAR_CALIBRATE=0 plans from spec sheets)")
     table = cost_table(graph or compiled.graph, devices, profiles=profile_set(compiled, options),
                        measure=calibrate, budget=budget,
                        progress=(lambda line: logging.info("hetpar: %s", line))
                        if calibrate else None)
     if calibrate:
         table = calibrated(compiled, table, budget)
+        _tell(f"hetpar: calibrated in {time.perf_counter() - start:.1f} s")
     return table
+
+
+def _tell(line: str) -> None:
+    """A progress line on stderr, as a user waiting on the first call sees it
+    (absl's INFO lines are hidden by default)."""
+    print(line, file=sys.stderr, flush=True)
 
 
 def calibrated(compiled, table, budget):
@@ -212,6 +227,7 @@ def calibrated(compiled, table, budget):
     if compiled._calibration_args is None:  # only while planning
         return table
     step, args, batch = compiled._step, compiled._calibration_args, compiled._batch_argnums
+    key = step_key(compiled.graph.program)
 
     def replicas(names: list[str], devs: list) -> float | None:
         # The step data parallel over two devices, as Replicated runs it:
@@ -219,9 +235,9 @@ def calibrated(compiled, table, budget):
         # is measured, not inferred from a smaller batch on one device.
         if batch_share(args, batch, len(devs)) is None:  # the batch does not split
             return None
-        return whole_step_s(step, args, devs, batch, failed="the step data parallel over "
-                             f"{', '.join(names)}; data parallel is predicted from the "
-                             "whole step on one device")
+        return whole_step_s(step, args, devs, batch, key=key,
+                            failed=f"the step data parallel over {', '.join(names)}; data "
+                                   "parallel is predicted from the whole step on one device")
 
     options = compiled.options
     # Only where the step may run data parallel (one more compile); a
@@ -232,7 +248,8 @@ def calibrated(compiled, table, budget):
         # Timed once per device while planning: a re-planning round
         # (`solve_placements`) builds the table again.
         if dev not in compiled._whole_steps:
-            compiled._whole_steps[dev] = whole_step_s(step, args, dev, batch)
+            compiled._whole_steps[dev] = whole_step_s(step, args, dev, batch, key=key,
+                                                      jitted=compiled.shared_jit(dev))
         return compiled._whole_steps[dev]
 
     def replicas_once(names: list[str], devs: list) -> float | None:

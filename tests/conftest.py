@@ -12,6 +12,12 @@ os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 
+# hetpar.auto calibrates at its first call by default (profile="auto"):
+# hundreds of small steps would each be timed. The suite plans from spec
+# sheets unless a test asks (profile="measure", or monkeypatches this away:
+# tests/test_calibrate_default.py checks the default itself).
+os.environ.setdefault("HETPAR_CALIBRATE", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 

@@ -49,7 +49,7 @@ X = np.ones((5, 3), np.float32)
      r"on_missing_device must be one of \('error', 'replan'\), got 'ignore'"),
     (dict(depth=0), hetpar.HetparError, "depth must be a positive int or None, got 0"),
     (dict(profile=3), hetpar.HetparError,
-     "profile must be 'auto', 'measure', None, a path .* got int"),
+     "profile must be 'auto', 'measure', 'spec', a path .* got int"),
     (dict(plan=42), hetpar.PlanError,
      r"plan must be a path to plan.json, a hetpar.Plan or a dict \{layer: device\}, got int"),
     (dict(plan={"first": 1}), hetpar.PlanError,

@@ -39,8 +39,10 @@ def register(sub) -> None:
     p.add_argument("--profile", default=None,
                    help="where the planner's figures come from: measure (time the layers, "
                         "the step and the runtime's costs here at the first call; the "
-                        "default), auto (the file $HETPAR_PROFILES names, the default when "
-                        "it is set; else spec sheets), or a `hetpar profile` file")
+                        "default), auto (hetpar.auto's default: the file $HETPAR_PROFILES "
+                        "names, the default when it is set; else measure, unless "
+                        "$HETPAR_CALIBRATE=0), spec (spec sheets alone), or a `hetpar "
+                        "profile` file")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain jax.jit comparison")
     p.add_argument("--no-what-if", action="store_true",
                    help="skip the spec-sheet what-if plans shown on CPU-only machines")
@@ -133,9 +135,9 @@ def _run(args) -> int:
     print(f"== {args.model} (batch {w.config.get('batch_size')}, "
           f"{human(w.param_count)} parameters) on {jax.default_backend()}")
     t0 = time.perf_counter()
-    measuring = profile == "measure"
+    measuring = step.options.calibrates()
     if measuring:
-        print("   timing its layers and its step here (--profile measure; cached on disk)")
+        print(f"   timing its layers and its step here (--profile {profile}; cached on disk)")
     with _progress(measuring):
         compiled = step.lower(variables, opt_state, batch)
     graph = compiled.graph
@@ -199,7 +201,7 @@ def _run(args) -> int:
         p = predicted.step_time_s
         own = calibration_timing(compiled)
         what = (f"the calibration's own timing of this step ({own}, timed while planning "
-                "and its layers scaled to it: --profile measure)" if own else "planner")
+                f"and its layers scaled to it: --profile {profile})" if own else "planner")
         # The prediction is for the step alone; interleaved with jax.jit both
         # ran slower (GPT-2 b8 on an H200: 1.20x its prediction interleaved,
         # 1.01x alone), so a few more steps alone are what it is set beside.
@@ -230,9 +232,13 @@ def _run(args) -> int:
                 hint = ("the prediction is this step timed moments before: the gap is the "
                         "machine's, other work on it or the first steps settling; more "
                         "--steps steady the median")
-            elif profile == "measure":
+            elif measuring:
                 hint = _measured_hint(timed)
-            elif profile != "auto":
+            elif profile == "auto" and os.environ.get("HETPAR_PROFILES"):
+                hint = ("the figures come from the file $HETPAR_PROFILES names, a profile of "
+                        "devices (microbenchmarks, not this step's layers); --profile measure "
+                        "times this step's layers and the step here at the first call")
+            elif profile not in ("auto", "spec"):
                 hint = (f"the figures come from {profile}, a profile of this machine's or "
                         "another's devices (microbenchmarks, not this step's layers); "
                         "--profile measure times this step's layers and the step here at the "
