@@ -67,8 +67,13 @@ def run_cell(args) -> dict:
     except RuntimeError:  # a smoke run on CPUs (--tiny, two host devices)
         gpu, acc = jax.devices("cpu")[1], "cpu:1"
     cpu = jax.devices("cpu")[0]
+    from hetpar.cost_models import cache_dir
+
+    # hetpar calibrates at its first call (the default profile): a cell run
+    # after another of the same model finds its timings on disk (warm).
+    warm = (cache_dir() / "step").is_dir()
     out = {"model": args.model, "fraction": args.fraction, "mode": args.mode,
-           "card": gpu.device_kind,
+           "cache": "warm" if warm else "cold", "card": gpu.device_kind,
            "limit_gb": (gpu.memory_stats() or {}).get("bytes_limit", 0) / 1e9}
     train_step, init, n = _workload(args.model, args.batch, args.tiny)
     # Built on the host: a cell whose GPU is too small must still get its state.
@@ -144,7 +149,9 @@ def _row(cell: dict) -> str:
                   if cell.get("predicted_s") and cell.get("median_s") else "")
     plan = cell.get("plan") or {}
     what = cell.get("error") or ", ".join(f"{k}={v}" for k, v in plan.items() if v)
-    return (f"| {cell['model']} | {cell['fraction']} ({cell['limit_gb']:.0f} GB) | {cell['mode']} "
+    warm = cell.get("cache") if cell["mode"] == "hetpar" else None
+    mode = cell["mode"] + (f" ({warm})" if warm else "")
+    return (f"| {cell['model']} | {cell['fraction']} ({cell['limit_gb']:.0f} GB) | {mode} "
             f"| {ms(cell.get('median_s'))} | {ms(cell.get('predicted_s'))} | {step_ratio} "
             f"| {measured or 0:.1f} | {pred_peak or 0:.1f} | {ratio} "
             f"| {cell.get('first_call_s') or 0:.1f} | {what[:160]} |")

@@ -14,6 +14,7 @@ of the batch).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -200,14 +201,62 @@ def cost_table_for(compiled, devices: list[str], options: Options,
         _tell(f"hetpar: calibrating on {', '.join(d for d in devices if d in compiled.devices)}"
               f" at the first call: each layer and the whole step timed here, cached in "
               f"{cache_dir()} (profile='spec' or HETPAR_CALIBRATE=0 plans from spec sheets)")
-    table = cost_table(graph or compiled.graph, devices, profiles=profile_set(compiled, options),
-                       measure=calibrate, budget=budget,
-                       progress=(lambda line: logging.info("hetpar: %s", line))
-                       if calibrate else None)
+    profiles = profile_set(compiled, options)
+    layers = calibrate
+    # profile="measure" times every layer, as asked; the default only those
+    # whose times can move the plan.
+    if calibrate and options.profile == "auto" and not timed and not steps:
+        table = cost_table(graph or compiled.graph, devices, profiles=profiles)
+        alone = device_alone(table, devices, compiled.devices, options)
+        if alone is not None:
+            # The plan is `alone` whatever the layers' shares: timing each
+            # layer there (a compile each: 90 s of a 0.54B model's first call
+            # on an H200) would change no placement. The whole step is still
+            # timed, and the layers scaled to it.
+            layers = False
+            _tell(f"hetpar: the step fits {alone} and every other device is over "
+                  f"{budget.slower:.0f}x slower: timing the whole step only")
+    if layers or not calibrate:
+        table = cost_table(graph or compiled.graph, devices, profiles=profiles,
+                           measure=layers, budget=budget,
+                           progress=(lambda line: logging.info("hetpar: %s", line))
+                           if layers else None)
     if calibrate:
         table = calibrated(compiled, table, budget)
         _tell(f"hetpar: calibrated in {time.perf_counter() - start:.1f} s")
     return table
+
+
+def device_alone(table, devices: list[str], present, options: Options) -> str | None:
+    """The present device every plan for this step would compute it all on,
+    or None: the fastest present device, where it holds the whole step
+    (state, activations, working set, within its capacity), has no peer of
+    its kind among `devices` (no data parallel, no pipeline of equals), and
+    every other device is predicted over `TimingBudget.slower` times slower
+    (a host CPU beside a GPU). Only for the planner's own choice: not with a
+    plan given, memory caps or microbatches; `profile="measure"` times every
+    layer all the same."""
+    from hetpar.cost_models import TimingBudget
+    from hetpar.planner import violations
+
+    if options.plan is not None or options.memory or options.microbatches > 1:
+        return None
+    total = {d: sum(layer.time_s.get(d, float("inf")) for layer in table.layers)
+             for d in table.device_names}
+    here = [d for d in devices if d in present and d in total]
+    if not here:
+        return None
+    best = min(here, key=total.get)
+    kind = table.device(best).kind
+    slower = TimingBudget().slower
+    # A device without every layer's time (a memory place) computes nothing.
+    if any(d != best and math.isfinite(total[d]) and (
+            table.device(d).kind == kind or total[d] < slower * total[best])
+           for d in table.device_names):
+        return None
+    if violations(table, dict.fromkeys(table.layer_names, best)):
+        return None
+    return best
 
 
 def _tell(line: str) -> None:

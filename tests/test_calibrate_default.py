@@ -54,6 +54,10 @@ def test_the_default_calibrates_once_and_the_next_process_reads_the_cache(calibr
     err = capfd.readouterr().err
     assert "hetpar: calibrating on cpu:0 at the first call" in err
     assert "hetpar: calibrated in" in err
+    # One device holds the step and no other can take a layer: its layers'
+    # shares could move no plan, so only the whole step was timed.
+    assert "timing the whole step only" in err
+    assert not compiled.table.meta.get("measured_s")
     check_steps_equal_jit(step, w.train_step, (*out[:-1], args[-1]), steps=2)
 
     # Another step object of the same program (as a later process): the
@@ -93,3 +97,34 @@ def test_a_donating_step_is_timed_apart_and_keeps_the_callers_state(calibrating)
     for a, b in zip(jax.tree_util.tree_leaves(keep),
                     jax.tree_util.tree_leaves((params, opt_state))):
         np.testing.assert_array_equal(a, b)
+
+
+def _table(cpu_slower=50.0, cap=1e12, gpus=1):
+    from hetpar.core import CostTable, Device, Edge, Layer, Link
+
+    names = ["cpu:0"] + [f"gpu:{i}" for i in range(gpus)]
+    devices = (Device("cpu:0", "cpu", 1e12, 0.0, 200.0, 60.0, price_alone_per_hour=1.0),
+               *(Device(f"gpu:{i}", "h100", cap, 3.0, 700.0, 80.0) for i in range(gpus)))
+    links = tuple(Link(a, b, 1e10, 1e-5) for a in names for b in names if a != b)
+    layers = tuple(Layer(f"l{i}", {"cpu:0": cpu_slower * t, **{g: t for g in names[1:]}},
+                         dict.fromkeys(names, 3e9), activation_bytes=1e9, param_bytes=1e8)
+                   for i, t in enumerate((0.2, 0.5, 0.3)))
+    return CostTable(devices, links, layers, (Edge("l0", "l1", 1e8, 1e8),
+                                              Edge("l1", "l2", 1e8, 1e8)))
+
+
+@pytest.mark.parametrize("table, alone", [
+    (_table(), "gpu:0"),                       # a GPU that holds it, its CPU 50x slower
+    (_table(cpu_slower=5.0), None),            # a CPU close enough to take layers
+    (_table(cap=5e9), None),                   # the step does not fit the GPU: offload
+    (_table(gpus=2), None),                    # a peer: data parallel, pipelines
+])
+def test_layers_are_timed_only_where_they_can_change_the_plan(table, alone):
+    from hetpar._options import Options
+    from hetpar._step_planning import device_alone
+
+    names = list(table.device_names)
+    assert device_alone(table, names, set(names), Options()) == alone
+    # Planning for a device that is not here (a spec sheet): layer shares matter.
+    assert device_alone(table, names, {"cpu:0"}, Options()) is None
+    assert device_alone(table, names, set(names), Options(memory={"gpu:0": 1e12})) is None
