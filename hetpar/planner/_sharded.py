@@ -135,7 +135,8 @@ def evaluate_sharded(table: CostTable, group: Sequence[str], stage: str, *,
                             where=state > 0)
     busy = replica_busy(arr, idx, whole_share)
     # The leaves that stay whole are all-reduced as in the replicated step.
-    collectives = ring_allreduce_s(float((params - p_split).sum()), n, bw, lat)
+    whole = float((params - p_split).sum())
+    collectives = ring_allreduce_s(whole, n, bw, lat) if whole > 0 else 0.0
     if stage == "zero1":  # reduce-scatter, then all-gather of the new parameters
         collectives += 2 * ring_allgather_s(float(p_split.sum()), n, bw, lat)
     else:  # per layer: gathered for its forward and its backward, gradient scattered
