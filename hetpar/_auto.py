@@ -49,7 +49,7 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
          objective: str = "time", plan: Any = None, microbatches: int = 1,
          batch_argnums: Sequence[int] | int | None = None, schedule: str = "gpipe",
          profile: Any = "auto", depth: int | None = None,
-         on_missing_device: str = "error", data_parallel: bool = True,
+         on_missing_device: str = "error", data_parallel: bool | str = True,
          memory: Mapping[str, float] | None = None, batch: str = "global",
          hierarchical: bool | str = "auto", donate_argnums: int | Sequence[int] = ()):
     """Runs a training step across the devices present, placed by hetpar's planner.
@@ -95,12 +95,19 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
       depth: module-path depth naming layers (see `hetpar.trace`).
       on_missing_device: "error", or "replan" to plan afresh when a loaded
         plan names devices that are not present.
-      data_parallel: let the planner choose to run the whole step data
-        parallel over two or more accelerators of one kind (batch split, state
-        replicated, `Plan.replicas`) when it predicts that faster (or cheaper)
-        than any placement of layers. False: layer placements only.
-        "always": no ILP; the step runs data parallel over `devices` (default:
-        the default backend's devices, of every process under jax.distributed).
+      data_parallel: True: let the planner choose to run the whole step data
+        parallel over two or more accelerators of one kind (batch split,
+        `Plan.replicas`), its state replicated or sharded across them
+        (`Plan.sharding`: "zero1", the optimizer state split; "fsdp", the
+        parameters too, ZeRO-3), when it predicts that faster (or cheaper)
+        than any placement of layers, or the only plan that fits.
+        "replicated": the same, state replicated only (the planner before
+        sharded state). False: layer placements only. "always", "zero1" or
+        "fsdp": no ILP; the step runs data parallel over `devices` (default:
+        the default backend's devices, of every process under
+        jax.distributed), its state replicated ("always") or sharded as
+        named. A sharded state leaf is split on its largest axis that the
+        number of devices divides; a leaf no axis divides stays replicated.
       memory: {device: bytes} caps on devices' memory for planning (e.g.
         `{"gpu:0": 40e9}`), so the planner keeps state off a device (offload)
         as if it were that small. A cap bounds what the layers hold across
@@ -164,7 +171,7 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
                       batch_argnums=None if batch_argnums is None else tuple(batch_argnums),
                       schedule=schedule, profile=profile, depth=depth,
                       on_missing_device=on_missing_device,
-                      data_parallel=data_parallel if data_parallel == "always"
+                      data_parallel=data_parallel if isinstance(data_parallel, str)
                       else bool(data_parallel),
                       memory=None if memory is None else dict(memory)
                       if isinstance(memory, Mapping) else memory, batch=batch,

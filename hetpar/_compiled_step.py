@@ -3,7 +3,8 @@
 `CompiledStep` traces the step into layers, has it planned
 (hetpar/_step_planning.py), splits it into per-device stages and compiles
 them, and runs it: a one-device plan as one `jax.jit` executable, a
-data-parallel one as `Replicated`, any other through the `Executor`; under
+data-parallel one as `Replicated` (`Sharded` where its state is sharded),
+any other through the `Executor`; under
 several processes, data parallel across them or a hierarchical plan on each
 one's share of the batch. `call_known` is the fast path `AutoStep` tries
 first: straight to the jit executable, for arguments jit has already run.
@@ -24,7 +25,7 @@ from absl import logging
 
 from hetpar._grad import microbatched
 from hetpar._host_memory import warn_without_huge_pages
-from hetpar._options import Options, check_present
+from hetpar._options import FORCED, Options, check_present
 from hetpar._recovery import CHECKED_STEPS, ready
 from hetpar._signature import batch_positions, donated_positions, fast_signature
 from hetpar._step_clock import StepClock
@@ -49,7 +50,7 @@ from hetpar.passes import (
     static_where,
     trace,
 )
-from hetpar.runtime import Executor, Replicated, TransferEngine, Workers
+from hetpar.runtime import Executor, Replicated, Sharded, TransferEngine, Workers
 
 
 class CompiledStep:
@@ -87,7 +88,7 @@ class CompiledStep:
             self._share = BatchShare(args, options)
             args = self._share(args)
         elif multi and (options.batch == "local" or replicates(options.plan)
-                        or (options.data_parallel == "always" and options.plan is None)):
+                        or (options.data_parallel in FORCED and options.plan is None)):
             # Each process passes its share of the batch: only data parallel takes that.
             self._init_across_processes(fn, args, options)
             return
@@ -160,9 +161,9 @@ class CompiledStep:
             if self._static is not None:
                 self._static = StaticLeaves(fn, user_args)
                 fn = self._static.pure_step
-            self._replicated = Replicated(fn, [self.devices[d] for d in replicas], args,
-                                          self._batch_argnums,
-                                          donate_argnums=() if self._static else self._donated)
+            self._replicated = _whole_step(
+                fn, [self.devices[d] for d in replicas], args, self._batch_argnums, self.plan,
+                self.graph, donate_argnums=() if self._static else self._donated)
             if self._static is None and not multi:
                 # Later calls with these leaves' shapes and dtypes go straight
                 # to its jit (`call_known`): the full path's checks of GPT-2's
@@ -277,6 +278,10 @@ class CompiledStep:
             self.table = cost_table_for(self, list(replicas), options)
             plan = data_parallel_plan(self, replicas, options)
         self.plan = plan
+        if plan.sharding:  # the same step, its state laid out as the plan shards it
+            self._replicated = _whole_step(self._step, [self.devices[d] for d in replicas],
+                                           static.pure_args, self._batch_argnums, plan,
+                                           self.graph, batch=options.batch)
         self.placements = dict(plan.placements)
         self.assignment = {layer: p.compute for layer, p in self.placements.items()}
         self.plan_fingerprint = _plan_fingerprint(plan, self.graph)
@@ -615,8 +620,22 @@ def _plan_fingerprint(plan, graph: LayerGraph, placements=None, microbatches=Non
         "microbatches": plan.microbatches if plan is not None else microbatches,
         "assignment": {n: p.to_json() for n, p in placements.items()},
         "replicas": list(plan.replicas) if plan is not None else [],
+        "sharding": plan.sharding if plan is not None else None,
         "inputs": [a.str_short() for a in graph.program.jaxpr.in_avals],
     })
+
+
+def _whole_step(fn: Callable, devices: list, args: tuple, batch_argnums, plan,
+                graph: LayerGraph, **options) -> Replicated:
+    """The runtime of a whole-step plan: `Replicated`, or `Sharded` where the
+    plan shards the state: the optimizer state's leaves (zero1), the
+    parameters' too (fsdp), by the roles the trace gave each input."""
+    if not plan.sharding:
+        return Replicated(fn, devices, args, batch_argnums, **options)
+    roles = iter(graph.input_roles)
+    sharded = ("opt_state",) if plan.sharding == "zero1" else ("param", "opt_state")
+    shard = [[next(roles) in sharded for _ in jax.tree_util.tree_leaves(a)] for a in args]
+    return Sharded(fn, devices, args, batch_argnums, shard=shard, **options)
 
 
 def _hierarchical_devices(used, present) -> tuple[dict, dict]:

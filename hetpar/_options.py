@@ -20,6 +20,12 @@ _ON_MISSING_DEVICE = ("error", "replan")
 _BATCH = ("global", "local")
 # `auto`'s profile names: calibrate by default, always, or spec sheets alone.
 PROFILE_CHOICES = ("auto", "measure", "spec")
+#: data_parallel's values besides True and False: the planner may choose only
+#: replicated state ("replicated"), or no ILP runs and the step runs over
+#: `devices` with its state replicated ("always") or sharded ("zero1", "fsdp").
+DATA_PARALLEL = ("replicated", "always", "zero1", "fsdp")
+#: The data_parallel values that force a whole-step plan, and its sharding.
+FORCED = {"always": None, "zero1": "zero1", "fsdp": "fsdp"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,9 +72,9 @@ class Options:
                 and all(map(is_int, self.donate_argnums))):
             raise HetparError("donate_argnums must be an int or a sequence of ints, got "
                               f"{self.donate_argnums!r}")
-        if not (isinstance(self.data_parallel, bool) or self.data_parallel == "always"):
-            raise HetparError(f"data_parallel must be True, False or 'always', got "
-                              f"{self.data_parallel!r}")
+        if not (isinstance(self.data_parallel, bool) or self.data_parallel in DATA_PARALLEL):
+            raise HetparError(f"data_parallel must be True, False or one of {DATA_PARALLEL}, "
+                              f"got {self.data_parallel!r}")
         if not (self.profile in (None, *PROFILE_CHOICES)
                 or isinstance(self.profile, (str, os.PathLike, ProfileSet))):
             raise HetparError("profile must be 'auto', 'measure', 'spec', a path to a `hetpar "

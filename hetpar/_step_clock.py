@@ -139,7 +139,8 @@ def calibration_timing(step) -> str | None:
         return None
     plan = step.plan
     if plan is not None and plan.replicas:
-        if " ".join(plan.replicas) in (table.meta.get("replicated_step_s") or {}):
+        timed = table.meta.get("replicated_step_s") or {}
+        if not plan.sharding and " ".join(plan.replicas) in timed:  # replicated, as timed
             return f"data parallel over {', '.join(plan.replicas)}"
         return None
     used = {d for pl in step.placements.values() for d in pl.devices}

@@ -48,7 +48,7 @@ from hetpar._calibration import (
     step_key,
     whole_step_s,
 )
-from hetpar._options import Options, check_places
+from hetpar._options import FORCED, Options, check_places
 from hetpar._signature import batch_positions
 from hetpar.passes import LayerGraph, StaticLeaves, check_covers, trace
 
@@ -78,18 +78,34 @@ def _untimed_steps(plan, table) -> frozenset[str]:
 
 
 def data_parallel_plan(compiled, replicas: tuple[str, ...], options: Options):
-    """The Plan running the whole step data parallel over `replicas`, predicted
-    on `compiled.table` (no ILP)."""
-    from hetpar.planner import Plan, evaluate_data_parallel
+    """The Plan running the whole step data parallel over `replicas`, its state
+    replicated or sharded as `options.data_parallel` forces ("zero1",
+    "fsdp"; else replicated), predicted on `compiled.table` (no ILP).
 
-    predicted = evaluate_data_parallel(compiled.table, replicas)
+    Raises:
+      PlanError: replicas of mixed kinds (naming each one's), or the
+        planner's reason the group cannot run the step (its memory).
+    """
+    from hetpar.planner import Plan, evaluate_data_parallel, evaluate_sharded
+
+    kinds = {d: compiled.table.device(d).kind for d in replicas}
+    if len(set(kinds.values())) > 1:
+        raise PlanError(
+            "data parallel runs the same program on every device of the group, which must "
+            "be of one kind; these are " + ", ".join(f"{d} ({k})" for d, k in kinds.items()),
+            api="pass devices= of one kind", cli="pass --devices of one kind")
+    sharding = FORCED.get(options.data_parallel)
+    if sharding is None:
+        predicted = evaluate_data_parallel(compiled.table, replicas)
+    else:
+        predicted = evaluate_sharded(compiled.table, replicas, sharding)
     return Plan(fingerprint=compiled.table.fingerprint(), mode="sequential",
                 objective=options.objective, microbatches=1,
                 assignment=dict.fromkeys(compiled.graph.layers, replicas[0]),
                 predicted=predicted,
                 solver={"name": "none", "status": "given",
-                        "chosen": "data parallel " + "+".join(replicas)},
-                replicas=replicas, devices=compiled.table.device_names)
+                        "chosen": f"{sharding or 'data parallel'} " + "+".join(replicas)},
+                replicas=replicas, devices=compiled.table.device_names, sharding=sharding)
 
 
 def candidate_devices(compiled, options: Options) -> list[str]:
@@ -365,7 +381,7 @@ def with_allreduce(compiled, plan, options: Options):
 def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str, Placement]:
     from hetpar.planner import plan as solve
 
-    if options.data_parallel == "always":
+    if options.data_parallel in FORCED:
         if not options.devices:
             from hetpar._distributed import device_names
 
@@ -382,6 +398,7 @@ def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str
         return solve(compiled.table, objective=options.objective,
                      mode="pipelined" if m > 1 else "sequential", microbatches=m,
                      data_parallel=bool(options.data_parallel) and compiled._share is None,
+                     sharded=options.data_parallel is True,
                      schedule=options.schedule, memory=options.memory)
 
     compiled.plan = planned()

@@ -60,6 +60,9 @@ class LayerInfo:
     #: softmax and gradient). Program order, unfused: XLA fuses elementwise
     #: chains away, so this bounds from above what they take.
     workspace_bytes: int = 0
+    #: (role, shape, bytes) of each of its parameter and optimizer-state
+    #: leaves: what a sharded-state plan can split (`Layer.state_leaves`).
+    state_leaves: tuple[tuple[str, tuple[int, ...], int], ...] = ()
 
     @property
     def flops(self) -> float:
@@ -238,7 +241,7 @@ class LayerGraph:
     def _build(self) -> nx.DiGraph:
         eqns = self.program.jaxpr.jaxpr.eqns
         order, members = self._program_order()
-        param_b, opt_b = self._state_bytes(order)
+        param_b, opt_b, state_leaves = self._state_bytes(order)
         saved, kept, flow = self._flows(order)
         producer = {o: i for i, e in enumerate(eqns) for o in e.outvars
                     if not isinstance(o, jcore.DropVar)}
@@ -256,6 +259,7 @@ class LayerGraph:
                 work=eqns_work(eqns[i] for i in ids),
                 recompute_fraction=_recompute_fraction(eqns, ids, producer, inputs),
                 workspace_bytes=_live_peak(eqns, ids, last_use, kept, layered),
+                state_leaves=tuple(state_leaves[name]),
             ))
         for (u, v), (fwd, bwd) in flow.items():
             g.add_edge(u, v, bytes=fwd, bytes_backward=bwd)
@@ -309,18 +313,18 @@ class LayerGraph:
                 members[name].append(i)
         return order, members
 
-    def _state_bytes(self, order: dict[str, int]) -> tuple[Counter, Counter]:
-        """(parameter bytes, optimizer-state bytes) of each layer, from the step's inputs."""
+    def _state_bytes(self, order: dict[str, int]) -> tuple[Counter, Counter, dict]:
+        """(parameter bytes, optimizer-state bytes, state leaves) of each layer,
+        from the step's inputs."""
         param_b: Counter = Counter()
         opt_b: Counter = Counter()
+        leaves: dict[str, list] = {name: [] for name in order}
         jaxpr = self.program.jaxpr.jaxpr
         for v, layer, role in zip(jaxpr.invars, self.input_layers, self.input_roles):
-            if layer in order:
-                if role == PARAM:
-                    param_b[layer] += nbytes(v.aval)
-                elif role == OPT_STATE:
-                    opt_b[layer] += nbytes(v.aval)
-        return param_b, opt_b
+            if layer in order and role in (PARAM, OPT_STATE):
+                (param_b if role == PARAM else opt_b)[layer] += nbytes(v.aval)
+                leaves[layer].append((role, tuple(v.aval.shape), nbytes(v.aval)))
+        return param_b, opt_b, leaves
 
     def _flows(self, order: dict[str, int]
                ) -> tuple[Counter, set, dict[tuple[str, str], list[float]]]:

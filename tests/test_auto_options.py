@@ -87,7 +87,7 @@ def test_options_are_keyword_only_and_checked():
     with pytest.raises(TypeError):
         Options(("cpu:0",))  # positional arguments fail
     with pytest.raises(hetpar.HetparError,
-                       match="data_parallel must be True, False or 'always', got 1"):
+                       match=r"data_parallel must be True, False or one of \(.*'fsdp'\), got 1"):
         Options(data_parallel=1)
     with pytest.raises(hetpar.HetparError,
                        match="hierarchical must be True, False or 'auto', got 'yes'"):

@@ -465,6 +465,8 @@ for _ in range(3):
 
 kinds = {
     "data_parallel": dict(data_parallel="always"),
+    "fsdp": dict(data_parallel="fsdp"),
+    "zero1": dict(data_parallel="zero1"),
     "hierarchical": dict(hierarchical=True, plan=host),
     "pipeline": dict(plan=stages, microbatches=2, schedule="1f1b"),
 }
@@ -487,7 +489,7 @@ for kind, kwargs in kinds.items():
 def test_transformer_plan_kinds_across_two_processes(tmp_path):
     proc, _ = run_launcher(tmp_path, "x", script_text=TRANSFORMER_SCRIPT, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    for kind in ("data_parallel", "hierarchical", "pipeline"):
+    for kind in ("data_parallel", "fsdp", "zero1", "hierarchical", "pipeline"):
         got = [next(ln for ln in lines_of(proc, i) if ln.startswith(f"KIND {kind} ")).split()
                for i in range(2)]
         assert got[0][3] == got[1][3], got  # the same plan on both processes

@@ -7,7 +7,11 @@ imports numpy and networkx at most, never JAX, so offline planning starts in
 milliseconds (the import-linter contract in pyproject.toml keeps it so).
 """
 
-from hetpar.core._collectives import hierarchical_allreduce_s, ring_allreduce_s
+from hetpar.core._collectives import (
+    hierarchical_allreduce_s,
+    ring_allgather_s,
+    ring_allreduce_s,
+)
 from hetpar.core._errors import (
     GraphFormatError,
     HetparError,
@@ -75,6 +79,7 @@ __all__ = [
     "is_memory_place",
     "memory_place",
     "parse_placements",
+    "ring_allgather_s",
     "ring_allreduce_s",
     "seconds",
     "signed_seconds",

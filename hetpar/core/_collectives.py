@@ -1,4 +1,5 @@
-"""What collectives cost: the gradients' all-reduce of data parallelism.
+"""What collectives cost: the gradients' all-reduce of data parallelism, and
+the all-gathers and reduce-scatters of sharded state.
 
 Closed forms over a link's bandwidth and latency: the planner prices data
 parallel with them, and `cost_models.scale_to_timed_step` takes the
@@ -19,6 +20,15 @@ def ring_allreduce_s(nbytes: float, members: int, bandwidth_bytes_per_s: float,
     if n <= 1:
         return 0.0
     return 2 * (n - 1) * (latency_s + nbytes / n / bandwidth_bytes_per_s)
+
+
+def ring_allgather_s(nbytes: float, members: int, bandwidth_bytes_per_s: float,
+                     latency_s: float = 0.0) -> float:
+    """Seconds of a ring all-gather of `nbytes` (the whole, gathered) over
+    `members`: n - 1 steps, each sending nbytes / n over the ring's slowest
+    link and paying its latency; half a ring all-reduce. A reduce-scatter
+    of `nbytes` costs the same. 0 for one member."""
+    return ring_allreduce_s(nbytes, members, bandwidth_bytes_per_s, latency_s) / 2
 
 
 def hierarchical_allreduce_s(nbytes: float, groups: int, per_group: int,

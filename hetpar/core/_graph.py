@@ -164,6 +164,11 @@ class Layer:
         softmax and gradient). The planner adds the largest on each device
         to what it holds, and the layer's activations too where it
         recomputes them. None means 0.
+      state_leaves: the shapes of the layer's state, one `(role, shape,
+        bytes)` per leaf, role "param" or "opt_state": what a sharded-state
+        plan can split over a group of N devices (a leaf no axis of which N
+        divides stays whole on every device). None: unknown, and the
+        planner takes every byte as divisible.
     """
 
     name: str
@@ -178,6 +183,13 @@ class Layer:
     update_s: Mapping[str, float] | None = None
     recompute_fraction: float | None = None
     workspace_bytes: float | None = None
+    state_leaves: tuple[tuple[str, tuple[int, ...], float], ...] | None = None
+
+    def __post_init__(self):
+        if self.state_leaves is not None and isinstance(self.state_leaves, list | tuple):
+            object.__setattr__(self, "state_leaves", tuple(
+                (r, tuple(shape), b) if isinstance(shape, list | tuple) else (r, shape, b)
+                for r, shape, b in self.state_leaves))
 
     def devices(self) -> tuple[str, ...]:
         """Devices this layer may run on: timed there, allowed, and the pin if any."""
@@ -313,6 +325,9 @@ class CostTable:
                 out["recompute_fraction"] = layer.recompute_fraction
             if layer.workspace_bytes is not None:
                 out["workspace_bytes"] = layer.workspace_bytes
+            if layer.state_leaves is not None:
+                out["state_leaves"] = [{"role": r, "shape": list(shape), "bytes": b}
+                                       for r, shape, b in layer.state_leaves]
             return out
 
         out = {
@@ -405,7 +420,8 @@ class CostTable:
                 recompute_fraction=None if layer.get("recompute_fraction") is None else _field(
                     layer, "recompute_fraction", where, float),
                 workspace_bytes=None if layer.get("workspace_bytes") is None else _field(
-                    layer, "workspace_bytes", where, float)))
+                    layer, "workspace_bytes", where, float),
+                state_leaves=_state_leaves(layer, where)))
         edges = tuple(
             Edge(src=_field(e, "src", f"edges[{i}]", str),
                  dst=_field(e, "dst", f"edges[{i}]", str),
@@ -454,6 +470,34 @@ def _field(obj: Mapping, key: str, where: str, typ: type, default: Any = _MISSIN
     if not isinstance(value, typ):
         raise GraphFormatError(f"{where}.{key} must be a {typ.__name__}, got {value!r}")
     return value
+
+
+#: Roles of a layer's state leaves (`Layer.state_leaves`).
+STATE_ROLES = ("param", "opt_state")
+
+
+def _state_leaves(layer: Mapping, where: str) -> tuple | None:
+    """`layers[i].state_leaves` of graph.json: [{"role", "shape", "bytes"}], checked."""
+    leaves = layer.get("state_leaves")
+    if leaves is None:
+        return None
+    if not isinstance(leaves, list):
+        raise GraphFormatError(f"{where}.state_leaves must be a list of "
+                               f'{{"role", "shape", "bytes"}} objects, got {leaves!r}')
+    out = []
+    for k, leaf in enumerate(leaves):
+        at = f"{where}.state_leaves[{k}]"
+        if not isinstance(leaf, Mapping):
+            raise GraphFormatError(f'{at} must be an object {{"role", "shape", "bytes"}}')
+        role, shape = leaf.get("role"), leaf.get("shape")
+        if role not in STATE_ROLES:
+            raise GraphFormatError(f"{at}.role must be one of {STATE_ROLES}, got {role!r}")
+        if not isinstance(shape, list) or not all(
+                isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+            raise GraphFormatError(f"{at}.shape must be a list of non-negative integers, "
+                                   f"got {shape!r}")
+        out.append((role, tuple(shape), _field(leaf, "bytes", at, float)))
+    return tuple(out)
 
 
 def _number_map(obj: Mapping, key: str, where: str) -> dict[str, float]:
@@ -593,6 +637,8 @@ def _validate_layer(i: int, layer: Layer, layers: Mapping[str, int], names: Mapp
         _check_number(layer.opt_state_bytes, f"{where}.opt_state_bytes")
     if layer.workspace_bytes is not None:
         _check_number(layer.workspace_bytes, f"{where}.workspace_bytes")
+    for k, (_, _, b) in enumerate(layer.state_leaves or ()):
+        _check_number(b, f"{where}.state_leaves[{k}].bytes")
     if layer.recompute_fraction is not None:
         _check_number(layer.recompute_fraction, f"{where}.recompute_fraction")
     if layer.recompute_fraction is not None and not layer.recompute_fraction <= 1:

@@ -7,8 +7,9 @@ closed form), `_simulate` (replays a pipelined schedule, or a step with state
 apart from compute), `_evaluate` (the cost model: `evaluate` picks the closed
 form or the replay; `violations`, data parallel), `_ilp` (the pulp model),
 `_feasibility` (infeasibility diagnosis), `_baselines`, `_offload` (where
-each layer's state lives and its update runs), `_plan` (Plan), `_solve`
-(plan). The input, CostTable (graph.json), is `hetpar.core`'s, re-exported
+each layer's state lives and its update runs), `_sharded` (the whole step
+over a group with its state sharded: ZeRO-1, FSDP), `_plan` (Plan),
+`_solve` (plan). The input, CostTable (graph.json), is `hetpar.core`'s, re-exported
 here.
 """
 
@@ -31,10 +32,12 @@ from hetpar.planner._evaluate import (
 )
 from hetpar.planner._ilp import highs_available
 from hetpar.planner._plan import Plan
+from hetpar.planner._sharded import SHARDINGS, evaluate_sharded, sharded_obstacle
 from hetpar.planner._simulate import Replay, StageRun, evaluate_replayed, simulate
 from hetpar.planner._solve import plan, replica_groups
 
 __all__ = [
+    "SHARDINGS",
     "Arrays",
     "BaselineResult",
     "CostTable",
@@ -51,6 +54,7 @@ __all__ = [
     "evaluate",
     "evaluate_data_parallel",
     "evaluate_replayed",
+    "evaluate_sharded",
     "exhaustive",
     "greedy_fastest",
     "heft",
@@ -59,6 +63,7 @@ __all__ = [
     "memory_fill",
     "plan",
     "replica_groups",
+    "sharded_obstacle",
     "simulate",
     "single_device",
     "violations",

@@ -145,21 +145,18 @@ def evaluate(table: CostTable, assignment: Mapping[str, Any], mode: str = "seque
     return closed_form(arr, placed, mode, M)
 
 
-def data_parallel_obstacle(table: CostTable, replicas: Sequence[str], *,
-                           arrays: Arrays | None = None) -> str | None:
-    """Why the whole step cannot run data parallel over `replicas`, or None if it can.
-
-    Data parallel: every replica holds all parameters and optimizer state,
-    runs every layer on its share of the batch, and the gradients are
-    all-reduced around a ring of the replicas.
-    """
+def group_obstacle(table: CostTable, group: Sequence[str], *,
+                   arrays: Arrays | None = None) -> str | None:
+    """Why the whole step cannot run data parallel over `group` at all (its
+    memory apart), or None: two or more distinct devices of the table, every
+    layer allowed on each, gradient sizes known, a ring of links."""
     arr = arrays or Arrays(table)
-    if len(replicas) < 2 or len(set(replicas)) != len(replicas):
-        return f"data parallel needs two or more distinct devices, got {list(replicas)}"
-    unknown = [d for d in replicas if d not in arr.dindex]
+    if len(group) < 2 or len(set(group)) != len(group):
+        return f"data parallel needs two or more distinct devices, got {list(group)}"
+    unknown = [d for d in group if d not in arr.dindex]
     if unknown:
         return f"{unknown} are not devices of the table ({', '.join(arr.devices)})"
-    idx = [arr.dindex[d] for d in replicas]
+    idx = [arr.dindex[d] for d in group]
     for i, layer in enumerate(table.layers):
         bad = [arr.devices[j] for j in idx if not arr.ok[i, j]]
         if bad:
@@ -171,19 +168,78 @@ def data_parallel_obstacle(table: CostTable, replicas: Sequence[str], *,
         nxt = idx[(k + 1) % len(idx)]
         if arr.bw[j, nxt] <= 0:
             return f"no link {arr.devices[j]} -> {arr.devices[nxt]} for the gradient all-reduce"
-    need = _replica_memory(arr, idx)
-    for k, j in enumerate(idx):
-        if need[k] > arr.cap[j] * (1 + 1e-9):
-            return (f"{arr.devices[j]} memory: a replica holds all parameters and optimizer "
-                    f"state, {nbytes(need[k])}, and the device holds {nbytes(arr.cap[j])}")
     return None
 
 
-def _replica_memory(arr: Arrays, idx: list[int]) -> np.ndarray:
+def memory_obstacle(arr: Arrays, idx: Sequence[int], need: np.ndarray, what: str) -> str | None:
+    """The first device of `idx` whose `need` (bytes, one per device) exceeds
+    its memory, in words (`what` says what it holds), or None."""
+    for k, j in enumerate(idx):
+        if need[k] > arr.cap[j] * (1 + 1e-9):
+            return (f"{arr.devices[j]} memory: {what}, {nbytes(need[k])}, and the device "
+                    f"holds {nbytes(arr.cap[j])}")
+    return None
+
+
+def data_parallel_obstacle(table: CostTable, replicas: Sequence[str], *,
+                           arrays: Arrays | None = None) -> str | None:
+    """Why the whole step cannot run data parallel over `replicas`, or None if it can.
+
+    Data parallel: every replica holds all parameters and optimizer state,
+    runs every layer on its share of the batch, and the gradients are
+    all-reduced around a ring of the replicas.
+    """
+    arr = arrays or Arrays(table)
+    reason = group_obstacle(table, replicas, arrays=arr)
+    if reason:
+        return reason
+    idx = [arr.dindex[d] for d in replicas]
+    return memory_obstacle(arr, idx, replica_memory(arr, idx),
+                           "a replica holds all parameters and optimizer state")
+
+
+def replica_memory(arr: Arrays, idx: Sequence[int]) -> np.ndarray:
     """[N] bytes each replica holds: everything but activations whole, activations
     and the largest working set (both per example) / N."""
     mem, act = arr.mem[:, idx], np.minimum(arr.act[:, None], arr.mem[:, idx])
     return (mem - act + act / len(idx)).sum(axis=0) + arr.ws.max(initial=0.0) / len(idx)
+
+
+def replica_busy(arr: Arrays, idx: Sequence[int], update_share: np.ndarray | float = 1.0
+                 ) -> np.ndarray:
+    """[N] seconds each member of a data-parallel group computes: every layer
+    on batch / N, its fixed part whole, its optimizer update (`update_s`)
+    times `update_share` ([L] or one number: 1 where each member updates
+    all of its state, its shard's share where the state is sharded), the
+    rest / N."""
+    n = len(idx)
+    fixed, t = arr.fixed[:, idx], arr.t[:, idx]
+    update = np.clip(np.nan_to_num(arr.upd[:, idx]), 0.0, t - fixed)
+    share = np.broadcast_to(np.asarray(update_share, float), (len(arr.layers),))[:, None]
+    return (fixed + update * share + (t - fixed - update) / n).sum(axis=0)
+
+
+def ring_of(arr: Arrays, idx: Sequence[int]) -> tuple[float, float]:
+    """(bandwidth, latency) of a ring over `idx`: its slowest link's, its worst latency."""
+    ring = [(j, idx[(k + 1) % len(idx)]) for k, j in enumerate(idx)]
+    return min(arr.bw[a, b] for a, b in ring), max(arr.lat[a, b] for a, b in ring)
+
+
+def group_predicted(arr: Arrays, idx: Sequence[int], busy: np.ndarray, collectives_s: float,
+                    memory: np.ndarray) -> Predicted:
+    """The Predicted of a whole step run over a group: its members' busy time
+    (shared cores add up), then the collectives, not overlapped."""
+    load = np.zeros(len(arr.devices))
+    load[idx] = busy
+    step = float(arr.resource_load(load).max()) + collectives_s
+    used = np.zeros(len(arr.devices), bool)
+    used[idx] = True
+    return Predicted(
+        step_time_s=step, cost_usd_per_step=step * arr.hourly_price(used) / 3600.0,
+        energy_j_per_step=arr.joules(used, load, step),
+        busy_s={arr.devices[j]: float(busy[k]) for k, j in enumerate(idx)},
+        compute_s=float(busy.sum()), transfer_s=collectives_s,
+        memory_bytes={arr.devices[j]: float(memory[k]) for k, j in enumerate(idx)})
 
 
 def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,
@@ -205,26 +261,7 @@ def evaluate_data_parallel(table: CostTable, replicas: Sequence[str], *,
     if reason:
         raise PlanError(reason)
     idx = [arr.dindex[d] for d in replicas]
-    n = len(idx)
-    fixed, t = arr.fixed[:, idx], arr.t[:, idx]
-    update = np.clip(np.nan_to_num(arr.upd[:, idx]), 0.0, t - fixed)
-    busy = (fixed + update + (t - fixed - update) / n).sum(axis=0)
-    ring = [(j, idx[(k + 1) % n]) for k, j in enumerate(idx)]
-    bw = min(arr.bw[a, b] for a, b in ring)
-    lat = max(arr.lat[a, b] for a, b in ring)
-    grads = float(arr.param.sum())
-    allreduce = ring_allreduce_s(grads, n, bw, lat)
-    load = np.zeros(len(arr.devices))
-    load[idx] = busy
-    step = float(arr.resource_load(load).max()) + allreduce
-    used = np.zeros(len(arr.devices), bool)
-    used[idx] = True
-    busy_all = np.zeros(len(arr.devices))
-    busy_all[idx] = busy
-    memory = _replica_memory(arr, idx)
-    return Predicted(
-        step_time_s=step, cost_usd_per_step=step * arr.hourly_price(used) / 3600.0,
-        energy_j_per_step=arr.joules(used, busy_all, step),
-        busy_s={arr.devices[j]: float(busy[k]) for k, j in enumerate(idx)},
-        compute_s=float(busy.sum()), transfer_s=allreduce,
-        memory_bytes={arr.devices[j]: float(memory[k]) for k, j in enumerate(idx)})
+    bw, lat = ring_of(arr, idx)
+    allreduce = ring_allreduce_s(float(arr.param.sum()), len(idx), bw, lat)
+    return group_predicted(arr, idx, replica_busy(arr, idx), allreduce,
+                           replica_memory(arr, idx))

@@ -32,6 +32,7 @@ from hetpar.planner._arrays import (
     held_bytes,
 )
 from hetpar.planner._baselines import BaselineResult
+from hetpar.planner._sharded import SHARDINGS, unsplit_layers
 from hetpar.planner._simulate import FORWARD_SHARE
 
 FORMAT = "hetpar.plan"
@@ -65,6 +66,10 @@ class Plan:
       devices: the devices it was planned over (its table's), idle ones
         included: `hetpar.auto(plan=...)` prices the plan over them again.
         Empty in plans written before it was recorded.
+      sharding: with `replicas`, how their state is laid out: None
+        (replicated: every device holds all of it), "zero1" (optimizer state
+        split across them, parameters replicated) or "fsdp" (parameters and
+        optimizer state split); `predicted` is then `evaluate_sharded`'s.
     """
 
     fingerprint: str
@@ -80,6 +85,7 @@ class Plan:
     replicas: tuple[str, ...] = ()
     offloaded: Mapping[str, Placement] = dataclasses.field(default_factory=dict)
     devices: tuple[str, ...] = ()
+    sharding: str | None = None
 
     def __post_init__(self):
         placements = {**parse_placements(self.assignment),
@@ -119,6 +125,7 @@ class Plan:
             "baselines": {k: v.to_json() for k, v in self.baselines.items()},
             **({"replicas": list(self.replicas)} if self.replicas else {}),
             **({"devices": list(self.devices)} if self.devices else {}),
+            **({"sharding": self.sharding} if self.sharding else {}),
         }
 
     @classmethod
@@ -176,6 +183,11 @@ class Plan:
         if not isinstance(replicas, list) or not all(isinstance(d, str) for d in replicas) or (
                 len(replicas) == 1):
             raise PlanError(f"replicas must list two or more device names, got {replicas!r}")
+        sharding = data.get("sharding")
+        if sharding is not None and (sharding not in SHARDINGS or not replicas):
+            raise PlanError(f"sharding must be one of {SHARDINGS} (with replicas: the "
+                            f"devices whose state it splits) or absent, got {sharding!r}"
+                            + ("" if replicas else " without replicas"))
         devices = data.get("devices", [])
         if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices) or (
                 len(set(devices)) != len(devices)):
@@ -190,7 +202,7 @@ class Plan:
             predicted=predicted, solver=dict(data["solver"]),
             baselines={k: BaselineResult.from_json(k, v) for k, v in baselines.items()},
             contiguous=contiguous, constraints=dict(constraints), replicas=tuple(replicas),
-            devices=tuple(devices))
+            devices=tuple(devices), sharding=sharding)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes plan.json."""
@@ -257,8 +269,10 @@ class Plan:
         """
         self.check(table)
         if self.replicas:
-            return (f"data parallel over {', '.join(self.replicas)}: every layer runs on each "
-                    f"replica, on 1/{len(self.replicas)} of the batch\n" + self.summary())
+            return (f"{self._group_line()}: every layer runs on each device, on "
+                    f"1/{len(self.replicas)} of the batch\n"
+                    + "".join(f"{line}\n" for line in self._unsplit_lines(table))
+                    + self.summary())
         arr = Arrays(table)
         a = np.array([arr.dindex[self.assignment[n]] for n in arr.layers])
         M = self.microbatches if self.mode == "pipelined" else 1
@@ -328,8 +342,14 @@ class Plan:
                  + (f", {self.microbatches} microbatches" if self.mode == "pipelined" else "")
                  + f", graph {self.fingerprint})", ""]
         if self.replicas:
-            lines.append(f"data parallel over {', '.join(self.replicas)}: the whole step on "
-                         f"each, batch split {len(self.replicas)} ways, gradients all-reduced")
+            lines.append(f"{self._group_line()}: the whole step on each, batch split "
+                         f"{len(self.replicas)} ways, " + {
+                             None: "gradients all-reduced",
+                             "zero1": "gradients reduce-scattered, each device updating its "
+                                      "shard, new parameters all-gathered",
+                             "fsdp": "each layer's parameters all-gathered for its forward "
+                                     "and backward, its gradients reduce-scattered",
+                         }[self.sharding])
         elif table is not None:
             arr = Arrays(table)
             M = self.microbatches if self.mode == "pipelined" else 1
@@ -408,6 +428,22 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+    def _group_line(self) -> str:
+        """What the whole-step plan does with its devices' state, in words."""
+        over = ", ".join(self.replicas)
+        return {None: f"data parallel over {over} (state replicated)",
+                "zero1": f"zero1 over {over} (optimizer state sharded, parameters replicated)",
+                "fsdp": f"fsdp over {over} (parameters and optimizer state sharded)",
+                }[self.sharding]
+
+    def _unsplit_lines(self, table: CostTable) -> list[str]:
+        """Why some of a sharded plan's state stays replicated, one line per layer."""
+        if not self.sharding:
+            return []
+        n = len(self.replicas)
+        return [f"{layer}: {k} state leaves stay replicated: no axis of theirs is a multiple "
+                f"of {n}" for layer, k in unsplit_layers(table, n).items()]
 
 
 def _check_solver(solver: Any) -> None:

@@ -33,6 +33,7 @@ from hetpar.planner._evaluate import (
     violations,
 )
 from hetpar.planner._plan import Plan
+from hetpar.planner._sharded import SHARDINGS, evaluate_sharded, sharded_obstacle
 from hetpar.planner._simulate import FORWARD_SHARE, evaluate_replayed
 
 
@@ -43,7 +44,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
          pins: Mapping[str, str] | None = None, baselines: bool = True,
          data_parallel: bool = True, schedule: str = "gpipe",
          memory: Mapping[str, float] | None = None, offload: bool = True,
-         activations: bool = True) -> Plan:
+         activations: bool = True, sharded: bool = True) -> Plan:
     """Places every layer of `table` on a device by solving the placement ILP.
 
     Where some accelerator cannot hold every layer it could run, the planner
@@ -90,6 +91,10 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         pipeline cannot beat it on equal GPUs at realistic batches: its
         bubble and every microbatch's kernel launches cost more than the
         all-reduce (experiments/results/two_gpus_*_h200x2.md).
+      sharded: with `data_parallel`, also consider the same groups with their
+        state sharded (`Plan.sharding`: "zero1", the optimizer state split
+        across the group; "fsdp", the parameters too), priced by
+        `evaluate_sharded`; every candidate is recorded in `baselines`.
       memory: {device: bytes} caps on the devices' memory for this plan (a
         device keeps its `memory_bytes` where not capped, and a cap never
         raises it), so a plan for a smaller device can be tried anywhere.
@@ -124,7 +129,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         raise InfeasibleError(reason)
     short = _feasibility.memory_shortfall(arr)
     search = offload and _offload.memory_tight(arr)
-    if short and not search:
+    if short and not search and not data_parallel:
         raise short
     result, err, status = None, None, "infeasible"
     if not short:
@@ -149,7 +154,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         shell = req.plan(table, assignment={}, predicted=None,
                          solver={"name": req.solver, "status": status,
                                  "layer_plan": str(err)})
-        dp = _consider_data_parallel(shell, table, arr, req) if data_parallel else shell
+        dp = (_consider_data_parallel(shell, table, arr, req, sharded) if data_parallel
+              else shell)
         if not dp.replicas:
             raise err
         return dp
@@ -157,7 +163,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         result = dataclasses.replace(result, baselines=_evaluated_baselines(
             table, arr, req, contiguous=result.contiguous))
     if data_parallel:
-        result = _consider_data_parallel(result, table, arr, req)
+        result = _consider_data_parallel(result, table, arr, req, sharded)
     return result
 
 
@@ -572,27 +578,36 @@ def replica_groups(table: CostTable) -> list[tuple[str, ...]]:
 
 
 def _consider_data_parallel(result: Plan, table: CostTable, arr: Arrays,
-                            req: _Request) -> Plan:
-    """`result`, or the data-parallel plan when one is feasible and predicted better."""
+                            req: _Request, sharded: bool = True) -> Plan:
+    """`result`, or the whole step over a group (state replicated, or sharded
+    by zero1 or fsdp: `_sharded`) when one is feasible and predicted better.
+
+    Every candidate goes into `baselines`, with its prediction or why it is
+    infeasible; of equal predictions the first wins: replicated, zero1, fsdp."""
     best, base = result, dict(result.baselines)
     for group in replica_groups(table):
-        name = "data parallel " + "+".join(group)
-        reason = data_parallel_obstacle(table, group, arrays=arr)
-        if reason is None:
-            p = evaluate_data_parallel(table, group, arrays=arr)
-            reason = _over_budget(p, req.max_cost, req.max_step_time)
-        if reason is not None:
-            base[name] = BaselineResult(name, reason=reason)
-            continue
-        base[name] = BaselineResult(name, predicted=p)
-        if best.predicted is None or p.objective(result.objective) < (
-                best.predicted.objective(result.objective) * (1 - 1e-9)):
-            layer_plan = ({"layer_plan_predicted": result.predicted.to_json()}
-                          if result.predicted is not None else {})
-            best = dataclasses.replace(
-                result, replicas=group, predicted=p, offloaded={},
-                assignment=dict.fromkeys(table.layer_names, group[0]),
-                solver={**result.solver, "chosen": name, **layer_plan})
+        for stage in (None, *(SHARDINGS if sharded else ())):
+            name = f"{stage or 'data parallel'} {'+'.join(group)}"
+            if stage is None:
+                reason = data_parallel_obstacle(table, group, arrays=arr)
+            else:
+                reason = sharded_obstacle(table, group, stage, arrays=arr)
+            if reason is None:
+                p = (evaluate_data_parallel(table, group, arrays=arr) if stage is None
+                     else evaluate_sharded(table, group, stage, arrays=arr))
+                reason = _over_budget(p, req.max_cost, req.max_step_time)
+            if reason is not None:
+                base[name] = BaselineResult(name, reason=reason)
+                continue
+            base[name] = BaselineResult(name, predicted=p)
+            if best.predicted is None or p.objective(result.objective) < (
+                    best.predicted.objective(result.objective) * (1 - 1e-9)):
+                layer_plan = ({"layer_plan_predicted": result.predicted.to_json()}
+                              if result.predicted is not None else {})
+                best = dataclasses.replace(
+                    result, replicas=group, sharding=stage, predicted=p, offloaded={},
+                    assignment=dict.fromkeys(table.layer_names, group[0]),
+                    solver={**result.solver, "chosen": name, **layer_plan})
     if not result.baselines:  # baselines were not asked for: keep only the choice's record
         base = {}
     return dataclasses.replace(best, baselines=base)

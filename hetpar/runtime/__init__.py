@@ -1,15 +1,17 @@
 """Running plans: the transfer engine, the per-device executor and its worker threads,
-data-parallel replicas."""
+data-parallel replicas, sharded state (ZeRO-1, FSDP)."""
 
 from hetpar._host_memory import HostMemoryWarning
 from hetpar.runtime._executor import Executor, StageError, StageEvent
 from hetpar.runtime._network import gather
 from hetpar.runtime._overhead import crossing_s, link_bandwidth, link_curve, stage_overhead_s
 from hetpar.runtime._replicated import Replicated
+from hetpar.runtime._sharded import STAGES, Sharded, shard_axis
 from hetpar.runtime._transfer import TransferEngine
 from hetpar.runtime._workers import Workers
 
-__all__ = ["Executor", "HostMemoryWarning", "Replicated", "StageError", "StageEvent",
+__all__ = ["STAGES", "Executor", "HostMemoryWarning", "Replicated", "Sharded", "StageError",
+           "StageEvent",
            "TransferEngine", "Workers",
            "crossing_s",
-           "gather", "link_bandwidth", "link_curve", "stage_overhead_s"]
+           "gather", "link_bandwidth", "shard_axis", "link_curve", "stage_overhead_s"]

@@ -269,8 +269,10 @@ def gather(tree, network: Network | None = None):
     new parameters are returned on the one device that computed them, and
     other processes hold a global array they cannot read. Every process must
     call `gather` with the same tree structure, in the same order (it runs
-    one collective per array held on one device). Arrays every process can
-    read (NumPy, replicated results) cost nothing. With one process:
+    one collective per array held on one device or sharded). Arrays every
+    process can read (NumPy, replicated results) cost nothing; an array
+    sharded over devices of several processes (a sharded-state plan's
+    parameters and optimizer state) is all-gathered. With one process:
     `np.asarray` of each leaf.
     """
     network = network or _NETWORK
@@ -283,12 +285,12 @@ def gather(tree, network: Network | None = None):
             continue
         devices = x.sharding.device_set
         if len(devices) > 1:
-            if not (x.is_fully_replicated and x.addressable_shards):
-                raise ValueError(f"gather takes arrays on one device or replicated on a device "
-                                 f"of every process; this one is split over {len(devices)} "
-                                 "devices (use jax.experimental.multihost_utils."
-                                 "process_allgather)")
-            out.append(np.asarray(x.addressable_data(0)))
+            if x.is_fully_replicated and x.addressable_shards:
+                out.append(np.asarray(x.addressable_data(0)))
+            else:  # sharded (ZeRO-1, FSDP): every process assembles the whole
+                from jax.experimental import multihost_utils
+
+                out.append(np.asarray(multihost_utils.process_allgather(x, tiled=True)))
             continue
         (owner,) = devices  # one device: a plan's per-layer result
         value = None

@@ -77,20 +77,32 @@ class Replicated:
                     "size, or plan with hetpar.auto(..., data_parallel=False).")
             return self.split
 
+        self.mesh, self.size = mesh, n
         leaf_shardings = [
             [batch_sharding(x) for x in jax.tree_util.tree_leaves(a)] if i in nums
-            else [self.replicated] * len(jax.tree_util.tree_leaves(a))
+            else [self.state_sharding(i, k, x) for k, x in enumerate(jax.tree_util.tree_leaves(a))]
             for i, a in enumerate(args)]
         self._leaf_shardings = leaf_shardings
         # jit and device_put take a tree prefix: one sharding per argument
         # where the whole argument is laid out alike.
         self.shardings = tuple(
-            jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(a), ls) if i in nums
-            else self.replicated for i, (a, ls) in enumerate(zip(args, leaf_shardings)))
-        self._jit = jax.jit(fn, in_shardings=self.shardings, out_shardings=self.replicated,
+            self.replicated if all(s is self.replicated for s in ls)
+            else jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(a), ls)
+            for a, ls in zip(args, leaf_shardings))
+        self._jit = jax.jit(fn, in_shardings=self.shardings,
+                            out_shardings=self.out_shardings(fn, args),
                             donate_argnums=tuple(donate_argnums))
         # The arguments call_placed_batch checks (None: not yet known).
         self._recheck: frozenset[int] | None = None
+
+    def state_sharding(self, arg: int, leaf: int, x) -> NamedSharding:
+        """How leaf `leaf` of state argument `arg` is laid out: replicated
+        (`Sharded` shards some)."""
+        return self.replicated
+
+    def out_shardings(self, fn: Callable, args: tuple):
+        """jit's out_shardings: every result replicated (`Sharded` keeps state sharded)."""
+        return self.replicated
 
     def _placed(self, args: tuple, only: frozenset[int] | None = None
                 ) -> tuple[tuple, list[int]]:
