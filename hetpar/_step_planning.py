@@ -192,12 +192,14 @@ def cost_table_for(compiled, devices: list[str], options: Options,
     # Far slower devices stay predicted, but for the `timed` pairs and
     # the whole step on the `steps` kinds.
     budget = TimingBudget(timed=timed, steps=steps)
-    table = cost_table(graph or compiled.graph, devices, profiles=profile_set(compiled, options),
-                       measure=calibrate, budget=budget,
-                       progress=(lambda line: logging.info("hetpar: %s", line))
-                       if calibrate else None)
-    if calibrate:
-        table = calibrated(compiled, table, budget)
+    with compiled.first_call.phase("calibrate" if calibrate else "costs"):
+        table = cost_table(graph or compiled.graph, devices,
+                           profiles=profile_set(compiled, options), measure=calibrate,
+                           budget=budget,
+                           progress=(lambda line: logging.info("hetpar: %s", line))
+                           if calibrate else None)
+        if calibrate:
+            table = calibrated(compiled, table, budget)
     return table
 
 
