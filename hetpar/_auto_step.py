@@ -338,9 +338,8 @@ class AutoStep:
         (`step["first_call"]`, hetpar/_first_call.py)."""
         import dataclasses as dc
 
-        from hetpar._report import report_graph
-
         from hetpar._memory_check import memory_summary
+        from hetpar._report import report_graph
 
         step = self._need_last()
         summary = {**step.clock.summary(step), "memory": memory_summary(step),
