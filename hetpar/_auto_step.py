@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from absl import logging
 
 from hetpar._compiled_step import UNKNOWN, CompiledStep
@@ -140,8 +141,9 @@ class AutoStep:
         the device is capped by the excess and the step planned and compiled
         again, at most `MAX_REPLANS` times; then, or where the planner finds
         no plan under the cap, one line (`InfeasibleError`) naming the device
-        and the bytes. A plan given (`plan=`), or a step with one device to
-        run on, is not planned again: it runs, with a warning.
+        and the bytes. A plan given (`plan=`), a step with one device to run
+        on, or one under several processes, is not planned again: it runs,
+        with a warning (`MemoryCheckWarning`).
         """
         step = CompiledStep(fn, args, self.options, self._workers)
         for tries in itertools.count():
@@ -149,12 +151,14 @@ class AutoStep:
             if not found:
                 return step
             worst = found[0]
-            if (self.options.plan is not None
-                    or len(candidate_devices(step, self.options)) < 2):
-                msg = (f"hetpar: {worst.describe()}; the plan "
-                       + ("was given" if self.options.plan is not None
-                          else "has one device to run on")
-                       + ", so it runs as it is and may run out of memory")
+            # Under several processes each checks its own devices: planning
+            # again on one alone would part the processes' plans.
+            why = ("was given" if self.options.plan is not None else
+                   "has one device to run on" if len(candidate_devices(step, self.options)) < 2
+                   else "runs under several processes" if jax.process_count() > 1 else None)
+            if why is not None:
+                msg = (f"hetpar: {worst.describe()}; the plan {why}, so it runs as it is and "
+                       "may run out of memory")
                 logging.warning(msg)
                 warnings.warn(msg, MemoryCheckWarning, stacklevel=4)
                 return step
