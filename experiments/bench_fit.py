@@ -5,9 +5,11 @@ for `--steps` steps, in its own process with `XLA_PYTHON_CLIENT_MEM_FRACTION`
 set (so the GPU looks like a smaller card and each cell's memory high-water
 mark is its own), beside `jax.jit` on the GPU in another process where it
 fits. Per cell: the plan hetpar chose, whether anything ran out of memory
-(and whether hetpar replanned), the predicted and measured GPU peak
+(and whether hetpar replanned), the predicted, compiled (the check before
+the first step, hetpar/_memory_check.py) and measured GPU peak
 (`peak_bytes_in_use`), the predicted and measured median step, and the
-first call (trace, plan, compile, place) against `jax.jit`'s first step.
+first call (trace, plan, compile, place; `step.report()`'s breakdown) against
+`jax.jit`'s first step.
 
     python experiments/bench_fit.py --models llama,zoo --fractions 0.1,0.3,default \
         --out experiments/results/fit_h200/fit.json
@@ -110,6 +112,12 @@ def run_cell(args) -> dict:
                 "activations": _count(p.activations for p in placements.values()),
                 "replicas": list(plan.replicas) if plan is not None else [],
             }
+            # Predicted, compiled (the check before the first step) and measured
+            # per device, and where the first call's time went (step.report()).
+            summary = step.report().step
+            out["memory_gb"] = {d: {k: (None if v is None else v / 1e9) for k, v in m.items()}
+                                for d, m in summary["memory"].items()}
+            out["first_call"] = summary["first_call"]
             if plan is not None:
                 pred = plan.predicted
                 peaks = dict(pred.peak_memory_bytes or pred.memory_bytes or {})

@@ -19,9 +19,11 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from absl import logging
 
 from hetpar._compiled_step import UNKNOWN, CompiledStep
+from hetpar._memory_check import MemoryCheckWarning, does_not_fit, misfits, replan_cap
 from hetpar._nnx_args import NNX_MARK, NnxArgs, NnxFastCall
 from hetpar._options import Options
 from hetpar._recovery import (
@@ -83,7 +85,11 @@ class AutoStep:
         With Flax NNX objects among `args`, this is the step on their state:
         it takes and returns what `NnxArgs` describes.
         """
-        return self._step_for(args)[0]
+        t = time.perf_counter()
+        step = self._step_for(args)[0]
+        if step.first_call.total_s is None:
+            step.first_call.before_s += time.perf_counter() - t
+        return step
 
     def place(self, *args) -> tuple:
         """The arguments moved to where the plan keeps them between steps.
@@ -96,10 +102,17 @@ class AutoStep:
 
             params, opt_state, batch = step.place(params, opt_state, batch)
         """
+        t = time.perf_counter()
         step, nnx_args = self._step_for(args)
         if nnx_args is not None:
             raise HetparError("place() takes arrays, not Flax NNX objects")
-        return step.place(args)
+        placing = time.perf_counter()
+        placed = step.place(args)
+        if step.first_call.total_s is None:
+            done = time.perf_counter()
+            step.first_call.place_s = (step.first_call.place_s or 0.0) + done - placing
+            step.first_call.before_s += done - t
+        return placed
 
     def _step_for(self, args: tuple) -> tuple[CompiledStep, NnxArgs | None]:
         key = signature(args)
@@ -107,8 +120,7 @@ class AutoStep:
         if step is None:
             # Looking for NNX objects walks the arguments in Python (10x a
             # flatten): only once per signature, never on a known one.
-            step = NNX_MARK if NnxArgs.present(args) else CompiledStep(
-                self._fn, args, self.options, self._workers)
+            step = NNX_MARK if NnxArgs.present(args) else self._new_step(self._fn, args)
             self._compiled[key] = step
         nnx_args = None
         if step is NNX_MARK:
@@ -116,11 +128,54 @@ class AutoStep:
             key = nnx_args.key + signature(nnx_args.pure_args)
             step = self._compiled.get(key)
             if step is None:
-                step = self._compiled[key] = CompiledStep(
-                    nnx_args.pure_step(self._fn), nnx_args.pure_args, self.options,
-                    self._workers)
+                step = self._compiled[key] = self._new_step(nnx_args.pure_step(self._fn),
+                                                            nnx_args.pure_args)
         self._last = step
         return step, nnx_args
+
+    def _new_step(self, fn: Callable, args: tuple) -> CompiledStep:
+        """The step compiled for these arguments, its compiled stages checked
+        against the devices' memory before anything runs (hetpar/_memory_check.py).
+
+        Where a device's compiled peak exceeds what the plan may use there,
+        the device is capped by the excess and the step planned and compiled
+        again, at most `MAX_REPLANS` times; then, or where the planner finds
+        no plan under the cap, one line (`InfeasibleError`) naming the device
+        and the bytes. A plan given (`plan=`), a step with one device to run
+        on, or one under several processes, is not planned again: it runs,
+        with a warning (`MemoryCheckWarning`).
+        """
+        step = CompiledStep(fn, args, self.options, self._workers)
+        for tries in itertools.count():
+            found = misfits(step)
+            if not found:
+                return step
+            worst = found[0]
+            # Under several processes each checks its own devices: planning
+            # again on one alone would part the processes' plans.
+            why = ("was given" if self.options.plan is not None else
+                   "has one device to run on" if len(candidate_devices(step, self.options)) < 2
+                   else "runs under several processes" if jax.process_count() > 1 else None)
+            if why is not None:
+                msg = (f"hetpar: {worst.describe()}; the plan {why}, so it runs as it is and "
+                       "may run out of memory")
+                logging.warning(msg)
+                warnings.warn(msg, MemoryCheckWarning, stacklevel=4)
+                return step
+            cap = replan_cap(worst)
+            if tries >= MAX_REPLANS or cap <= 0:
+                raise does_not_fit(worst, tries=tries, cap=cap)
+            logging.warning("hetpar: %s; planning again with %s capped at %s before the "
+                            "first step", worst.describe(), worst.device, nbytes(cap))
+            self.options = dataclasses.replace(
+                self.options, memory={**(self.options.memory or {}), worst.device: cap})
+            try:
+                again = CompiledStep(fn, args, self.options, self._workers)
+            except InfeasibleError as e:
+                raise does_not_fit(worst, tries=tries, why=e, cap=cap) from e
+            again.first_call.absorb(step.first_call)
+            step = again
+        raise AssertionError("unreachable")
 
     def __call__(self, *args):
         start = time.perf_counter()
@@ -200,6 +255,7 @@ class AutoStep:
                     step.clock.observe(start, out, step)
                 return out
         step, nnx_args = self._step_for(args)
+        running = time.perf_counter()
         if nnx_args is None:
             out = step(*args)
             self._direct = step if step.direct else None
@@ -210,7 +266,9 @@ class AutoStep:
             fast = NnxFastCall.build(args, nnx_args, state) if step.direct else None
             self._nnx_direct = None if fast is None else (step, fast)
         if not step.clock.done:
-            step.clock.observe(start, out, step)
+            step.clock.observe(start, out, step)  # waits for the results at first
+        if step.first_call.total_s is None:
+            step.first_call.ran(start, running)
         return out
 
     def _call_nnx_direct(self, args: tuple):
@@ -278,13 +336,19 @@ class AutoStep:
         """The cost report of the last compiled signature's step, with its
         predicted step beside the measured one (`step` in the report: the
         median of `StepClock.STEPS` steps after `SETTLE` more than the
-        compiling one; a warning when they differ by more than 25%)."""
+        compiling one; a warning when they differ by more than 25%), each
+        device's memory predicted, compiled and measured (`step["memory"]`,
+        hetpar/_memory_check.py) and where the first call's time went
+        (`step["first_call"]`, hetpar/_first_call.py)."""
         import dataclasses as dc
 
+        from hetpar._memory_check import memory_summary
         from hetpar._report import report_graph
 
         step = self._need_last()
-        return dc.replace(report_graph(step.graph, xla=False), step=step.clock.summary(step))
+        summary = {**step.clock.summary(step), "memory": memory_summary(step),
+                   "first_call": step.first_call.summary()}
+        return dc.replace(report_graph(step.graph, xla=False), step=summary)
 
     @property
     def measured_step_s(self) -> float | None:

@@ -23,8 +23,10 @@ import jax
 import numpy as np
 from absl import logging
 
+from hetpar._first_call import FirstCall
 from hetpar._grad import microbatched
 from hetpar._host_memory import warn_without_huge_pages
+from hetpar._memory_check import compiled_peaks
 from hetpar._options import FORCED, Options, check_present
 from hetpar._recovery import CHECKED_STEPS, ready
 from hetpar._signature import batch_positions, donated_positions, fast_signature
@@ -74,6 +76,11 @@ class CompiledStep:
             options = dataclasses.replace(options, batch_argnums=batch_argnums_of(args))
         self.options = options
         self.clock = StepClock()
+        if not hasattr(self, "first_call"):  # (kept when a hierarchical plan starts afresh)
+            self.first_call = FirstCall()
+        # ({device: peak bytes}, {device: where}) of the compiled stages
+        # (hetpar/_memory_check.py); None where nothing split was compiled.
+        self.compiled_memory = None
         self.devices = present_devices()
         check_present(options.devices, self.devices)
         self.plan_fingerprint: str | None = None
@@ -101,8 +108,10 @@ class CompiledStep:
         # over, as eqx.filter_jit does: the graph and every runtime see arrays.
         static = StaticLeaves(step, args)
         # `trace` reads None as "the last argument, unless it is the only one".
-        self.graph: LayerGraph = trace(static.pure_step, *static.pure_args,
-                                       depth=options.depth, batch_argnums=options.batch_argnums)
+        with self.first_call.phase("trace"):
+            self.graph: LayerGraph = trace(static.pure_step, *static.pure_args,
+                                           depth=options.depth,
+                                           batch_argnums=options.batch_argnums)
         self._static = static if static.any else None
         self._step = step if self._static is None else static.pure_step
         user_args, args = args, static.pure_args
@@ -120,7 +129,8 @@ class CompiledStep:
         self._given_prediction = None
         self._whole_steps: dict = {}  # the calibration's whole-step timings, while planning
         self._one_device_jits: dict = {}  # device -> the step's jit there (`_one_device_jit`)
-        self.placements: dict[str, Placement] = parse_placements(assign(self, options))
+        with self.first_call.phase("plan"):
+            self.placements: dict[str, Placement] = parse_placements(assign(self, options))
         if self._share is not None and self.plan is not None:
             if self.plan.replicas:
                 raise PlanError("a hierarchical plan places layers within each process; this "
@@ -180,6 +190,9 @@ class CompiledStep:
             ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a))
                                              for a in user_args))
             starts = [0, *ends[:-1]]
+            # The arguments' shapes, for `jit_memory` (static leaves: not kept).
+            self._jit_specs = None if self._static is not None else jax.tree_util.tree_map(
+                lambda x: _spec(x, self._sharding), args)
             self._batch_leaves = tuple(i for k in self._batch_argnums
                                        for i in range(starts[k], ends[k]))
         elif self._share is not None:
@@ -195,10 +208,13 @@ class CompiledStep:
                 logging.warning("hetpar: donate_argnums: a plan split over %s does not donate "
                                 "its arguments yet; the old and the new state coexist during "
                                 "a step, as the planner counts them", used)
-            self.stages = split(self.graph, self.placements, schedule=options.schedule)
-            self._executor = Executor(self.stages,
-                                      {d: self.devices[memory_place(d)[0]] for d in used},
-                                      TransferEngine(), workers)
+            with self.first_call.phase("compile"):  # the split included
+                self.stages = split(self.graph, self.placements, schedule=options.schedule)
+                self._executor = Executor(self.stages,
+                                          {d: self.devices[memory_place(d)[0]] for d in used},
+                                          TransferEngine(), workers)
+            with self.first_call.phase("memory check"):
+                self.compiled_memory = compiled_peaks(self._executor)
         if multi:
             self._check_across_processes()
         if self._executor is not None:
@@ -391,6 +407,28 @@ class CompiledStep:
                     offloaded={n: p for n, p in self.placements.items()
                                if p.offloaded or p.activations != "keep"},
                     devices=tuple(d.name for d in self.table.devices))
+
+    def jit_memory(self) -> float | None:
+        """A one-device step's executable's peak bytes (XLA's memory analysis:
+        arguments, outputs, temporaries, code), lowered on its arguments'
+        shapes (jit's caches make that cheap once the step ran); None with
+        static leaves or where the backend gives no analysis."""
+        if self._jit is None or getattr(self, "_jit_specs", None) is None:
+            return None
+        if not hasattr(self, "_jit_peak"):
+            before, _known.on = getattr(_known, "on", False), True
+            try:
+                m = self._jit.lower(*self._jit_specs).compile().memory_analysis()
+            except Exception:  # noqa: BLE001 - no analysis on this backend
+                m = None
+            finally:
+                _known.on = before
+            peak = getattr(m, "peak_memory_in_bytes", 0) if m is not None else 0
+            self._jit_peak = None if m is None else float(
+                (peak or m.argument_size_in_bytes + m.output_size_in_bytes
+                 - m.alias_size_in_bytes + m.temp_size_in_bytes)
+                + m.generated_code_size_in_bytes)
+        return self._jit_peak
 
     # -- running ----------------------------------------------------------
 
@@ -604,6 +642,13 @@ def _traced_when_known(step: Callable) -> Callable:
         return step(*args)
 
     return traced
+
+
+def _spec(x, sharding) -> jax.ShapeDtypeStruct:
+    """`x`'s shape and dtype (weak type included, as jit keys on it) on `sharding`."""
+    aval = jax.typeof(x)
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
+                                sharding=sharding)
 
 
 def _plan_fingerprint(plan, graph: LayerGraph, placements=None, microbatches=None) -> str:

@@ -29,7 +29,9 @@ class CostReport:
       model, batch, mode, backend, by: what was reported.
       step: for a `hetpar.auto` step (`AutoStep.report()`), its predicted and
         measured step: {"predicted_s", "measured_s", "steps", "ratio",
-        "warning"}; None for a report of a traced function.
+        "warning", "memory": {device: {"predicted", "compiled", "measured",
+        "capacity"}}, "first_call": {"total_s", "place_s", "phases",
+        "other_s"}}; None for a report of a traced function.
     """
 
     rows: tuple[dict, ...]
@@ -115,9 +117,44 @@ def step_line(step: dict) -> str:
     if p and m:
         text += (f"; measured / calibration {m / p:.2f}" if own
                  else f"; measured / predicted {m / p:.2f}")
+    if step.get("memory"):
+        text += "\n" + memory_lines(step["memory"])
+    if step.get("first_call"):
+        text += "\n" + first_call_line(step["first_call"])
     if step.get("warning"):
         text += "\nWARNING: " + step["warning"]
     return text
+
+
+def memory_lines(memory: dict) -> str:
+    """One line per device: its memory predicted by the planner, compiled (XLA's
+    memory analysis over the schedule) and measured (the allocator's peak)."""
+    from hetpar.core import nbytes
+
+    def b(v):
+        return "?" if v is None else nbytes(v)
+
+    lines = ["memory per device (predicted / compiled / measured peak, of capacity):"]
+    for d, m in memory.items():
+        lines.append(f"  {d}: {b(m.get('predicted'))} / {b(m.get('compiled'))} / "
+                     + ("no allocator statistics" if m.get("measured") is None
+                        else b(m.get("measured")))
+                     + f", of {b(m.get('capacity'))}")
+    return "\n".join(lines)
+
+
+def first_call_line(first: dict) -> str:
+    """`first call 12.3 s: trace 1.2 s, plan ...` (`FirstCall.summary()`)."""
+    from hetpar.core import seconds
+
+    parts = [f"{name} {seconds(s)}" for name, s in first["phases"].items()]
+    if first.get("place_s") is not None:
+        parts.append(f"place() {seconds(first['place_s'])}")
+    if first.get("other_s") is not None:
+        parts.append(f"other {seconds(first['other_s'])}")
+    total = first.get("total_s")
+    return (f"first call {'not yet' if total is None else seconds(total)}: "
+            + (", ".join(parts) or "nothing timed"))
 
 
 def report_graph(graph: LayerGraph, *, backend: str = "cpu", xla: bool = True,

@@ -202,7 +202,7 @@ def cost_table_for(compiled, devices: list[str], options: Options,
                    graph: LayerGraph | None = None,
                    timed: frozenset[tuple[str, str]] = frozenset(),
                    steps: frozenset[str] = frozenset()):
-    from hetpar.cost_models import TimingBudget, cache_dir, cost_table
+    from hetpar.cost_models import TimingBudget
 
     calibrate = (options.calibrates() and graph is None
                  and compiled._calibration_args is not None)
@@ -212,6 +212,16 @@ def cost_table_for(compiled, devices: list[str], options: Options,
     # Far slower devices stay predicted, but for the `timed` pairs and
     # the whole step on the `steps` kinds.
     budget = TimingBudget(timed=timed, steps=steps)
+    with compiled.first_call.phase("calibrate" if calibrate else "costs"):
+        return _table_for(compiled, devices, options, graph, budget, calibrate,
+                          again=bool(timed or steps))
+
+
+def _table_for(compiled, devices: list[str], options: Options, graph, budget,
+               calibrate: bool, *, again: bool):
+    """`cost_table_for`'s table: from the profiles, calibrated here when asked."""
+    from hetpar.cost_models import cache_dir, cost_table
+
     if calibrate:
         start = time.perf_counter()
         _tell(f"hetpar: calibrating on {', '.join(d for d in devices if d in compiled.devices)}"
@@ -221,14 +231,13 @@ def cost_table_for(compiled, devices: list[str], options: Options,
     layers = calibrate
     # profile="measure" times every layer, as asked; the default only those
     # whose times can move the plan.
-    if calibrate and options.profile == "auto" and not timed and not steps:
+    if calibrate and options.profile == "auto" and not again:
         table = cost_table(graph or compiled.graph, devices, profiles=profiles)
         alone = device_alone(table, devices, compiled.devices, options)
         if alone is not None:
             # The plan is `alone` whatever the layers' shares: timing each
-            # layer there (a compile each: 90 s of a 0.54B model's first call
-            # on an H200) would change no placement. The whole step is still
-            # timed, and the layers scaled to it.
+            # layer there (a compile each) would change no placement. The
+            # whole step is still timed, and the layers scaled to it.
             layers = False
             _tell(f"hetpar: the step fits {alone} and every other device is over "
                   f"{budget.slower:.0f}x slower: timing the whole step only")

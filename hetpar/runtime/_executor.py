@@ -75,7 +75,8 @@ class StageEvent:
 
 
 def _compile(stage: Stage, device: jax.Device):
-    """The stage as a `jax.jit` function, compiled now for its device.
+    """The stage as a `jax.jit` function, compiled now for its device, and
+    XLA's memory analysis of the executable (None where the backend gives none).
 
     Calls go through jit's C++ dispatch; the compile below fills the cache it
     reads, so the first step does not pay for compilation.
@@ -85,8 +86,12 @@ def _compile(stage: Stage, device: jax.Device):
             for v in stage.inputs]
     fn = jax.jit(jcore.jaxpr_as_fun(stage.jaxpr), in_shardings=sharding,
                  out_shardings=sharding)
-    fn.lower(*args).compile()
-    return fn
+    executable = fn.lower(*args).compile()
+    try:
+        memory = executable.memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend without it: the check skips the stage
+        memory = None
+    return fn, memory
 
 
 class Executor:
@@ -141,6 +146,7 @@ class Executor:
         me = jax.process_index()
         self.local = [d for d in stages.device_order
                       if self._process_of(d) == me or not self.multi_process]
+        self.stage_memory: list = [None] * len(stages.stages)  # set by _compile_all
         self.compiled = self._compile_all(stages.stages)
         jaxpr = stages.graph.program.jaxpr.jaxpr
         self._invars = list(jaxpr.invars)
@@ -349,6 +355,7 @@ class Executor:
                 first.setdefault(key, st)
         threads = min(len(first), host_cores())
         if not first:
+            self.stage_memory = [None] * len(keys)
             return [None] * len(keys)
         if threads <= 1:
             done = {k: _compile(st, self.devices[st.device]) for k, st in first.items()}
@@ -357,7 +364,8 @@ class Executor:
                 futures = {k: pool.submit(_compile, st, self.devices[st.device])
                            for k, st in first.items()}
                 done = {k: f.result() for k, f in futures.items()}
-        return [None if k is None else done[k] for k in keys]
+        self.stage_memory = [None if k is None else done[k][1] for k in keys]
+        return [None if k is None else done[k][0] for k in keys]
 
     def place_inputs(self, flat_args: Sequence) -> list:
         """Each input on its planned device (a no-op for state already resident)."""

@@ -1,0 +1,214 @@
+"""The compiled stages are checked against the devices' memory before the
+first step runs (hetpar/_memory_check.py), and `step.report()` shows each
+device's memory predicted beside compiled, and where the first call's time
+went (hetpar/_first_call.py)."""
+
+import types
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import hetpar
+from hetpar._memory_check import MARGIN, MemoryCheckWarning
+from hetpar._report import step_line
+from hetpar.core import InfeasibleError
+
+from . import oracle
+
+
+class _MLP(nn.Module):
+    width: int = 64
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(6):
+            x = nn.tanh(nn.Dense(self.width, name=f"dense{i}")(x))
+        return nn.Dense(1, name="head")(x)
+
+
+def _mlp_step(width: int = 64):
+    model, tx = _MLP(width), optax.adam(1e-2)
+
+    def step(params, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(
+            lambda p: ((model.apply(p, x) - y) ** 2).mean())(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    x, y = jnp.ones((8, width)), jnp.linspace(0.0, 1.0, 8)[:, None]
+    params = model.init(jax.random.key(0), x)
+    return step, (params, tx.init(params), (x, y))
+
+
+def _copy(tree):
+    return jax.tree_util.tree_map(lambda a: np.array(a, copy=True), tree)
+
+
+def _split_plan(step, args):
+    layers = hetpar.trace(step, *args).layers
+    return {name: ("cpu:0" if i < 3 else "cpu:1") for i, name in enumerate(layers)}
+
+
+class _Compiler:
+    """XLA made to need `extra(device)` more bytes of temporaries in each
+    stage it compiles for a device (as a GPU's workspace the planner does not
+    count), and a log of executors built and run: the check must plan again
+    before any executor runs."""
+
+    def __init__(self, monkeypatch, extra):
+        from hetpar.runtime import _executor
+
+        self.log: list[str] = []
+        compile_stage, run = _executor._compile, _executor.Executor.__call__
+
+        def compile_more(stage, device):
+            fn, m = compile_stage(stage, device)
+            more = extra(stage.device)
+            fields = {k: getattr(m, k) for k in dir(m) if k.endswith("_in_bytes")}
+            fields["temp_size_in_bytes"] += more
+            fields["peak_memory_in_bytes"] += more
+            return fn, types.SimpleNamespace(**fields)
+
+        def logged_run(executor, flat_args):
+            self.log.append("ran")
+            return run(executor, flat_args)
+
+        original_init = _executor.Executor.__init__
+
+        def logged_init(executor, *a, **k):
+            original_init(executor, *a, **k)
+            self.log.append("built")
+
+        monkeypatch.setattr(_executor, "_compile", compile_more)
+        monkeypatch.setattr(_executor.Executor, "__call__", logged_run)
+        monkeypatch.setattr(_executor.Executor, "__init__", logged_init)
+
+
+DEVICES = ["cpu:0", "cpu:1", "cpu:2"]
+
+
+def _capped(args):
+    # Capped so that the step needs two devices of three (as tests/test_capacity.py).
+    held = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[:2]))
+    return 0.6 * 3 * held
+
+
+def test_a_plan_whose_compiled_stages_exceed_a_cap_is_replanned_before_it_runs(monkeypatch):
+    step, args = _mlp_step()
+    before = _copy(args)
+    cap = _capped(args)
+    # The first plan's busiest device is found once; XLA then needs half the
+    # cap more there, in every plan compiled: only a plan that keeps less
+    # there (or nothing) fits.
+    probe = hetpar.auto(step, devices=DEVICES, profile=None,
+                        memory=dict.fromkeys(DEVICES, cap))
+    first = probe.lower(*args)
+    bad = max(first.compiled_memory[0], key=first.compiled_memory[0].get)
+    compiler = _Compiler(monkeypatch, lambda d: 0.5 * cap if d == bad else 0)
+    auto = hetpar.auto(step, devices=DEVICES, profile=None, memory=dict.fromkeys(DEVICES, cap))
+    out = auto(*args)
+    # Planned again (a second executor built) before any executor ran.
+    assert compiler.log.count("built") >= 2
+    assert compiler.log.index("ran") > max(i for i, e in enumerate(compiler.log)
+                                           if e == "built")
+    assert auto.options.memory[bad] < cap
+    # The plan that ran fits its compiled stages (the extra included).
+    last = auto._last
+    peaks = last.compiled_memory[0]
+    assert all(peaks[d] <= (1 - MARGIN) * cap for d in peaks)
+    for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    oracle.assert_equals_jit(out, step, args)
+
+
+def test_a_cap_no_plan_meets_is_one_line_before_anything_runs(monkeypatch):
+    step, args = _mlp_step()
+    before = _copy(args)
+    cap = _capped(args)
+    compiler = _Compiler(monkeypatch, lambda d: 10 * cap)  # no device fits any stage
+    auto = hetpar.auto(step, devices=DEVICES, profile=None, memory=dict.fromkeys(DEVICES, cap))
+    with pytest.raises(InfeasibleError) as info:
+        auto(*args)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "the compiled stages need" in message and "Nothing ran" in message
+    assert any(f"on {d} at their peak" in message for d in DEVICES)
+    assert "out of memory" not in message  # not mistaken for a step that ran out
+    assert compiler.log and "ran" not in compiler.log
+    for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_a_given_plan_that_does_not_fit_runs_with_a_warning(monkeypatch):
+    step, args = _mlp_step()
+    cap = _capped(args)
+    _Compiler(monkeypatch, lambda d: 10 * cap if d == "cpu:1" else 0)
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], plan=_split_plan(step, args),
+                       profile=None, memory={"cpu:1": cap})
+    with pytest.warns(MemoryCheckWarning, match="on cpu:1 at their peak.*was given"):
+        out = auto(*args)
+    oracle.assert_equals_jit(out, step, args)
+
+
+def _compiled(width: int) -> dict:
+    step, args = _mlp_step(width)
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], plan=_split_plan(step, args),
+                       profile=None)
+    out = auto(*args)
+    oracle.assert_equals_jit(out, step, args)
+    return {d: m["compiled"] for d, m in auto.report().step["memory"].items()}
+
+
+def test_compiled_figures_are_positive_and_grow_with_the_model():
+    small, large = _compiled(64), _compiled(256)
+    assert set(small) == set(large) == {"cpu:0", "cpu:1"}
+    for d in small:
+        assert 0 < small[d] < large[d]
+    # At least the parameters, gradients and Adam's moments, old and new: 16x
+    # the width^2 weights of the three dense layers on cpu:0 (f32).
+    assert large["cpu:0"] > 3 * 256 * 256 * 4 * 4
+
+
+def test_a_one_device_step_reports_its_executables_memory():
+    step, args = _mlp_step()
+    auto = hetpar.auto(step, devices="cpu:0")
+    auto(*args)
+    memory = auto.report().step["memory"]
+    params = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[:2]))
+    assert memory["cpu:0"]["compiled"] > 2 * params  # the old state and the new
+    assert memory["cpu:0"]["measured"] is None  # a CPU keeps no allocator statistics
+
+
+def test_the_report_says_where_the_first_call_went():
+    step, args = _mlp_step()
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], plan=_split_plan(step, args),
+                       profile=None)
+    placed = auto.place(*args)
+    auto(*placed)
+    first = auto.report().step["first_call"]
+    phases = first["phases"]
+    assert {"trace", "compile", "memory check", "run"} <= set(phases)
+    assert all(s >= 0 for s in phases.values())
+    assert first["place_s"] > 0
+    # The parts are exclusive: they add up to no more than the whole.
+    assert sum(phases.values()) + first["place_s"] <= first["total_s"] + 1e-6
+    text = step_line(auto.report().step)
+    assert "first call" in text and "trace" in text and "place()" in text
+    assert "memory per device (predicted / compiled / measured peak" in text
+
+
+def test_first_call_phases_nest_exclusively():
+    import time
+
+    from hetpar._first_call import FirstCall
+
+    clock = FirstCall()
+    with clock.phase("plan"):
+        with clock.phase("costs"):
+            time.sleep(0.02)
+    assert clock.seconds["costs"] >= 0.02 > clock.seconds["plan"]
