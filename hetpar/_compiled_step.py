@@ -204,15 +204,12 @@ class CompiledStep:
         else:
             if multi:
                 self._check_placements_across()
-            if self._donated:
-                logging.warning("hetpar: donate_argnums: a plan split over %s does not donate "
-                                "its arguments yet; the old and the new state coexist during "
-                                "a step, as the planner counts them", used)
             with self.first_call.phase("compile"):  # the split included
                 self.stages = split(self.graph, self.placements, schedule=options.schedule)
                 self._executor = Executor(self.stages,
                                           {d: self.devices[memory_place(d)[0]] for d in used},
-                                          TransferEngine(), workers)
+                                          TransferEngine(), workers,
+                                          donate=self._donated_leaves(user_args))
             with self.first_call.phase("memory check"):
                 self.compiled_memory = compiled_peaks(self._executor)
         if multi:
@@ -549,17 +546,22 @@ class CompiledStep:
         jitted = self._step if self._static is None else self._static.flat_step
         donate = self._donated
         if self._static is not None and donate:  # jit takes the traced leaves flat
-            ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a))
-                                             for a in user_args))
-            starts = [0, *ends[:-1]]
-            fixed = set(static_where(user_args))
-            traced = [i for i in range(ends[-1]) if i not in fixed]
-            donate = tuple(j for j, i in enumerate(traced)
-                           if any(starts[k] <= i < ends[k] for k in self._donated))
+            donate = self._donated_leaves(user_args)
         self._one_device_jits[device] = jax.jit(
             _traced_when_known(jitted), in_shardings=sharding, out_shardings=sharding,
             donate_argnums=donate)
         return self._one_device_jits[device]
+
+    def _donated_leaves(self, user_args: tuple) -> tuple[int, ...]:
+        """The donated arguments' positions among the step's traced (non-static) leaves."""
+        if not self._donated:
+            return ()
+        ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a)) for a in user_args))
+        starts = [0, *ends[:-1]]
+        fixed = set(static_where(user_args)) if self._static is not None else set()
+        traced = [i for i in range(ends[-1]) if i not in fixed]
+        return tuple(j for j, i in enumerate(traced)
+                     if any(starts[k] <= i < ends[k] for k in self._donated))
 
     def shared_jit(self, device: jax.Device) -> Callable | None:
         """The one-device jit for the calibration to time the whole step with,

@@ -13,10 +13,20 @@ executors may share.
 Failures: an exception inside a stage stops the step and surfaces as a
 `StageError` naming the stage's layers and device (for accelerator stages
 whose error only shows when their results are read: as JAX's own error, as
-with `jax.jit`). No input buffer is
+with `jax.jit`). Unless the step donates them (`donate`), no input buffer is
 donated, so the caller's parameters and optimizer state are never left
 half-updated or deleted (the price: the old and new state coexist in memory
 during a step, as with `jax.jit` without `donate_argnums`).
+
+Donation (`donate`, from `hetpar.auto(..., donate_argnums=...)`): a donated
+input is given up by its last reader. Where one stage reads it on its own
+device after every other reader was dispatched (`_last_readers`), that
+stage's executable takes it donated (XLA writes the new state into it);
+otherwise (state read from another device or a memory place, a move per
+read) the buffer is deleted once its last reader was dispatched (JAX frees
+it when the copies reading it are done). Either way the old state goes as
+the new is made, on the device and on the host alike, and the caller's
+donated arrays end the step deleted, as `jax.jit` leaves them.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import dataclasses
 import functools
 import threading
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -74,19 +85,24 @@ class StageEvent:
     what: str = "compute"
 
 
-def _compile(stage: Stage, device: jax.Device):
+def _compile(stage: Stage, device: jax.Device, donate: tuple[int, ...] = ()):
     """The stage as a `jax.jit` function, compiled now for its device, and
     XLA's memory analysis of the executable (None where the backend gives none).
 
     Calls go through jit's C++ dispatch; the compile below fills the cache it
-    reads, so the first step does not pay for compilation.
+    reads, so the first step does not pay for compilation. `donate`: the
+    positions of inputs the stage is the last reader of (`Executor._donate`).
     """
     sharding = SingleDeviceSharding(device)
     args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding)
             for v in stage.inputs]
     fn = jax.jit(jcore.jaxpr_as_fun(stage.jaxpr), in_shardings=sharding,
-                 out_shardings=sharding)
-    executable = fn.lower(*args).compile()
+                 out_shardings=sharding, donate_argnums=donate)
+    with warnings.catch_warnings():
+        # A donated input no output can reuse is still given up (freed after
+        # the stage), which is all donation promises here.
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        executable = fn.lower(*args).compile()
     try:
         memory = executable.memory_analysis()
     except Exception:  # noqa: BLE001 - a backend without it: the check skips the stage
@@ -115,6 +131,9 @@ class Executor:
       workers: the per-device worker threads (default: the executor's own).
       prefetch: stages reading streamed state in flight per device
         (default: `Executor.PREFETCH`).
+      donate: positions of the step's flat inputs it donates (the leaves of
+        `donate_argnums`), given up by their last reader (module docstring);
+        one process only.
       across: a hierarchical plan under several processes: every process
         runs all the stages on its own devices (`devices`), on its share of
         the batch, and `across[name]` lists device `name`'s counterpart on
@@ -132,7 +151,8 @@ class Executor:
     def __init__(self, stages: StageGraph, devices: Mapping[str, jax.Device],
                  transfer: TransferEngine | None = None, workers: Workers | None = None,
                  prefetch: int | None = None,
-                 across: Mapping[str, Sequence[jax.Device]] | None = None):
+                 across: Mapping[str, Sequence[jax.Device]] | None = None,
+                 donate: Sequence[int] = ()):
         self.stages = stages
         self.devices = dict(devices)
         self.transfer = transfer or TransferEngine()
@@ -147,11 +167,16 @@ class Executor:
         self.local = [d for d in stages.device_order
                       if self._process_of(d) == me or not self.multi_process]
         self.stage_memory: list = [None] * len(stages.stages)  # set by _compile_all
-        self.compiled = self._compile_all(stages.stages)
         jaxpr = stages.graph.program.jaxpr.jaxpr
         self._invars = list(jaxpr.invars)
         self._is_input = set(self._invars)
         self._outvars = list(jaxpr.outvars)
+        if donate and (self.multi_process or self.across):
+            raise HetparError("donate_argnums: a plan over several processes does not donate "
+                              "yet; drop donate_argnums", api="hetpar.auto(donate_argnums=())")
+        self.donated = tuple(sorted(set(donate)))
+        self._donate, self._free_at = self._donation(stages)
+        self.compiled = self._compile_all(stages.stages)
         self._input_devices = [self.target(d) for d in stages.input_devices]
         self._producer = {v: st.index for st in stages.stages for v in st.outputs}
         # Program outputs sent to their memory place as soon as they are
@@ -224,6 +249,38 @@ class Executor:
         # usual (no host sync added), each kind in issue order.
         self.record_events = False
         self.watch_events = False
+
+    def _donation(self, stages: StageGraph) -> tuple[list, dict]:
+        """Where each donated input is given up (module docstring).
+
+        Returns per stage the positions of its inputs its executable takes
+        donated, and {var: readers} for the donated inputs deleted once that
+        many reading stages were dispatched instead. A stage takes an input
+        donated where it reads it on the input's own device and every other
+        reader was dispatched before it (`_dispatched_before`): JAX then
+        orders the donation after their reads. Inputs the step returns as
+        they are are never given up.
+        """
+        donate: list = [[] for _ in stages.stages]
+        if not self.donated:
+            return [()] * len(donate), {}
+        home = dict(zip(self._invars, stages.input_devices))
+        wanted = {self._invars[i] for i in self.donated} - set(self._outvars)
+        readers: dict = {}
+        for st in stages.stages:
+            for v in st.inputs:
+                if v in wanted:
+                    readers.setdefault(v, []).append(st.index)
+        before = _dispatched_before(stages)
+        free_at = {}
+        for v, rs in readers.items():
+            last = [r for r in rs if all(before[r] >> o & 1 for o in rs if o != r)]
+            st = stages.stages[last[0]] if last else None
+            if st is not None and st.device == home[v] and st.inputs.count(v) == 1:
+                donate[st.index].append(st.inputs.index(v))
+            else:
+                free_at[v] = len(rs)
+        return [tuple(sorted(d)) for d in donate], free_at
 
     def _process_of(self, name: str) -> int:
         """The process owning a device (or memory place) name."""
@@ -347,8 +404,8 @@ class Executor:
         a split step's first call then costs about its largest stage's
         compilation, not their sum, where cores allow.
         """
-        keys = [(str(st.jaxpr.jaxpr), tuple(id(c) for c in st.jaxpr.consts), st.device)
-                if st.device in self.local else None for st in stages]
+        keys = [(str(st.jaxpr.jaxpr), tuple(id(c) for c in st.jaxpr.consts), st.device,
+                 self._donate[st.index]) if st.device in self.local else None for st in stages]
         first = {}
         for key, st in zip(keys, stages):
             if key is not None:  # another process runs it
@@ -358,10 +415,10 @@ class Executor:
             self.stage_memory = [None] * len(keys)
             return [None] * len(keys)
         if threads <= 1:
-            done = {k: _compile(st, self.devices[st.device]) for k, st in first.items()}
+            done = {k: _compile(st, self.devices[st.device], k[3]) for k, st in first.items()}
         else:
             with ThreadPoolExecutor(threads, thread_name_prefix="hetpar-compile") as pool:
-                futures = {k: pool.submit(_compile, st, self.devices[st.device])
+                futures = {k: pool.submit(_compile, st, self.devices[st.device], k[3])
                            for k, st in first.items()}
                 done = {k: f.result() for k, f in futures.items()}
         self.stage_memory = [None if k is None else done[k][1] for k in keys]
@@ -393,7 +450,13 @@ class Executor:
         return out
 
     def __call__(self, flat_args: Sequence) -> list:
-        run = _Run(self, dict(zip(self._invars, self.place_inputs(flat_args))))
+        placed = self.place_inputs(flat_args)
+        for i in self.donated:
+            # The caller's donated array, copied to where the plan keeps it:
+            # the copy is the step's, the original is given up now.
+            if placed[i] is not flat_args[i]:
+                _give_up(flat_args[i])
+        run = _Run(self, dict(zip(self._invars, placed)))
         calls = {name: functools.partial(run.device, name) for name in self.local}
         if self._crossings:
             calls["network"] = run.network
@@ -410,9 +473,18 @@ class Executor:
                 f"stage {st.index} ({st.phase}"
                 f"{'' if st.microbatch is None else f', microbatch {st.microbatch}'}) on "
                 f"{st.device} failed, running layers {list(st.layers)}: "
-                f"{type(e).__name__}: {e}. The inputs you passed are unchanged.",
+                f"{type(e).__name__}: {e}. "
+                + ("Arrays passed in donate_argnums may be deleted; the others are unchanged."
+                   if self.donated else "The inputs you passed are unchanged."),
                 device=st.device) from e
         self.last_events = sorted(run.events, key=lambda ev: ev.start_s)
+        returned = {id(x) for x in (run.env.get(v) for v in self._outvars
+                                    if isinstance(v, jcore.Var))}
+        for i in self.donated:
+            # Donated inputs no stage read, or that a stage took donated but
+            # could not reuse: given up too, as jax.jit leaves them.
+            if id(placed[i]) not in returned:
+                _give_up(placed[i])
         if self.multi_process:
             return self._outputs_across(run)
         outs = self._return_state([self._read(run.env, v) for v in self._outvars])
@@ -588,8 +660,17 @@ class _Run:
         return args
 
     def release(self, st: Stage) -> None:
-        """Drops the values whose last reader `st` was (not the step's inputs or results)."""
+        """Drops the values whose last reader `st` was (not the step's inputs or
+        results), and gives up the donated inputs it was the last reader of."""
         self.release_sent(st.inputs)
+        free_at = self.ex._free_at
+        if free_at:
+            with self.lock:
+                for v in st.inputs:
+                    if v in free_at:
+                        left = self.left[v] = self.left.get(v, free_at[v]) - 1
+                        if left == 0:
+                            _give_up(self.env[v])
 
     def device(self, name: str) -> None:
         """Runs the stages of device `name` in its order (on that device's worker)."""
@@ -766,3 +847,39 @@ class _Run:
                     left = self.left[v] = self.left.get(v, readers[v]) - 1
                     if left == 0:
                         self.env.pop(v, None)
+
+
+def _give_up(x) -> None:
+    """Deletes a donated JAX array's buffer (JAX frees it once the work
+    already issued on it is done); anything else (NumPy) is left alone."""
+    if isinstance(x, jax.Array) and not x.is_deleted():
+        x.delete()
+
+
+def _dispatched_before(stages: StageGraph) -> list[int]:
+    """Per stage, a bit set of the stages surely dispatched before it: those
+    making its inputs (a worker waits for them) and those its device runs
+    earlier (one worker dispatches them in order), transitively."""
+    preds: list[set] = [set() for _ in stages.stages]
+    producer = {v: st.index for st in stages.stages for v in st.outputs}
+    for st in stages.stages:
+        preds[st.index].update(producer[v] for v in st.inputs if v in producer)
+    for order in stages.device_order.values():
+        for a, b in zip(order, order[1:]):
+            preds[b].add(a)
+    before = [0] * len(preds)
+    waiting = [len(p) for p in preds]
+    after: list[list] = [[] for _ in preds]
+    for s, ps in enumerate(preds):
+        for p in ps:
+            after[p].append(s)
+    ready = [s for s, n in enumerate(waiting) if n == 0]
+    while ready:
+        s = ready.pop()
+        for p in preds[s]:
+            before[s] |= before[p] | (1 << p)
+        for t in after[s]:
+            waiting[t] -= 1
+            if waiting[t] == 0:
+                ready.append(t)
+    return before

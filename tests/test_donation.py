@@ -1,0 +1,133 @@
+"""Donation in split plans (issue 41, item 4), on virtual CPU devices.
+
+`hetpar.auto(..., donate_argnums=...)` on a plan split over devices, or with
+state kept apart from compute (cpu:1 as the state home), must compute what
+`jax.jit` computes, leave the donated caller arrays deleted as `jax.jit`
+with the same `donate_argnums` leaves them, and the others intact. The
+reference runs on copies made before each step (the originals are given
+up). The planner side: with donation, state needs one copy where it lives.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+import hetpar
+from hetpar import zoo
+from hetpar.core import HetparError, InfeasibleError
+
+from . import oracle
+
+OFFLOAD = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:1"}
+STREAMED = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:0"}
+DONATE = (0, 1)  # the parameters and the optimizer state
+
+
+def _plan(how: str, layers: list) -> dict:
+    if how == "split":  # the first half on cpu:0, the rest on cpu:1
+        half = len(layers) // 2
+        return {n: "cpu:0" if k < half else "cpu:1" for k, n in enumerate(layers)}
+    return {n: OFFLOAD if how == "host_update" else STREAMED for n in layers}
+
+
+def _copies(tree):
+    """Fresh copies on cpu:0, for the reference (the originals are donated)."""
+    return oracle.on_cpu0(jax.tree_util.tree_map(lambda x: np.array(x), tree))
+
+
+def _deleted(tree) -> list[bool]:
+    return [isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree)]
+
+
+@pytest.mark.parametrize("how", ["split", "host_update", "streamed"])
+def test_donating_split_and_offload_plans_equal_jit_and_give_up_the_state(how):
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan=_plan(how, graph.layers), donate_argnums=DONATE)
+    state, batch = step.place(*args)[:-1], args[-1]
+    assert step.lower(*state, batch).stages is not None  # a split plan, not one jit
+    jitted = jax.jit(w.train_step)
+    donating_jit = jax.jit(w.train_step, donate_argnums=DONATE)
+    for _ in range(3):
+        before, mine = _copies(state), _copies(state)
+        out = step(*state, batch)
+        oracle.assert_equals_jit(out, w.train_step, (*before, batch), jitted=jitted)
+        # Deleted leaf by leaf as jax.jit with the same donate_argnums leaves them.
+        donating_jit(*mine, batch)
+        assert _deleted(state) == _deleted(mine)
+        assert any(_deleted(state))
+        assert not any(_deleted(batch)) and not any(_deleted(out))
+        state = out[:-1]
+
+
+def test_a_donated_argument_used_again_gets_the_deleted_buffer_error_explained():
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan=_plan("split", graph.layers), donate_argnums=DONATE)
+    placed = step.place(*args)
+    step(*placed)
+    with pytest.raises(HetparError, match="donate_argnums.*earlier step.*deleted"):
+        step(*placed)
+
+
+def test_without_donate_argnums_the_caller_state_stays():
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan=_plan("host_update", graph.layers))
+    placed = step.place(*args)
+    step(*placed)
+    assert not any(_deleted(placed))
+    step(*placed)  # the same state again: still there
+
+
+@pytest.mark.parametrize("how", ["split", "host_update", "streamed"])
+def test_a_buffer_read_by_several_stages_is_given_up_by_the_last_only(how):
+    """Statically: each donated input is taken donated by at most one stage,
+    which every other reader of it is dispatched before; the rest are
+    deleted after their last reader (counted), never by an earlier one."""
+    from hetpar.runtime._executor import _dispatched_before
+
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan=_plan(how, graph.layers), donate_argnums=DONATE)
+    ex = step.lower(*args)._executor
+    stages = ex.stages.stages
+    before = _dispatched_before(ex.stages)
+    n_state = len(jax.tree_util.tree_leaves(args[:-1]))
+    assert ex.donated == tuple(range(n_state))
+    several = 0
+    for i in ex.donated:
+        v = ex._invars[i]
+        readers = [st.index for st in stages if v in st.inputs]
+        takers = [s for s in range(len(stages)) for k in ex._donate[s] if stages[s].inputs[k] is v]
+        assert len(takers) <= 1
+        several += len(readers) > 1
+        if takers:
+            (last,) = takers
+            assert all(before[last] >> r & 1 for r in readers if r != last), \
+                f"input {i} donated by stage {last} before its readers {readers} ran"
+        elif readers:
+            assert ex._free_at[v] == len(readers)
+    assert several, "the plan must read some donated input in several stages"
+    if how == "split":  # state on its compute device: its update takes it donated
+        assert any(ex._donate)
+
+
+def test_dispatch_order_counts_producers_and_device_order():
+    from hetpar.runtime._executor import _dispatched_before
+
+    class St:
+        def __init__(self, index, inputs, outputs):
+            self.index, self.inputs, self.outputs = index, inputs, outputs
+
+    class G:
+        stages = (St(0, ("x",), ("a",)), St(1, ("x",), ("b",)), St(2, ("a", "b"), ("c",)),
+                  St(3, ("x",), ()))
+        device_order = {"cpu:0": (0, 2), "cpu:1": (1,), "cpu:2": (3,)}
+
+    before = _dispatched_before(G)
+    assert before[2] == 0b011 and before[0] == 0 and before[3] == 0
