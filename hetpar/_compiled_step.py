@@ -204,12 +204,16 @@ class CompiledStep:
         else:
             if multi:
                 self._check_placements_across()
+            if self._donated and multi:
+                logging.warning("hetpar: donate_argnums: a plan split over processes does "
+                                "not donate its arguments yet; the old and the new state "
+                                "coexist during a step")
             with self.first_call.phase("compile"):  # the split included
                 self.stages = split(self.graph, self.placements, schedule=options.schedule)
                 self._executor = Executor(self.stages,
                                           {d: self.devices[memory_place(d)[0]] for d in used},
                                           TransferEngine(), workers,
-                                          donate=self._donated_leaves(user_args))
+                                          donate=() if multi else self._donated_leaves(user_args))
             with self.first_call.phase("memory check"):
                 self.compiled_memory = compiled_peaks(self._executor)
         if multi:

@@ -414,7 +414,8 @@ def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str
                      mode="pipelined" if m > 1 else "sequential", microbatches=m,
                      data_parallel=bool(options.data_parallel) and compiled._share is None,
                      sharded=options.data_parallel is True,
-                     schedule=options.schedule, memory=options.memory)
+                     schedule=options.schedule, memory=options.memory,
+                     donate=bool(options.donate_argnums))
 
     compiled.plan = planned()
     # profile="measure" left far slower devices predicted (TimingBudget);

@@ -131,3 +131,49 @@ def test_dispatch_order_counts_producers_and_device_order():
 
     before = _dispatched_before(G)
     assert before[2] == 0b011 and before[0] == 0 and before[3] == 0
+
+
+# -- the planner: one copy of donated state where it lives ------------------
+
+def _table(**kw):
+    from .test_offload_planner import table
+
+    return table(**kw)
+
+
+def test_donation_prices_host_and_device_state_once():
+    from hetpar.planner import evaluate
+    from hetpar.planner._solve import with_donation
+
+    from .test_offload_planner import GB, OPT, PARAM
+
+    t = _table(blocks=6)
+    state = 6 * (PARAM + OPT)
+    offloaded = {f"b{i}": OFFLOAD | {"compute": "gpu:0", "state": "cpu:0", "update": "cpu:0"}
+                 for i in range(6)}
+    for placements, where in ((offloaded, "cpu:0"), (dict.fromkeys(offloaded, "gpu:0"), "gpu:0")):
+        kept = evaluate(t, placements).peak_memory_bytes[where]
+        donated = evaluate(with_donation(t), placements).peak_memory_bytes[where]
+        assert kept - donated == pytest.approx(state, abs=1e-3 * GB), where
+
+
+def test_a_plan_that_fits_only_with_donation_is_found_with_it_and_refused_without():
+    from hetpar.planner import plan
+
+    t = _table(blocks=6, gpu_gb=30, host_gb=1, cpu_compute=False)  # 6 x 4.5 GB, 7.5 undonated
+    p = plan(t, donate=True)
+    assert set(p.assignment.values()) == {"gpu:0"} and not p.offloaded
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 30e9
+    with pytest.raises(InfeasibleError, match="no plan fits memory"):
+        plan(t)
+
+
+def test_hetpar_plan_donate_flag(tmp_path, capsys):
+    from .test_cli import hetpar_in_process
+
+    graph = tmp_path / "graph.json"
+    _table(blocks=6, gpu_gb=30, host_gb=1, cpu_compute=False).save(graph)
+    out = hetpar_in_process(capsys, "plan", "--graph", str(graph), "--donate").stdout
+    assert "gpu:0" in out
+    err = hetpar_in_process(capsys, "plan", "--graph", str(graph), check=False).stderr
+    assert "no plan fits memory" in err

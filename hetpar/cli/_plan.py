@@ -54,6 +54,10 @@ def register(subparsers) -> None:
                         "present here may only be capped; one planned for (a spec sheet) may "
                         "be given more (--memory cpu=2000 for a 2 TB host)")
     add_link_arg(p)
+    p.add_argument("--donate", action="store_true",
+                   help="plan for a step that donates its state (hetpar.auto's "
+                        "donate_argnums): one copy of the parameters and optimizer state "
+                        "where they live, on the host too, instead of the old and the new")
     p.add_argument("--no-offload", dest="offload", action="store_false",
                    help="never keep layers' state apart from their compute device")
     p.add_argument("--explain", action="store_true", help="say why each layer sits where it does")
@@ -127,7 +131,8 @@ def _run(args: argparse.Namespace) -> int:
                       microbatches=microbatches, contiguous=args.contiguous,
                       max_cost=args.max_cost, max_step_time=args.max_step_time,
                       solver=args.solver, time_limit=args.time_limit, gap=args.gap,
-                      schedule=args.schedule, memory=memory or None, offload=args.offload)
+                      schedule=args.schedule, memory=memory or None, offload=args.offload,
+                      donate=args.donate)
     # The file first: a reader that stops early (`| head`) must not cost the plan.
     if args.out:
         result.save(args.out)

@@ -30,8 +30,10 @@ from hetpar.core import (
 MODES = ("sequential", "pipelined")
 OBJECTIVES = ("time", "cost", "energy")
 #: Copies of an offloaded layer's parameters and optimizer state its host
-#: holds at the step's peak: the old state and the new one coexist, since the
-#: runtime donates no buffer (the caller's state is never left half-updated).
+#: holds at the step's peak without donation: the old state and the new one
+#: coexist, since the runtime then donates no buffer (the caller's state is
+#: never left half-updated). A step that donates its state
+#: (`donate_argnums`, a table `with_donation`) holds one (`Arrays.state_copies`).
 HOST_STATE_COPIES = 2
 
 #: Streamed optimizer states a device may hold at once, counted in its largest
@@ -282,17 +284,22 @@ class Arrays:
         self.recompute = np.array([1.0 if layer.recompute_fraction is None
                                    else layer.recompute_fraction for layer in table.layers])
         self.order = table.topological_order()
+        # Donation (`with_donation`): the runtime gives up the old state as
+        # the new is made, so state needs one copy where it lives, not two.
+        self.donated = bool(table.meta.get("donated"))
+        self.state_copies = 1 if self.donated else HOST_STATE_COPIES
         given = np.array([np.nan if layer.opt_state_bytes is None else layer.opt_state_bytes
                           for layer in table.layers], dtype=float).reshape(L, 1)
         rest = np.maximum(self.mem - 2 * self.param[:, None] - self.act[:, None], 0.0)
         self.opt = np.where(np.isnan(given), rest, np.minimum(given, self.mem))
         self.opt[np.isnan(self.param)] = np.nan
         # A layer updated on its device holds its new parameters and optimizer
-        # state there beside the caller's old ones until the step returns:
-        # the runtime donates nothing (as `jax.jit` without donate_argnums).
+        # state there beside the caller's old ones until the step returns,
+        # unless the step donates them (as `jax.jit` without donate_argnums).
         # So what a layer holds on d is its `memory_bytes` and that new state.
         self.table_mem = self.mem
-        self.mem = self.mem + np.nan_to_num(self.param)[:, None] + np.nan_to_num(self.opt)
+        if not self.donated:
+            self.mem = self.mem + np.nan_to_num(self.param)[:, None] + np.nan_to_num(self.opt)
         self.resident = self.mem
         self.upd = np.full((L, D), np.nan)
         for i, layer in enumerate(table.layers):
@@ -487,8 +494,8 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     - A layer whose state and parameters stay with its compute holds its
       `memory_bytes` there (2 x parameters: values and gradients, optimizer
       state, saved activations) and its new parameters and optimizer state
-      (`Arrays.resident`: nothing is donated, so the caller's old ones live
-      until the step returns).
+      (`Arrays.resident`: without donation the caller's old ones live until
+      the step returns; with it, the new replace the old).
     - A layer whose optimizer state lives elsewhere (a host CPU device or a
       memory place) holds on its compute device its weights (a copy, when
       the parameters live elsewhere too), its gradient, its activations and
@@ -498,10 +505,10 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
       `streamed_in_flight(n)` x the largest such state (2 for one; at most
       STREAMED_IN_FLIGHT, the runtime's bounded prefetch), beside the
       largest working set.
-    - Where its optimizer state lives: HOST_STATE_COPIES x the state (old
-      and new coexist: nothing is donated), plus its gradient when the
-      update runs there. Where its parameters live, when not on the compute
-      device: HOST_STATE_COPIES x the parameters. Streaming only the state
+    - Where its optimizer state lives: `Arrays.state_copies` x the state
+      (without donation old and new coexist: 2; donated, 1), plus its
+      gradient when the update runs there. Where its parameters live, when
+      not on the compute device: `state_copies` x the parameters. Streaming only the state
       (parameters resident, JAX's host offload) halves neither copy but
       leaves the host the optimizer state alone.
 
@@ -520,14 +527,16 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     o = np.nan_to_num(arr.opt[rows, c])
     p = np.nan_to_num(arr.param)
     out = np.zeros(D)
-    # Apart, the old and new optimizer state leave the device (and the new
-    # parameters, when they live elsewhere too).
-    away = (np.where(state_apart, 2 * o, 0.0) + np.where(params_apart, p, 0.0)
+    # Apart, the old (and without donation the new) optimizer state leave the
+    # device, and the new parameters when they live elsewhere too.
+    copies = arr.state_copies
+    away = (np.where(state_apart, copies * o, 0.0)
+            + np.where(params_apart, (copies - 1) * p, 0.0)
             + np.where(placed.remat, arr.act, 0.0))  # recomputed: not kept
     np.add.at(out, c, np.maximum(mem_c - away, 0.0))
-    home = HOST_STATE_COPIES * o + np.where(placed.host_update, p, 0.0)
+    home = copies * o + np.where(placed.host_update, p, 0.0)
     np.add.at(out, s[state_apart], home[state_apart])
-    np.add.at(out, w[params_apart], HOST_STATE_COPIES * p[params_apart])
+    np.add.at(out, w[params_apart], copies * p[params_apart])
     # While the step runs: the streamed state in flight, beside the largest
     # working set of a layer (its activations too where it recomputes them):
     # a streamed layer's backward runs with its state arrived and the next's

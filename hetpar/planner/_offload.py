@@ -28,8 +28,9 @@ resident layer holds its `memory_bytes`; an offloaded layer holds on its
 compute device its weights, gradient and activations (memory_bytes less its
 optimizer state), plus, streamed, the optimizer state in flight for the
 updates (`streamed_in_flight`: old and new of each, at most five states, in
-the largest; `_add_in_flight` linearises it); its host holds HOST_STATE_COPIES x its
-optimizer state, plus, host way, HOST_STATE_COPIES x its parameters and its
+the largest; `_add_in_flight` linearises it); its host holds
+`Arrays.state_copies` x its optimizer state (2, old and new; 1 where the step
+donates its state), plus, host way, as many copies of its parameters and its
 gradient. A memory place and its host's CPU device draw on one RAM: their
 sum is capped by the CPU device's memory too.
 
@@ -64,7 +65,6 @@ import pulp
 from hetpar.core import CostTable, InfeasibleError, Placement, nbytes, seconds
 from hetpar.planner import _ilp
 from hetpar.planner._arrays import (
-    HOST_STATE_COPIES,
     STREAMED_IN_FLIGHT,
     Arrays,
     Placed,
@@ -267,19 +267,19 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
         if arr.place[j]:
             parts.append(f"the state does not fit host memory: {d} would need at least "
                          f"{nbytes(held[j])} ({n} layers' optimizer state "
-                         f"x{HOST_STATE_COPIES}), {holds}")
+                         f"x{arr.state_copies}), {holds}")
         elif arr.cpu[j] and sharing and ram[j] > held[j]:
             names = " + ".join(arr.devices[k] for k in sharing)
             parts.append(f"the state does not fit host memory: {d} and {names} share it and "
                          f"would need at least {nbytes(ram[j])} (offloaded optimizer state "
-                         f"x{HOST_STATE_COPIES}, and {nbytes(held[j])} of it on {d}), {holds}")
+                         f"x{arr.state_copies}, and {nbytes(held[j])} of it on {d}), {holds}")
         elif arr.cpu[j]:
             ups = sum(o.state == j and o.way == "host" for o in chosen.values())
             grads = f", and the gradients of its {ups} updates" if ups else ""
             params = sum(o.state == j and o.params == j for o in chosen.values())
             kept = ("parameters and optimizer state" if params == n else "optimizer state"
                     if not params else f"optimizer state, and {params} of them parameters,")
-            what = [f"{n} layers' offloaded state: {kept} x{HOST_STATE_COPIES}{grads}"] if n else []
+            what = [f"{n} layers' offloaded state: {kept} x{arr.state_copies}{grads}"] if n else []
             k = int((compute == j).sum())
             what += [f"the {k} layers it computes"] if k else []
             lead = "the state does not fit host memory: " if n else ""
@@ -365,12 +365,12 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
             transient.setdefault(j, []).append((v, float(arr.ws[i]) / _GB))
     for o, v in y.items():
         opt = float(arr.opt[o.layer, o.compute])
-        # The old and new optimizer state leave the device (`held_bytes`), and
-        # the new parameters where the host updates them.
-        leaves = 2 * opt + (p[o.layer] if o.way == "host" else 0.0)
+        # The old (and without donation the new) optimizer state leave the
+        # device (`held_bytes`), and the new parameters where the host updates them.
+        copies = arr.state_copies
+        leaves = copies * opt + ((copies - 1) * p[o.layer] if o.way == "host" else 0.0)
         use[o.compute].append((v, -leaves / _GB))
-        host = HOST_STATE_COPIES * opt + (
-            (HOST_STATE_COPIES + 1) * p[o.layer] if o.way == "host" else 0.0)
+        host = copies * opt + ((copies + 1) * p[o.layer] if o.way == "host" else 0.0)
         use[o.state].append((v, host / _GB))
         if o.way == "streamed":
             streams.setdefault(o.compute, []).append((v, opt / _GB))

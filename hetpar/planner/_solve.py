@@ -44,7 +44,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
          pins: Mapping[str, str] | None = None, baselines: bool = True,
          data_parallel: bool = True, schedule: str = "gpipe",
          memory: Mapping[str, float] | None = None, offload: bool = True,
-         activations: bool = True, sharded: bool = True) -> Plan:
+         activations: bool = True, sharded: bool = True, donate: bool = False) -> Plan:
     """Places every layer of `table` on a device by solving the placement ILP.
 
     Where some accelerator cannot hold every layer it could run, the planner
@@ -101,6 +101,10 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
       offload: also consider keeping layers' state apart from their compute
         when memory is tight (needs `param_bytes` in the table, and a CPU
         device linked both ways to the accelerator).
+      donate: the step donates its state (`hetpar.auto(donate_argnums=...)`):
+        the old parameters and optimizer state are freed as the new are made,
+        so state needs one copy where it lives (a device, the host) instead
+        of two (`with_donation`).
 
     Returns:
       The Plan.
@@ -120,6 +124,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     _check_replay_size(table, req)
     if memory:
         table = with_memory(table, memory)
+    if donate:
+        table = with_donation(table)
     if pins:
         table = table.with_pins(pins)
     arr = Arrays(table)
@@ -264,6 +270,13 @@ def _fewest_recomputed(table: CostTable, arr: Arrays,
         if not violations(table, kept, arrays=arr):
             out = kept
     return out
+
+
+def with_donation(table: CostTable) -> CostTable:
+    """`table` for a step that donates its state (same fingerprint): its
+    `Arrays` count one copy of the state where it lives, not the old and the
+    new (`Arrays.state_copies`)."""
+    return dataclasses.replace(table, meta={**table.meta, "donated": True})
 
 
 def with_memory(table: CostTable, memory: Mapping[str, float]) -> CostTable:
