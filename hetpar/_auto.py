@@ -143,9 +143,10 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         optimizer state), as `jax.jit` takes them: their buffers may hold
         the new state, so one copy of the state lives on the device instead
         of two, and the arrays passed are deleted by the call (pass the
-        state the step returned, as with jax.jit). One-device and data
-        parallel plans donate; a plan split over devices does not yet (the
-        planner counts the old and the new state there).
+        state the step returned, as with jax.jit). Every plan donates, a
+        split one stage by stage (each input given up by its last reader,
+        host-resident state included), but one split over several processes;
+        the planner then counts one copy of the state where it lives.
 
     Returns:
       An `AutoStep`: call it like `fn`; it has `.plan`, `.report()`,
