@@ -414,11 +414,14 @@ class Executor:
         if not first:
             self.stage_memory = [None] * len(keys)
             return [None] * len(keys)
+        def compile_one(key, st):  # (the donated positions only where any)
+            return _compile(st, self.devices[st.device], *(key[3:] if key[3] else ()))
+
         if threads <= 1:
-            done = {k: _compile(st, self.devices[st.device], k[3]) for k, st in first.items()}
+            done = {k: compile_one(k, st) for k, st in first.items()}
         else:
             with ThreadPoolExecutor(threads, thread_name_prefix="hetpar-compile") as pool:
-                futures = {k: pool.submit(_compile, st, self.devices[st.device], k[3])
+                futures = {k: pool.submit(compile_one, k, st)
                            for k, st in first.items()}
                 done = {k: f.result() for k, f in futures.items()}
         self.stage_memory = [None if k is None else done[k][1] for k in keys]
