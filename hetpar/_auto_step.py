@@ -251,12 +251,18 @@ class AutoStep:
 
     @property
     def assignment(self) -> dict[str, str]:
-        """{layer: the device that computes it} of the last compiled signature."""
+        """{layer: the device that computes it} of the last compiled signature:
+        the form `plan=` takes, as `step.plan.assignment`. It does not say where
+        an offloaded layer keeps its parameters and optimizer state:
+        `step.placements` does (and `plan=step.placements` keeps them there),
+        and so does `step.report()`'s placement column."""
         return dict(self._need_last().assignment)
 
     @property
     def placements(self) -> dict[str, Placement]:
-        """{layer: Placement}: where each layer computes, keeps its state, updates."""
+        """{layer: Placement}: where each layer computes, keeps its parameters
+        and optimizer state, and runs its update (all on `step.assignment`'s
+        device unless the layer is offloaded)."""
         return dict(self._need_last().placements)
 
     @property
@@ -275,16 +281,23 @@ class AutoStep:
         return {layer: p.update for layer, p in self.placements.items()}
 
     def report(self):
-        """The cost report of the last compiled signature's step, with its
-        predicted step beside the measured one (`step` in the report: the
-        median of `StepClock.STEPS` steps after `SETTLE` more than the
-        compiling one; a warning when they differ by more than 25%)."""
+        """The cost report of the last compiled signature's step: where each layer
+        runs (its placement: the compute device, and where an offloaded layer's
+        state lives; every replica of a data-parallel step), and its predicted
+        step beside the measured one (`step` in the report: the median of
+        `StepClock.STEPS` steps after `SETTLE` more than the compiling one; a
+        warning when they differ by more than 25%)."""
         import dataclasses as dc
 
         from hetpar._report import report_graph
 
         step = self._need_last()
-        return dc.replace(report_graph(step.graph, xla=False), step=step.clock.summary(step))
+        rep = report_graph(step.graph, xla=False)
+        replicas = list(step.plan.replicas) if step.plan is not None else []
+        rows = tuple({"name": r["name"],
+                      "placement": replicas or step.placements[r["name"]].to_json(), **r}
+                     for r in rep.rows)
+        return dc.replace(rep, rows=rows, step=step.clock.summary(step))
 
     @property
     def measured_step_s(self) -> float | None:
