@@ -221,7 +221,7 @@ def _client():
     if client is None:
         raise ProfileError("measuring across processes needs jax.distributed: start the job "
                            "with `python -m hetpar.launch` (or call "
-                           "hetpar._distributed.initialize() first)")
+                           "hetpar.distributed.initialize() first)")
     return client
 
 

@@ -148,33 +148,6 @@ def _warm_up(acc):
     jax.block_until_ready(step(*step.place(*args)))
 
 
-def _holders(ref):
-    """What keeps the array `ref` names alive, to stderr (a few levels of referrers)."""
-    import gc
-    import types
-
-    gc.collect()
-    x = ref()
-    if x is None:
-        return
-    seen = {id(x)}
-
-    def walk(o, depth):
-        for r in gc.get_referrers(o):
-            if id(r) in seen or depth > 5:
-                continue
-            seen.add(id(r))
-            if isinstance(r, types.FrameType):
-                print("  " * depth + f"frame {r.f_code.co_filename}:{r.f_lineno} "
-                      f"{r.f_code.co_name}", file=sys.stderr)
-                continue
-            print("  " * depth + type(r).__name__ + " " + repr(r)[:120].replace("\n", " "),
-                  file=sys.stderr)
-            walk(r, depth + 1)
-
-    walk(x, 0)
-
-
 def run_variant(args) -> dict:
     import jax
     from jax.sharding import SingleDeviceSharding
@@ -248,9 +221,6 @@ def run_variant(args) -> dict:
             step = hetpar.auto(w.train_step, plan=plan)
         else:
             step = hetpar.auto(w.train_step, devices=["cpu:0", acc])
-        import weakref
-
-        old = weakref.ref(max(jax.tree_util.tree_leaves(opt_state), key=lambda a: a.nbytes))
         t0 = time.perf_counter()
         # The state moves once to where the plan keeps it; the GPU copies free.
         params, opt_state, batch = step.place(params, opt_state, batch)
@@ -258,7 +228,6 @@ def run_variant(args) -> dict:
         out["plan_and_place_s"] = time.perf_counter() - t0
         print(f"  planned and placed in {out['plan_and_place_s']:.1f} s",
               file=sys.stderr, flush=True)
-        _holders(old)
     _memory(gpu, "placed")
     state = [params, opt_state]
     del params, opt_state

@@ -38,11 +38,6 @@ _ZOO_ONLY = flags.DEFINE_bool("zoo_only", False, "only (re)run the zoo compariso
                                "random-graph results already in the output file")
 
 
-_ONE_TIGHT_ONLY = flags.DEFINE_bool(
-    "one_tight_only", False, "only add the one-tight-accelerator timing rows "
-    "(docs/architecture/planner.md's instance) to the results already in the output file")
-
-
 def solve_times(layers: int, devices: int, *, mode: str = "sequential", memory: str = "loose",
                 solver: str = "cbc", seeds: int = 3, microbatches: int = 8,
                 time_limit: float = 30.0, gap: float | None = None) -> dict:
@@ -115,65 +110,38 @@ def zoo_tables():
     kinds: nothing needs to be present). Layers are depth-1 modules.
     """
     from hetpar import zoo
-    from hetpar.cost_models import cost_table_for_model
 
-    tables = []
-    for name in zoo.names():
-        table = cost_table_for_model(name, ["cpu", "h100", "tpu-v5e"])
-        tables.append(dataclasses.replace(table, meta={**table.meta, "model": name}))
-    return tables
+    return [dataclasses.replace(table, meta={**table.meta, "model": name})
+            for name in zoo.names()
+            for table in [zoo.cost_table(name, ["cpu", "h100", "tpu-v5e"])]]
 
 
 def main(argv):
     del argv
-    if _ONE_TIGHT_ONLY.value:  # add the one-tight rows to an existing results file
-        path = os.path.join(_OUT.value, "planner_bench.json")
-        with open(path) as f:
-            results = json.load(f)
-        solvers = ["cbc"] + (["highs"] if highs_available() else [])
-        rows = [r for r in results["timings"] if r.get("memory") != "one_tight"]
-        for layers, devices, mode, target in TIMINGS:
-            for solver in solvers:
-                r = solve_times(layers, devices, mode=mode, memory="one_tight", solver=solver,
-                                seeds=_SEEDS.value, time_limit=_TIME_LIMIT.value)
-                r["target_s"] = target
-                rows.append(r)
-        results["timings"] = rows
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-        with open(os.path.join(_OUT.value, "planner_bench.md"), "w") as f:
-            f.write(render(results))
-        return
+    path = os.path.join(_OUT.value, "planner_bench.json")
     if _ZOO_ONLY.value:
-        path = os.path.join(_OUT.value, "planner_bench.json")
         with open(path) as f:
             results = json.load(f)
-        results["zoo_vs_baselines"] = versus_baselines(zoo_tables())
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1)
-        with open(os.path.join(_OUT.value, "planner_bench.md"), "w") as f:
-            f.write(render(results))
-        return
-    solvers = ["cbc"] + (["highs"] if highs_available() else [])
-    timings = []
-    for layers, devices, mode, target in TIMINGS:
-        for memory in ("loose", "one_tight", "tight"):
-            for solver in solvers:
-                r = solve_times(layers, devices, mode=mode, memory=memory, solver=solver,
-                                seeds=_SEEDS.value, time_limit=_TIME_LIMIT.value)
-                r["target_s"] = target
-                timings.append(r)
-    results = {
-        "machine": f"{os.cpu_count()}-core CPU dev box "
-                   f"({platform.processor() or platform.machine()}, "
-                   f"Python {platform.python_version()})",
-        "timings": timings,
-        "gap_vs_exhaustive": gap_vs_exhaustive(),
-        "random_vs_baselines": versus_baselines(random_tables()),
-        "zoo_vs_baselines": versus_baselines(zoo_tables()),
-    }
+    else:
+        solvers = ["cbc"] + (["highs"] if highs_available() else [])
+        timings = []
+        for layers, devices, mode, target in TIMINGS:
+            for memory in ("loose", "one_tight", "tight"):
+                for solver in solvers:
+                    r = solve_times(layers, devices, mode=mode, memory=memory, solver=solver,
+                                    seeds=_SEEDS.value, time_limit=_TIME_LIMIT.value)
+                    timings.append({**r, "target_s": target})
+        results = {
+            "machine": f"{os.cpu_count()}-core CPU dev box "
+                       f"({platform.processor() or platform.machine()}, "
+                       f"Python {platform.python_version()})",
+            "timings": timings,
+            "gap_vs_exhaustive": gap_vs_exhaustive(),
+            "random_vs_baselines": versus_baselines(random_tables()),
+        }
+    results["zoo_vs_baselines"] = versus_baselines(zoo_tables())
     os.makedirs(_OUT.value, exist_ok=True)
-    with open(os.path.join(_OUT.value, "planner_bench.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(_OUT.value, "planner_bench.md"), "w") as f:
         f.write(render(results))

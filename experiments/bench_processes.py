@@ -29,6 +29,7 @@ process's median counts.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import platform
@@ -36,7 +37,7 @@ import statistics
 import sys
 import time
 
-from hetpar._distributed import initialize
+from hetpar.distributed import initialize
 
 MULTI = initialize()
 
@@ -105,6 +106,15 @@ def _predicted(step) -> float | None:
     return None if p is None else p.step_time_s
 
 
+def _variant(rows, args, ref, n, name, step, state, batch, *, predicted=False, **extra):
+    """Times `step`, adds its row (its losses against `ref`'s; batch `n`), prints its step."""
+    t, losses = _timed(step, state, batch, args.steps)
+    if predicted:
+        extra["predicted_s"] = _predicted(step)
+    rows.append(_row(name, t, losses, ref, n, **extra))
+    print(f"{name}: {t * 1e3:.2f} ms", flush=True)
+
+
 def in_process(args, w, state, batch) -> list[dict]:
     kind = "cpu" if args.quick else "gpu"
     devs = jax.devices(kind)
@@ -116,33 +126,25 @@ def in_process(args, w, state, batch) -> list[dict]:
     t, ref = _timed(lambda *a: one(*a), placed[0], placed[1], args.steps)
     rows.append(_row("jax.jit, one device", t, ref, ref, n))
     print(f"jit one device: {t * 1e3:.2f} ms", flush=True)
-
     mesh = Mesh(np.array(devs), ("data",))
     rep, split = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("data"))
     sharded_batch = jax.tree_util.tree_map(
         lambda x: jax.device_put(x, split if getattr(x, "ndim", 0) and x.shape[0] == n else rep),
         batch)
-    t, losses = _timed(one, jax.device_put(state, rep), sharded_batch, args.steps)
-    rows.append(_row(f"jax.jit, batch sharded over {len(devs)} devices", t, losses, ref, n))
-    print(f"jit sharded: {t * 1e3:.2f} ms", flush=True)
-
-    step = hetpar.auto(w.train_step, data_parallel="always", devices=names)
-    t, losses = _timed(step, state, batch, args.steps)
-    rows.append(_row("hetpar data parallel", t, losses, ref, n, predicted_s=_predicted(step)))
-    print(f"hetpar dp: {t * 1e3:.2f} ms", flush=True)
-
+    run = functools.partial(_variant, rows, args, ref, n)
+    run(f"jax.jit, batch sharded over {len(devs)} devices", one, jax.device_put(state, rep),
+        sharded_batch)
+    run("hetpar data parallel", hetpar.auto(w.train_step, data_parallel="always", devices=names),
+        state, batch, predicted=True)
     layers = list(hetpar.trace(w.train_step, *state, batch).layers)
-    plan = _pipeline(layers, names)
-    step = hetpar.auto(w.train_step, plan=plan, microbatches=args.microbatches, schedule="1f1b")
-    t, losses = _timed(step, state, batch, args.steps)
-    rows.append(_row(f"hetpar pipeline M={args.microbatches} 1f1b", t, losses, ref, n,
-                     predicted_s=_predicted(step)))
-    print(f"hetpar pipeline: {t * 1e3:.2f} ms", flush=True)
+    run(f"hetpar pipeline M={args.microbatches} 1f1b",
+        hetpar.auto(w.train_step, plan=_pipeline(layers, names), microbatches=args.microbatches,
+                    schedule="1f1b"), state, batch, predicted=True)
     return rows
 
 
 def across_processes(args, w, state, batch, ref) -> list[dict]:
-    from hetpar._distributed import device_names
+    from hetpar.distributed import device_names
 
     n = w.config["batch_size"]
     kind = "cpu" if args.quick else "gpu"
@@ -160,48 +162,27 @@ def across_processes(args, w, state, batch, ref) -> list[dict]:
     g_state = jax.tree_util.tree_map(lambda x: global_array(x, rep), state)
     g_batch = jax.tree_util.tree_map(
         lambda x: global_array(x, split if x.ndim and x.shape[0] == n else rep), batch)
-    t, losses = _timed(jax.jit(w.train_step), g_state, g_batch, args.steps)
-    rows.append(_row("jax.jit, global mesh over the processes", t, losses, ref, n))
-    print(f"jit global mesh: {t * 1e3:.2f} ms", flush=True)
-
-    step = hetpar.auto(w.train_step, data_parallel="always")
-    t, losses = _timed(step, state, batch, args.steps)
-    rows.append(_row("hetpar data parallel across processes", t, losses, ref, n,
-                     predicted_s=_predicted(step)))
-    print(f"hetpar dp across: {t * 1e3:.2f} ms", flush=True)
-
-    step = hetpar.auto(w.train_step, hierarchical=True)
-    t, losses = _timed(step, state, batch, args.steps)
-    rows.append(_row("hetpar hierarchical across processes (per-host plan, gradients "
-                     "averaged)", t, losses, ref, n, predicted_s=_predicted(step)))
-    print(f"hetpar hierarchical across: {t * 1e3:.2f} ms", flush=True)
-
-    layers = list(hetpar.trace(w.train_step, *state, batch).layers)
+    run = functools.partial(_variant, rows, args, ref, n)
+    run("jax.jit, global mesh over the processes", jax.jit(w.train_step), g_state, g_batch)
+    run("hetpar data parallel across processes",
+        hetpar.auto(w.train_step, data_parallel="always"), state, batch, predicted=True)
+    run("hetpar hierarchical across processes (per-host plan, gradients averaged)",
+        hetpar.auto(w.train_step, hierarchical=True), state, batch, predicted=True)
+    pipeline = dict(microbatches=args.microbatches, schedule="1f1b")
     local = [nm for nm in names if nm.startswith("p0/")]
     if len(local) > 1:  # within each process a pipeline, data parallel across them
         half = jax.tree_util.tree_map(lambda x: x[:n // jax.process_count()], batch)
         host = _pipeline(list(hetpar.trace(w.train_step, *state, half).layers), local)
-        step = hetpar.auto(w.train_step, hierarchical=True, plan=host,
-                           microbatches=args.microbatches, schedule="1f1b")
-        t, losses = _timed(step, state, batch, args.steps)
-        rows.append(_row(f"hetpar hierarchical across processes (pipeline of {len(local)} "
-                         f"M={args.microbatches} in each)", t, losses, ref, n))
-        print(f"hetpar hierarchical pipeline across: {t * 1e3:.2f} ms", flush=True)
-
-    plan = _pipeline(layers, names)
-    step = hetpar.auto(w.train_step, plan=plan, microbatches=args.microbatches, schedule="1f1b")
-    t, losses = _timed(step, state, batch, args.steps)
-    rows.append(_row(f"hetpar pipeline M={args.microbatches} 1f1b across processes", t, losses,
-                     ref, n))
-    print(f"hetpar pipeline across: {t * 1e3:.2f} ms", flush=True)
-
+        run(f"hetpar hierarchical across processes (pipeline of {len(local)} "
+            f"M={args.microbatches} in each)",
+            hetpar.auto(w.train_step, hierarchical=True, plan=host, **pipeline), state, batch)
+    layers = list(hetpar.trace(w.train_step, *state, batch).layers)
+    run(f"hetpar pipeline M={args.microbatches} 1f1b across processes",
+        hetpar.auto(w.train_step, plan=_pipeline(layers, names), **pipeline), state, batch)
     step = hetpar.auto(w.train_step)
-    t, losses = _timed(step, state, batch, args.steps)
-    chosen = (f"data parallel over {list(step.plan.replicas)}" if step.plan.replicas else
-              json.dumps(sorted(set(step.assignment.values()))))
-    rows.append(_row("hetpar.auto's own plan across processes", t, losses, ref, n,
-                     predicted_s=_predicted(step), chosen=chosen))
-    print(f"hetpar auto across ({chosen}): {t * 1e3:.2f} ms", flush=True)
+    run("hetpar.auto's own plan across processes", step, state, batch, predicted=True)
+    rows[-1]["chosen"] = (f"data parallel over {list(step.plan.replicas)}" if step.plan.replicas
+                          else json.dumps(sorted(set(step.assignment.values()))))
     return rows
 
 

@@ -56,8 +56,6 @@ flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "with --model: schedules")
 flags.DEFINE_bool("planner", True, "also run the planner's plan (else only half/half)")
 flags.DEFINE_bool("choice", True, "also run the planner's free choice (it may replicate)")
 flags.DEFINE_bool("half", True, "run the contiguous half/half pipelines")
-flags.DEFINE_bool("measure_layers", True, "kept for old commands: layers are always measured "
-                  "(hetpar costs --measure --calibrate)")
 flags.DEFINE_bool("memory_only", False, "with --memory_fraction: only the one-GPU step, its "
                   "launch floor and the memory-bound case")
 flags.DEFINE_float("memory_fraction", 0.0, "also run a memory-bound case: a per-GPU budget of "
@@ -166,6 +164,10 @@ def _close_to_jit(w, step, args, gpu):
     return (num / max(den, 1e-300)) ** 0.5
 
 
+def _failed(row: dict, e: Exception) -> dict:
+    return {**row, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+
+
 def run_model(name, batch, microbatches, schedules, steps, quick, rows, timelines):
     from hetpar.planner import evaluate_data_parallel, plan, simulate
 
@@ -225,7 +227,7 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                        rel_error_vs_jit=_close_to_jit(w, step, args, devs[0]))
             add(row)
         except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-            add({**base, "config": "hetpar planner", "error": f"{type(e).__name__}: {e}"[:300]})
+            add(_failed({**base, "config": "hetpar planner"}, e))
     # The planner's pipelines (layer placements only), per M and schedule, on a
     # table calibrated at that M's microbatch size; the prediction replays the
     # schedule (`hetpar.planner.simulate`). M = 1 runs the M = 2 plan's stages
@@ -244,8 +246,8 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                 run_pipeline(w, args, p.assignment, m, sched, one, steps, base, add, timelines,
                              devs, table_m, p if m > 1 else None)
             except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-                add({**base, "config": "hetpar planner pipeline", "microbatches": m,
-                     "schedule": sched, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                add(_failed({**base, "config": "hetpar planner pipeline", "microbatches": m,
+                             "schedule": sched}, e))
     for m in microbatches if FLAGS.half else ():
         for sched in schedules:
             if time.perf_counter() - _T0 > FLAGS.budget_s:
@@ -260,8 +262,8 @@ def run_model(name, batch, microbatches, schedules, steps, quick, rows, timeline
                 _record_timeline(timelines, f"{name} M={m} {sched} half/half", compiled, step,
                                  args)
             except Exception as e:  # noqa: BLE001 - reported, the sweep goes on
-                add({**base, "config": "hetpar half/half", "microbatches": m, "schedule": sched,
-                     "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                add(_failed({**base, "config": "hetpar half/half", "microbatches": m,
+                             "schedule": sched}, e))
     if FLAGS.memory_fraction and time.perf_counter() - _T0 < FLAGS.budget_s:
         memory_case(w, args, table, one, names, devs, steps, rows, base, add, timelines)
 
@@ -336,7 +338,7 @@ def memory_case(w, args, table, one, names, devs, steps, rows, base, add, timeli
             _record_timeline(timelines, key, compiled, step, args)
             timelines[key + " (replayed)"] = simulate(tight, p.assignment, m, sched).timeline()
     except Exception as e:  # noqa: BLE001
-        add({**cfg, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+        add(_failed(cfg, e))
 
 
 def to_markdown(res) -> str:
@@ -405,8 +407,7 @@ def main(argv):
             run_model(name, batch, ms, scheds, 5 if quick else FLAGS.steps, quick, rows,
                       timelines)
         except Exception as e:  # noqa: BLE001
-            rows.append({"model": name, "batch": batch, "config": "all",
-                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
+            rows.append(_failed({"model": name, "batch": batch, "config": "all"}, e))
     devs = _devices(quick)[1]
     res = {"host": ", ".join(sorted({d.device_kind for d in devs})) + f" x{len(devs)}",
            "jax": jax.__version__, "steps": FLAGS.steps, "rows": rows}

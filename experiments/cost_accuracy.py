@@ -15,35 +15,19 @@ The second form recomputes the report from saved measurements (no device).
 Records saved before the work counts had `buffers` and `io_bytes` get them
 by re-tracing their model at the recorded config (`--refresh_work`, on by
 default); records of layers the zoo no longer has are dropped and listed.
-Records without after-fusion bytes get them where their device's platform
-is present here (`--refresh_fused`: the CPU's, on any machine).
+Records without after-fusion bytes or kernel counts get them where their
+device's platform is present here (`--refresh_fused`, `--refresh_kernels`:
+the CPU's, on any machine).
 
-Each layer is also compiled alone for its device and XLA's `bytes accessed`
-(after fusion) is recorded as `work.fused_bytes`; the report gives the
-error with those bytes (the predictor's default where they are known) and,
-for comparison, with hetpar's unfused byte count.
-
-Launches are counted three ways (`LAUNCH_MODELS`): one per layer (its stage
-is one executable), one per unfused jaxpr equation, or one per kernel of the
-layer compiled alone for its device (`kernels`: the instructions of the
-optimised HLO's entry computation, `hetpar.cost_models.count_kernels`). A
-measurement run records the kernel count on every device; saved records
-without it get it where their platform is present here (`--refresh_kernels`:
-the CPU's, on any machine). A device whose records all lack kernel counts
-shows "-" in that column; a record without one (a layer the zoo no longer
-has) counts one launch. On the 16-core CPU's held-out layers over 100 us the
-per-kernel launch cost took the median error from 24.8% to 19.3% (p90 87% to
-84%); GPU records need a GPU run to get their counts:
-
-    python experiments/cost_accuracy.py --platforms gpu --out_dir experiments/results
-
-A last set of rows calibrates the convolutions' FLOP efficiency apart from
-the matmul class's (`calibrate(fit_conv=True)`; records saved before
-`conv_flops` get it by re-tracing, with `--refresh_work`). On the fixed
-split it took the H200's held-out median (layers over 100 us) from 25.2% to
-21.4% and the H100's from 23.6% to 19.0%, with the p90 about 2 points worse;
-random splits of the models are mixed on the H200, so it is not the
-default (experiments/results/predictor_levers_v3.md).
+Each layer is also compiled alone for its device: XLA's `bytes accessed`
+(after fusion) is recorded as `work.fused_bytes`, and the instructions of
+the optimised HLO's entry computation as its kernel count. The report gives
+the error with the after-fusion bytes (the predictor's default where known)
+and with hetpar's unfused count; with launches counted one per layer, one
+per unfused jaxpr equation, or one per kernel (`LAUNCH_MODELS`); and with
+the convolutions' FLOP efficiency calibrated apart from the matmul class's
+(`calibrate(fit_conv=True)`, not the default: mixed on random splits of the
+models). Figures: experiments/README.md's "Roofline accuracy per layer" row.
 """
 
 from __future__ import annotations
@@ -123,15 +107,9 @@ LAUNCH_MODELS = ("executable", "equations", "kernels")
 BYTES_MODELS = ("fused", "unfused")
 
 
-def layer_records(
-    model: str,
-    device,
-    *,
-    small: bool = False,
-    batch: int | None = None,
-    k: int = LAYER_RUNS,
-    progress: Callable[[str], None] | None = None,
-) -> list[dict[str, Any]]:
+def layer_records(model: str, device, *, small: bool = False, batch: int | None = None,
+                  k: int = LAYER_RUNS, progress: Callable[[str], None] | None = None,
+                  ) -> list[dict[str, Any]]:
     """Measures every layer of a zoo model on one present device.
 
     Returns:
@@ -144,15 +122,7 @@ def layer_records(
       `accuracy` reads these.
     """
     w, graph = trace_model(model, small=small, batch=batch)
-    return graph_records(graph, model, device, batch=w.config.get("batch_size"), small=small,
-                         k=k, progress=progress)
-
-
-def graph_records(graph, model: str, device, *, batch: int | None, small: bool = False,
-                  k: int = LAYER_RUNS, progress: Callable[[str], None] | None = None,
-                  ) -> list[dict[str, Any]]:
-    """`layer_records` of any traced step (`graph`), named `model`
-    (the synthetic layer sweep, `hetpar.zoo.sweep_grid`)."""
+    batch = w.config.get("batch_size")
     dev = resolve_device(device)
     out = []
     for name in graph.layers:
@@ -175,7 +145,6 @@ def graph_records(graph, model: str, device, *, batch: int | None, small: bool =
         if progress:
             progress(f"{model}/{name} on {device_name(dev)}: {seconds(t.typical_s)}")
     return out
-
 
 
 def _class_of(kind: str) -> str:
@@ -288,96 +257,55 @@ def accuracy(
 # -- the report ------------------------------------------------------------------
 
 
-def _refresh_work(records):
-    """Recounts `work` of records without buffer counts; drops layers the zoo lost."""
-    stale = {(r["model"], r["small"], r["batch"]) for r in records
-             if "buffers" not in r["work"]}
-    works, dropped = {}, []
-    for model, small, batch in sorted(stale):
-        _, graph = trace_model(model, small=small, batch=batch)
-        for name in graph.layers:
-            works[(model, small, batch, name)] = graph_layer_work(graph, name).to_json()
-    out = []
-    for r in records:
-        if "buffers" in r["work"]:
-            out.append(r)
-            continue
-        key = (r["model"], r["small"], r["batch"], r["layer"])
-        if key in works:
-            out.append(dict(r, work=works[key]))
-        else:
-            dropped.append(f"{r['model']}/{r['layer']} on {r['device']}")
-    return out, dropped
+def _refresh(records, *, work: bool, fused: bool, kernels: bool):
+    """Brings saved records up to today's fields, tracing each model once.
 
-
-def _refresh_conv(records):
-    """Adds `conv_flops` to the work of records counted before it existed (re-traces)."""
-    stale = {(r["model"], r["small"], r["batch"]) for r in records
-             if "conv_flops" not in r["work"]}
-    conv = {}
-    for model, small, batch in sorted(stale):
-        _, graph = trace_model(model, small=small, batch=batch)
-        for name in graph.layers:
-            conv[(model, small, batch, name)] = graph_layer_work(graph, name).conv_flops
-    out = []
-    for r in records:
-        key = (r["model"], r["small"], r["batch"], r["layer"])
-        if "conv_flops" in r["work"] or key not in conv:
-            out.append(r)  # a layer the zoo no longer has keeps 0 (its work predates it)
-        else:
-            out.append(dict(r, work=dict(r["work"], conv_flops=conv[key])))
-    return out
-
-
-def _refresh_fused(records):
-    """Adds `fused_bytes` (and `xla`) to records of present platforms that were never asked."""
-    import jax
-
-    present = {d.platform for d in jax.devices()} | {"cpu"}
-    stale = {(r["model"], r["small"], r["batch"], r["device"].split(":")[0]) for r in records
-             if "xla" not in r and r["device"].split(":")[0] in present}
-    fused = {}
-    for model, small, batch, platform in sorted(stale):
-        _, graph = trace_model(model, small=small, batch=batch)
-        for name in graph.layers:
-            xla = layer_xla_cost(graph, name, platform)
-            fused[(model, small, batch, platform, name)] = xla
-    out = []
-    for r in records:
-        key = (r["model"], r["small"], r["batch"], r["device"].split(":")[0], r["layer"])
-        if key not in fused:
-            out.append(r)
-            continue
-        xla = fused[key]
-        work = LayerWork.from_json(r["work"])
-        if xla is not None and xla.bytes_accessed is not None:
-            work = dataclasses.replace(work, fused_bytes=xla.bytes_accessed)
-        out.append(dict(r, work=work.to_json(),
-                        xla=None if xla is None else dataclasses.asdict(xla)))
-    return out
-
-
-def _refresh_kernels(records):
-    """Adds `kernels` to records of present platforms that lack it.
-
-    The count comes from compiling here: for the CPU records of another host
-    it assumes XLA fuses the same on both CPUs (same jax version).
+    `work`: recounts the work of records saved before buffer counts (dropping,
+    and listing, layers the zoo no longer has) and adds `conv_flops` where it
+    is missing. `fused`, `kernels`: adds XLA's after-fusion bytes (and `xla`),
+    and kernel counts, to records of platforms present here, compiled here:
+    for the CPU records of another host this assumes XLA fuses the same on
+    both CPUs (same jax version).
     """
     import jax
 
     present = {d.platform for d in jax.devices()} | {"cpu"}
-    stale = {(r["model"], r["small"], r["batch"], r["device"].split(":")[0]) for r in records
-             if r.get("kernels") is None and r["device"].split(":")[0] in present}
-    counts = {}
-    for model, small, batch, platform in sorted(stale):
-        _, graph = trace_model(model, small=small, batch=batch)
-        for name in graph.layers:
-            counts[(model, small, batch, platform, name)] = layer_kernels(graph, name, platform)
-    out = []
+    graphs = {}
+    out, dropped = [], []
     for r in records:
-        key = (r["model"], r["small"], r["batch"], r["device"].split(":")[0], r["layer"])
-        out.append(dict(r, kernels=counts[key]) if key in counts else r)
-    return out
+        platform = r["device"].split(":")[0]
+        new_work = work and "buffers" not in r["work"]
+        new_conv = work and "conv_flops" not in r["work"]
+        new_xla = fused and "xla" not in r and platform in present
+        new_kernels = kernels and r.get("kernels") is None and platform in present
+        if not (new_work or new_conv or new_xla or new_kernels):
+            out.append(r)
+            continue
+        key = (r["model"], r["small"], r["batch"])
+        if key not in graphs:
+            graphs[key] = trace_model(r["model"], small=r["small"], batch=r["batch"])[1]
+        graph, name = graphs[key], r["layer"]
+        if name not in graph.layers:
+            if new_work:
+                dropped.append(f"{r['model']}/{name} on {r['device']}")
+            else:  # counted before conv_flops, a layer the zoo lost: it keeps 0
+                out.append(r)
+            continue
+        r = dict(r)
+        if new_work:
+            r["work"] = graph_layer_work(graph, name).to_json()
+        elif new_conv:
+            r["work"] = dict(r["work"], conv_flops=graph_layer_work(graph, name).conv_flops)
+        if new_xla:
+            xla = layer_xla_cost(graph, name, platform)
+            w = LayerWork.from_json(r["work"])
+            if xla is not None and xla.bytes_accessed is not None:
+                w = dataclasses.replace(w, fused_bytes=xla.bytes_accessed)
+            r["work"], r["xla"] = w.to_json(), None if xla is None else dataclasses.asdict(xla)
+        if new_kernels:
+            r["kernels"] = layer_kernels(graph, name, platform)
+        out.append(r)
+    return out, dropped
 
 
 def _base_profiles(records):
@@ -479,25 +407,14 @@ def main(argv):
 
     if _RECORDS.value:
         parts = [json.loads(pathlib.Path(p).read_text()) for p in _RECORDS.value]
-        result = parts[0]
-        records = [r for part in parts for r in part["records"]]
+        records, dropped = _refresh([r for part in parts for r in part["records"]],
+                                    work=_REFRESH.value, fused=_REFRESH_FUSED.value,
+                                    kernels=_REFRESH_KERNELS.value)
         all_models = sorted({r["model"] for r in records})
-        result["records"] = records
-        result["device_kinds"] = {r["device"]: r["device_kind"] for r in records}
-        result["skipped"] = sorted(set.intersection(*(set(p.get("skipped", [])) for p in parts)))
-        if _REFRESH.value:
-            records, dropped = _refresh_work(records)
-            result["records"] = records
-            result["dropped_stale"] = dropped
-        if _REFRESH.value:
-            records = _refresh_conv(records)
-            result["records"] = records
-        if _REFRESH_FUSED.value:
-            records = _refresh_fused(records)
-            result["records"] = records
-        if _REFRESH_KERNELS.value:
-            records = _refresh_kernels(records)
-            result["records"] = records
+        result = dict(parts[0], records=records, dropped_stale=dropped,
+                      device_kinds={r["device"]: r["device_kind"] for r in records},
+                      skipped=sorted(set.intersection(
+                          *(set(p.get("skipped", [])) for p in parts))))
     else:
         models = _MODELS.value or zoo.names()
         records, skipped = _measure_all(models, time.time() + _BUDGET.value)
@@ -513,22 +430,13 @@ def main(argv):
     result["train_models"] = [m for m in all_models if m in _TRAIN.value]
     result["test_models"] = [m for m in all_models if m not in _TRAIN.value]
     base = _base_profiles(records)
-    assert BYTES_MODELS == ("fused", "unfused")
-    result["launch_models"] = {
-        lm: accuracy(records, base, result["train_models"], launch_model=lm,
-                     bytes_model="fused")
-        for lm in LAUNCH_MODELS
-    }
-    result["unfused_bytes"] = {
-        lm: accuracy(records, base, result["train_models"], launch_model=lm,
-                     bytes_model="unfused")
-        for lm in LAUNCH_MODELS
-    }
-    result["conv_efficiency"] = {
-        lm: accuracy(records, base, result["train_models"], launch_model=lm,
-                     bytes_model="fused", fit_conv=True)
-        for lm in LAUNCH_MODELS
-    }
+    # Three sets of rows: bytes after fusion, unfused, and the convolutions' own efficiency.
+    for key, bytes_model, fit_conv in (("launch_models", "fused", False),
+                                       ("unfused_bytes", "unfused", False),
+                                       ("conv_efficiency", "fused", True)):
+        result[key] = {lm: accuracy(records, base, result["train_models"], launch_model=lm,
+                                    bytes_model=bytes_model, fit_conv=fit_conv)
+                       for lm in LAUNCH_MODELS}
     tag = _TAG.value or next((r["kind"] for r in records if r["kind"] != "cpu"), "cpu")
     out = pathlib.Path(_OUT.value)
     out.mkdir(parents=True, exist_ok=True)

@@ -4,15 +4,9 @@
 #   OUT=/some/dir bash experiments/gpu.sh JOB [ARGS...]
 #   bash experiments/gpu.sh help            # the job list
 #
-# Run it from anywhere; it works in the repository root. The GPU machine has
-# no package index, so setup installs pulp and highspy from a wheel folder
-# (first found: $HETPAR_WHEELS, shared/wheels, ../shared/wheels, .whl), then
-# hetpar itself in editable mode without dependencies (jax, flax, optax,
-# networkx, numpy, absl-py are in the machine's image). Setup runs once per
-# machine; SKIP_SETUP=1 skips it. Results go to $OUT (default: a fresh folder
-# under /tmp, printed), named after the card ($CARD: h200, h100, h200x2, ...,
-# read from nvidia-smi). experiments/README.md lists what each job measures
-# and the result it last committed.
+# Run it from anywhere; it works in the repository root. experiments/README.md
+# ("Running them") says how it sets up (SKIP_SETUP=1 skips it), where results go
+# ($OUT, named after the card: h200, h100, h200x2, ...) and what each job measures.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -284,11 +278,7 @@ two-gpus)
 two-gpus-planned)
   # The planner's pipelines (M = 4, 8, 1F1B) beside one GPU, data parallel and
   # the planner's own choice.
-  (cd experiments
-   timeout 330 python3 bench_two_gpus.py --out "$OUT/two_gpus_transformer_b256_planned_$CARD" \
-     --budget_s 270 --steps 10 --model transformer --batch 256 --microbatches 4,8 \
-     --schedules 1f1b --nohalf --profiles "$PROFILES" 2>&1 \
-     | quiet | grep "^| [a-z]\|^calibrated\|Error" | cut -c1-400)
+  sweep transformer 256 4,8 270 two_gpus_transformer_b256_planned --schedules 1f1b
   ;;
 two-gpus-launch)
   # Is the microbatched pipeline launch-bound? Each run adds "one GPU, whole
@@ -317,19 +307,15 @@ two-gpus-study)
 two-gpus-measured)
   # Layer shares timed on gpu:0 (`cost_table(measure=True)`) instead of the
   # spec sheets' roofline; the fixed part from gradient-only steps.
-  sweep vgg16 128 1,2,4,8,16 220 two_gpus_vgg16_b128_measured --measure_layers
-  sweep transformer 256 2,4,8 170 two_gpus_transformer_b256_measured --measure_layers \
+  sweep vgg16 128 1,2,4,8,16 220 two_gpus_vgg16_b128_measured
+  sweep transformer 256 2,4,8 170 two_gpus_transformer_b256_measured \
     --schedules 1f1b
   ;;
 two-gpus-final)
-  # Fixed part from gradient-only steps, the peer link measured at pipeline
-  # sizes (profile_2gpu_h200x2_peer.json; the probe that measured it is in git history); M = 2, 4, 8 (1F1B).
+  # Fixed part from gradient-only steps, the peer link measured at pipeline sizes
+  # (profile_2gpu_h200x2_peer.json); M = 2, 4, 8 (1F1B).
   PROFILES=${PROFILES_PEER:-results/profile_2gpu_h200x2_peer.json}
-  (cd experiments
-   timeout 230 python3 bench_two_gpus.py --out "$OUT/two_gpus_transformer_b256_final_$CARD" \
-     --budget_s 150 --steps 10 --model transformer --batch 256 --microbatches 2,4,8 \
-     --schedules 1f1b --nohalf --nochoice --profiles "$PROFILES" 2>&1 \
-     | quiet | grep "^| [a-z]\|^calibrated\|Error\|error" | cut -c1-300)
+  sweep transformer 256 2,4,8 150 two_gpus_transformer_b256_final --schedules 1f1b --nochoice
   ;;
 sweep)
   sweep "$@"

@@ -98,49 +98,46 @@ def _plot(data, out: pathlib.Path, tag: str) -> list[str]:
     devs = data["devices"]
     label = {d: f"{d} ({v['card']})" for d, v in devs.items()}
     written = []
-    for fig, model in (("fig3", "cnn_preprocess"), ("fig5", "lm_embed")):
+
+    def bars(ax, model, height, legend, error_bars=False):
+        """A bar per device for every layer of `model`: `height(pl, d, median_s)`."""
         pl = data["per_layer"][model]
         names = list(pl["layers"])
-        x = np.arange(len(names))
-        width = 0.8 / len(devs)
-        f, ax = plt.subplots(figsize=(8, 4.5))
+        x, width = np.arange(len(names)), 0.8 / len(devs)
         for i, d in enumerate(devs):
-            t = np.array([pl["layers"][n][d]["median_s"] for n in names]) / pl["batch"]
-            e = np.array([pl["layers"][n][d]["iqr_s"] for n in names]) / pl["batch"] / 2
-            ax.bar(x + i * width, t, width, yerr=e, label=label[d])
+            med = np.array([pl["layers"][n][d]["median_s"] for n in names])
+            err = (np.array([pl["layers"][n][d]["iqr_s"] for n in names]) / pl["batch"] / 2
+                   if error_bars else None)
+            ax.bar(x + i * width, height(pl, d, med), width, yerr=err, label=legend(d))
         ax.set_yscale("log")
         ax.set_xticks(x + width * (len(devs) - 1) / 2, names, rotation=30, ha="right")
+        return pl
+
+    def save(f, name):
+        f.tight_layout()
+        f.savefig(out / name, dpi=120)
+        plt.close(f)
+        written.append(str(out / name))
+
+    for fig, model in (("fig3", "cnn_preprocess"), ("fig5", "lm_embed")):
+        f, ax = plt.subplots(figsize=(8, 4.5))
+        pl = bars(ax, model, lambda pl, d, med: med / pl["batch"], label.get, error_bars=True)
         ax.set_ylabel("seconds per sample (fwd+bwd+update)")
         ax.set_title(f"{model}: per-layer time per sample, batch {pl['batch']}\n"
                      f"measured on {data['host']}, jax {data['jax']}", fontsize=9)
         ax.legend(fontsize=8)
-        f.tight_layout()
-        path = out / f"{fig}_time_{model}_{tag}.png"
-        f.savefig(path, dpi=120)
-        plt.close(f)
-        written.append(str(path))
+        save(f, f"{fig}_time_{model}_{tag}.png")
     f, axes = plt.subplots(1, 2, figsize=(11, 4.5))
     for ax, model in zip(axes, _PER_LAYER, strict=True):
-        pl = data["per_layer"][model]
-        names = list(pl["layers"])
-        x = np.arange(len(names))
-        width = 0.8 / len(devs)
-        for i, d in enumerate(devs):
-            usd = np.array([pl["layers"][n][d]["median_s"] for n in names]) \
-                * devs[d]["price_per_hour"] / 3600 / pl["batch"]
-            ax.bar(x + i * width, usd, width, label=f"{label[d]}, ${devs[d]['price_per_hour']}/h")
-        ax.set_yscale("log")
-        ax.set_xticks(x + width * (len(devs) - 1) / 2, names, rotation=30, ha="right")
+        pl = bars(ax, model,
+                  lambda pl, d, med: med * devs[d]["price_per_hour"] / 3600 / pl["batch"],
+                  lambda d: f"{label[d]}, ${devs[d]['price_per_hour']}/h")
         ax.set_ylabel("dollars per sample")
         ax.set_title(f"{model} (batch {pl['batch']})", fontsize=9)
         ax.legend(fontsize=7)
     f.suptitle(f"Per-layer cost per sample on {data['host']}; on-demand prices of each device "
                "rented alone (CPU: 16-core CPU-only instance)", fontsize=9)
-    f.tight_layout()
-    path = out / f"fig6_cost_{tag}.png"
-    f.savefig(path, dpi=120)
-    plt.close(f)
-    written.append(str(path))
+    save(f, f"fig6_cost_{tag}.png")
     for fig, sw in data["sweeps"].items():
         f, ax = plt.subplots(figsize=(6.5, 4.5))
         for d, pts in sw["points"].items():
@@ -156,11 +153,7 @@ def _plot(data, out: pathlib.Path, tag: str) -> list[str]:
         ax.set_title(f"{sw['model']}/{sw['layer']}: time per sample vs batch\n"
                      f"{data['host']}, jax {data['jax']}", fontsize=9)
         ax.legend(fontsize=8)
-        f.tight_layout()
-        path = out / f"{fig}_batch_{sw['layer']}_{tag}.png"
-        f.savefig(path, dpi=120)
-        plt.close(f)
-        written.append(str(path))
+        save(f, f"{fig}_batch_{sw['layer']}_{tag}.png")
     return written
 
 

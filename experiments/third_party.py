@@ -3,46 +3,50 @@
 Small random-weight models built from configs the way each library's users
 build them (Hugging Face Flax GPT-2, BERT (also with gradient checkpointing),
 ViT, ResNet and T5; an Equinox MLP, CNN and GPT; a plain-JAX Llama-style
-model; a Haiku ResNet-18; a Flax linen `nn.scan` transformer stack), each
-with the optimizer and step of a Hugging Face Flax script::
+model; a Haiku ResNet-18; a Flax linen `nn.scan` transformer stack), batch 4,
+each with the optimizer and step of a Hugging Face Flax script (Equinox:
+`eqx.filter_value_and_grad`, `eqx.apply_updates`, baseline `eqx.filter_jit`);
+HF models train with dropout (`dropout_rng` in the state) except at M=2::
 
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
 
-For each model (issue 14's acceptance table):
+Columns (issue 14's acceptance table):
 
-- layers: `hetpar.trace` at the default granularity, with their names;
-- updates in own layer: the fraction of parameter leaves whose update (the
-  equation producing the step's output leaf) runs in the parameter's own
-  layer, with every optimizer-state leaf of that parameter living there
-  (input) and updated there (output);
-- FLOPs: hetpar's count (sum over layers) against XLA's cost analysis of the
-  whole step compiled for the CPU (`hetpar.passes.step_cost`);
-- split: 3 steps under `hetpar.auto(step, plan=...)` with the first half of the
-  layers on cpu:0 and the rest on cpu:1, each against `jax.jit` on the same
-  inputs (the state hetpar returned), as tests/test_runtime.py checks: the
-  relative L2 error over all float leaves and the loss, largest of the 3
-  (integer leaves, PRNG keys and counters, are compared for equality, not as
-  floats); the leaf with the largest max |a - b| / max |b| is named too;
-- floor: the same error for one step of the traced program run equation by
-  equation (no fusion) against `jax.jit`: the rounding any change of fusion
-  makes, against which the split's error reads;
-- M=2: the same split plan with 2 microbatches (the step with
-  `hetpar.value_and_grad` in place of `jax.value_and_grad`, deterministic
-  forward) against `jax.jit`'s full-batch step, where no layer couples the
-  batch (BatchNorm in training mode does);
-- steady: `hetpar.auto(step, devices="cpu:0")` (one device: one `jax.jit` of
-  the step) against `jax.jit`, timed interleaved step by step, medians;
-- first call: the first call, trace and compile included, of the split plan
-  against `jax.jit`'s (jax.jit first, in the same process).
+- **layers**: `hetpar.trace` at the default granularity (through
+  `hetpar.auto(...).lower`);
+- **updates in own layer**: parameter leaves whose update (the equation
+  producing the step's output leaf) and optimizer-state leaves (input and
+  output) all sit in the parameter's own layer;
+- **FLOPs**: hetpar's count (sum over layers) against XLA's cost analysis of
+  the whole step compiled for the CPU (`hetpar.passes.step_cost`). XLA counts
+  a loop body once, hetpar body x trip count (flax_scan: 4 blocks, 2.9);
+- **split**: 3 steps under `hetpar.auto(step, plan=...)`, the first half of
+  the layers on cpu:0 and the rest on cpu:1, each against `jax.jit` on the
+  same inputs (the state hetpar returned): the relative L2 error over all
+  float leaves and the loss, largest of the 3 (integer leaves, PRNG keys and
+  counters, compared for equality only); the notes name the leaf with the
+  largest max |a - b| / max |b|;
+- **floor**: the same error for one step of the traced program run equation
+  by equation (no fusion) against `jax.jit`: the rounding any change of
+  fusion makes, against which the split's error reads;
+- **M=2**: the split plan with 2 microbatches (`hetpar.value_and_grad`,
+  deterministic forward) against `jax.jit`'s full-batch step, where no layer
+  couples the batch (BatchNorm in training mode does);
+- **steady**: `hetpar.auto(step, devices="cpu:0")` over `jax.jit` per step,
+  interleaved step by step, medians (hetpar / jit);
+- **first call**: the split plan's first call (trace, plan, compile included)
+  over `jax.jit`'s (jit first, in the same process).
 
-Why step by step rather than two independent 3-step trajectories: attention
-key biases have a gradient that is zero in exact arithmetic, so Adam's first
-steps turn rounding noise into +-lr updates there; any two compilations of the
-step (jax.jit against itself run equation by equation included) drift apart in
-those leaves by O(1) of their size.
+Why step by step rather than two independent 3-step trajectories: in the
+attention models the worst leaf is an attention key bias (or its Adam
+moments), whose gradient is zero in exact arithmetic (softmax ignores a shift
+shared by all keys), so Adam's first steps turn rounding noise into +-lr
+updates there. `jax.jit` against the same step run equation by equation (the
+floor) differs in those leaves as much as hetpar's split does: any two
+compilations of the step drift apart there by O(1) of their size.
 
 Usage (from the repository root; XLA's 4 virtual CPU devices are set here):
   python experiments/third_party.py [--models hf_gpt2,hf_bert] [--quick] [--out PREFIX]
@@ -113,42 +117,59 @@ class Case:
 # -- Hugging Face Flax ------------------------------------------------------
 
 
-def _hf_lm_steps(model, loss_of):
-    """(train step with dropout as run_clm_flax / run_mlm_flax write it, deterministic step
-    with `grad`): `loss_of(model, params, batch, train, rng)`."""
+def optax_steps(loss_of, tx=None):
+    """`with_(value_and_grad)` -> `step(params, opt_state, batch) -> (params, opt_state,
+    loss)` as Flax and plain-JAX scripts write it, for `loss_of(params, batch)`."""
+    tx = tx or make_tx()
+
+    def with_(value_and_grad):
+        def train_step(params, opt_state, batch):
+            loss, grads = value_and_grad(lambda params: loss_of(params, batch))(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+        return train_step
+    return with_
+
+
+def _optax_case(library, loss_of, params, batch, note=""):
+    """The step with JAX's gradient; its microbatched twin with hetpar's."""
+    with_ = optax_steps(loss_of)
+    args = (params, make_tx().init(params), batch)
+    return Case(library, with_(jax.value_and_grad), args, mb_step=with_(hetpar.value_and_grad),
+                mb_ref=with_(jax.value_and_grad), mb_args=args, note=note)
+
+
+def _hf_case(model, inputs, loss, batch, note=""):
+    """The train step with dropout as run_clm_flax / run_mlm_flax write it, and a
+    deterministic twin for microbatching. `inputs`: the batch keys the model
+    takes; `loss(logits, batch)`."""
     tx = make_tx()
+
+    def loss_of(params, batch, train, rng):
+        rngs = {"dropout_rng": rng} if train else {}
+        return loss(model(**{k: batch[k] for k in inputs}, params=params, train=train,
+                          **rngs).logits, batch)
 
     def train_step(params, opt_state, dropout_rng, batch):
         dropout_rng, new_dropout_rng = jax.random.split(dropout_rng)
-
-        def loss_fn(params):
-            return loss_of(model, params, batch, True, dropout_rng)
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
+        loss, grads = jax.value_and_grad(lambda p: loss_of(p, batch, True, dropout_rng))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, new_dropout_rng, loss
 
-    def det_step(value_and_grad):
-        def step(params, opt_state, batch):
-            def loss_fn(params):
-                return loss_of(model, params, batch, False, None)
-
-            loss, grads = value_and_grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-        return step
-
-    params = model.params
-    opt_state = tx.init(params)
-    return tx, train_step, det_step, params, opt_state
+    det = _optax_case("transformers (Flax)", lambda p, b: loss_of(p, b, False, None),
+                      model.params, batch, note)
+    *state, _ = det.args
+    return dataclasses.replace(det, step=train_step,
+                               args=(*state, jax.random.PRNGKey(0), batch))
 
 
-def _hf_case(model, loss_of, batch, note=""):
-    _, train_step, det_step, params, opt_state = _hf_lm_steps(model, loss_of)
-    rng = jax.random.PRNGKey(0)
-    return Case("transformers (Flax)", train_step, (params, opt_state, rng, batch),
-                mb_step=det_step(hetpar.value_and_grad), mb_ref=det_step(jax.value_and_grad),
-                mb_args=(params, opt_state, batch), note=note)
+def _next_token_loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits[:, :-1], batch["input_ids"][:, 1:]).mean()
+
+
+def _labels_loss(logits, batch):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
 
 
 def _ids(seed=0):
@@ -159,15 +180,8 @@ def build_gpt2():
     from transformers import FlaxGPT2LMHeadModel, GPT2Config
 
     config = GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2)
-    model = FlaxGPT2LMHeadModel(config, seed=0)
-
-    def loss_of(model, params, batch, train, rng):
-        rngs = {"dropout_rng": rng} if train else {}
-        logits = model(batch["input_ids"], params=params, train=train, **rngs).logits
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits[:, :-1], batch["input_ids"][:, 1:]).mean()
-
-    return _hf_case(model, loss_of, {"input_ids": _ids()})
+    return _hf_case(FlaxGPT2LMHeadModel(config, seed=0), ["input_ids"], _next_token_loss,
+                    {"input_ids": _ids()})
 
 
 def _bert(checkpointing: bool):
@@ -180,20 +194,16 @@ def _bert(checkpointing: bool):
     if checkpointing:
         model.enable_gradient_checkpointing()
 
-    def loss_of(model, params, batch, train, rng):
-        rngs = {"dropout_rng": rng} if train else {}
-        logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
-                       params=params, train=train, **rngs).logits
-        labels = batch["labels"]
-        mask = labels > 0
-        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        return (ce * mask).sum() / labels.size
+    def loss(logits, batch):  # over the batch's tokens, so microbatches average to the batch
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+        return (ce * (batch["labels"] > 0)).sum() / batch["labels"].size
 
     ids = _ids()
     labels = jnp.where(jax.random.bernoulli(jax.random.key(3), 0.3, ids.shape), ids, 0)
     batch = {"input_ids": ids, "attention_mask": jnp.ones_like(ids), "labels": labels}
-    return _hf_case(model, loss_of, batch, note="MLM loss normalised by the batch's token count "
-                    "(not by the masked count) so microbatches average to the full batch")
+    return _hf_case(model, ["input_ids", "attention_mask"], loss, batch,
+                    note="MLM loss normalised by the batch's token count (not by the masked "
+                         "count) so microbatches average to the full batch")
 
 
 def build_bert():
@@ -210,16 +220,10 @@ def build_vit():
     config = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=64,
                        num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
                        num_labels=10)
-    model = FlaxViTForImageClassification(config, seed=0)
-
-    def loss_of(model, params, batch, train, rng):
-        rngs = {"dropout_rng": rng} if train else {}
-        logits = model(batch["pixel_values"], params=params, train=train, **rngs).logits
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-
     batch = {"pixel_values": jax.random.normal(jax.random.key(1), (BATCH, 3, 16, 16)),
              "labels": jax.random.randint(jax.random.key(2), (BATCH,), 0, 10)}
-    return _hf_case(model, loss_of, batch)
+    return _hf_case(FlaxViTForImageClassification(config, seed=0), ["pixel_values"],
+                    _labels_loss, batch)
 
 
 def build_resnet():
@@ -258,17 +262,10 @@ def build_t5():
 
     config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=32, d_ff=128, num_layers=1,
                       num_decoder_layers=1, num_heads=2, decoder_start_token_id=0)
-    model = FlaxT5ForConditionalGeneration(config, seed=0)
-
-    def loss_of(model, params, batch, train, rng):
-        rngs = {"dropout_rng": rng} if train else {}
-        logits = model(batch["input_ids"], decoder_input_ids=batch["decoder_input_ids"],
-                       params=params, train=train, **rngs).logits
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"]).mean()
-
     ids = _ids()
     batch = {"input_ids": ids, "decoder_input_ids": jnp.roll(ids, 1, axis=1), "labels": ids}
-    return _hf_case(model, loss_of, batch)
+    return _hf_case(FlaxT5ForConditionalGeneration(config, seed=0),
+                    ["input_ids", "decoder_input_ids"], _labels_loss, batch)
 
 
 # -- Equinox ----------------------------------------------------------------
@@ -442,27 +439,16 @@ def build_jax_llama():
         h = rms(x, p["mlp_norm"])
         return x + (jax.nn.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
 
-    tx = make_tx()
+    def loss_of(params, batch):
+        x = params["embed"][batch["input_ids"]]
+        for p in params["blocks"]:
+            x = block(p, x)
+        logits = rms(x, params["norm"]) @ params["head"]
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits[:, :-1], batch["input_ids"][:, 1:]).mean()
 
-    def step_with(value_and_grad):
-        def train_step(params, opt_state, batch):
-            def loss_fn(params):
-                x = params["embed"][batch["input_ids"]]
-                for p in params["blocks"]:
-                    x = block(p, x)
-                logits = rms(x, params["norm"]) @ params["head"]
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits[:, :-1], batch["input_ids"][:, 1:]).mean()
-
-            loss, grads = value_and_grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-        return train_step
-
-    args = (params, tx.init(params), {"input_ids": _ids()})
-    return Case("jax", step_with(jax.value_and_grad), args,
-                mb_step=step_with(hetpar.value_and_grad), mb_ref=step_with(jax.value_and_grad),
-                mb_args=args, note="4 blocks, params dict, jax.nn.dot_product_attention")
+    return _optax_case("jax", loss_of, params, {"input_ids": _ids()},
+                       note="4 blocks, params dict, jax.nn.dot_product_attention")
 
 
 # -- Haiku ------------------------------------------------------------------
@@ -535,24 +521,14 @@ def build_flax_scan():
     model = ScanLM()
     ids = _ids()
     params = model.init(jax.random.key(0), ids)["params"]
-    tx = make_tx()
 
-    def step_with(value_and_grad):
-        def train_step(params, opt_state, batch):
-            def loss_fn(params):
-                logits = model.apply({"params": params}, batch["input_ids"])
-                return optax.softmax_cross_entropy_with_integer_labels(
-                    logits[:, :-1], batch["input_ids"][:, 1:]).mean()
+    def loss_of(params, batch):
+        logits = model.apply({"params": params}, batch["input_ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits[:, :-1], batch["input_ids"][:, 1:]).mean()
 
-            loss, grads = value_and_grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-        return train_step
-
-    args = (params, tx.init(params), {"input_ids": ids})
-    return Case("flax linen", step_with(jax.value_and_grad), args,
-                mb_step=step_with(hetpar.value_and_grad), mb_ref=step_with(jax.value_and_grad),
-                mb_args=args, note="4 blocks under nn.scan (XLA counts the scan body once)")
+    return _optax_case("flax linen", loss_of, params, {"input_ids": ids},
+                       note="4 blocks under nn.scan (XLA counts the scan body once)")
 
 
 MODELS: dict[str, Callable[[], Case]] = {
@@ -852,6 +828,22 @@ def measure(name: str, quick: bool) -> dict:
     return row
 
 
+#: The table's measured columns: (row key, cell of its dict).
+COLUMNS = (
+    ("layers", lambda v: str(v["count"])),
+    ("updates", lambda v: f"{v['own']}/{v['params']}"),
+    ("flops", lambda v: f"{v['hetpar'] / 1e6:.2f}M / {v['xla'] / 1e6:.2f}M = {v['ratio']:.2f}"),
+    ("split", lambda v: f"{v['rel_l2']:.1e}"),
+    ("floor", lambda v: f"{v['rel_l2']:.1e}"),
+    ("microbatched", lambda v: f"n/a ({v['skipped']})" if "skipped" in v
+     else f"{v['rel_l2']:.1e}"),
+    ("steady", lambda v: f"{v['ratio']:.2f} ({v['hetpar_s'] * 1e3:.1f} / "
+                         f"{v['jit_s'] * 1e3:.1f} ms)"),
+    ("split", lambda v: f"{v['first_call_ratio']:.2f} ({v['first_call_s']:.1f} / "
+                        f"{v['jit_first_call_s']:.1f} s)"),
+)
+
+
 def _cell(row: dict, key: str, fmt: Callable[[dict], str]) -> str:
     v = row.get(key)
     if v is None:
@@ -877,29 +869,7 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         "end: other jobs shared the cores, so the time ratios carry a few percent of noise "
         "(more where the load changed between the two sides).",
         "",
-        "Step as Hugging Face Flax scripts write it: `chain(clip_by_global_norm(1.0), "
-        "adamw(1e-3))`, `jax.value_and_grad`, `tx.update`, `optax.apply_updates` "
-        "(Equinox: `eqx.filter_value_and_grad`, `eqx.apply_updates`, baseline "
-        "`eqx.filter_jit`). Batch 4; random weights; HF models train with dropout "
-        "(`train=True`, `dropout_rng` in the state) except in the M=2 column.",
-        "",
-        "Columns: **layers** from `hetpar.trace` at the default granularity (through "
-        "`hetpar.auto(...).lower`); **updates in own layer**: parameter leaves whose "
-        "update and optimizer-state leaves all sit in the parameter's layer; **FLOPs**: "
-        "hetpar's count (sum over layers) over XLA's cost analysis of the whole step "
-        "compiled for the CPU; **split**: first half of the layers on cpu:0, the rest on "
-        "cpu:1, 3 steps, each against `jax.jit` on the same inputs (the state hetpar "
-        "returned), relative L2 error over all float state and the loss, largest of the "
-        "3 (tests/test_runtime.py's measure; integer leaves, i.e. PRNG keys and counters, "
-        "compared for equality only); **floor**: the same measure for one step evaluated "
-        "equation by equation (no fusion) against `jax.jit`: the rounding any change of "
-        "fusion causes; **M=2**: the split plan with 2 microbatches "
-        "(`hetpar.value_and_grad`, deterministic forward) against `jax.jit`'s full-batch "
-        "step, same measure; **steady**: `hetpar.auto(step, devices=\"cpu:0\")` over "
-        "`jax.jit` per step, interleaved step by step, medians (hetpar / jit); **first "
-        "call**: the split plan's first call (trace, plan, compile included) over "
-        "`jax.jit`'s (jit first, same process).",
-        "",
+        __doc__.split("\n", 2)[2].split("\nUsage")[0],
         "| model | library | params | layers | updates in own layer | FLOPs hetpar / XLA "
         "| split rel. err | floor | M=2 rel. err | steady ratio | first-call ratio |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -909,55 +879,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             out.append(f"| {r['model']} | {r.get('library', '-')} | - | - | - | - | - | - | - "
                        f"| - | - |")
             continue
-
-        def mb(v):
-            return f"n/a ({v['skipped']})" if "skipped" in v else f"{v['rel_l2']:.1e}"
-
-        def lay(v):
-            return str(v["count"])
-
-        def upd(v):
-            return f"{v['own']}/{v['params']}"
-
-        def fl(v):
-            return f"{v['hetpar'] / 1e6:.2f}M / {v['xla'] / 1e6:.2f}M = {v['ratio']:.2f}"
-
-        def err(v):
-            return f"{v['rel_l2']:.1e}"
-
-        def st(v):
-            return f"{v['ratio']:.2f} ({v['hetpar_s'] * 1e3:.1f} / {v['jit_s'] * 1e3:.1f} ms)"
-
-        def first(v):
-            return (f"{v['first_call_ratio']:.2f} ({v['first_call_s']:.1f} / "
-                    f"{v['jit_first_call_s']:.1f} s)")
-
-        out.append(
-            f"| {r['model']} | {r['library']} | {r['params']:,} | {_cell(r, 'layers', lay)} "
-            f"| {_cell(r, 'updates', upd)} | {_cell(r, 'flops', fl)} "
-            f"| {_cell(r, 'split', err)} | {_cell(r, 'floor', err)} "
-            f"| {_cell(r, 'microbatched', mb)} "
-            f"| {_cell(r, 'steady', st)} | {_cell(r, 'split', first)} |")
-    out += [
-        "",
-        "Reading the error columns: all are relative L2 errors over the whole state. The "
-        "notes below name, per model, the leaf with the largest max |a-b| / max |b|. In "
-        "the attention models that leaf is an attention key bias (or its Adam moments): "
-        "its gradient is zero in exact arithmetic (softmax ignores a shift shared by all "
-        "keys), so what reaches Adam is rounding noise, which Adam's first steps scale "
-        "to +-lr-sized updates. The floor's worst leaf is the same kind of leaf, at the "
-        "same size: `jax.jit` against the same step run equation by equation "
-        "differs there as much as hetpar's split does (GPT-2's and ResNet's splits "
-        "happen to round closer to `jax.jit` than the floor). Two independent 3-step "
-        "trajectories therefore differ in those leaves whatever runs them, which is why "
-        "each step is checked against `jax.jit` on the same inputs.",
-        "",
-        "FLOPs: XLA's cost analysis counts a loop body once; hetpar counts body x trip "
-        "count (flax_scan: a scan over 4 blocks, hence 2.9).",
-        "",
-        "## Errors and notes",
-        "",
-    ]
+        out.append(f"| {r['model']} | {r['library']} | {r['params']:,} | "
+                   + " | ".join(_cell(r, key, fmt) for key, fmt in COLUMNS) + " |")
+    out += ["", "## Errors and notes", ""]
     for r in rows:
         lines = []
         if r.get("error"):

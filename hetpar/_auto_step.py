@@ -309,12 +309,18 @@ class AutoStep:
 
     @property
     def assignment(self) -> dict[str, str]:
-        """{layer: the device that computes it} of the last compiled signature."""
+        """{layer: the device that computes it} of the last compiled signature:
+        the form `plan=` takes, as `step.plan.assignment`. It does not say where
+        an offloaded layer keeps its parameters and optimizer state:
+        `step.placements` does (and `plan=step.placements` keeps them there),
+        and so does `step.report()`'s placement column."""
         return dict(self._need_last().assignment)
 
     @property
     def placements(self) -> dict[str, Placement]:
-        """{layer: Placement}: where each layer computes, keeps its state, updates."""
+        """{layer: Placement}: where each layer computes, keeps its parameters
+        and optimizer state, and runs its update (all on `step.assignment`'s
+        device unless the layer is offloaded)."""
         return dict(self._need_last().placements)
 
     @property
@@ -333,11 +339,13 @@ class AutoStep:
         return {layer: p.update for layer, p in self.placements.items()}
 
     def report(self):
-        """The cost report of the last compiled signature's step, with its
-        predicted step beside the measured one (`step` in the report: the
-        median of `StepClock.STEPS` steps after `SETTLE` more than the
-        compiling one; a warning when they differ by more than 25%), each
-        device's memory predicted, compiled and measured (`step["memory"]`,
+        """The cost report of the last compiled signature's step: where each layer
+        runs (its placement: the compute device, and where an offloaded layer's
+        state lives; every replica of a data-parallel step), and its predicted
+        step beside the measured one (`step` in the report: the median of
+        `StepClock.STEPS` steps after `SETTLE` more than the compiling one; a
+        warning when they differ by more than 25%), each device's memory
+        predicted, compiled and measured (`step["memory"]`,
         hetpar/_memory_check.py) and where the first call's time went
         (`step["first_call"]`, hetpar/_first_call.py)."""
         import dataclasses as dc
@@ -346,9 +354,14 @@ class AutoStep:
         from hetpar._report import report_graph
 
         step = self._need_last()
+        rep = report_graph(step.graph, xla=False)
+        replicas = list(step.plan.replicas) if step.plan is not None else []
+        rows = tuple({"name": r["name"],
+                      "placement": replicas or step.placements[r["name"]].to_json(), **r}
+                     for r in rep.rows)
         summary = {**step.clock.summary(step), "memory": memory_summary(step),
                    "first_call": step.first_call.summary()}
-        return dc.replace(report_graph(step.graph, xla=False), step=summary)
+        return dc.replace(rep, rows=rows, step=summary)
 
     @property
     def measured_step_s(self) -> float | None:

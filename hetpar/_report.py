@@ -13,7 +13,7 @@ import io
 import json
 from collections.abc import Callable, Sequence
 
-from hetpar.core import HetparError, human
+from hetpar.core import HetparError, Placement, human
 from hetpar.passes import LayerGraph, XlaCost, layer_costs, step_cost, trace
 
 
@@ -23,7 +23,10 @@ class CostReport:
 
     Attributes:
       rows: one dict per layer (or per primitive with `by="op"`), keys as in
-        `to_json()["layers"]`.
+        `to_json()["layers"]`; a `hetpar.auto` step's rows also have its
+        `placement` (plan.json's form: a device name, or a placement object
+        for a layer whose state lives apart from its compute device; the
+        list of replicas of a data-parallel step).
       totals: whole-step figures; the `xla_*` totals come from compiling the
         whole step at once (so fusion across layers is included).
       model, batch, mode, backend, by: what was reported.
@@ -57,16 +60,17 @@ class CostReport:
         w = csv.DictWriter(buf, fieldnames=keys)
         w.writeheader()
         for r in self.rows:
-            w.writerow(r)
+            w.writerow({**r, "placement": placement_text(r["placement"])} if "placement" in r
+                       else r)
         w.writerow({"name": "TOTAL", **{k: v for k, v in self.totals.items() if k in keys}})
         return buf.getvalue()
 
     def table(self) -> str:
         """A human-readable table: a row per layer and the totals."""
-        cols = ["name", "flops", "xla_flops", "bytes_accessed", "xla_bytes_accessed",
-                "intensity", "param_bytes", "activation_bytes"]
-        heads = ["layer" if self.by == "layer" else "op", "FLOPs", "FLOPs (XLA)", "bytes",
-                 "bytes (XLA)", "FLOP/B", "params", "activations"]
+        cols = ["name", "placement", "flops", "xla_flops", "bytes_accessed",
+                "xla_bytes_accessed", "intensity", "param_bytes", "activation_bytes"]
+        heads = ["layer" if self.by == "layer" else "op", "placement", "FLOPs", "FLOPs (XLA)",
+                 "bytes", "bytes (XLA)", "FLOP/B", "params", "activations"]
         # XLA's columns when nothing was compiled (xla=False, `AutoStep.report()`)
         # would be a column of "?" each: leave them out.
         known = [c == "name" or any(r.get(c) is not None for r in (*self.rows, self.totals))
@@ -80,6 +84,8 @@ class CostReport:
             v = r.get(c)
             if c == "name":
                 return str(v)
+            if c == "placement":
+                return "" if v is None else placement_text(v)
             if c == "intensity":
                 return "?" if v is None else f"{v:.2f}"
             return human(v, units.get(c, ""))
@@ -87,8 +93,9 @@ class CostReport:
         body = [[cell(r, c) for c in cols] for r in self.rows]
         body.append([cell({"name": "TOTAL", **self.totals}, c) for c in cols])
         widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(heads)]
-        line = lambda cells: "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        line = lambda cells: "  ".join(  # text left, figures right
+            c.ljust(w) if cols[i] in ("name", "placement") else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths)))
         title = (f"hetpar cost report: {self.model or 'step'}  mode={self.mode}  "
                  f"batch={self.batch}  backend={self.backend}")
         out = [title, line(heads), line(["-" * w for w in widths])]
@@ -100,6 +107,23 @@ class CostReport:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def placement_text(value: str | dict | list) -> str:
+    """A placement in one cell: the compute device, then where the layer keeps
+    or runs what it does not on it (`gpu:0; params, state gpu:0:pinned_host`);
+    a list is a data-parallel step's replicas."""
+    if isinstance(value, list):
+        return ", ".join(value) + " (data parallel)"
+    p = Placement.parse(value)
+    apart: dict[str, list[str]] = {}
+    for part in ("params", "state", "update"):
+        if getattr(p, part) != p.compute:
+            apart.setdefault(getattr(p, part), []).append(part)
+    cells = [p.compute, *(f"{', '.join(parts)} {where}" for where, parts in apart.items())]
+    if p.activations != "keep":
+        cells.append(f"activations {p.activations}")
+    return "; ".join(cells)
 
 
 def step_line(step: dict) -> str:

@@ -553,3 +553,20 @@ def test_batch_of_two_arguments_across_two_processes(tmp_path):
     for i in range(2):
         err = next(ln for ln in lines_of(proc, i) if ln.startswith("TWO_ARGS "))
         assert float(err.split()[1]) <= 1e-5, err
+
+
+@pytest.mark.slow  # ~9 s of tracing, planning and compiling on 2 loaded cores
+def test_the_docs_script_runs_in_one_process():
+    """docs/distributed.md promises its script runs both ways; in one process
+    `initialize()` does nothing and the step runs as any other (issue 45)."""
+    import pathlib
+
+    page = pathlib.Path(__file__).resolve().parents[1] / "docs/distributed.md"
+    script = page.read_text().split("```python\n", 1)[1].split("```", 1)[0]
+    assert "hetpar.distributed import initialize" in script
+    namespace: dict = {}
+    exec(compile(script, str(page), "exec"), namespace)
+    assert namespace["step"].plan is not None
+    assert namespace["step"].plan_fingerprint is None  # one process: nothing to agree on
+    assert jax.tree_util.tree_structure(namespace["params"]) == jax.tree_util.tree_structure(
+        namespace["variables"])

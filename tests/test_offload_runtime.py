@@ -8,6 +8,9 @@ steps must match the same step under `jax.jit` on one device, leaf by leaf
 step must leave the caller's state intact.
 """
 
+import csv
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -405,3 +408,42 @@ def test_place_leaves_python_numbers_alone():
     step = hetpar.auto(step_fn, plan={n: PINNED for n in graph.layers}, batch_argnums=2)
     placed = step.place(params, opt_state, batch, 0.1)
     assert placed[3] == 0.1 and isinstance(placed[3], float)
+
+
+def test_what_users_see_says_where_offloaded_state_lives():
+    """`step.assignment` is {layer: compute device} (the form `plan=` takes);
+    `step.placements` and `step.report()` say where an offloaded layer's
+    state lives, and `plan=step.placements` keeps it there (issue 45)."""
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    layers = hetpar.trace(w.train_step, *args).layers
+    plan = {layer: OFFLOAD for layer in layers}
+    plan[layers[0]] = "cpu:0"
+    step = hetpar.auto(w.train_step, plan=plan)
+    check_steps(w.train_step, step, args)
+    assert step.assignment == {layer: "cpu:0" for layer in layers}
+    assert step.placements[layers[-1]] == Placement(**OFFLOAD)
+
+    report = step.report()
+    rows = {r["name"]: r for r in report.to_json()["layers"]}
+    assert rows[layers[0]]["placement"] == "cpu:0"
+    assert rows[layers[-1]]["placement"] == {"compute": "cpu:0", **OFFLOAD}
+    table = str(report).splitlines()
+    assert "placement" in table[1]
+    last = next(line for line in table if line.startswith(layers[-1] + " "))
+    assert "cpu:0; params, state, update cpu:1" in last
+    csv_rows = {r["name"]: r for r in csv.DictReader(io.StringIO(report.to_csv()))}
+    assert csv_rows[layers[-1]]["placement"] == "cpu:0; params, state, update cpu:1"
+
+    again = hetpar.auto(w.train_step, plan=step.placements)
+    assert again.lower(*args).placements == step.placements
+
+
+def test_report_names_every_replica_of_a_data_parallel_step():
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    step = hetpar.auto(w.train_step, devices=["cpu:0", "cpu:1"], data_parallel="always")
+    check_steps(w.train_step, step, args, steps=1)
+    rows = step.report().to_json()["layers"]
+    assert {str(r["placement"]) for r in rows} == {"['cpu:0', 'cpu:1']"}
+    assert "cpu:0, cpu:1 (data parallel)" in str(step.report())

@@ -27,6 +27,8 @@ def _parser() -> argparse_flags.ArgumentParser:
     parser = argparse_flags.ArgumentParser(
         prog="hetpar",
         description="Heterogeneous layer scheduling for JAX training steps.",
+        epilog="Every command's options: hetpar COMMAND --help. MODEL is a zoo model "
+               "(hetpar models); --small takes its test config.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True

@@ -10,7 +10,8 @@ def add_model_args(parser, *, batch: bool = True) -> None:
     parser.add_argument("model", metavar="MODEL", help="zoo model name (see `hetpar models`)")
     parser.add_argument("--small", action="store_true", help="the model's small test config")
     if batch:
-        parser.add_argument("--batch", type=int, default=None, help="batch size")
+        parser.add_argument("--batch", type=int, default=None,
+                            help="batch size (default: the model's)")
     parser.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
                         help="model config override, e.g. --config image_size=128 (repeatable)")
 

@@ -4,7 +4,10 @@ from hetpar.core import human
 
 
 def register(sub) -> None:
-    p = sub.add_parser("models", help="list the zoo's models with parameter counts")
+    p = sub.add_parser("models", help="list the zoo's models with parameter counts",
+                       description="The zoo's models (the MODEL of every other command), "
+                                   "with parameter counts at the reference and --small "
+                                   "configs and their input.")
     p.set_defaults(func=_run)
 
 

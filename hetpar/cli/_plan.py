@@ -31,8 +31,12 @@ def register(subparsers) -> None:
                         "device of their class (e.g. --devices gpu:0,h100)")
     p.add_argument("--graph",
                    help="graph.json to plan (from `hetpar costs MODEL --devices LIST --out`)")
-    p.add_argument("--objective", choices=("time", "cost", "energy"), default="time")
-    p.add_argument("--mode", choices=("sequential", "pipelined"), default="sequential")
+    p.add_argument("--objective", choices=("time", "cost", "energy"), default="time",
+                   help="what the plan minimises: step time, dollars or joules per step "
+                        "(default time)")
+    p.add_argument("--mode", choices=("sequential", "pipelined"), default="sequential",
+                   help="sequential: one batch through the layers in order; pipelined: "
+                        "microbatches overlapping across devices (default sequential)")
     p.add_argument("--microbatches", type=int, default=None,
                    help="microbatches M (pipelined mode; default 4 there, 1 otherwise; "
                         "M x layers at most 32768: the predicted step replays each)")

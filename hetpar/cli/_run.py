@@ -27,15 +27,23 @@ from hetpar.core import seconds
 
 
 def register(sub) -> None:
-    p = sub.add_parser("run", help="train a zoo model under @hetpar.auto and compare with jax.jit")
+    p = sub.add_parser(
+        "run", help="train a zoo model under @hetpar.auto and compare with jax.jit",
+        description="Train a zoo model for a few steps under @hetpar.auto (planned here, or "
+                    "--plan) and, interleaved step by step, under plain jax.jit on one device; "
+                    "print the plan, both step times and the predicted step.")
     add_model_args(p)
     p.add_argument("--devices", default=None,
                    help="comma-separated devices to use, e.g. cpu:0,gpu:0 (default: all present)")
     p.add_argument("--plan", default=None, help="plan.json to run instead of planning")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
-    p.add_argument("--microbatches", type=int, default=1)
-    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe")
-    p.add_argument("--objective", choices=("time", "cost", "energy"), default="time")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="microbatches M through a pipeline of the planned stages (default 1)")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default="gpipe",
+                   help="the pipeline's schedule with --microbatches > 1 (default gpipe)")
+    p.add_argument("--objective", choices=("time", "cost", "energy"), default="time",
+                   help="what the plan minimises: step time, dollars or joules per step "
+                        "(default time)")
     p.add_argument("--profile", default=None,
                    help="where the planner's figures come from: measure (time the layers, "
                         "the step and the runtime's costs here at the first call; the "
