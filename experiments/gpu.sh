@@ -27,9 +27,7 @@ one GPU (the card and its host CPU):
                       (env: FIT=default, SKIP_LAYERS=1, BUDGET=170; more than one call's 600 s)
   fit-check [FLAGS]   issue 17: hetpar profile --fit default [FLAGS], then the file checked on
                       held-out zoo models' layers (check_fitted_profile.py; env FIT_TIMEOUT,
-                      CHECK_TIMEOUT, REFIT=cpu:0: also refit that device on its fit layers
-                      timed again after the check, and score again; CHECK_DEVICES=cpu:0:
-                      check only those)
+                      CHECK_TIMEOUT, CHECK_DEVICES=cpu:0: check only those)
   hetpar ARGS...      any hetpar command, e.g. `hetpar run resnet18 --steps 8`
                       (output in run_resnet18_<card>.txt)
 
@@ -247,7 +245,7 @@ fit-check)
     t0=$(date +%s)
     timeout "${CHECK_TIMEOUT:-200}" python3 experiments/check_fitted_profile.py \
       --profiles "$OUT/profile_fit_$CARD.json" --out "$OUT/check_$CARD" \
-      ${REFIT:+--refit "$REFIT"} ${CHECK_DEVICES:+--devices "$CHECK_DEVICES"}
+      ${CHECK_DEVICES:+--devices "$CHECK_DEVICES"}
     echo "check took $(( $(date +%s) - t0 )) s"
     # The layer timings behind the fit, so it can be refitted offline.
     tar czf "$OUT/hetpar_cache_$CARD.tgz" -C /tmp hetpar_cache 2>/dev/null
