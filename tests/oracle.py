@@ -31,7 +31,7 @@ instance-normed conv biases and their Adam moments, both gaps 30-400% of
 the leaf) 0.4-4x, median 1.0. XLA at optimisation level 0 is no stand-in:
 it changes the convolution kernels, and its gap on ResNet-18 was up to 36x
 op by op's. tests/test_oracle.py::test_the_unfused_floor_is_op_by_ops_gap
-keeps checking it.
+keeps checking it on an attention head's key bias and its Adam moments.
 
 Two independent trajectories are never compared: each step is checked from
 the same inputs (tests/test_runtime.py's `check_steps` feeds the state hetpar
