@@ -846,27 +846,31 @@ def test_the_order_of_work_is_not_quadratic_in_microbatches():
     # M microbatches' forwards on one device, all ready at once, each its own
     # stage key, then their backwards: a scan of every ready key at each
     # switch took ~15 s here at M=4096.
-    M = 4096
-    keys = [("a", m, "forward") for m in range(M)] + [("a", m, "backward") for m in range(M)]
-    deps = [set() for _ in range(M)] + [{m} for m in range(M)]
-    start = time.perf_counter()
-    order = device_aware_order(deps, keys)
-    assert time.perf_counter() - start < 2.0
-    assert order == list(range(2 * M))
+    # Compared with itself at a quarter of M (best of 3, so the machine's
+    # load cancels): quadratic work would take 16x as long, n log n ~4.5x.
+    def best_of_3(M):
+        keys = [("a", m, "forward") for m in range(M)] + [("a", m, "backward")
+                                                          for m in range(M)]
+        deps = [set() for _ in range(M)] + [{m} for m in range(M)]
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            order = device_aware_order(deps, keys)
+            times.append(time.perf_counter() - start)
+        assert order == list(range(2 * M))
+        return min(times)
+
+    assert best_of_3(4096) < 8 * best_of_3(1024)
 
 
 def test_too_many_microbatches_are_refused_at_once(tmp_path, capsys):
-    import time
-
     from hetpar import cli
     from hetpar.planner._solve import MAX_REPLAYED_WORK
 
     table = random_cost_table(3, layers=7, devices=2)
-    start = time.perf_counter()
     with pytest.raises(PlanError, match=r"1000000 microbatches x 7 layers .* pass "
                                         rf"microbatches={MAX_REPLAYED_WORK // 7} or fewer"):
         plan(table, mode="pipelined", microbatches=1_000_000)
-    assert time.perf_counter() - start < 1.0
     graph = tmp_path / "graph.json"
     table.save(graph)
     argv = ["plan", "--graph", str(graph), "--mode", "pipelined", "--microbatches"]
