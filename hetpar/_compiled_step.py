@@ -12,6 +12,7 @@ first: straight to the jit executable, for arguments jit has already run.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -417,13 +418,11 @@ class CompiledStep:
         if self._jit is None or getattr(self, "_jit_specs", None) is None:
             return None
         if not hasattr(self, "_jit_peak"):
-            before, _known.on = getattr(_known, "on", False), True
             try:
-                m = self._jit.lower(*self._jit_specs).compile().memory_analysis()
+                with _may_trace():
+                    m = self._jit.lower(*self._jit_specs).compile().memory_analysis()
             except Exception:  # noqa: BLE001 - no analysis on this backend
                 m = None
-            finally:
-                _known.on = before
             peak = getattr(m, "peak_memory_in_bytes", 0) if m is not None else 0
             self._jit_peak = None if m is None else float(
                 (peak or m.argument_size_in_bytes + m.output_size_in_bytes
@@ -510,11 +509,8 @@ class CompiledStep:
 
     def __call__(self, *args):
         if self._jit is not None:
-            before, _known.on = getattr(_known, "on", False), True
-            try:
+            with _may_trace():
                 out = self._call_jit(args)
-            finally:
-                _known.on = before
             if out is UNKNOWN:
                 raise HetparError("these arguments' structure or static (non-array) leaves "
                                   "differ from those the step was compiled for; call the "
@@ -577,11 +573,8 @@ class CompiledStep:
         jitted = self._one_device_jit(device, ())
 
         def call(*args):
-            before, _known.on = getattr(_known, "on", False), True
-            try:
+            with _may_trace():
                 return jitted(*args)
-            finally:
-                _known.on = before
 
         return call
 
@@ -631,6 +624,16 @@ class _NewSignature(Exception):
 
 
 _known = threading.local()  # .on: inside CompiledStep.__call__, where jit may trace
+
+
+@contextlib.contextmanager
+def _may_trace():
+    """Lets the one-device jit trace (`_traced_when_known`) within the block."""
+    before, _known.on = getattr(_known, "on", False), True
+    try:
+        yield
+    finally:
+        _known.on = before
 
 
 def _traced_when_known(step: Callable) -> Callable:

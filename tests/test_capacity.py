@@ -5,11 +5,8 @@ device planned for (not present) more memory, and never a present one."""
 
 import os
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import hetpar
@@ -20,6 +17,7 @@ from hetpar.cost_models._resolve import resolve_devices
 from hetpar.planner._solve import with_memory
 
 from . import oracle
+from .flax_mlp import mlp_step as _mlp_step
 
 GB = 1e9
 
@@ -129,27 +127,6 @@ def test_auto_refuses_more_memory_than_a_present_device_holds():
 # -- out of memory mid-step: replanned, retried, the caller's state intact ------
 
 
-class _MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for i in range(6):
-            x = nn.tanh(nn.Dense(64, name=f"dense{i}")(x))
-        return nn.Dense(1, name="head")(x)
-
-
-def _mlp_step():
-    model, tx = _MLP(), optax.adam(1e-2)
-
-    def step(params, opt_state, batch):
-        x, y = batch
-        loss, grads = jax.value_and_grad(
-            lambda p: ((model.apply(p, x) - y) ** 2).mean())(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    x, y = jnp.ones((8, 64)), jnp.linspace(0.0, 1.0, 8)[:, None]
-    params = model.init(jax.random.key(0), x)
-    return step, (params, tx.init(params), (x, y))
 
 
 class _Allocator:

@@ -5,11 +5,8 @@ went (hetpar/_first_call.py)."""
 
 import types
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 import hetpar
@@ -18,31 +15,7 @@ from hetpar._report import step_line
 from hetpar.core import InfeasibleError
 
 from . import oracle
-
-
-class _MLP(nn.Module):
-    width: int = 64
-
-    @nn.compact
-    def __call__(self, x):
-        for i in range(6):
-            x = nn.tanh(nn.Dense(self.width, name=f"dense{i}")(x))
-        return nn.Dense(1, name="head")(x)
-
-
-def _mlp_step(width: int = 64):
-    model, tx = _MLP(width), optax.adam(1e-2)
-
-    def step(params, opt_state, batch):
-        x, y = batch
-        loss, grads = jax.value_and_grad(
-            lambda p: ((model.apply(p, x) - y) ** 2).mean())(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    x, y = jnp.ones((8, width)), jnp.linspace(0.0, 1.0, 8)[:, None]
-    params = model.init(jax.random.key(0), x)
-    return step, (params, tx.init(params), (x, y))
+from .flax_mlp import mlp_step as _mlp_step
 
 
 def _copy(tree):
