@@ -86,12 +86,13 @@ class Options:
     def calibrates(self) -> bool:
         """Whether the first call times the step and its layers here (see `auto`'s
         `profile`): "measure" always; "auto" (the default) unless $HETPAR_PROFILES
-        names a profile file, $HETPAR_CALIBRATE is 0, or the step runs under
+        names a profile file, $HETPAR_CALIBRATE is 0 (or false, no, off), or the step runs under
         jax.distributed (one process cannot time the others' devices)."""
         if self.profile == "measure":
             return True
         return (self.profile == "auto" and not os.environ.get("HETPAR_PROFILES")
-                and os.environ.get("HETPAR_CALIBRATE", "1") != "0"
+                and os.environ.get("HETPAR_CALIBRATE", "1").strip().lower()
+                not in ("0", "false", "no", "off")
                 and jax.process_count() == 1)
 
 
