@@ -29,19 +29,32 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _workload(name: str, batch: int, tiny: bool = False):
+# The grid's models (issue 41): name -> (kind, config, batch). `llama` is
+# experiments/llama_style.py, written as users write it; `zoo` the zoo
+# transformer as bench_offload.py runs it.
+MODELS = {
+    "llama": ("llama", {}, 8),                                   # 0.54B
+    "llama7b": ("llama", dict(d_model=4096, num_layers=32, num_heads=32, hidden=11008), 4),
+    "zoo": ("zoo", dict(d_model=2048, num_layers=16, num_heads=16), 8),   # 0.91B
+    "zoo5b": ("zoo", dict(d_model=4096, num_layers=24, num_heads=32), 8),  # 5.04B
+}
+
+
+def _workload(name: str, batch: int | None, tiny: bool = False):
     """(train_step, init(key) -> (params, opt_state, batch), parameters)."""
-    if name == "llama":
+    kind, config, default_batch = MODELS[name]
+    batch = batch or default_batch
+    if kind == "llama":
         import llama_style
 
         cfg = (llama_style.Config(vocab=256, d_model=64, num_layers=2, num_heads=4, hidden=128)
-               if tiny else llama_style.Config())
+               if tiny else llama_style.Config(**config))
         step, init = llama_style.make(cfg, batch=batch, seq=16 if tiny else 512)
         return step, init, llama_style.parameter_count(cfg)
     from hetpar import zoo
 
     w = (zoo.get("transformer", small=True) if tiny else
-         zoo.get("transformer", batch=batch, d_model=2048, num_layers=16, num_heads=16))
+         zoo.get("transformer", batch=batch, **config))
     return w.train_step, (lambda key: w.example_args()), None
 
 
@@ -167,10 +180,11 @@ def _row(cell: dict) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", default="llama,zoo")
+    p.add_argument("--models", default="llama,zoo", help=", ".join(MODELS))
     p.add_argument("--fractions", default="0.1,0.3,default")
     p.add_argument("--modes", default="hetpar,jit")
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batch", type=int, default=None,
+                   help="default: the model's own (MODELS)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("--out", default=None)
@@ -190,7 +204,8 @@ def main(argv=None):
                 if fraction != "default":
                     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
                 cmd = [sys.executable, __file__, "--model", model, "--fraction", fraction,
-                       "--mode", mode, "--batch", str(args.batch), "--steps", str(args.steps)]
+                       "--mode", mode, "--steps", str(args.steps)]
+                cmd += ["--batch", str(args.batch)] if args.batch else []
                 cmd += ["--tiny"] if args.tiny else []
                 t = time.perf_counter()
                 try:
