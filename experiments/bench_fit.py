@@ -73,6 +73,10 @@ def _median_step(step, state, batch, steps):
 
 
 def run_cell(args) -> dict:
+    if args.stacks:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stacks, repeat=True, file=sys.stderr)
     import jax
 
     import hetpar
@@ -189,6 +193,9 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true", help="a smoke run's shapes (CPU)")
+    p.add_argument("--stacks", type=float, default=0.0,
+                   help="every this many seconds, each cell dumps its Python stacks to stderr "
+                        "(kept in the results when the cell times out)")
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--fraction", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -207,6 +214,7 @@ def main(argv=None):
                        "--mode", mode, "--steps", str(args.steps)]
                 cmd += ["--batch", str(args.batch)] if args.batch else []
                 cmd += ["--tiny"] if args.tiny else []
+                cmd += ["--stacks", str(args.stacks)] if args.stacks else []
                 t = time.perf_counter()
                 try:
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -215,9 +223,13 @@ def main(argv=None):
                     cell = json.loads(lines[-1][5:]) if lines else {
                         "model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
                         "error": f"exit {proc.returncode}: " + proc.stderr.strip()[-400:]}
-                except subprocess.TimeoutExpired:
+                except subprocess.TimeoutExpired as e:
+                    # What the cell was doing: hetpar's progress lines and the
+                    # stacks faulthandler dumps (--stacks) are on its stderr.
+                    err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
                     cell = {"model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
-                            "error": f"timed out after {args.timeout:.0f} s"}
+                            "error": f"timed out after {args.timeout:.0f} s",
+                            "stderr_tail": err[-6000:]}
                 cell["wall_s"] = time.perf_counter() - t
                 cells.append(cell)
                 print(_row(cell), flush=True)
