@@ -95,8 +95,13 @@ def run_cell(args) -> dict:
            "cache": "warm" if warm else "cold", "card": gpu.device_kind,
            "limit_gb": (gpu.memory_stats() or {}).get("bytes_limit", 0) / 1e9}
     train_step, init, n = _workload(args.model, args.batch, args.tiny)
-    # Built on the host: a cell whose GPU is too small must still get its state.
-    with jax.default_device(cpu if args.mode == "hetpar" else gpu):
+    # hetpar's state is built on the host by default: a cell whose GPU is too
+    # small must still get its state, and step.place() then copies it where
+    # the plan wants it. --state device builds it on the GPU, as jit's is
+    # (the first call's comparison: the same inputs on both sides).
+    on_host = args.mode == "hetpar" and args.state == "host"
+    out["state_on"] = "host" if on_host else "device"
+    with jax.default_device(cpu if on_host else gpu):
         params, opt_state, batch = init(jax.random.key(0))
         jax.block_until_ready((params, opt_state, batch))
     out["params"] = n or sum(x.size for x in jax.tree_util.tree_leaves(params))
@@ -193,6 +198,8 @@ def main(argv=None):
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true", help="a smoke run's shapes (CPU)")
+    p.add_argument("--state", choices=("host", "device"), default="host",
+                   help="where hetpar's cells build the state (jit's is always on the GPU)")
     p.add_argument("--stacks", type=float, default=0.0,
                    help="every this many seconds, each cell dumps its Python stacks to stderr "
                         "(kept in the results when the cell times out)")
@@ -215,6 +222,7 @@ def main(argv=None):
                 cmd += ["--batch", str(args.batch)] if args.batch else []
                 cmd += ["--tiny"] if args.tiny else []
                 cmd += ["--stacks", str(args.stacks)] if args.stacks else []
+                cmd += ["--state", args.state]
                 t = time.perf_counter()
                 try:
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
