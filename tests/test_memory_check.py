@@ -185,3 +185,122 @@ def test_first_call_phases_nest_exclusively():
         with clock.phase("costs"):
             time.sleep(0.02)
     assert clock.seconds["costs"] >= 0.02 > clock.seconds["plan"]
+
+
+# -- one-device and data-parallel plans: their one executable checked too ------
+
+
+class _JitCompiler:
+    """XLA made to need `extra` more bytes in the one executable of a
+    one-device or data-parallel step, and a log of those steps run."""
+
+    def __init__(self, monkeypatch, extra):
+        from hetpar import _compiled_step
+        from hetpar.runtime import _replicated
+
+        self.ran = 0
+        for module in (_compiled_step, _replicated):
+            peak = module.executable_peak
+            monkeypatch.setattr(module, "executable_peak",
+                                lambda m, peak=peak: None if m is None else peak(m) + extra)
+        call_jit, call_dp = _compiled_step.CompiledStep._call_jit, _replicated.Replicated.__call__
+
+        def logged_jit(step, args):
+            self.ran += 1
+            return call_jit(step, args)
+
+        def logged_dp(replicated, *args):
+            self.ran += 1
+            return call_dp(replicated, *args)
+
+        monkeypatch.setattr(_compiled_step.CompiledStep, "_call_jit", logged_jit)
+        monkeypatch.setattr(_replicated.Replicated, "__call__", logged_dp)
+
+
+def _xla_compiles_of(name: str):
+    """A list that collects jax's log lines of compiling jit(`name`) (a
+    compile the persistent cache serves logs one too), and its handler."""
+    import logging
+
+    seen: list[str] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if text.startswith(f"Compiling jit({name})"):
+                seen.append(text)
+
+    return seen, Seen()
+
+
+def test_a_one_device_plan_compiles_once_and_is_checked_before_it_runs(monkeypatch):
+    import logging
+
+    step, args = _mlp_step()
+    seen, handler = _xla_compiles_of("step")
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        jax.config.update("jax_log_compiles", True)
+        auto = hetpar.auto(step, devices="cpu:0", profile=None)
+        first = auto.lower(*args)
+        # Compiled (and its memory known) before any call ...
+        assert first.compiled_memory[0]["cpu:0"] > 2 * sum(
+            x.nbytes for x in jax.tree_util.tree_leaves(args[:2]))
+        out = auto(*args)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+    # ... by the one compile the first call then runs (jit's cache serves it).
+    assert len(seen) == 1, seen
+    oracle.assert_equals_jit(out, step, args)
+
+
+def test_a_one_device_plan_that_does_not_fit_is_replanned_before_it_runs(monkeypatch):
+    step, args = _mlp_step()
+    before = _copy(args)
+    cap = _capped(args) / 0.6  # the whole state fits one device, on the planner's figures
+    devices = ["cpu:0", "cpu:1"]
+    probe = hetpar.auto(step, devices=devices, profile=None, data_parallel=False,
+                        memory=dict.fromkeys(devices, cap)).lower(*args)
+    assert probe._jit is not None  # the planner's first choice: one device
+    # Its executable needs the cap and more: only a plan over both devices fits.
+    jitted = _JitCompiler(monkeypatch, 0.4 * cap)
+    auto = hetpar.auto(step, devices=devices, profile=None, data_parallel=False,
+                       memory=dict.fromkeys(devices, cap))
+    out = auto(*args)
+    assert jitted.ran == 0  # the one-device plan never ran
+    last = auto._last
+    assert last._jit is None and last._executor is not None
+    assert set(last.assignment.values()) == set(devices)
+    for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    oracle.assert_equals_jit(out, step, args)
+
+
+def test_a_one_device_step_with_nowhere_else_to_go_warns_before_it_runs(monkeypatch):
+    step, args = _mlp_step()
+    cap = _capped(args)
+    _JitCompiler(monkeypatch, 10 * cap)
+    auto = hetpar.auto(step, devices="cpu:0", profile=None, memory={"cpu:0": cap})
+    with pytest.warns(MemoryCheckWarning, match="on cpu:0 at their peak.*one device to run on"):
+        auto.lower(*args)
+
+
+def test_a_data_parallel_plan_is_checked_per_replica_before_it_runs(monkeypatch):
+    step, args = _mlp_step()
+    devices = ["cpu:0", "cpu:1"]
+    auto = hetpar.auto(step, devices=devices, profile=None, data_parallel="always")
+    out = auto(*args)
+    memory = auto.report().step["memory"]
+    assert {d: m["compiled"] is not None for d, m in memory.items()} == dict.fromkeys(
+        devices, True)
+    oracle.assert_equals_jit(out, step, args)
+    # Forced to data parallel, a replica over its cap has no other plan: one
+    # line before anything runs.
+    jitted = _JitCompiler(monkeypatch, 10 * _capped(args))
+    auto = hetpar.auto(step, devices=devices, profile=None, data_parallel="always",
+                       memory=dict.fromkeys(devices, _capped(args)))
+    with pytest.raises(InfeasibleError, match="the compiled stages need .* on cpu:[01]"):
+        auto(*args)
+    assert jitted.ran == 0
