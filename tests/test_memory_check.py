@@ -304,3 +304,60 @@ def test_a_data_parallel_plan_is_checked_per_replica_before_it_runs(monkeypatch)
     with pytest.raises(InfeasibleError, match="the compiled stages need .* on cpu:[01]"):
         auto(*args)
     assert jitted.ran == 0
+
+
+# -- donated state counted once; state holders and the host's RAM counted ------
+
+
+def _zoo_mlp():
+    from hetpar import zoo
+
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    return w.train_step, args, hetpar.trace(w.train_step, *args).layers
+
+
+@pytest.mark.parametrize("how", ["split", "streamed"])
+def test_donated_state_is_counted_once_by_the_memory_check(how):
+    step, args, layers = _zoo_mlp()
+    plan = ({n: "cpu:0" if k < len(layers) // 2 else "cpu:1" for k, n in enumerate(layers)}
+            if how == "split" else
+            dict.fromkeys(layers, {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:0"}))
+    held = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[:2]))
+
+    def peaks(donate):
+        return hetpar.auto(step, plan=plan, profile=None,
+                           donate_argnums=donate).lower(*args).compiled_memory[0]
+
+    kept, given = peaks(()), peaks((0, 1))
+    assert set(kept) == set(given) == {"cpu:0", "cpu:1"}
+    # Where the whole state lives apart from compute (streamed: cpu:1 runs no
+    # stage), it holds the old and the new state without donation, one copy with.
+    if how == "streamed":
+        assert kept["cpu:1"] >= 1.99 * held and 0.99 * held <= given["cpu:1"] <= 1.01 * held
+    # The split plan's devices hold their share of the state once less.
+    assert sum(given.values()) <= sum(kept.values()) - 0.5 * held
+
+
+def test_cpu_devices_sharing_the_host_ram_are_checked_against_the_os_figure(monkeypatch):
+    from hetpar import _memory_check
+
+    step, args = _mlp_step()
+    plan = _split_plan(step, args)
+    peaks = hetpar.auto(step, plan=plan, profile=None).lower(*args).compiled_memory[0]
+    # Each CPU device's peak fits the host; both together do not.
+    monkeypatch.setattr(_memory_check, "host_ram",
+                        lambda: 0.9 * sum(peaks.values()) / (1 - MARGIN))
+    auto = hetpar.auto(step, plan=plan, profile=None)
+    with pytest.warns(MemoryCheckWarning, match="of the host's RAM .*cpu:0 .* cpu:1 .*was given"):
+        out = auto(*args)
+    oracle.assert_equals_jit(out, step, args)
+    # Planned by hetpar, every CPU device draws on the one RAM: no plan fits.
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile=None, data_parallel=False)
+    monkeypatch.setattr(_memory_check, "host_ram", lambda: 1.0)
+    auto.lower(*args)  # one device: nothing shares the host with it
+    monkeypatch.setattr(_memory_check, "host_ram", lambda: 0.9 * max(peaks.values()))
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile=None,
+                       memory=dict.fromkeys(["cpu:0", "cpu:1"], 0.8 * _capped(args) / 0.6))
+    with pytest.raises(InfeasibleError, match="host's RAM|no plan fits"):
+        auto(*args)
