@@ -356,8 +356,10 @@ def replan_cap(misfit: Misfit) -> float:
 
 
 def does_not_fit(misfit: Misfit, *, tries: int, why: Exception | None = None,
-                 cap: float | None = None) -> InfeasibleError:
-    """The one-line error once no plan's compiled stages fit (nothing ran)."""
+                 cap: float | None = None, smallest: float | None = None) -> InfeasibleError:
+    """The one-line error once no plan's compiled stages fit (nothing ran),
+    naming the smallest peak any plan tried needed on the device (`smallest`)
+    where plans were tried."""
     if why is not None:
         tried = (f"; planned again with {misfit.device} capped at {nbytes(cap)}, no plan fits "
                  f"({str(why).splitlines()[0]})")
@@ -365,6 +367,9 @@ def does_not_fit(misfit: Misfit, *, tries: int, why: Exception | None = None,
         tried = "; no smaller plan can be asked for"
     else:
         tried = f"; {tries} plans tried, each over" if tries else ""
+    if smallest is not None and (tries or why is not None):
+        tried += (f"; the smallest footprint found needs {nbytes(smallest)} on "
+                  f"{misfit.device}, over its {nbytes(misfit.usable_bytes)}")
     return InfeasibleError(
         f"{misfit.describe()}{tried}. Nothing ran and your arguments are unchanged",
         api="try a smaller batch, microbatches=M with hetpar.value_and_grad, more devices, "

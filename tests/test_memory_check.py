@@ -3,6 +3,7 @@ first step runs (hetpar/_memory_check.py), and `step.report()` shows each
 device's memory predicted beside compiled, and where the first call's time
 went (hetpar/_first_call.py)."""
 
+import re
 import types
 
 import jax
@@ -115,6 +116,18 @@ def test_a_cap_no_plan_meets_is_one_line_before_anything_runs(monkeypatch):
     assert compiler.log and "ran" not in compiler.log
     for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_plans_tried_in_vain_name_the_smallest_footprint_found(monkeypatch):
+    step, args = _mlp_step()
+    cap = _capped(args)
+    compiler = _Compiler(monkeypatch, lambda d: 0.6 * cap)  # every stage, every device
+    auto = hetpar.auto(step, devices=DEVICES, profile=None, memory=dict.fromkeys(DEVICES, cap))
+    with pytest.raises(InfeasibleError, match=r"planned again|plans tried") as info:
+        auto(*args)
+    assert re.search(r"the smallest footprint found needs [\d.]+ [kMG]?B on cpu:\d, over its",
+                     str(info.value))
+    assert "ran" not in compiler.log
 
 
 def test_a_given_plan_that_does_not_fit_runs_with_a_warning(monkeypatch):
