@@ -119,7 +119,11 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         GPT-2 b16 on an H100); leave room for those. A GPT-2 b16 plan
         counted at 1.29 GB under a 1.30 GB cap peaked at 1.16 GB in a
         serialised step, about 1.21 GB in a training loop
-        (experiments/results/plan_memory).
+        (experiments/results/plan_memory). Before the first step, every
+        plan's compiled executables (one device, data parallel, split) are
+        checked against the capacities, caps included, and the CPU devices
+        and memory places together against the host's RAM; a plan over is
+        planned again (docs/architecture/runtime.md).
       batch: under `jax.distributed` with several processes, what each process
         passes as the batch arguments: "global" (the whole batch, the same on
         every process; each process uses its devices' share) or "local" (only

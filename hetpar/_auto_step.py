@@ -146,7 +146,10 @@ class AutoStep:
         with a warning (`MemoryCheckWarning`).
         """
         step = CompiledStep(fn, args, self.options, self._workers)
+        smallest: dict[str, float] = {}  # each device's smallest compiled peak over the plans
         for tries in itertools.count():
+            for d, peak in (step.compiled_memory or ({}, {}))[0].items():
+                smallest[d] = min(peak, smallest.get(d, peak))
             found = misfits(step)
             if not found:
                 return step
@@ -163,8 +166,9 @@ class AutoStep:
                 warnings.warn(msg, MemoryCheckWarning, stacklevel=4)
                 return step
             cap = replan_cap(worst)
+            least = None if worst.host else smallest.get(worst.device)
             if tries >= MAX_REPLANS or cap <= 0:
-                raise does_not_fit(worst, tries=tries, cap=cap)
+                raise does_not_fit(worst, tries=tries, cap=cap, smallest=least)
             logging.warning("hetpar: %s; planning again with %s capped at %s before the "
                             "first step", worst.describe(), worst.device, nbytes(cap))
             self.options = dataclasses.replace(
@@ -172,7 +176,7 @@ class AutoStep:
             try:
                 again = CompiledStep(fn, args, self.options, self._workers)
             except InfeasibleError as e:
-                raise does_not_fit(worst, tries=tries, why=e, cap=cap) from e
+                raise does_not_fit(worst, tries=tries, why=e, cap=cap, smallest=least) from e
             again.first_call.absorb(step.first_call)
             step = again
         raise AssertionError("unreachable")

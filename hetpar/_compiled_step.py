@@ -53,7 +53,14 @@ from hetpar.passes import (
     static_where,
     trace,
 )
-from hetpar.runtime import Executor, Replicated, Sharded, TransferEngine, Workers
+from hetpar.runtime import (
+    Executor,
+    Replicated,
+    Sharded,
+    TransferEngine,
+    Workers,
+    executable_peak,
+)
 
 
 class CompiledStep:
@@ -181,6 +188,15 @@ class CompiledStep:
                 # 446 leaves cost more than a batch-16 step's GPU time.
                 self._replicated_known = fast_signature(args)
             used = list(replicas)
+            if not multi and self._static is None:
+                # Compiled now (jit's cache serves the first call), its
+                # per-device memory checked before anything runs.
+                with self.first_call.phase("compile"):
+                    peak = self._replicated.memory_peak(args)
+                if peak is not None:
+                    self.compiled_memory = (dict.fromkeys(replicas, peak),
+                                            dict.fromkeys(replicas, "the step's executable, "
+                                                          "per replica"))
         elif (len(used) == 1 and not multi
               and all(p.activations == "keep" for p in self.placements.values())):
             # (A layer that offloads or recomputes its activations needs its
@@ -191,11 +207,21 @@ class CompiledStep:
             ends = list(itertools.accumulate(len(jax.tree_util.tree_leaves(a))
                                              for a in user_args))
             starts = [0, *ends[:-1]]
-            # The arguments' shapes, for `jit_memory` (static leaves: not kept).
-            self._jit_specs = None if self._static is not None else jax.tree_util.tree_map(
-                lambda x: _spec(x, self._sharding), args)
+            # The arguments' shapes, for `jit_memory` (with static leaves, the
+            # traced leaves jit takes flat).
+            self._jit_specs = (jax.tree_util.tree_map(lambda x: _spec(x, self._sharding), args)
+                               if self._static is None else
+                               tuple(_spec(x, self._sharding) for x in
+                                     self._static.dynamic(jax.tree_util.tree_leaves(user_args))))
             self._batch_leaves = tuple(i for k in self._batch_argnums
                                        for i in range(starts[k], ends[k]))
+            # Compiled now, not at the first call (jit's cache serves that call
+            # this executable: one compile), so that its memory is checked
+            # against the device's before anything runs (AutoStep._new_step).
+            with self.first_call.phase("compile"):
+                peak = self.jit_memory()
+            if peak is not None:
+                self.compiled_memory = ({used[0]: peak}, {used[0]: "the step's executable"})
         elif self._share is not None:
             self.stages = split(self.graph, self.placements, schedule=options.schedule,
                                 update_apart=True)
@@ -411,10 +437,11 @@ class CompiledStep:
                     devices=tuple(d.name for d in self.table.devices))
 
     def jit_memory(self) -> float | None:
-        """A one-device step's executable's peak bytes (XLA's memory analysis:
-        arguments, outputs, temporaries, code), lowered on its arguments'
-        shapes (jit's caches make that cheap once the step ran); None with
-        static leaves or where the backend gives no analysis."""
+        """A one-device step's executable's peak bytes (`executable_peak`:
+        arguments, outputs, temporaries, less what donated arguments alias,
+        and code), compiled on its arguments' shapes: the executable the
+        first call runs (jit's cache serves it), compiled once at
+        construction. None where the backend gives no analysis."""
         if self._jit is None or getattr(self, "_jit_specs", None) is None:
             return None
         if not hasattr(self, "_jit_peak"):
@@ -423,11 +450,7 @@ class CompiledStep:
                     m = self._jit.lower(*self._jit_specs).compile().memory_analysis()
             except Exception:  # noqa: BLE001 - no analysis on this backend
                 m = None
-            peak = getattr(m, "peak_memory_in_bytes", 0) if m is not None else 0
-            self._jit_peak = None if m is None else float(
-                (peak or m.argument_size_in_bytes + m.output_size_in_bytes
-                 - m.alias_size_in_bytes + m.temp_size_in_bytes)
-                + m.generated_code_size_in_bytes)
+            self._jit_peak = executable_peak(m)
         return self._jit_peak
 
     # -- running ----------------------------------------------------------

@@ -1,35 +1,51 @@
-"""The compiled stages of a split step checked against the devices' memory,
-before the first step runs (issue 41, item 2).
+"""The compiled step checked against the devices' memory, before the first
+step runs (issue 41, item 2).
 
 The planner prices a layer's memory from its arrays (`held_bytes`); XLA's
 executables hold more (temporaries, layouts, code) or less (buffers reused).
-Once the `Executor` has compiled the stages, each executable's
-`memory_analysis()` is known; `compiled_peaks` replays each device's stages
-in its order and keeps the largest total:
+Once the step is compiled, each executable's `memory_analysis()` is known.
 
-    resident   the step's inputs kept on the device (state homed there), the
+A one-device plan is one `jax.jit` executable, a data-parallel one one
+partitioned executable: their peak is the analysis's own (`executable_peak`:
+arguments + outputs + temporaries, less the outputs aliased to donated
+arguments, + code; per replica for data parallel). They are compiled when the
+step is built, and jit's cache serves the first call that executable: the
+check adds no compile.
+
+A split plan's (`compiled_peaks`) replays each device's stages in its order
+and keeps the largest total:
+
+    resident   the step's inputs kept on the device (state homed there; a
+               donated one given up once its last reader ran), the
                executables' code, and inputs moved there once a step (cached)
     + live     values computed there and not yet read by their last reader:
                activations waiting for the backward, results waiting to
-               cross to another device, the new state (nothing is donated)
+               cross to another device, the new state
     + in flight  what the running stage brought in (state streamed from a
                memory place, values from another device) and the state of
                the next streaming stage, prefetched while it runs
     + working  the running stage's temporaries and its outputs (less those
-               aliased to its inputs)
+               aliased to its donated inputs)
 
+and what holds state but runs no stage (a memory place, a device keeping an
+offloaded layer's state: `_place_peaks`): the state homed there, the new
+state as it arrives, offloaded activations until their backward.
 Stages on other devices are taken to run in the global stage order (their
 index), which decides when a value read across devices is freed.
 
-`misfits` compares that peak with the capacity the plan used, less
-`MARGIN`; `AutoStep` plans again with the device capped by the excess
-(`smaller_cap`), at most `MAX_REPLANS` times, before anything runs, and
-gives up with one line (`InfeasibleError`) naming the device and the bytes.
+`misfits` compares each peak with the capacity the plan used, less
+`MARGIN`, and the CPU devices and memory places together with the host's
+RAM as the OS gives it (`host_misfit`: they share it, and the planner's
+table gives each of them the whole); `AutoStep` plans again with the device
+capped by the excess (`replan_cap`), at most `MAX_REPLANS` times, before
+anything runs, and gives up with one line (`InfeasibleError`) naming the
+device, the bytes and the smallest peak any plan tried needed there.
+A plan given, or a step with one device to run on, runs with a warning.
 
-Not checked: one-device and data-parallel plans (one jit executable, whose
-own compile reports them: `step.report()` shows their figure after the
-first call), and the host RAM that CPU devices and memory places share
-(each CPU device is compared with its own capacity).
+Not checked: a step under several processes (each process's executables
+are its own: they run with the warning, or unchecked for data parallel
+across processes) and a one-device or data-parallel step with static leaves
+in data parallel.
 """
 
 from __future__ import annotations
@@ -70,12 +86,18 @@ class Misfit:
     usable_bytes: float
     predicted_bytes: float | None
     stage: str
+    host: bool = False  # the host's RAM, which `device` shares with others (`host_misfit`)
 
     @property
     def excess_bytes(self) -> float:
         return self.compiled_bytes - self.usable_bytes
 
     def describe(self) -> str:
+        if self.host:
+            return (f"the compiled stages need {nbytes(self.compiled_bytes)} of the host's RAM "
+                    f"at their peaks ({self.stage}), over the {nbytes(self.usable_bytes)} it may "
+                    f"give ({nbytes(self.capacity_bytes)} from the OS less a {MARGIN:.0%} "
+                    "margin)")
         return (f"the compiled stages need {nbytes(self.compiled_bytes)} on {self.device} at "
                 f"their peak ({self.stage}), over the {nbytes(self.usable_bytes)} the plan may "
                 f"use there ({nbytes(self.capacity_bytes)} less a {MARGIN:.0%} margin)")
@@ -102,8 +124,9 @@ def stage_working_bytes(m) -> float:
 
 def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
     """({device: peak bytes over the step}, {device: the stage where it falls})
-    from the executor's compiled stages (`Executor.stage_memory`); devices
-    whose stages have no memory analysis are left out."""
+    from the executor's compiled stages (`Executor.stage_memory`), memory
+    places (`gpu:0:pinned_host`) included (`_place_peaks`); devices whose
+    stages have no memory analysis are left out."""
     stages = executor.stages
     memory = executor.stage_memory
     peaks: dict[str, float] = {}
@@ -113,6 +136,7 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
         for v in st.inputs:
             last_read[v] = max(last_read.get(v, -1), st.index)
     outputs = set(executor._outvars)
+    donated = _donated(executor)
     away = set(executor._send_home)  # new state sent to a memory place as it is made
     for vs in executor._offload_vars:  # activations waiting in pinned host memory
         away.update(vs)
@@ -122,16 +146,21 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
         order = stages.device_order.get(device, ())
         if not order or any(memory[i] is None for i in order):
             continue
-        resident = float(sum(_bytes(v) for v, d in home.items() if d == device))
+        # The step's inputs homed here; a donated one is given up once its
+        # last reader ran (taken donated by it: its result written into it,
+        # which that executable's analysis counts once).
+        held = {v: _bytes(v) for v, d in home.items() if d == device}
         code: dict = {}  # one copy of each distinct executable's code
         for i in order:
             code[id(executor.compiled[i])] = memory[i].generated_code_size_in_bytes
-        resident += sum(code.values())
+        resident = sum(code.values())
         live: dict = {}  # values made here, alive until their last reader
         cached: set = set()  # step inputs moved here once a step
-        peak, at = resident, "the step's inputs"
+        peak, at = resident + sum(held.values()), "the step's inputs"
         for i in order:
             st, m = stages.stages[i], memory[i]
+            for v in [v for v in held if v in donated and last_read.get(v, -1) < i]:
+                del held[v]
             here = {v for v in st.inputs
                     if v in live or home.get(v) == device or v in cached}
             brought = [v for v in st.inputs if v not in here]
@@ -142,8 +171,8 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
             nxt = executor._next_stream.get(i)
             ahead = sum(_bytes(v) for v in executor._streamed[nxt]) if nxt is not None else 0
             working = stage_working_bytes(m)
-            now = (resident + sum(live.values()) + sum(_bytes(v) for v in cached)
-                   + transient + ahead + working)
+            now = (resident + sum(held.values()) + sum(live.values())
+                   + sum(_bytes(v) for v in cached) + transient + ahead + working)
             if now > peak:
                 peak = now
                 at = (f"stage {i} ({st.phase}"
@@ -161,12 +190,86 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
                    if d == device and hasattr(v, "aval")
                    and producer.get(v) is not None
                    and stages.stages[producer[v]].device != device)
-        end = resident + sum(live.values()) + back
+        kept = {v: b for v, b in held.items() if v not in donated}
+        end = resident + sum(kept.values()) + sum(live.values()) + back
         if end > peak:
-            peak, at = end, "the step's end, the old and the new state both held"
+            peak, at = end, ("the step's end, the new state held" if donated else
+                             "the step's end, the old and the new state both held")
         peaks[device] = peak
         where[device] = at
+    for place, (peak, at) in _place_peaks(executor, last_read, donated).items():
+        peaks[place], where[place] = peak, at
     return peaks, where
+
+
+def _donated(executor) -> set:
+    """The step's inputs it gives up (`donate_argnums`), less those it returns as they are."""
+    return ({executor._invars[i] for i in getattr(executor, "donated", ())}
+            - set(executor._outvars))
+
+
+def _place_peaks(executor, last_read: dict, donated: set) -> dict[str, tuple[float, str]]:
+    """{holder: (peak bytes, where)} for what holds the step's state and runs
+    none of its stages: a memory place (`gpu:0:pinned_host`), or a device
+    that only keeps an offloaded layer's state. Replayed in the global stage
+    order: the state homed there (a donated leaf freed once its last reader
+    ran), the new state (sent to a memory place as each stage makes it, to a
+    device at the step's end) and activations offloaded there until their
+    backward reads them."""
+    stages = executor.stages
+    home = dict(zip(executor._invars, stages.input_devices))
+    back = {v: d for v, d in zip(executor._outvars, stages.output_devices or ())
+            if d is not None and hasattr(v, "aval")}
+    holders = ({d for d in home.values()} | set(back.values())
+               | {p for p in executor._offload_out if p is not None})
+    holders = {d for d in holders if not stages.device_order.get(d)}
+    out = {}
+    for holder in sorted(holders):
+        as_made = memory_place(holder)[1] is not None
+        held = {v: _bytes(v) for v, d in home.items() if d == holder}
+        arrived: dict = {}
+        waiting: dict = {}  # offloaded activations
+        peak, at = sum(held.values()), "the step's inputs"
+        for st in stages.stages:
+            i = st.index
+            for v in [v for v in held if v in donated and last_read.get(v, -1) < i]:
+                del held[v]
+            if as_made:
+                arrived.update((v, _bytes(v)) for v in st.outputs if back.get(v) == holder)
+            if executor._offload_out[i] == holder:
+                waiting.update((v, _bytes(v)) for v in executor._offload_vars[i])
+            now = sum(held.values()) + sum(arrived.values()) + sum(waiting.values())
+            if now > peak:
+                peak, at = now, f"after stage {i} ({st.phase}) of {list(st.layers)[:3]}"
+            for v in [v for v in waiting if last_read.get(v, -1) <= i]:
+                del waiting[v]
+        end = (sum(b for v, b in held.items() if v not in donated)
+               + sum(_bytes(v) for v, d in back.items() if d == holder))
+        if end > peak:
+            peak, at = end, ("the step's end, the new state held" if donated else
+                             "the step's end, the old and the new state both held")
+        out[holder] = (peak, at)
+    return out
+
+
+def host_ram() -> float | None:
+    """The host's RAM, from the OS (`live_capacity` of a CPU device): what
+    every CPU device and memory place of this process shares."""
+    import jax
+
+    from hetpar.cost_models import live_capacity
+
+    return live_capacity(jax.devices("cpu")[0])[0]
+
+
+def on_host(step, name: str) -> bool:
+    """Whether device or memory place `name` draws on the host's RAM: a CPU
+    device, or a memory place (pinned host memory is the host's)."""
+    device, kind = memory_place(name)
+    if kind is not None:
+        return True
+    dev = step.devices.get(device)
+    return dev is not None and dev.platform == "cpu"
 
 
 def capacities(step, devices) -> dict[str, float]:
@@ -206,13 +309,39 @@ def predicted_peaks(step, given: bool = False) -> Mapping[str, float]:
 
 def misfits(step) -> list[Misfit]:
     """The devices whose compiled peak (`step.compiled_memory`) exceeds the
-    capacity the plan used less `MARGIN`, worst first."""
+    capacity the plan used less `MARGIN`, worst first; then, where the CPU
+    devices and memory places together exceed the host's RAM (the OS's
+    figure, less `MARGIN`: `host_misfit`), that one."""
     peaks, where = step.compiled_memory or ({}, {})
     caps = capacities(step, list(peaks))
     predicted = predicted_peaks(step)
     out = [Misfit(d, peak, caps[d], (1 - MARGIN) * caps[d], predicted.get(d), where[d])
            for d, peak in peaks.items() if d in caps and peak > (1 - MARGIN) * caps[d]]
-    return sorted(out, key=lambda m: -m.excess_bytes)
+    out = sorted(out, key=lambda m: -m.excess_bytes)
+    host = host_misfit(step, peaks, predicted)
+    return out if host is None else [*out, host]
+
+
+def host_misfit(step, peaks: Mapping[str, float], predicted: Mapping[str, float]
+                ) -> Misfit | None:
+    """The host's RAM overdrawn: where two or more of the step's CPU devices
+    and memory places (`on_host`) draw on it, the sum of their compiled peaks
+    against the OS's figure (`host_ram`) less `MARGIN`. (Their peaks may
+    fall at different times: the sum is an upper bound.) The misfit names
+    the largest of them, which a plan again gets capped."""
+    shared = {d: p for d, p in peaks.items() if on_host(step, d)}
+    ram = host_ram() if len(shared) > 1 else None
+    if not ram:
+        return None
+    total = sum(shared.values())
+    if total <= (1 - MARGIN) * ram:
+        return None
+    largest = max(shared, key=shared.get)
+    parts = " + ".join(f"{d} {nbytes(p)}" for d, p in sorted(shared.items(), key=lambda x: -x[1]))
+    # Capped again below what it holds now (compiled), or was predicted to.
+    own = min(shared[largest], predicted.get(largest) or float("inf"))
+    return Misfit(largest, total, ram, (1 - MARGIN) * ram, own,
+                  f"host RAM, shared: {parts}", host=True)
 
 
 def replan_cap(misfit: Misfit) -> float:
@@ -227,8 +356,10 @@ def replan_cap(misfit: Misfit) -> float:
 
 
 def does_not_fit(misfit: Misfit, *, tries: int, why: Exception | None = None,
-                 cap: float | None = None) -> InfeasibleError:
-    """The one-line error once no plan's compiled stages fit (nothing ran)."""
+                 cap: float | None = None, smallest: float | None = None) -> InfeasibleError:
+    """The one-line error once no plan's compiled stages fit (nothing ran),
+    naming the smallest peak any plan tried needed on the device (`smallest`)
+    where plans were tried."""
     if why is not None:
         tried = (f"; planned again with {misfit.device} capped at {nbytes(cap)}, no plan fits "
                  f"({str(why).splitlines()[0]})")
@@ -236,6 +367,9 @@ def does_not_fit(misfit: Misfit, *, tries: int, why: Exception | None = None,
         tried = "; no smaller plan can be asked for"
     else:
         tried = f"; {tries} plans tried, each over" if tries else ""
+    if smallest is not None and (tries or why is not None):
+        tried += (f"; the smallest footprint found needs {nbytes(smallest)} on "
+                  f"{misfit.device}, over its {nbytes(misfit.usable_bytes)}")
     return InfeasibleError(
         f"{misfit.describe()}{tried}. Nothing ran and your arguments are unchanged",
         api="try a smaller batch, microbatches=M with hetpar.value_and_grad, more devices, "

@@ -177,3 +177,18 @@ def test_hetpar_plan_donate_flag(tmp_path, capsys):
     assert "gpu:0" in out
     err = hetpar_in_process(capsys, "plan", "--graph", str(graph), check=False).stderr
     assert "no plan fits memory" in err
+
+
+@pytest.mark.parametrize("how", ["one device", "data parallel"])
+def test_a_donated_argument_used_again_is_explained_on_one_jit_too(how):
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    devices, dp = ("cpu:0", True) if how == "one device" else (["cpu:0", "cpu:1"], "always")
+    step = hetpar.auto(w.train_step, devices=devices, data_parallel=dp, profile=None,
+                       donate_argnums=DONATE)
+    placed = step.place(*args)
+    step(*placed)
+    with pytest.raises(HetparError, match="argument was deleted: donate_argnums.*earlier step"
+                       ) as info:
+        step(*placed)
+    assert "\n" not in str(info.value)

@@ -3,6 +3,7 @@ first step runs (hetpar/_memory_check.py), and `step.report()` shows each
 device's memory predicted beside compiled, and where the first call's time
 went (hetpar/_first_call.py)."""
 
+import re
 import types
 
 import jax
@@ -117,6 +118,18 @@ def test_a_cap_no_plan_meets_is_one_line_before_anything_runs(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
+def test_plans_tried_in_vain_name_the_smallest_footprint_found(monkeypatch):
+    step, args = _mlp_step()
+    cap = _capped(args)
+    compiler = _Compiler(monkeypatch, lambda d: 0.6 * cap)  # every stage, every device
+    auto = hetpar.auto(step, devices=DEVICES, profile=None, memory=dict.fromkeys(DEVICES, cap))
+    with pytest.raises(InfeasibleError, match=r"planned again|plans tried") as info:
+        auto(*args)
+    assert re.search(r"the smallest footprint found needs [\d.]+ [kMG]?B on cpu:\d, over its",
+                     str(info.value))
+    assert "ran" not in compiler.log
+
+
 def test_a_given_plan_that_does_not_fit_runs_with_a_warning(monkeypatch):
     step, args = _mlp_step()
     cap = _capped(args)
@@ -185,3 +198,179 @@ def test_first_call_phases_nest_exclusively():
         with clock.phase("costs"):
             time.sleep(0.02)
     assert clock.seconds["costs"] >= 0.02 > clock.seconds["plan"]
+
+
+# -- one-device and data-parallel plans: their one executable checked too ------
+
+
+class _JitCompiler:
+    """XLA made to need `extra` more bytes in the one executable of a
+    one-device or data-parallel step, and a log of those steps run."""
+
+    def __init__(self, monkeypatch, extra):
+        from hetpar import _compiled_step
+        from hetpar.runtime import _replicated
+
+        self.ran = 0
+        for module in (_compiled_step, _replicated):
+            peak = module.executable_peak
+            monkeypatch.setattr(module, "executable_peak",
+                                lambda m, peak=peak: None if m is None else peak(m) + extra)
+        call_jit, call_dp = _compiled_step.CompiledStep._call_jit, _replicated.Replicated.__call__
+
+        def logged_jit(step, args):
+            self.ran += 1
+            return call_jit(step, args)
+
+        def logged_dp(replicated, *args):
+            self.ran += 1
+            return call_dp(replicated, *args)
+
+        monkeypatch.setattr(_compiled_step.CompiledStep, "_call_jit", logged_jit)
+        monkeypatch.setattr(_replicated.Replicated, "__call__", logged_dp)
+
+
+def _xla_compiles_of(name: str):
+    """A list that collects jax's log lines of compiling jit(`name`) (a
+    compile the persistent cache serves logs one too), and its handler."""
+    import logging
+
+    seen: list[str] = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if text.startswith(f"Compiling jit({name})"):
+                seen.append(text)
+
+    return seen, Seen()
+
+
+def test_a_one_device_plan_compiles_once_and_is_checked_before_it_runs(monkeypatch):
+    import logging
+
+    step, args = _mlp_step()
+    seen, handler = _xla_compiles_of("step")
+    logger = logging.getLogger("jax")
+    logger.addHandler(handler)
+    try:
+        jax.config.update("jax_log_compiles", True)
+        auto = hetpar.auto(step, devices="cpu:0", profile=None)
+        first = auto.lower(*args)
+        # Compiled (and its memory known) before any call ...
+        assert first.compiled_memory[0]["cpu:0"] > 2 * sum(
+            x.nbytes for x in jax.tree_util.tree_leaves(args[:2]))
+        out = auto(*args)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logger.removeHandler(handler)
+    # ... by the one compile the first call then runs (jit's cache serves it).
+    assert len(seen) == 1, seen
+    oracle.assert_equals_jit(out, step, args)
+
+
+def test_a_one_device_plan_that_does_not_fit_is_replanned_before_it_runs(monkeypatch):
+    step, args = _mlp_step()
+    before = _copy(args)
+    cap = _capped(args) / 0.6  # the whole state fits one device, on the planner's figures
+    devices = ["cpu:0", "cpu:1"]
+    probe = hetpar.auto(step, devices=devices, profile=None, data_parallel=False,
+                        memory=dict.fromkeys(devices, cap)).lower(*args)
+    assert probe._jit is not None  # the planner's first choice: one device
+    # Its executable needs the cap and more: only a plan over both devices fits.
+    jitted = _JitCompiler(monkeypatch, 0.4 * cap)
+    auto = hetpar.auto(step, devices=devices, profile=None, data_parallel=False,
+                       memory=dict.fromkeys(devices, cap))
+    out = auto(*args)
+    assert jitted.ran == 0  # the one-device plan never ran
+    last = auto._last
+    assert last._jit is None and last._executor is not None
+    assert set(last.assignment.values()) == set(devices)
+    for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    oracle.assert_equals_jit(out, step, args)
+
+
+def test_a_one_device_step_with_nowhere_else_to_go_warns_before_it_runs(monkeypatch):
+    step, args = _mlp_step()
+    cap = _capped(args)
+    _JitCompiler(monkeypatch, 10 * cap)
+    auto = hetpar.auto(step, devices="cpu:0", profile=None, memory={"cpu:0": cap})
+    with pytest.warns(MemoryCheckWarning, match="on cpu:0 at their peak.*one device to run on"):
+        auto.lower(*args)
+
+
+def test_a_data_parallel_plan_is_checked_per_replica_before_it_runs(monkeypatch):
+    step, args = _mlp_step()
+    devices = ["cpu:0", "cpu:1"]
+    auto = hetpar.auto(step, devices=devices, profile=None, data_parallel="always")
+    out = auto(*args)
+    memory = auto.report().step["memory"]
+    assert {d: m["compiled"] is not None for d, m in memory.items()} == dict.fromkeys(
+        devices, True)
+    oracle.assert_equals_jit(out, step, args)
+    # Forced to data parallel, a replica over its cap has no other plan: one
+    # line before anything runs.
+    jitted = _JitCompiler(monkeypatch, 10 * _capped(args))
+    auto = hetpar.auto(step, devices=devices, profile=None, data_parallel="always",
+                       memory=dict.fromkeys(devices, _capped(args)))
+    with pytest.raises(InfeasibleError, match="the compiled stages need .* on cpu:[01]"):
+        auto(*args)
+    assert jitted.ran == 0
+
+
+# -- donated state counted once; state holders and the host's RAM counted ------
+
+
+def _zoo_mlp():
+    from hetpar import zoo
+
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    return w.train_step, args, hetpar.trace(w.train_step, *args).layers
+
+
+@pytest.mark.parametrize("how", ["split", "streamed"])
+def test_donated_state_is_counted_once_by_the_memory_check(how):
+    step, args, layers = _zoo_mlp()
+    plan = ({n: "cpu:0" if k < len(layers) // 2 else "cpu:1" for k, n in enumerate(layers)}
+            if how == "split" else
+            dict.fromkeys(layers, {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:0"}))
+    held = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[:2]))
+
+    def peaks(donate):
+        return hetpar.auto(step, plan=plan, profile=None,
+                           donate_argnums=donate).lower(*args).compiled_memory[0]
+
+    kept, given = peaks(()), peaks((0, 1))
+    assert set(kept) == set(given) == {"cpu:0", "cpu:1"}
+    # Where the whole state lives apart from compute (streamed: cpu:1 runs no
+    # stage), it holds the old and the new state without donation, one copy with.
+    if how == "streamed":
+        assert kept["cpu:1"] >= 1.99 * held and 0.99 * held <= given["cpu:1"] <= 1.01 * held
+    # The split plan's devices hold their share of the state once less.
+    assert sum(given.values()) <= sum(kept.values()) - 0.5 * held
+
+
+def test_cpu_devices_sharing_the_host_ram_are_checked_against_the_os_figure(monkeypatch):
+    from hetpar import _memory_check
+
+    step, args = _mlp_step()
+    plan = _split_plan(step, args)
+    peaks = hetpar.auto(step, plan=plan, profile=None).lower(*args).compiled_memory[0]
+    # Each CPU device's peak fits the host; both together do not.
+    monkeypatch.setattr(_memory_check, "host_ram",
+                        lambda: 0.9 * sum(peaks.values()) / (1 - MARGIN))
+    auto = hetpar.auto(step, plan=plan, profile=None)
+    with pytest.warns(MemoryCheckWarning, match="of the host's RAM .*cpu:0 .* cpu:1 .*was given"):
+        out = auto(*args)
+    oracle.assert_equals_jit(out, step, args)
+    # Planned by hetpar, every CPU device draws on the one RAM: no plan fits.
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile=None, data_parallel=False)
+    monkeypatch.setattr(_memory_check, "host_ram", lambda: 1.0)
+    auto.lower(*args)  # one device: nothing shares the host with it
+    monkeypatch.setattr(_memory_check, "host_ram", lambda: 0.9 * max(peaks.values()))
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile=None,
+                       memory=dict.fromkeys(["cpu:0", "cpu:1"], 0.8 * _capped(args) / 0.6))
+    with pytest.raises(InfeasibleError, match="host's RAM|no plan fits"):
+        auto(*args)

@@ -3,6 +3,7 @@ data-parallel replicas, sharded state (ZeRO-1, FSDP)."""
 
 from hetpar._host_memory import HostMemoryWarning
 from hetpar.runtime._executor import Executor, StageError, StageEvent
+from hetpar.runtime._memory import executable_peak
 from hetpar.runtime._network import gather
 from hetpar.runtime._overhead import crossing_s, link_bandwidth, link_curve, stage_overhead_s
 from hetpar.runtime._replicated import Replicated
@@ -13,5 +14,5 @@ from hetpar.runtime._workers import Workers
 __all__ = ["STAGES", "Executor", "HostMemoryWarning", "Replicated", "Sharded", "StageError",
            "StageEvent",
            "TransferEngine", "Workers",
-           "crossing_s",
+           "crossing_s", "executable_peak",
            "gather", "link_bandwidth", "shard_axis", "link_curve", "stage_overhead_s"]

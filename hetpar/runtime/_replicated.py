@@ -27,6 +27,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from hetpar.core import HetparError
+from hetpar.runtime._memory import executable_peak
 
 
 class Replicated:
@@ -184,6 +185,32 @@ class Replicated:
             out.append(jax.tree_util.tree_unflatten(
                 tree, [_global(x, s, local and s is self.split) for x, s in zip(leaves, want)]))
         return tuple(out)
+
+    def memory_peak(self, args: tuple) -> float | None:
+        """The step's executable's peak bytes on each replica (XLA's memory
+        analysis of the partitioned program, `executable_peak`), compiled on
+        `args` laid out as `_placed` lays them out: the executable the first
+        call runs (jit's cache serves it; a batch leaf jit lays out itself
+        is lowered as it is, which jit keys apart from a committed one).
+        None where the backend gives no analysis. One process only."""
+        def like_placed(x, sharding, batch: bool):
+            if _misplaced(x, sharding, batch) or isinstance(x, jax.Array) and x.committed:
+                aval = jax.typeof(x)
+                return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
+                                            sharding=sharding)
+            return x
+
+        shaped = tuple(
+            jax.tree_util.tree_unflatten(
+                jax.tree_util.tree_structure(a),
+                [like_placed(x, s, i in self._nums)
+                 for x, s in zip(jax.tree_util.tree_leaves(a), want)])
+            for i, (a, want) in enumerate(zip(args, self._leaf_shardings)))
+        try:
+            m = self._jit.lower(*shaped).compile().memory_analysis()
+        except Exception:  # noqa: BLE001 - no analysis on this backend (the call reports errors)
+            return None
+        return executable_peak(m)
 
     def __call__(self, *args):
         if self.multi_process:
