@@ -20,15 +20,20 @@ the terms):
   forward and its backward and its gradient reduce-scattered, three ring
   collectives of P_l / N; under "zero1" a reduce-scatter and an all-gather
   of P_l; leaves that stay whole are all-reduced. Nothing is counted as
-  overlapped with compute;
-* memory: its bytes on a member less what splitting saves (2 (O - O / N) of
-  optimizer state; under fsdp 3 (P - P / N) of parameters), its activations
-  / N; the gathered parameters and unreduced gradient, 2 (P_l - P_l / N),
-  are its working set (held while it runs);
+  overlapped with compute. The collectives count as fixed time (paid by
+  every microbatch: each microbatch's stages gather and scatter again);
+* memory: a member's share of its parameters and their gradient (P_l / N
+  under fsdp, P_l else), of its optimizer state (O_l / N under zero1 and
+  fsdp) and of its activations (A_l / N), in the table's terms (the
+  planner adds the new state beside the old, `Arrays`); the gathered
+  parameters and unreduced gradient, 2 (P_l - P_l / N), are its working
+  set (held while it runs). Leaves no axis of which N divides count whole;
 * with `state="pinned_host"` (offload) its state rests in each member's
-  pinned host memory: off the member's memory, and its time gains the
-  copies in and out at the member's `pinned_host` link (or, lacking one,
-  its link to the table's CPU).
+  pinned host memory, old and new: the member holds its gradient share and
+  activations, and the layer's state share only while the layer runs (its
+  working set); its time gains the copies in and out at the member's
+  `pinned_host` link (or, lacking one, its link to the table's CPU; a CPU
+  device's own host memory: free).
 
 Edges between groups carry bytes / N per member: member i of one group
 sends its rows to member i of the next, in parallel, so the link between
@@ -194,13 +199,15 @@ def group_table(table: CostTable, groups: Mapping[str, Group]) -> CostTable:
             layer,
             time_s={n: c["time"] for n, c in ok.items()},
             memory_bytes={n: c["memory"] for n, c in ok.items()},
-            fixed_s={n: c["fixed"] for n, c in ok.items()} if layer.fixed_s else None,
+            fixed_s={n: c["fixed"] for n, c in ok.items()},
             update_s={n: c["update"] for n, c in ok.items()} if layer.update_s else None,
             allowed=None, pinned=None,
             activation_bytes=(None if layer.activation_bytes is None
                               else layer.activation_bytes / n_min),
             workspace_bytes=max(c["workspace"] for c in ok.values()) if ok else None,
-            param_bytes=layer.param_bytes, opt_state_bytes=layer.opt_state_bytes,
+            # (per member; the largest group's figure where groups differ)
+            param_bytes=max((c["param"] for c in ok.values()), default=layer.param_bytes),
+            opt_state_bytes=max((c["opt"] for c in ok.values()), default=None),
             state_leaves=None))
     edges = [dataclasses.replace(e, bytes=e.bytes / n_min, bytes_backward=e.bytes_backward / n_min)
              for e in table.edges]
@@ -235,29 +242,38 @@ def _member_costs(table: CostTable, arr: Arrays, g: Group) -> list[dict | None]:
         state = params[i] + opt[i]
         split = (p_keep[i] if g.sharding == "zero1" else p_split[i]) + o_split[i]
         share = (state - split + split / n) / state if state > 0 else 1.0
-        time = fixed + update * share + (t - fixed - update) / n
         whole = params[i] - (p_keep[i] if g.sharding == "zero1" else p_split[i])
+        # Collectives run per microbatch (each stage gathers the parameters it
+        # reads and scatters the gradient it makes): part of the fixed time.
+        coll = 0.0
         if n > 1:
-            time += ring_allreduce_s(float(whole), n, bw, lat) if whole > 0 else 0.0
+            coll += ring_allreduce_s(float(whole), n, bw, lat) if whole > 0 else 0.0
             if g.sharding == "fsdp" and p_split[i] > 0:
-                time += 3 * ring_allgather_s(float(p_split[i]), n, bw, lat)
+                coll += 3 * ring_allgather_s(float(p_split[i]), n, bw, lat)
             elif g.sharding == "zero1" and p_keep[i] > 0:
-                time += 2 * ring_allgather_s(float(p_keep[i]), n, bw, lat)
-        act = float(min(np.nan_to_num(arr.act[i]), arr.mem[i, j]))
-        mem = float(arr.mem[i, j]) - act + act / n
-        mem -= 2 * o_split[i] * (1 - 1 / n)
+                coll += 2 * ring_allgather_s(float(p_keep[i]), n, bw, lat)
+        time = fixed + coll + update * share + (t - fixed - update) / n
+        # In the table's terms (`Arrays` adds the new parameters and optimizer
+        # state to `memory_bytes`): a member's parameters, gradient,
+        # activations and optimizer state, each its share.
+        act = float(min(np.nan_to_num(arr.act[i]), arr.table_mem[i, j]))
+        p_m = p_split[i] / n + whole if g.sharding == "fsdp" else params[i]
+        o_m = o_split[i] / n + opt[i] - o_split[i]
+        other = max(float(arr.table_mem[i, j]) - 2 * params[i] - act - opt[i], 0.0)
+        mem = 2 * p_m + act / n + o_m + other
         workspace = float(arr.ws[i]) / n
-        if g.sharding == "fsdp":
-            mem -= 3 * p_split[i] * (1 - 1 / n)
+        if g.sharding == "fsdp":  # the layer's parameters gathered and its gradient whole
             workspace += 2 * p_split[i] * (1 - 1 / n)
         if g.state == "pinned_host":
-            resting = (p_split[i] / n + whole if g.sharding == "fsdp" else params[i]) + (
-                o_split[i] / n + opt[i] - o_split[i])
-            # Old and new state rest on the host; one copy of it streams through.
-            mem -= resting
-            time += place(resting) * 2
-        out.append({"time": time, "fixed": fixed, "update": update * share,
-                    "memory": max(mem, 0.0), "workspace": workspace})
+            # The state rests in host memory, old and new: the member holds the
+            # gradient while the step runs, and the layer's state while it runs.
+            mem = p_m + act / n + other
+            workspace += p_m + o_m
+            time += place(p_m + o_m) * 2
+            p_m, o_m = 0.0, 0.0
+        out.append({"time": time, "fixed": fixed + coll, "update": update * share,
+                    "memory": max(mem, 0.0), "workspace": workspace,
+                    "param": p_m, "opt": o_m})
     return out
 
 
