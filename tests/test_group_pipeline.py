@@ -98,6 +98,15 @@ def test_a_step_with_jax_value_and_grad_runs_on_groups_and_is_told_about_microba
     step = hetpar.auto(train_step, groups=GROUPS, profile="spec")
     oracle.check_steps_equal_jit(step, train_step, args)
     assert set(step.plan.assignment.values()) <= {A, B}
+    # Its layers on both groups one after another: explain() and report() say
+    # how to overlap them.
+    given = _pinned(step, args, {"Dense_0": A, "LayerNorm_0": B, "Dense_1": B})
+    step = hetpar.auto(train_step, plan=given, profile="spec")
+    oracle.check_steps_equal_jit(step, train_step, args)
+    hint = ("microbatches: the layers run on 2 groups (cpu:0+cpu:1, cpu:2+cpu:3) one after "
+            "another; with microbatches they overlap as a pipeline: take the gradient with "
+            "hetpar.value_and_grad")
+    assert hint in step.explain() and hint in str(step.report())
     with pytest.raises(hetpar.HetparError, match="hetpar.value_and_grad"):
         hetpar.auto(train_step, groups=GROUPS, microbatches=2, profile="spec")(*args)
 
