@@ -51,7 +51,8 @@ def _check_on_groups(state_out, step, args, sharded_params: bool):
 # -- runtime ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", [
+    "gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])  # zero1's test runs 1F1B fast
 def test_pipeline_of_two_fsdp_groups_equals_jit(schedule):
     w = zoo.get("mlp", small=True, batch=8)
     args = w.example_args()
@@ -74,7 +75,7 @@ def test_zero1_groups_replicate_parameters_and_split_optimizer_state():
     w = zoo.get("mlp", small=True, batch=8)
     args = w.example_args()
     step = hetpar.auto(w.train_step, groups=GROUPS, microbatches=2, data_parallel="zero1",
-                       profile="spec")
+                       schedule="1f1b", profile="spec")
     out = oracle.check_steps_equal_jit(step, w.train_step, args)
     assert {g.sharding for g in step.plan.groups.values()} == {"zero1"}
     _check_on_groups(out[:2], step, args, sharded_params=False)
@@ -109,6 +110,27 @@ def test_a_step_with_jax_value_and_grad_runs_on_groups_and_is_told_about_microba
     assert hint in step.explain() and hint in str(step.report())
     with pytest.raises(hetpar.HetparError, match="hetpar.value_and_grad"):
         hetpar.auto(train_step, groups=GROUPS, microbatches=2, profile="spec")(*args)
+
+
+def test_auto_chooses_a_group_plan_itself_and_runs_it_equal_to_jit():
+    import itertools
+
+    from hetpar.cost_models import LinkProfile, ProfileSet, spec
+
+    # The four CPU devices priced as H100s, paired by fast links, slow across.
+    cpus = [f"cpu:{i}" for i in range(4)]
+    links = tuple(LinkProfile(a, b, "device_put", 1e-8,
+                              300e9 if int(a[-1]) // 2 == int(b[-1]) // 2 else 1e6, "test")
+                  for a, b in itertools.permutations(cpus, 2))
+    profiles = ProfileSet({n: spec("h100").replace(name=n, origin="measured") for n in cpus},
+                          links)
+    w = zoo.get("mlp", small=True, batch=8)
+    step = hetpar.auto(w.train_step, microbatches=2, profile=profiles)
+    oracle.check_steps_equal_jit(step, w.train_step, w.example_args())
+    assert step.plan.groups and " groups cpu:0+cpu:1 | cpu:2+cpu:3" in step.plan.solver["chosen"]
+    base = step.plan.baselines
+    assert base["fsdp cpu:0+cpu:1+cpu:2+cpu:3"].predicted.step_time_s > (
+        10 * step.plan.predicted.step_time_s)  # whole-step FSDP gathers across slow links
 
 
 # -- bad input --------------------------------------------------------------------
