@@ -420,6 +420,8 @@ def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str
                      mode="pipelined" if m > 1 else "sequential", microbatches=m,
                      data_parallel=bool(options.data_parallel) and compiled._share is None,
                      sharded=options.data_parallel is True,
+                     # (group plans run in one process: GroupRunner)
+                     groups=jax.process_count() == 1,
                      schedule=options.schedule, memory=options.memory,
                      donate=bool(options.donate_argnums))
 

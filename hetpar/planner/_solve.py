@@ -45,7 +45,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
          pins: Mapping[str, str] | None = None, baselines: bool = True,
          data_parallel: bool = True, schedule: str = "gpipe",
          memory: Mapping[str, float] | None = None, offload: bool = True,
-         activations: bool = True, sharded: bool = True, donate: bool = False) -> Plan:
+         activations: bool = True, sharded: bool = True, donate: bool = False,
+         groups: bool = True) -> Plan:
     """Places every layer of `table` on a device by solving the placement ILP.
 
     Where some accelerator cannot hold every layer it could run, the planner
@@ -102,6 +103,9 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
       offload: also consider keeping layers' state apart from their compute
         when memory is tight (needs `param_bytes` in the table, and a CPU
         device linked both ways to the accelerator).
+      groups: with `data_parallel` and `sharded`, also place layers over
+        device groups (each accelerator kind cut into equal groups, their
+        state sharded: `_consider_group_pipelines`, `Plan.groups`).
       donate: the step donates its state (`hetpar.auto(donate_argnums=...)`):
         the old parameters and optimizer state are freed as the new are made,
         so state needs one copy where it lives (a device, the host) instead
@@ -163,7 +167,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
                                  "layer_plan": str(err)})
         dp = (_consider_data_parallel(shell, table, arr, req, sharded) if data_parallel
               else shell)
-        if data_parallel:
+        if data_parallel and groups:
             dp = _consider_group_pipelines(dp, table, req, sharded, donate)
         if not dp.replicas and not dp.groups:
             raise err
@@ -173,7 +177,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
             table, arr, req, contiguous=result.contiguous))
     if data_parallel:
         result = _consider_data_parallel(result, table, arr, req, sharded)
-        result = _consider_group_pipelines(result, table, req, sharded, donate)
+        if groups:
+            result = _consider_group_pipelines(result, table, req, sharded, donate)
     return result
 
 
