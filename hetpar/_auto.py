@@ -51,7 +51,8 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
          profile: Any = "auto", depth: int | None = None,
          on_missing_device: str = "error", data_parallel: bool | str = True,
          memory: Mapping[str, float] | None = None, batch: str = "global",
-         hierarchical: bool | str = "auto", donate_argnums: int | Sequence[int] = ()):
+         hierarchical: bool | str = "auto", donate_argnums: int | Sequence[int] = (),
+         groups: Sequence[Sequence[str]] | None = None, group_state: str = "device"):
     """Runs a training step across the devices present, placed by hetpar's planner.
 
     Usable as `@hetpar.auto` or `hetpar.auto(step, devices=[...], ...)`.
@@ -152,6 +153,18 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
         host-resident state included), but one split over several processes;
         the planner then counts one copy of the state where it lives.
 
+      groups: device groups to place layers on instead of single devices,
+        e.g. `[["gpu:0", "gpu:1"], ["gpu:2", "gpu:3"]]`: each group computes
+        its layers data parallel over its devices (of one kind), its state
+        sharded across them as `data_parallel` names ("zero1", "always":
+        replicated; otherwise "fsdp"), and the ILP places the layers over
+        the groups, pipelined with `microbatches` (`Plan.groups`). Without
+        it the planner weighs such groups itself (each accelerator kind cut
+        into equal groups) when `data_parallel` is True.
+      group_state: with `groups`: "device", or "pinned_host" to keep each
+        group's state in its devices' pinned host memory between steps
+        (each member its own shard), streamed in for the step.
+
     Returns:
       An `AutoStep`: call it like `fn`; it has `.plan`, `.report()`,
       `.explain()` and `.lower(*args)`.
@@ -183,10 +196,22 @@ def auto(fn: Callable | None = None, *, devices: str | Sequence[str] | None = No
                       hierarchical=hierarchical,
                       donate_argnums=(donate_argnums,) if is_int(donate_argnums)
                       else tuple(donate_argnums) if isinstance(donate_argnums, Sequence)
-                      else donate_argnums)
+                      else donate_argnums,
+                      groups=_group_lists(groups), group_state=group_state)
     if fn is None:
         return functools.partial(_wrap, options=options)
     return _wrap(fn, options)
+
+
+def _group_lists(groups) -> tuple[tuple[str, ...], ...] | None:
+    """`groups` as a tuple of device-name tuples (checked by `Options`)."""
+    if groups is None:
+        return None
+    if isinstance(groups, str) or not isinstance(groups, Sequence) or not all(
+            isinstance(g, Sequence) and not isinstance(g, str) for g in groups):
+        raise PlanError(f"groups must be a list of device lists, e.g. [['gpu:0', 'gpu:1'], "
+                        f"['gpu:2', 'gpu:3']], got {groups!r}")
+    return tuple(tuple(g) for g in groups)
 
 
 def _wrap(fn: Callable, options: Options) -> AutoStep:

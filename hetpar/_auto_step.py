@@ -364,7 +364,7 @@ class AutoStep:
                       "placement": replicas or step.placements[r["name"]].to_json(), **r}
                      for r in rep.rows)
         summary = {**step.clock.summary(step), "memory": memory_summary(step),
-                   "first_call": step.first_call.summary()}
+                   "first_call": step.first_call.summary(), "hint": microbatch_hint(step)}
         return dc.replace(rep, rows=rows, step=summary)
 
     @property
@@ -385,7 +385,25 @@ class AutoStep:
             text = step.plan.explain(step.table)
         # Control flow the tracer could not cut per layer (an optimizer update
         # written as one `cond` whose results are tied together) stays whole.
-        return "\n".join([text, *(f"not cut per layer: {n}" for n in step.graph.notes)])
+        hint = microbatch_hint(step)
+        return "\n".join([text, *(f"not cut per layer: {n}" for n in step.graph.notes),
+                          *([hint] if hint else [])])
+
+
+def microbatch_hint(step) -> str | None:
+    """How to let a plan's devices or groups overlap, where its layers run on
+    several of them one after another (no microbatches): in words, or None."""
+    plan = step.plan
+    if plan is None or plan.replicas or step.options.microbatches > 1:
+        return None
+    used = sorted({p.compute for p in step.placements.values()})
+    if len(used) < 2:
+        return None
+    what = "groups" if plan.groups else "devices"
+    return (f"microbatches: the layers run on {len(used)} {what} ({', '.join(used)}) one "
+            "after another; with microbatches they overlap as a pipeline: take the gradient "
+            "with hetpar.value_and_grad (or hetpar.grad), drop-in replacements for JAX's, "
+            f"and pass hetpar.auto(..., microbatches=M{', groups=...' if plan.groups else ''})")
 
 
 def _describe(p: Placement) -> str:

@@ -55,6 +55,7 @@ from hetpar.passes import (
 )
 from hetpar.runtime import (
     Executor,
+    GroupRunner,
     Replicated,
     Sharded,
     TransferEngine,
@@ -169,7 +170,21 @@ class CompiledStep:
         self._checked_steps = 0  # calls whose results were waited for (`ready`)
         self._jit = None
         replicas = self.plan.replicas if self.plan is not None else ()
-        if replicas:
+        groups = self.plan.groups if self.plan is not None else {}
+        if groups:
+            if multi:
+                raise PlanError("a plan over device groups runs in one process (not yet "
+                                "under jax.distributed)",
+                                api="plan without groups= under several processes")
+            with self.first_call.phase("compile"):  # the split included
+                self.stages = split(self.graph, self.placements, schedule=options.schedule)
+                self._executor = GroupRunner(
+                    self.stages, {n: [self.devices[d] for d in g.devices]
+                                  for n, g in groups.items()},
+                    {n: g.sharding for n, g in groups.items()},
+                    _batch_rows(args, self._batch_argnums, m),
+                    offload=[n for n, g in groups.items() if g.state == "pinned_host"])
+        elif replicas:
             absent = [d for d in replicas if d not in self.devices]
             if absent:
                 raise PlanError(f"the plan replicates the step over {absent}, which are not "
@@ -700,6 +715,14 @@ def _plan_fingerprint(plan, graph: LayerGraph, placements=None, microbatches=Non
         "sharding": plan.sharding if plan is not None else None,
         "inputs": [a.str_short() for a in graph.program.jaxpr.in_avals],
     })
+
+
+def _batch_rows(args: tuple, batch_argnums, microbatches: int) -> frozenset[int]:
+    """The leading-axis sizes of the batch's leaves and of their microbatches:
+    values of such rows are split over a group's members (`GroupRunner`)."""
+    rows = {np.shape(x)[0] for k in batch_argnums for x in jax.tree_util.tree_leaves(args[k])
+            if np.ndim(x)}
+    return frozenset(rows | {r // microbatches for r in rows if r % microbatches == 0})
 
 
 def _whole_step(fn: Callable, devices: list, args: tuple, batch_argnums, plan,

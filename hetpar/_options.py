@@ -51,6 +51,8 @@ class Options:
     batch: str = "global"
     hierarchical: bool | str = "auto"
     donate_argnums: tuple[int, ...] = ()
+    groups: tuple[tuple[str, ...], ...] | None = None
+    group_state: str = "device"
 
     def __post_init__(self):
         if not (isinstance(self.hierarchical, bool) or self.hierarchical == "auto"):
@@ -80,6 +82,8 @@ class Options:
             raise HetparError("profile must be 'auto', 'measure', 'spec', a path to a `hetpar "
                               f"profile` file or a ProfileSet, got {type(self.profile).__name__}")
         _check_devices(self.devices)
+        _check_groups(self.groups, self.devices, self.plan)
+        _check_choice("group_state", self.group_state, ("device", "pinned_host"))
         _check_plan(self.plan)
         _check_memory(self.memory)
 
@@ -123,6 +127,46 @@ def _check_devices(devices) -> None:
                         f"{devices!r}")
     if len(set(devices)) != len(devices):
         raise PlanError(f"devices {list(devices)} name a device twice")
+
+
+def _check_groups(groups, devices, plan) -> None:
+    """Device groups are disjoint lists of device names, inside `devices` when given."""
+    if groups is None:
+        return
+    names = [d for g in groups for d in g]
+    if not groups or not all(g and all(isinstance(d, str) and d for d in g) for g in groups):
+        raise PlanError(f"groups must be a list of device lists, e.g. [['gpu:0', 'gpu:1'], "
+                        f"['gpu:2', 'gpu:3']], got {[list(g) for g in groups]!r}")
+    twice = sorted({d for d in names if names.count(d) > 1})
+    if twice:
+        raise PlanError(f"groups name {', '.join(twice)} more than once: a device computes "
+                        "in one group")
+    if devices is not None:
+        outside = [d for d in names if d not in devices]
+        if outside:
+            raise PlanError(f"groups name {', '.join(outside)}, which devices= leaves out",
+                            api="add them to devices=, or leave devices= out")
+    if plan is not None:
+        raise PlanError("groups= asks the planner to place layers over these groups; a plan "
+                        "given places them already", api="pass groups= or plan=, not both")
+
+
+def check_groups_present(groups, present: Mapping[str, jax.Device]) -> None:
+    """At the first call: every device a group names is present, and each
+    group's devices are of one platform and kind (the runtime runs one
+    program over a group's mesh)."""
+    for g in groups or ():
+        absent = [d for d in g if d not in present]
+        if absent:
+            raise PlanError(f"group {'+'.join(g)} names {', '.join(absent)}, which "
+                            f"{'is' if len(absent) == 1 else 'are'} not present (present: "
+                            f"{', '.join(sorted(present))})")
+        kinds = {d: present[d].device_kind for d in g}
+        if len(set(kinds.values())) > 1:
+            raise PlanError(f"group {'+'.join(g)} mixes device kinds ("
+                            + ", ".join(f"{d}: {k}" for d, k in kinds.items())
+                            + "); a group runs one program sharded over its devices, which "
+                              "must be of one kind", api="group devices of one kind")
 
 
 def check_places(names, present: Mapping[str, jax.Device]) -> None:

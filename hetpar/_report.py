@@ -147,6 +147,8 @@ def step_line(step: dict) -> str:
         text += "\n" + first_call_line(step["first_call"])
     if step.get("warning"):
         text += "\nWARNING: " + step["warning"]
+    if step.get("hint"):
+        text += "\n" + step["hint"]
     return text
 
 

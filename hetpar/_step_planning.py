@@ -48,7 +48,7 @@ from hetpar._calibration import (
     step_key,
     whole_step_s,
 )
-from hetpar._options import FORCED, Options, check_places
+from hetpar._options import FORCED, Options, check_groups_present, check_places
 from hetpar._signature import batch_positions
 from hetpar.passes import LayerGraph, StaticLeaves, check_covers, trace
 
@@ -139,9 +139,13 @@ def assign(compiled, options: Options) -> Mapping[str, str | Placement]:
     if isinstance(plan, Mapping):
         check_covers(compiled.graph, plan)
     assignment = dict(plan.placements if isinstance(plan, Plan) else parse_placements(plan))
-    wanted = sorted({d for p in assignment.values() for d in p.devices}
+    groups = getattr(plan, "groups", {})
+    # A group plan's layers sit on groups: its devices are the groups' members.
+    wanted = sorted({m for p in assignment.values() for d in p.devices
+                     for m in (groups[d].devices if d in groups else (d,))}
                     | set(getattr(plan, "replicas", ())))
     check_places(wanted, compiled.devices)
+    check_groups_present([g.devices for g in groups.values()], compiled.devices)
     absent = [d for d in wanted if memory_place(d)[0] not in compiled.devices]
     # A plan file's fingerprint covers every device it was planned over,
     # idle ones too: one absent here rejects it as surely as a used one.
@@ -396,6 +400,8 @@ def with_allreduce(compiled, plan, options: Options):
 def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str, Placement]:
     from hetpar.planner import plan as solve
 
+    if options.groups:
+        return _over_groups(compiled, options)
     if options.data_parallel in FORCED:
         if not options.devices:
             from hetpar._distributed import device_names
@@ -414,6 +420,8 @@ def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str
                      mode="pipelined" if m > 1 else "sequential", microbatches=m,
                      data_parallel=bool(options.data_parallel) and compiled._share is None,
                      sharded=options.data_parallel is True,
+                     # (group plans run in one process: GroupRunner)
+                     groups=jax.process_count() == 1,
                      schedule=options.schedule, memory=options.memory,
                      donate=bool(options.donate_argnums))
 
@@ -451,6 +459,26 @@ def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str
         if left:
             logging.warning("hetpar: after 3 rounds the plan still computes %d layers on "
                             "devices left untimed; their figures are predicted", len(left))
+    return dict(compiled.plan.placements)
+
+
+def _over_groups(compiled, options: Options) -> dict[str, Placement]:
+    """`hetpar.auto(groups=...)`: the ILP places the layers over the groups
+    given, each sharded as `data_parallel` names ("zero1"; "always": state
+    replicated; otherwise "fsdp")."""
+    from hetpar.planner import groups_of, plan_over_groups
+
+    check_groups_present(options.groups, compiled.devices)
+    members = [d for g in options.groups for d in g]
+    sharding = (FORCED[options.data_parallel] if options.data_parallel in FORCED
+                else "fsdp")
+    compiled.table = cost_table_for(compiled, members, options)
+    m = options.microbatches
+    compiled.plan = plan_over_groups(
+        compiled.table, groups_of(options.groups, sharding, options.group_state),
+        objective=options.objective, mode="pipelined" if m > 1 else "sequential",
+        microbatches=m, schedule=options.schedule, memory=options.memory,
+        donate=bool(options.donate_argnums))
     return dict(compiled.plan.placements)
 
 

@@ -65,6 +65,16 @@ def on_cpu0(tree):
     """`tree` on this process's first CPU device, where the reference runs."""
     # A sharding, not the device: device_put to a bare device keeps the
     # buffer of an array in another memory of it (pinned_host) and fails.
+    # An array sharded over several devices' pinned host memory comes to
+    # their device memory first: JAX's reshard path refuses to change the
+    # memory kind and the devices in one put.
+    def device_memory(x):
+        kind = getattr(getattr(x, "sharding", None), "memory_kind", None)
+        if kind in (None, "device") or len(x.sharding.device_set) == 1:
+            return x
+        return jax.device_put(x, x.sharding.with_memory_kind("device"))
+
+    tree = jax.tree_util.tree_map(device_memory, tree)
     return jax.device_put(tree, SingleDeviceSharding(jax.local_devices(backend="cpu")[0]))
 
 

@@ -30,13 +30,20 @@ from hetpar.planner._evaluate import (
     evaluate_data_parallel,
     violations,
 )
+from hetpar.planner._groups import GROUP_STATES, Group, group_obstacle, group_table, groups_of
 from hetpar.planner._ilp import highs_available
 from hetpar.planner._plan import Plan
 from hetpar.planner._sharded import SHARDINGS, evaluate_sharded, sharded_obstacle
 from hetpar.planner._simulate import Replay, StageRun, evaluate_replayed, simulate
-from hetpar.planner._solve import plan, replica_groups
+from hetpar.planner._solve import plan, plan_over_groups, replica_groups
 
 __all__ = [
+    "GROUP_STATES",
+    "Group",
+    "group_obstacle",
+    "group_table",
+    "groups_of",
+    "plan_over_groups",
     "SHARDINGS",
     "Arrays",
     "BaselineResult",

@@ -32,6 +32,7 @@ from hetpar.planner._arrays import (
     held_bytes,
 )
 from hetpar.planner._baselines import BaselineResult
+from hetpar.planner._groups import Group, group_table
 from hetpar.planner._sharded import SHARDINGS, unsplit_layers
 from hetpar.planner._simulate import FORWARD_SHARE
 
@@ -70,6 +71,10 @@ class Plan:
         (replicated: every device holds all of it), "zero1" (optimizer state
         split across them, parameters replicated) or "fsdp" (parameters and
         optimizer state split); `predicted` is then `evaluate_sharded`'s.
+      groups: {group name: Group} where `assignment` places layers on groups
+        of devices (a pipeline whose stages are sharded groups); `predicted`
+        is then the plan's over `group_table(table, groups)`. Empty: layers
+        sit on single devices.
     """
 
     fingerprint: str
@@ -86,6 +91,7 @@ class Plan:
     offloaded: Mapping[str, Placement] = dataclasses.field(default_factory=dict)
     devices: tuple[str, ...] = ()
     sharding: str | None = None
+    groups: Mapping[str, Group] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         placements = {**parse_placements(self.assignment),
@@ -126,6 +132,8 @@ class Plan:
             **({"replicas": list(self.replicas)} if self.replicas else {}),
             **({"devices": list(self.devices)} if self.devices else {}),
             **({"sharding": self.sharding} if self.sharding else {}),
+            **({"groups": {n: g.to_json() for n, g in self.groups.items()}}
+               if self.groups else {}),
         }
 
     @classmethod
@@ -192,7 +200,16 @@ class Plan:
         if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices) or (
                 len(set(devices)) != len(devices)):
             raise PlanError(f"devices must list distinct device names, got {devices!r}")
-        unplanned = sorted({d for p in assignment.values() for d in p.devices} - set(devices))
+        groups = data.get("groups", {})
+        if not isinstance(groups, Mapping):
+            raise PlanError(f"groups must be an object {{name: group}}, got {groups!r}")
+        groups = {n: Group.from_json(n, g) for n, g in groups.items()}
+        if groups and replicas:
+            raise PlanError("a plan has replicas (the whole step data parallel) or groups "
+                            "(layers placed on groups), not both")
+        named = {d for p in assignment.values() for d in p.devices}
+        named = {m for d in named for m in (groups[d].devices if d in groups else (d,))}
+        unplanned = sorted(named - set(devices))
         if devices and unplanned:
             raise PlanError(f"the plan places layers on {unplanned}, which its devices "
                             f"{devices} (the devices it was planned over) leave out")
@@ -202,7 +219,7 @@ class Plan:
             predicted=predicted, solver=dict(data["solver"]),
             baselines={k: BaselineResult.from_json(k, v) for k, v in baselines.items()},
             contiguous=contiguous, constraints=dict(constraints), replicas=tuple(replicas),
-            devices=tuple(devices), sharding=sharding)
+            devices=tuple(devices), sharding=sharding, groups=groups)
 
     def save(self, path: str | os.PathLike) -> None:
         """Writes plan.json."""
@@ -228,7 +245,8 @@ class Plan:
             different graph (fingerprint mismatch).
         """
         devices = set(table.device_names)
-        named = [d for p in self.placements.values() for d in p.devices]
+        named = [m for p in self.placements.values() for d in p.devices
+                 for m in (self.groups[d].devices if d in self.groups else (d,))]
         missing = sorted({d for d in (*named, *self.replicas) if d not in devices})
         if missing:
             raise PlanError(f"the plan places layers on {missing}, which are not among the "
@@ -268,10 +286,15 @@ class Plan:
         and what it costs (its update on the host, its state's transfers).
         """
         self.check(table)
+        if self.groups:
+            gt = group_table(table, self.groups)
+            inner = dataclasses.replace(self, groups={}, fingerprint=gt.fingerprint())
+            return "\n".join([*self._groups_lines(table), inner.explain(gt)])
         if self.replicas:
             return (f"{self._group_line()}: every layer runs on each device, on "
                     f"1/{len(self.replicas)} of the batch\n"
                     + "".join(f"{line}\n" for line in self._unsplit_lines(table))
+                    + "".join(f"{line}\n" for line in _chosen_lines(self))
                     + self.summary())
         arr = Arrays(table)
         a = np.array([arr.dindex[self.assignment[n]] for n in arr.layers])
@@ -437,6 +460,26 @@ class Plan:
                 "fsdp": f"fsdp over {over} (parameters and optimizer state sharded)",
                 }[self.sharding]
 
+    def _groups_lines(self, table: CostTable) -> list[str]:
+        """What each group of a group plan does, why this plan was chosen over
+        the alternatives the planner weighed, and the state left replicated."""
+        held = {None: "state replicated", "zero1": "optimizer state sharded",
+                "fsdp": "parameters and optimizer state sharded"}
+        lines = []
+        for name, g in self.groups.items():
+            layers = [n for n, d in self.assignment.items() if d == name]
+            where = ", state resting in each member's pinned host memory" if (
+                g.state == "pinned_host") else ""
+            lines.append(f"group {name}: {len(layers)} layers data parallel over "
+                         f"{len(g.devices)} devices, {held[g.sharding]}{where}")
+            if g.sharding:
+                lines += [f"    {layer}: {k} state leaves stay replicated: no axis of theirs "
+                          f"is a multiple of {len(g.devices)}"
+                          for layer, k in unsplit_layers(table, len(g.devices)).items()
+                          if layer in layers]
+        lines += _chosen_lines(self)
+        return lines
+
     def _unsplit_lines(self, table: CostTable) -> list[str]:
         """Why some of a sharded plan's state stays replicated, one line per layer."""
         if not self.sharding:
@@ -444,6 +487,28 @@ class Plan:
         n = len(self.replicas)
         return [f"{layer}: {k} state leaves stay replicated: no axis of theirs is a multiple "
                 f"of {n}" for layer, k in unsplit_layers(table, n).items()]
+
+
+def _chosen_lines(plan: Plan) -> list[str]:
+    """Why the plan was chosen: its predicted step beside every alternative
+    the planner weighed (its baselines), best first, and the infeasible ones
+    with their reasons."""
+    if not plan.baselines:
+        return []
+    mine = plan.predicted.objective(plan.objective)
+    ok = sorted((r.predicted.objective(plan.objective), name)
+                for name, r in plan.baselines.items() if r.predicted is not None)
+    lines = [f"chosen: {plan.solver.get('chosen', 'this plan')}, predicted "
+             f"{_objective(mine, plan.objective)}; the alternatives:"]
+    lines += [f"    {name}: {_objective(v, plan.objective)}"
+              + (f" ({v / mine:.2f}x)" if mine > 0 else "") for v, name in ok]
+    lines += [f"    {name}: infeasible: {r.reason}" for name, r in plan.baselines.items()
+              if r.predicted is None]
+    return lines
+
+
+def _objective(v: float, objective: str) -> str:
+    return {"time": seconds(v), "cost": f"${v:.3g}"}.get(objective, f"{v:.3g} J")
 
 
 def _check_solver(solver: Any) -> None:

@@ -32,6 +32,7 @@ from hetpar.planner._evaluate import (
     evaluate_data_parallel,
     violations,
 )
+from hetpar.planner._groups import Group, group_table, groups_of, partitions
 from hetpar.planner._plan import Plan
 from hetpar.planner._sharded import SHARDINGS, evaluate_sharded, sharded_obstacle
 from hetpar.planner._simulate import FORWARD_SHARE, evaluate_replayed
@@ -44,7 +45,8 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
          pins: Mapping[str, str] | None = None, baselines: bool = True,
          data_parallel: bool = True, schedule: str = "gpipe",
          memory: Mapping[str, float] | None = None, offload: bool = True,
-         activations: bool = True, sharded: bool = True, donate: bool = False) -> Plan:
+         activations: bool = True, sharded: bool = True, donate: bool = False,
+         groups: bool = True) -> Plan:
     """Places every layer of `table` on a device by solving the placement ILP.
 
     Where some accelerator cannot hold every layer it could run, the planner
@@ -101,6 +103,9 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
       offload: also consider keeping layers' state apart from their compute
         when memory is tight (needs `param_bytes` in the table, and a CPU
         device linked both ways to the accelerator).
+      groups: with `data_parallel` and `sharded`, also place layers over
+        device groups (each accelerator kind cut into equal groups, their
+        state sharded: `_consider_group_pipelines`, `Plan.groups`).
       donate: the step donates its state (`hetpar.auto(donate_argnums=...)`):
         the old parameters and optimizer state are freed as the new are made,
         so state needs one copy where it lives (a device, the host) instead
@@ -162,7 +167,9 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
                                  "layer_plan": str(err)})
         dp = (_consider_data_parallel(shell, table, arr, req, sharded) if data_parallel
               else shell)
-        if not dp.replicas:
+        if data_parallel and groups:
+            dp = _consider_group_pipelines(dp, table, req, sharded, donate)
+        if not dp.replicas and not dp.groups:
             raise err
         return dp
     if baselines:
@@ -170,7 +177,68 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
             table, arr, req, contiguous=result.contiguous))
     if data_parallel:
         result = _consider_data_parallel(result, table, arr, req, sharded)
+        if groups:
+            result = _consider_group_pipelines(result, table, req, sharded, donate)
     return result
+
+
+def plan_over_groups(table: CostTable, groups: Mapping[str, Group], **kw) -> Plan:
+    """The placement ILP over `groups`, each one device (`group_table`): a
+    plan placing layers on groups (`Plan.groups`), its fingerprint `table`'s.
+    `kw` as `plan`'s (data parallel and offload are not searched inside).
+
+    Raises:
+      PlanError: a group names absent devices, mixes kinds, or shares a
+        device with another (`group_obstacle`); InfeasibleError as `plan`.
+    """
+    gt = group_table(table, groups)
+    kw = {**kw, "data_parallel": False, "offload": False, "baselines": False}
+    sub = plan(gt, **kw)
+    return dataclasses.replace(
+        sub, fingerprint=table.fingerprint(), groups=dict(groups),
+        devices=table.device_names,
+        solver={**sub.solver, "chosen": groups_name(groups)})
+
+
+def groups_name(groups: Mapping[str, Group]) -> str:
+    """A group plan's name among the candidates: `fsdp groups a+b | c+d`."""
+    shardings = {g.sharding for g in groups.values()}
+    how = shardings.pop() if len(shardings) == 1 else "mixed"
+    return f"{how or 'replicated'} groups {' | '.join(groups)}"
+
+
+def _consider_group_pipelines(result: Plan, table: CostTable, req: _Request,
+                              sharded: bool, donate: bool) -> Plan:
+    """`result`, or layers placed over groups of one accelerator kind (each
+    kind's devices cut into equal consecutive groups of two or more, their
+    state sharded by zero1 or fsdp; pipelined under `req`'s microbatches)
+    when that is feasible and predicted better. Every candidate goes into
+    `baselines`."""
+    if not sharded:
+        return result
+    best, base = result, dict(result.baselines)
+    for cut in partitions(table, replica_groups(table)):
+        for stage in SHARDINGS:
+            groups = groups_of(cut, stage)
+            name = groups_name(groups)
+            try:
+                p = plan_over_groups(
+                    table, groups, objective=req.objective, mode=req.mode,
+                    microbatches=req.microbatches, contiguous=req.contiguous,
+                    max_cost=req.max_cost, max_step_time=req.max_step_time,
+                    solver=req.solver, time_limit=req.time_limit, gap=req.gap,
+                    schedule=req.schedule, donate=donate)
+            except PlanError as e:
+                base[name] = BaselineResult(name, reason=str(e))
+                continue
+            base[name] = BaselineResult(name, predicted=p.predicted)
+            if best.predicted is None or p.predicted.objective(req.objective) < (
+                    best.predicted.objective(req.objective) * (1 - 1e-9)):
+                best = dataclasses.replace(
+                    p, solver={**result.solver, **p.solver, "chosen": name})
+    if not result.baselines:
+        base = {}
+    return dataclasses.replace(best, baselines=base)
 
 
 def _remat_table(table: CostTable, arr: Arrays) -> CostTable:

@@ -1,8 +1,9 @@
 """Running plans: the transfer engine, the per-device executor and its worker threads,
-data-parallel replicas, sharded state (ZeRO-1, FSDP)."""
+data-parallel replicas, sharded state (ZeRO-1, FSDP), pipelines of device groups."""
 
 from hetpar._host_memory import HostMemoryWarning
 from hetpar.runtime._executor import Executor, StageError, StageEvent
+from hetpar.runtime._groups import GroupRunner, output_roles
 from hetpar.runtime._memory import executable_peak
 from hetpar.runtime._network import gather
 from hetpar.runtime._overhead import crossing_s, link_bandwidth, link_curve, stage_overhead_s
@@ -11,8 +12,7 @@ from hetpar.runtime._sharded import STAGES, Sharded, shard_axis
 from hetpar.runtime._transfer import TransferEngine
 from hetpar.runtime._workers import Workers
 
-__all__ = ["STAGES", "Executor", "HostMemoryWarning", "Replicated", "Sharded", "StageError",
-           "StageEvent",
-           "TransferEngine", "Workers",
-           "crossing_s", "executable_peak",
-           "gather", "link_bandwidth", "shard_axis", "link_curve", "stage_overhead_s"]
+__all__ = ["STAGES", "Executor", "GroupRunner", "HostMemoryWarning", "Replicated", "Sharded",
+           "StageError", "StageEvent", "TransferEngine", "Workers", "crossing_s",
+           "executable_peak", "gather", "link_bandwidth", "link_curve", "output_roles",
+           "shard_axis", "stage_overhead_s"]
