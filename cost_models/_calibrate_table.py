@@ -91,7 +91,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                         bandwidth: Callable[[Any, Any, float], float | None] | None = None,
                         *, time_replicas: Callable[[list[str], list], float | None] | None = None,
                         budget: TimingBudget | None = TimingBudget(),
-                        curve: Callable[[Any, Any, list], Sequence | None] | None = None):
+                        curve: Callable[[Any, Any, list], Sequence | None] | None = None,
+                        fits: Callable[[str], bool] | None = None):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -131,7 +132,9 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     a GPU on a large model) is not timed: its layers keep their figures
     (a sibling of a timed class still borrows that class's factor), its
     runtime costs are measured as above, and the table's meta lists it
-    under `untimed_kinds`.
+    under `untimed_kinds`. So is a kind whose first present device `fits`
+    (`fits(name)`) says cannot hold the whole step: timing it there would
+    only run out of memory.
 
     Returns:
       The scaled table, or `table` itself when nothing was timed.
@@ -158,6 +161,11 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                              "%s, over %gx %s's %s; %s keeps its layers' figures", name,
                              seconds(table_step[name]), budget.slower, fastest,
                              seconds(table_step[fastest]), kind)
+            elif fits is not None and not fits(name):
+                skip = True
+                logging.info("hetpar: not timing the whole step on %s: it does not fit there "
+                             "alone; %s keeps its layers' figures", name, kind)
+            if skip:
                 untimed.append(kind)
             by_kind[kind] = None if skip else time_step(name, dev)
             # The runtime's own costs take milliseconds: measured for an

@@ -344,13 +344,26 @@ def calibrated(compiled, table, budget, runtime: bool = True):
 
     scaled = scale_to_timed_step(
         table, compiled.devices, whole, **(runtime_costs() if runtime else {}),
-        time_replicas=replicas_once if dp else None, budget=budget)
+        time_replicas=replicas_once if dp else None, budget=budget,
+        fits=lambda name: _fits_alone(table, name, options.memory))
     steps = [f"{d} {seconds(t)}" for d, t in (scaled.meta.get("step_s") or {}).items()]
     steps += [f"data parallel over {', '.join(pair.split())} {seconds(t)}"
               for pair, t in (scaled.meta.get("replicated_step_s") or {}).items()]
     logging.info("hetpar: calibrated to the whole step measured here: %s",
                  ", ".join(steps) or "none")
     return scaled
+
+
+def _fits_alone(table, name: str, memory=None) -> bool:
+    """Whether the whole step is predicted to fit device `name` alone (the
+    calibration times it only there: elsewhere the run would only run out of
+    memory; a 0.54B model on a 15 GB H200 spent 130 s of its first call in
+    XLA's autotuner and an out-of-memory run, experiments/results/fit_h200)."""
+    from hetpar.planner import violations
+    from hetpar.planner._solve import with_memory
+
+    capped = with_memory(table, memory) if memory else table  # memory= as the planner reads it
+    return not violations(capped, dict.fromkeys(table.layer_names, name))
 
 
 def hierarchical_step_s(compiled, fn: Callable, args: tuple, options: Options) -> float | None:
