@@ -27,7 +27,7 @@ from absl import logging
 from hetpar._first_call import FirstCall
 from hetpar._grad import microbatched
 from hetpar._host_memory import warn_without_huge_pages
-from hetpar._memory_check import compiled_peaks
+from hetpar._memory_check import compiled_peaks, worth_compiling
 from hetpar._options import FORCED, Options, check_present
 from hetpar._recovery import CHECKED_STEPS, ready
 from hetpar._signature import batch_positions, donated_positions, fast_signature
@@ -203,7 +203,7 @@ class CompiledStep:
                 # 446 leaves cost more than a batch-16 step's GPU time.
                 self._replicated_known = fast_signature(args)
             used = list(replicas)
-            if not multi and self._static is None:
+            if not multi and self._static is None and worth_compiling(self, replicas):
                 # Compiled now (jit's cache serves the first call), its
                 # per-device memory checked before anything runs.
                 with self.first_call.phase("compile"):
@@ -232,9 +232,12 @@ class CompiledStep:
                                        for i in range(starts[k], ends[k]))
             # Compiled now, not at the first call (jit's cache serves that call
             # this executable: one compile), so that its memory is checked
-            # against the device's before anything runs (AutoStep._new_step).
-            with self.first_call.phase("compile"):
-                peak = self.jit_memory()
+            # against the device's before anything runs (AutoStep._new_step);
+            # not where the plan is predicted far from full (`CHECK_FROM`).
+            peak = None
+            if worth_compiling(self, used):
+                with self.first_call.phase("compile"):
+                    peak = self.jit_memory()
             if peak is not None:
                 self.compiled_memory = ({used[0]: peak}, {used[0]: "the step's executable"})
         elif self._share is not None:

@@ -272,6 +272,26 @@ def on_host(step, name: str) -> bool:
     return dev is not None and dev.platform == "cpu"
 
 
+# A one-device or data-parallel step is compiled ahead of its first call, to
+# check its memory, only where its predicted peak is over this share of a
+# device's capacity (or unknown). Below it, a misfit would need the memory
+# model to undercount by over 2x (measured 0.92-1.17x on an H200:
+# experiments/results/fit_h200); the step then compiles at its first call
+# as under jax.jit, and `lower()` compiles nothing.
+CHECK_FROM = 0.5
+
+
+def worth_compiling(step, devices) -> bool:
+    """Whether a one-device or data-parallel step's memory check can matter
+    on `devices` (see `CHECK_FROM`). A step nothing planned (one device) is
+    costed here from its spec table, unless the first call calibrates (that
+    costing would time the step before its check): then it is checked."""
+    predicted = predicted_peaks(step, given=not step.options.calibrates())
+    caps = capacities(step, devices)
+    return any(predicted.get(d) is None or d not in caps or predicted[d] > CHECK_FROM * caps[d]
+               for d in devices)
+
+
 def capacities(step, devices) -> dict[str, float]:
     """{device: the capacity the plan used}: its cost table's figure (this
     machine's, for a present device) under the `memory=` caps, else what the

@@ -3,6 +3,7 @@ first step runs (hetpar/_memory_check.py), and `step.report()` shows each
 device's memory predicted beside compiled, and where the first call's time
 went (hetpar/_first_call.py)."""
 
+import logging
 import re
 import types
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import hetpar
+from hetpar import _memory_check
 from hetpar._memory_check import MARGIN, MemoryCheckWarning
 from hetpar._report import step_line
 from hetpar.core import InfeasibleError
@@ -250,6 +252,7 @@ def test_a_one_device_plan_compiles_once_and_is_checked_before_it_runs(monkeypat
     import logging
 
     step, args = _mlp_step()
+    monkeypatch.setattr(_memory_check, "CHECK_FROM", 0.0)  # checked however far from full
     seen, handler = _xla_compiles_of("step")
     logger = logging.getLogger("jax")
     logger.addHandler(handler)
@@ -300,9 +303,27 @@ def test_a_one_device_step_with_nowhere_else_to_go_warns_before_it_runs(monkeypa
         auto.lower(*args)
 
 
+def test_a_step_predicted_far_from_full_compiles_at_its_first_call_alone(caplog):
+    """Under CHECK_FROM of the device's capacity the check is not worth a
+    compile ahead: `lower()` compiles nothing, the first call compiles once."""
+    step, args = _mlp_step()
+    auto = hetpar.auto(step, devices="cpu:0", profile=None)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        compiled = auto.lower(*args)
+        assert compiled.compiled_memory is None
+        assert not [r for r in caplog.records if "Compiling jit(" in r.getMessage()
+                    and "step" in r.getMessage()]
+        auto(*args)
+    compiles = [r.getMessage()[:60] for r in caplog.records
+                if "Compiling jit(" in r.getMessage() and "step" in r.getMessage()]
+    assert len(compiles) == 1, compiles
+
+
 def test_a_data_parallel_plan_is_checked_per_replica_before_it_runs(monkeypatch):
     step, args = _mlp_step()
     devices = ["cpu:0", "cpu:1"]
+    # Checked wherever the prediction is (CHECK_FROM 0).
+    monkeypatch.setattr(_memory_check, "CHECK_FROM", 0.0)
     auto = hetpar.auto(step, devices=devices, profile=None, data_parallel="always")
     out = auto(*args)
     memory = auto.report().step["memory"]

@@ -35,6 +35,7 @@ import pytest
 from hetpar import zoo
 
 from . import oracle
+from .conftest import codegen_unoptimised, rerun_optimised
 
 FAST = ("mlp", "lm_embed")
 
@@ -134,11 +135,16 @@ def attention_step(params, opt_state, x):
 
 
 @pytest.mark.slow  # op by op is ~100 primitive compiles
-def test_the_unfused_floor_is_op_by_ops_gap():
+def test_the_unfused_floor_is_op_by_ops_gap(request):
     # The floor the tests use (one compile, nothing fused) stands for the
     # op-by-op gap issue 42 names: on leaves where rounding decides the
     # value, the two gaps are the same size, each within FLOOR_FACTOR of the
-    # other (tests/oracle.py's docstring has the zoo's figures).
+    # other (tests/oracle.py's docstring has the zoo's figures). A claim
+    # about the code users compile: at -O0 (the suite on CPU, conftest) the
+    # key bias is bitwise equal op by op and 7e-6 apart unfused, so it runs
+    # optimised, in a process of its own.
+    if codegen_unoptimised():
+        return rerun_optimised(request)
     keys = jax.random.split(jax.random.key(0), 4)
     params = {n: jax.random.normal(k, (16, 16)) / 4 for n, k in zip("qkv", keys)}
     params["key_bias"] = jnp.zeros(16)
