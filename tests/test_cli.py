@@ -396,6 +396,7 @@ def test_a_hand_plan_outside_the_devices_given_is_refused(tmp_path):
 
 
 # Issue 45, item 6 and issue 42's labels: what `hetpar run` says of its figures.
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_cli_run_says_what_was_timed_now_and_what_is_its_own_calibration(
         tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("HETPAR_PROFILES", raising=False)

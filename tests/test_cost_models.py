@@ -346,6 +346,7 @@ def _run_cli(*argv, devices=2):
     )
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_cli_profile_quick_end_to_end(tmp_path):
     out = tmp_path / "x.json"
     r = _run_cli("profile", "--quick", "--out", str(out))

@@ -366,7 +366,8 @@ def test_the_launcher_names_the_process_that_failed_first_not_its_peer(tmp_path)
                               capture_output=True, text=True, timeout=90,
                               env=dict(os.environ, JAX_PLATFORMS="cpu"))
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-2000:]
-        assert "RuntimeError: process 1 fails on purpose" in proc.stdout
+        assert "RuntimeError: process 1 fails on purpose" in proc.stdout, (
+            proc.stdout[-6000:] + proc.stderr[-1000:])
         named = [ln for ln in proc.stderr.splitlines() if "failed first" in ln]
         assert named and named[0].startswith("[launch] process 1 failed first (exit code 1)"), (
             proc.stderr)

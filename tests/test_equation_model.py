@@ -308,6 +308,7 @@ def test_held_out_zoo_layers_on_the_h100_within_ten_percent():
     assert median < err_roof[len(err_roof) // 2]
 
 
+@pytest.mark.slow  # 12-14 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_the_layer_sweep_is_the_one_the_model_was_scored_on():
     """hetpar's sweep (what `hetpar profile --fit default` times) has the
     layers, shapes included, of the committed sweep records the layer model
@@ -348,6 +349,7 @@ def test_fit_default_is_the_training_split():
     assert set(FIT_MODELS) - {"sweep"} == set(train)
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_a_cpu_fits_only_the_sweeps_transposed_convolutions():
     """On a CPU, `--fit` takes from the sweep only the kinds the zoo's fit
     models lack (transposed convolutions), and for the layer model only: the

@@ -321,6 +321,7 @@ def mlp_data_for(width):
     return x, y
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_blocks_with_a_final_norm_split_over_two_devices_equal_filter_jit():
     model, opt_state = fresh_stack()
     data = mlp_data_for(6)
@@ -392,6 +393,7 @@ def gpt_args():
     return model, TX.init(eqx.filter(model, eqx.is_array)), tokens, jnp.roll(tokens, -1, 1)
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_gpt_layers_follow_its_blocks():
     args = gpt_args()
     graph = hetpar.trace(gpt_step, *args, batch_argnums=(2, 3))

@@ -51,8 +51,8 @@ def _check_on_groups(state_out, step, args, sharded_params: bool):
 # -- runtime ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("schedule", [
-    "gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])  # zero1's test runs 1F1B fast
+@pytest.mark.parametrize("schedule", [  # zero1 groups run 1F1B in the fast tier
+    pytest.param("gpipe", marks=pytest.mark.slow), pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_pipeline_of_two_fsdp_groups_equals_jit(schedule):
     w = zoo.get("mlp", small=True, batch=8)
     args = w.example_args()
@@ -94,6 +94,7 @@ def test_offloaded_group_state_rests_in_pinned_host_memory_and_equals_jit():
     assert "state resting in each member's pinned host memory" in step.explain()
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_a_step_with_jax_value_and_grad_runs_on_groups_and_is_told_about_microbatches():
     train_step, args = _flax_step()
     step = hetpar.auto(train_step, groups=GROUPS, profile="spec")

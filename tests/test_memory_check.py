@@ -120,6 +120,7 @@ def test_a_cap_no_plan_meets_is_one_line_before_anything_runs(monkeypatch):
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_plans_tried_in_vain_name_the_smallest_footprint_found(monkeypatch):
     step, args = _mlp_step()
     cap = _capped(args)
@@ -152,6 +153,7 @@ def _compiled(width: int) -> dict:
     return {d: m["compiled"] for d, m in auto.report().step["memory"].items()}
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_compiled_figures_are_positive_and_grow_with_the_model():
     small, large = _compiled(64), _compiled(256)
     assert set(small) == set(large) == {"cpu:0", "cpu:1"}
@@ -373,6 +375,7 @@ def test_donated_state_is_counted_once_by_the_memory_check(how):
     assert sum(given.values()) <= sum(kept.values()) - 0.5 * held
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_cpu_devices_sharing_the_host_ram_are_checked_against_the_os_figure(monkeypatch):
     from hetpar import _memory_check
 

@@ -263,6 +263,7 @@ def test_jax_tracing_frame_contract():
         "loss closes over come from the batch; pyproject pins jax<0.12 until it is updated.")
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_raw_key_in_a_batch_of_two_is_folded_not_cut():
     """A `jax.random.PRNGKey` (uint32[2]) carried in a batch of 2 leads with the
     batch size; it is still a key: folded per microbatch, never cut."""
@@ -444,6 +445,7 @@ def batch_norm_by_hand(state, batch, microbatches=2):
                    "logits": logits}
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_batch_norm_guide_step_microbatched_equals_jit():
     state, batch = batch_norm_state(), make_batch()
     step = hetpar.auto(batch_norm_step, microbatches=2, plan=split_plan(

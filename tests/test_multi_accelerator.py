@@ -37,6 +37,7 @@ def two_gpu_profiles() -> ProfileSet:
     return ProfileSet(devices, tuple(links))
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_cost_table_sees_two_gpus():
     w = zoo.get("transformer", small=True, batch=8)
     graph = hetpar.trace(w.train_step, *w.example_args())

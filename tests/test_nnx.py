@@ -90,6 +90,7 @@ def test_stateful_nnx_step_trains_as_under_nnx_jit(placement):
         assert set(step.assignment.values()) == {"cpu:0", "cpu:1"}
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_dropout_batch_norm_and_eval_mode_as_under_nnx_jit():
     # Rng counters and batch statistics are state the step updates too; eval()
     # changes a static attribute, which compiles afresh.
@@ -168,6 +169,7 @@ def test_functional_split_merge_step_equals_jax_jit():
     assert not bad, bad
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_trace_of_a_stateful_step_holds_its_update():
     """`hetpar.trace` takes NNX objects as `hetpar.auto` does: the graph returns
     the loss and the objects' new state, and running it equals `nnx.jit`'s step."""

@@ -37,7 +37,7 @@ from hetpar import zoo
 from . import oracle
 from .conftest import codegen_unoptimised, rerun_optimised
 
-FAST = ("mlp", "lm_embed")
+FAST = ("mlp",)
 
 
 def mid_training(state, seed=1):

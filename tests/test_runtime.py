@@ -72,7 +72,8 @@ def small(name):
     return zoo.get(name, small=True, learning_rate=1e-4)
 
 
-# The fast tier splits lm_embed here (the MLP is split in test_pipelined_plan_equals_jit).
+# Slow tier only (CI time): the fast tier's splits are
+# test_each_family_split_and_pipelined_equals_jit's (a CNN, a transformer, an RNN).
 # ResNet50, VGG16 and AlexNet are left out (CI time): their layers are ResNet18's
 # and conv6's kinds (convolutions, pooling, BatchNorm, dense), split here.
 # The rnn's scan is split by test_every_model_pipelined; the transformer by
@@ -82,8 +83,8 @@ ALTERNATING = [n for n in zoo.names()
                if n not in ("resnet50", "vgg16", "alexnet", "rnn", "transformer")]
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
-                                  if n == "mlp" else n for n in ALTERNATING])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ALTERNATING)
 def test_alternating_plan_equals_jit(name):
     w = small(name)
     args = w.example_args()
@@ -190,6 +191,7 @@ def test_microbatched_gradient_equals_full_batch_without_batchnorm():
     assert not oracle.mismatches(step(*args), full)
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_1f1b_interleaves_backward_before_last_forward():
     w = zoo.get("mlp", small=True, learning_rate=1e-4, batch=4)
     args = w.example_args()
@@ -511,6 +513,7 @@ def test_plan_devices_must_cover_its_placements(tmp_path):
         hetpar.Plan.from_json(data)
 
 
+@pytest.mark.slow  # 12-14 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_work_from_the_inputs_alone_runs_in_the_stage_that_reads_it():
     # GPT-2's cross-entropy gradient is a scatter of the loss's cotangent by
     # the labels: ready from the start, it used to run in the first stage of

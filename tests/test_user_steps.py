@@ -151,7 +151,8 @@ def test_apply_if_finite_keeps_state_per_layer_and_rejects_like_jit():
     check_split_equals_jit(step, args, batches=[batch, bad, batch])
 
 
-@pytest.mark.parametrize("clip", [pytest.param(False, marks=pytest.mark.slow), True],
+@pytest.mark.parametrize("clip", [pytest.param(False, marks=pytest.mark.slow),
+                                  pytest.param(True, marks=pytest.mark.slow)],
                          ids=["adamw", "clip_adamw"])
 def test_multi_steps_splits_per_layer_and_equals_jit(clip):
     # Gradient accumulation over 2 steps: Optax's update is one `lax.cond`.
@@ -172,6 +173,7 @@ def test_multi_steps_splits_per_layer_and_equals_jit(clip):
     check_split_equals_jit(step, args)
 
 
+@pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_cond_tied_by_one_tensor_stays_whole_and_says_why():
     # A user's own cond that works on all gradients flattened into one vector:
     # its results cannot be cut per layer. It stays whole (one layer), the
