@@ -259,7 +259,7 @@ def lines_of(proc, i):
             if ln.startswith(f"[p{i}] ")]
 
 
-@pytest.mark.slow  # hetpar.auto's own data-parallel run covers the fast tier
+@pytest.mark.slow  # two processes, as every cross-process test: the slow tier
 def test_data_parallel_training_across_two_processes(tmp_path):
     proc, _ = run_launcher(tmp_path, "train")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -279,8 +279,12 @@ FAST_KINDS = ("pipe1", "hier1")
 ALL_KINDS = (*FAST_KINDS, "pipe2", "planned", "hier2", "hier_local")
 
 
+# Slow tier only: two processes that each start JAX and compile, 15 s of the
+# fast tier's 3 minutes; the fast tier checks device names and the launcher's
+# environment (below) in one process.
 @pytest.mark.parametrize("mode, kinds", [
-    ("auto", FAST_KINDS), pytest.param("auto_full", ALL_KINDS, marks=pytest.mark.slow)])
+    pytest.param("auto", FAST_KINDS, marks=pytest.mark.slow),
+    pytest.param("auto_full", ALL_KINDS, marks=pytest.mark.slow)])
 def test_auto_across_two_processes(tmp_path, mode, kinds):
     proc, _ = run_launcher(tmp_path, mode, script_text=AUTO_SCRIPT, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
@@ -355,6 +359,7 @@ multihost_utils.process_allgather(np.ones(2))
 """
 
 
+@pytest.mark.slow  # three launches of two processes: 5-15 s, over the fast tier's budget
 def test_the_launcher_names_the_process_that_failed_first_not_its_peer(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(FAIL_IN_ONE_SCRIPT)
@@ -486,7 +491,7 @@ for kind, kwargs in kinds.items():
 """
 
 
-@pytest.mark.slow  # the MLP covers every plan kind in the fast tier
+@pytest.mark.slow  # beside the MLP's plan kinds (test_auto_across_two_processes)
 def test_transformer_plan_kinds_across_two_processes(tmp_path):
     proc, _ = run_launcher(tmp_path, "x", script_text=TRANSFORMER_SCRIPT, timeout=400)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
