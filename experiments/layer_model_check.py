@@ -46,7 +46,7 @@ def _equations(records):
                         r.get("hw_scale")) for r in records}, key=str):
         model, small, batch, scale, hw = key
         if model == "sweep":
-            step, params, b = sweep_step(sweep_grid(scale, hw))
+            step, params, b = sweep_step(sweep_grid(scale, hw), abstract=True)
             g = hetpar.trace(step, params, b)
         else:
             g = trace_model(model, small=small, batch=batch)[1]

@@ -308,7 +308,6 @@ def test_held_out_zoo_layers_on_the_h100_within_ten_percent():
     assert median < err_roof[len(err_roof) // 2]
 
 
-@pytest.mark.slow  # 12-14 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_the_layer_sweep_is_the_one_the_model_was_scored_on():
     """hetpar's sweep (what `hetpar profile --fit default` times) has the
     layers, shapes included, of the committed sweep records the layer model

@@ -223,13 +223,19 @@ def small_grid() -> list[Spec]:
     return specs
 
 
-def sweep_step(specs):
-    """(step, params, batch): one plain-JAX training step, one `hetpar.layer` per spec."""
+def sweep_step(specs, abstract: bool = False):
+    """(step, params, batch): one plain-JAX training step, one `hetpar.layer` per spec.
+
+    `abstract`: params and batch as `jax.ShapeDtypeStruct`s, for tracing alone
+    (the H100 sweep's random arrays took 15 s of numpy to draw)."""
     import jax
-    import jax.numpy as jnp
 
-    import hetpar
-
+    if abstract:
+        params = {sp.name: {k: jax.ShapeDtypeStruct(shape, np.float32)
+                            for k, shape in sp.params.items()} for sp in specs}
+        batch = {sp.name: jax.ShapeDtypeStruct(sp.x, np.dtype(sp.x_dtype))
+                 for sp in specs}
+        return _sweep_train_step(specs), params, batch
     rng = np.random.default_rng(0)
     params = {sp.name: {k: (rng.standard_normal(shape) * 0.02).astype(np.float32)
                         for k, shape in sp.params.items()} for sp in specs}
@@ -240,6 +246,16 @@ def sweep_step(specs):
             batch[sp.name] = rng.integers(0, vocab, sp.x).astype(np.int32)
         else:
             batch[sp.name] = rng.standard_normal(sp.x).astype(np.float32)
+
+    return _sweep_train_step(specs), params, batch
+
+
+def _sweep_train_step(specs):
+    """The sweep's training step: each spec's layer under `hetpar.layer`, SGD."""
+    import jax
+    import jax.numpy as jnp
+
+    import hetpar
 
     def step(params, batch):
         def loss_fn(params):
@@ -253,7 +269,7 @@ def sweep_step(specs):
         loss, grads = jax.value_and_grad(loss_fn)(params)
         return jax.tree_util.tree_map(lambda p, g: p - 1e-3 * g, params, grads), loss
 
-    return step, params, batch
+    return step
 
 
 def trace_sweep(cpu: bool = False, kinds: tuple[str, ...] | None = None):
@@ -267,5 +283,5 @@ def trace_sweep(cpu: bool = False, kinds: tuple[str, ...] | None = None):
         specs = [sp for sp in specs if sp.name.startswith(tuple(kinds))]
         if not specs:
             raise ValueError(f"trace_sweep: no sweep layers of kinds {kinds}")
-    step, params, batch = sweep_step(specs)
+    step, params, batch = sweep_step(specs, abstract=True)
     return hetpar.trace(step, params, batch)
