@@ -113,6 +113,7 @@ def test_a_step_with_jax_value_and_grad_runs_on_groups_and_is_told_about_microba
         hetpar.auto(train_step, groups=GROUPS, microbatches=2, profile="spec")(*args)
 
 
+@pytest.mark.slow  # 3-4 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_auto_chooses_a_group_plan_itself_and_runs_it_equal_to_jit():
     import itertools
 

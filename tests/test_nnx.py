@@ -300,6 +300,7 @@ def fresh_gpt():
             jnp.roll(tokens, -1, 1))
 
 
+@pytest.mark.slow  # 3-4 s of tracing: over the fast tier's 3-minute budget (CI runs it)
 def test_gpt_layers_are_its_blocks():
     # The attention's einsum subscripts (`BTNH,BSNH->BNTS`) were the only
     # names: two layers, one holding most of the optimizer state.

@@ -116,9 +116,9 @@ def _flax_step():
     return train_step, (params, tx.init(params), (x, y))
 
 
-@pytest.mark.parametrize("stage", [
-    pytest.param("fsdp", marks=pytest.mark.slow),  # 26 s on 2 loaded cores; zero1 is quick
-    "zero1"])
+@pytest.mark.parametrize("stage", [  # slow tier: the fast tier's fsdp and zero1 tests are above
+    pytest.param("fsdp", marks=pytest.mark.slow),  # 26 s on 2 loaded cores
+    pytest.param("zero1", marks=pytest.mark.slow)])  # 5-6 s
 def test_user_flax_step_sharded_equals_jit(stage):
     train_step, args = _flax_step()
     step = hetpar.auto(train_step, devices=TWO, data_parallel=stage)
