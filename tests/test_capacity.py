@@ -172,6 +172,7 @@ def _copy(tree):
     return jax.tree_util.tree_map(lambda a: np.array(a, copy=True), tree)
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_a_stage_out_of_memory_is_replanned_and_retried_with_the_state_intact(monkeypatch):
     step, args = _mlp_step()
     before = _copy(args)

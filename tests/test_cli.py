@@ -157,6 +157,7 @@ def test_cli_run_says_why_a_calibrated_step_may_still_differ():
     assert "includes compilation" in _measured_hint(0)
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_cli_run_calibrated_at_the_first_call(capsys, monkeypatch):
     # The prediction beside the measured step comes from layers and a step
     # timed here (--profile measure, the default), not spec sheets, and what

@@ -217,6 +217,7 @@ def test_each_microbatch_has_its_own_dropout_stream(kind):
     assert not np.allclose(float_leaves(got)[-1], float_leaves(same)[-1], rtol=1e-3)
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_key_passed_as_argument_is_folded_too():
     state, batch = make_state(dropout=0.5, key_fn=jax.random.PRNGKey), make_batch()
 
