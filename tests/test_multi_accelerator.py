@@ -49,7 +49,7 @@ def test_cost_table_sees_two_gpus():
     assert layer.time_s["cpu:2"] < layer.time_s["cpu:0"]
 
 
-@pytest.mark.slow  # 30-40 s on 2 cores; test_runtime's MLP pipelines are the fast check
+@pytest.mark.slow  # 30-40 s on 2 cores; test_runtime's family pipelines are the fast check
 @pytest.mark.parametrize("schedule", ["1f1b"])  # GPipe: test_runtime
 def test_pipeline_over_two_gpus_equals_jit(schedule):
     w = zoo.get("transformer", small=True, batch=8, learning_rate=1e-4)
