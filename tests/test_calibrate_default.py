@@ -130,6 +130,7 @@ def test_layers_are_timed_only_where_they_can_change_the_plan(table, alone):
     assert device_alone(table, names, set(names), Options(memory={"gpu:0": 1e12})) is None
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_the_calibration_does_not_time_the_whole_step_where_it_does_not_fit(calibrating):
     """A device that cannot hold the step alone does not run it whole: the
     run would only run out of memory (a 15 GB H200 spent 130 s of a first

@@ -108,8 +108,9 @@ def test_model_with_activation_functions_traces():
     assert "[0].layers[0].weight" in graph.program.in_paths
 
 
-# Fast-tier time: test_lower_takes_the_model_as_given and the plan-dict test
-# cover one-device and split Equinox steps in the fast tier.
+# Fast-tier time: in the fast tier, the plan-dict test covers split Equinox
+# steps and test_numbers_inside_a_module_are_static_as_under_filter_jit
+# hetpar.auto's own plan; one-device plans given run in the slow tier.
 @pytest.mark.slow
 def test_one_device_step_equals_filter_jit():
     model, opt_state = fresh_mlp()
@@ -133,6 +134,7 @@ def test_one_device_step_equals_filter_jit():
     assert_close((eqx.filter(out[0], eqx.is_array), out[1], out[2]), (jp, jo, jl))
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_lower_takes_the_model_as_given():
     model, opt_state = fresh_mlp()
     data = mlp_data()

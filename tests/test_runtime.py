@@ -257,6 +257,7 @@ def test_planner_chooses_and_runs():
     assert all(f"{layer} -> {dev}" in explained for layer, dev in step.assignment.items())
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_plan_for_another_model_is_a_clear_error(tmp_path):
     w = small("mlp")
     args = w.example_args()
