@@ -420,6 +420,7 @@ def test_cli_run_says_what_was_timed_now_and_what_is_its_own_calibration(
     assert not re.search(r"measured / (predicted|calibration) [\d.]", out), out
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_report_labels_a_prediction_that_is_its_own_calibration(monkeypatch):
     from hetpar._step_clock import StepClock
 

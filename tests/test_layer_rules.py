@@ -630,6 +630,7 @@ def embedded_graph(tx):
     return hetpar.trace(train_step, params, tx.init(params), {"tokens": tokens})
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_adafactor_parameter_scale_stays_with_its_parameter():
     def edges(g):
         return {(u, v): (d["bytes"], d["bytes_backward"]) for u, v, d in g.graph.edges(data=True)}

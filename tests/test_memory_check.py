@@ -274,6 +274,7 @@ def test_a_one_device_plan_compiles_once_and_is_checked_before_it_runs(monkeypat
     oracle.assert_equals_jit(out, step, args)
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_a_one_device_plan_that_does_not_fit_is_replanned_before_it_runs(monkeypatch):
     step, args = _mlp_step()
     before = _copy(args)

@@ -149,6 +149,7 @@ def test_data_parallel_plan_round_trips_and_runs_from_file(tmp_path):
     check_steps(w.train_step, again, args, steps=2)
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_data_parallel_always_skips_the_ilp_and_equals_jit(monkeypatch):
     # Later calls go straight to the replicated jit after comparing every
     # leaf's shape and dtype (the full path's checks of GPT-2's 446 leaves

@@ -371,6 +371,7 @@ def test_new_state_goes_home_with_weight_decay_folded_into_the_gradient():
     assert _memory_kinds(new_params) == {"device"}
 
 
+@pytest.mark.slow  # 3-5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
 def test_microbatched_host_update_reads_the_summed_gradient_once():
     """Recomputation stays within a device and microbatch: the host update reads
     the accumulated gradient, not every microbatch's."""
