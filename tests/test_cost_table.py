@@ -292,7 +292,14 @@ def test_timed_step_takes_measured_link_curves():
 
     def curve(src, dst, sizes):
         asked.append(sizes)
-        return link_curve(src, dst, sizes, runs=3)
+        # The MLP's copies are all priced at 1 MB against a 4 kB one; on a
+        # loaded machine the two can time alike, and link_curve then gives
+        # None (the link keeps its figure: measured 1 run in ~40). Again.
+        for _ in range(5):
+            got = link_curve(src, dst, sizes, runs=3)
+            if got:
+                break
+        return got
 
     scaled = cost_models.scale_to_timed_step(table, present, lambda name, dev: 1.0,
                                              lambda name, dev: 1e-4, curve=curve)
