@@ -294,7 +294,7 @@ def test_timed_step_takes_measured_link_curves():
         asked.append(sizes)
         # The MLP's copies are all priced at 1 MB against a 4 kB one; on a
         # loaded machine the two can time alike, and link_curve then gives
-        # None (the link keeps its figure: measured 1 run in ~40). Again.
+        # None (the link keeps its figure: once in eight suite runs). Again.
         for _ in range(5):
             got = link_curve(src, dst, sizes, runs=3)
             if got:
