@@ -25,6 +25,12 @@ def _copy(tree):
     return jax.tree_util.tree_map(lambda a: np.array(a, copy=True), tree)
 
 
+def _assert_unchanged(args, before):
+    """The caller's arguments are what `_copy` saw: nothing was donated or lost."""
+    for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
 def _split_plan(step, args):
     layers = hetpar.trace(step, *args).layers
     return {name: ("cpu:0" if i < 3 else "cpu:1") for i, name in enumerate(layers)}
@@ -97,8 +103,7 @@ def test_a_plan_whose_compiled_stages_exceed_a_cap_is_replanned_before_it_runs(m
     last = auto._last
     peaks = last.compiled_memory[0]
     assert all(peaks[d] <= (1 - MARGIN) * cap for d in peaks)
-    for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
-        np.testing.assert_array_equal(np.asarray(a), b)
+    _assert_unchanged(args, before)
     oracle.assert_equals_jit(out, step, args)
 
 
@@ -116,8 +121,7 @@ def test_a_cap_no_plan_meets_is_one_line_before_anything_runs(monkeypatch):
     assert any(f"on {d} at their peak" in message for d in DEVICES)
     assert "out of memory" not in message  # not mistaken for a step that ran out
     assert compiler.log and "ran" not in compiler.log
-    for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
-        np.testing.assert_array_equal(np.asarray(a), b)
+    _assert_unchanged(args, before)
 
 
 @pytest.mark.slow  # 3-7 s of compiles: over the fast tier's 3-minute budget (CI runs it)
@@ -292,8 +296,7 @@ def test_a_one_device_plan_that_does_not_fit_is_replanned_before_it_runs(monkeyp
     last = auto._last
     assert last._jit is None and last._executor is not None
     assert set(last.assignment.values()) == set(devices)
-    for a, b in zip(jax.tree_util.tree_leaves(args), jax.tree_util.tree_leaves(before)):
-        np.testing.assert_array_equal(np.asarray(a), b)
+    _assert_unchanged(args, before)
     oracle.assert_equals_jit(out, step, args)
 
 
