@@ -106,16 +106,21 @@ def run_cell(args) -> dict:
         jax.block_until_ready((params, opt_state, batch))
     out["params"] = n or sum(x.size for x in jax.tree_util.tree_leaves(params))
     out["state_gb"] = sum(x.nbytes for x in jax.tree_util.tree_leaves((params, opt_state))) / 1e9
+    # The allocator's high-water mark cannot be reset: what building the state
+    # left there says whether the step's own peak can be read from it.
+    out["peak_after_init_gb"] = (gpu.memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9
     t0 = time.perf_counter()
     try:
+        donate = (0, 1) if args.donate else ()
+        out["donate_argnums"] = list(donate)
         if args.mode == "jit":
-            step = jax.jit(train_step)
+            step = jax.jit(train_step, donate_argnums=donate)
             p, o, loss = step(params, opt_state, batch)
             float(loss)
             out["first_call_s"] = time.perf_counter() - t0
             times, loss = _median_step(step, [p, o], batch, args.steps)
         else:
-            step = hetpar.auto(train_step, devices=[acc, "cpu:0"])
+            step = hetpar.auto(train_step, devices=[acc, "cpu:0"], donate_argnums=donate)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 params, opt_state, batch = step.place(params, opt_state, batch)
@@ -154,11 +159,30 @@ def run_cell(args) -> dict:
         out["where"] = [f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}"
                         for f in traceback.extract_tb(e.__traceback__)[-6:]]
         out["after_first_call"] = "first_call_s" in out
+        out["at_error"] = _held(gpu)
         return out
     stats = gpu.memory_stats() or {}
     out.update({"median_s": statistics.median(times[1:]), "times_s": times, "loss": loss,
                 "gpu_peak_gb": (stats.get("peak_bytes_in_use") or 0) / 1e9})
     return out
+
+
+def _held(gpu) -> dict:
+    """What the GPU's allocator and JAX's live arrays hold (GB): after an error,
+    whether something the step no longer needs still holds memory."""
+    import jax
+
+    stats = gpu.memory_stats() or {}
+    live: dict = {}
+    for a in jax.live_arrays():
+        try:
+            for s in a.addressable_shards:
+                key = f"{s.device.platform}:{s.device.id}:{getattr(a.sharding, 'memory_kind', None)}"
+                live[key] = live.get(key, 0) + s.data.nbytes / 1e9
+        except Exception:  # noqa: BLE001 - a deleted array
+            continue
+    return {"bytes_in_use_gb": stats.get("bytes_in_use", 0) / 1e9,
+            "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "live_arrays_gb": live}
 
 
 def _count(values) -> dict:
@@ -200,6 +224,9 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="a smoke run's shapes (CPU)")
     p.add_argument("--state", choices=("host", "device"), default="host",
                    help="where hetpar's cells build the state (jit's is always on the GPU)")
+    p.add_argument("--donate", action=argparse.BooleanOptionalAction, default=True,
+                   help="donate the parameters and optimizer state (donate_argnums=(0, 1)) "
+                        "under jit and hetpar alike, as training loops do")
     p.add_argument("--stacks", type=float, default=0.0,
                    help="every this many seconds, each cell dumps its Python stacks to stderr "
                         "(kept in the results when the cell times out)")
@@ -223,6 +250,7 @@ def main(argv=None):
                 cmd += ["--tiny"] if args.tiny else []
                 cmd += ["--stacks", str(args.stacks)] if args.stacks else []
                 cmd += ["--state", args.state]
+                cmd += [] if args.donate else ["--no-donate"]
                 t = time.perf_counter()
                 try:
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
@@ -231,6 +259,12 @@ def main(argv=None):
                     cell = json.loads(lines[-1][5:]) if lines else {
                         "model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
                         "error": f"exit {proc.returncode}: " + proc.stderr.strip()[-400:]}
+                    # hetpar's progress lines and warnings, without the
+                    # allocator's per-chunk dumps.
+                    cell["stderr_tail"] = "\n".join(
+                        ln for ln in proc.stderr.splitlines()
+                        if "bfc_allocator" not in ln and "InUse at" not in ln
+                        and "Chunk at" not in ln and "Free at" not in ln)[-4000:]
                 except subprocess.TimeoutExpired as e:
                     # What the cell was doing: hetpar's progress lines and the
                     # stacks faulthandler dumps (--stacks) are on its stderr.
