@@ -77,6 +77,17 @@ def run_cell(args) -> dict:
         import faulthandler
 
         faulthandler.dump_traceback_later(args.stacks, repeat=True, file=sys.stderr)
+    import logging
+
+    from absl import logging as absl_logging
+
+    # hetpar's INFO lines (each layer timed, the plan's choices), stamped
+    # with the seconds since the cell started: where its first call goes.
+    absl_logging.set_verbosity(absl_logging.INFO)
+    lines = logging.StreamHandler(sys.stderr)
+    lines.addFilter(lambda r: r.getMessage().startswith("hetpar"))
+    lines.setFormatter(logging.Formatter("%(relativeCreated)8.0f ms %(message)s"))
+    logging.getLogger().addHandler(lines)
     import jax
 
     import hetpar
@@ -177,7 +188,8 @@ def _held(gpu) -> dict:
     for a in jax.live_arrays():
         try:
             for s in a.addressable_shards:
-                key = f"{s.device.platform}:{s.device.id}:{getattr(a.sharding, 'memory_kind', None)}"
+                kind = getattr(a.sharding, "memory_kind", None)
+                key = f"{s.device.platform}:{s.device.id}:{kind}"
                 live[key] = live.get(key, 0) + s.data.nbytes / 1e9
         except Exception:  # noqa: BLE001 - a deleted array
             continue
@@ -261,10 +273,12 @@ def main(argv=None):
                         "error": f"exit {proc.returncode}: " + proc.stderr.strip()[-400:]}
                     # hetpar's progress lines and warnings, without the
                     # allocator's per-chunk dumps.
+                    err = proc.stderr.splitlines()
+                    cell["hetpar_lines"] = [ln[:300] for ln in err if " ms hetpar" in ln][-150:]
                     cell["stderr_tail"] = "\n".join(
-                        ln for ln in proc.stderr.splitlines()
-                        if "bfc_allocator" not in ln and "InUse at" not in ln
-                        and "Chunk at" not in ln and "Free at" not in ln)[-4000:]
+                        ln for ln in err if " ms hetpar" not in ln and "bfc_allocator" not in ln
+                        and "InUse at" not in ln and "Chunk at" not in ln
+                        and "Free at" not in ln)[-3000:]
                 except subprocess.TimeoutExpired as e:
                     # What the cell was doing: hetpar's progress lines and the
                     # stacks faulthandler dumps (--stacks) are on its stderr.

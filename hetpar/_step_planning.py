@@ -31,6 +31,7 @@ from hetpar.core import (
     PlanError,
     is_memory_place,
     memory_place,
+    nbytes,
     parse_placements,
     seconds,
 )
@@ -237,7 +238,7 @@ def _table_for(compiled, devices: list[str], options: Options, graph, budget,
     # whose times can move the plan.
     if calibrate and options.profile == "auto" and not again:
         table = cost_table(graph or compiled.graph, devices, profiles=profiles)
-        alone = device_alone(table, devices, compiled.devices, options)
+        alone = device_alone(table, devices, compiled.devices, options, compiled=compiled)
         if alone is not None:
             # The plan is `alone` whatever the layers' shares: timing each
             # layer there (a compile each) would change no placement. The
@@ -256,15 +257,17 @@ def _table_for(compiled, devices: list[str], options: Options, graph, budget,
     return table
 
 
-def device_alone(table, devices: list[str], present, options: Options) -> str | None:
+def device_alone(table, devices: list[str], present, options: Options,
+                 compiled=None) -> str | None:
     """The present device every plan for this step would compute it all on,
     or None: the fastest present device, where it holds the whole step
-    (state, activations, working set, within its capacity), has no peer of
-    its kind among `devices` (no data parallel, no pipeline of equals), and
-    every other device is predicted over `TimingBudget.slower` times slower
-    (a host CPU beside a GPU). Only for the planner's own choice: not with a
-    plan given, memory caps or microbatches; `profile="measure"` times every
-    layer all the same."""
+    (state, activations, working set, within its capacity: predicted, or,
+    given the `compiled` step, its one-device executable's own figure,
+    `fits_compiled`), has no peer of its kind among `devices` (no data
+    parallel, no pipeline of equals), and every other device is predicted
+    over `TimingBudget.slower` times slower (a host CPU beside a GPU). Only
+    for the planner's own choice: not with a plan given, memory caps or
+    microbatches; `profile="measure"` times every layer all the same."""
     from hetpar.cost_models import TimingBudget
     from hetpar.planner import violations
 
@@ -283,9 +286,80 @@ def device_alone(table, devices: list[str], present, options: Options) -> str | 
             table.device(d).kind == kind or total[d] < slower * total[best])
            for d in table.device_names):
         return None
-    if violations(table, dict.fromkeys(table.layer_names, best)):
+    if violations(table, dict.fromkeys(table.layer_names, best)) and not (
+            compiled is not None and fits_compiled(compiled, table, best)):
         return None
     return best
+
+
+def _planning_table(compiled, devices: list[str], options: Options):
+    """The table the planner solves: `compiled.table`, or, where the whole
+    step fits one device alone by its compiled figure only
+    (`fits_compiled`), that table with the device's memory unbounded, so
+    that the plan is that device alone, as under `jax.jit`. (The plan keeps
+    the planner's own memory figures: `step.report()` shows them beside the
+    compiled and measured ones.)"""
+    table = compiled.table
+    alone = device_alone(table, devices, compiled.devices, options, compiled=compiled)
+    if alone is not None and compiled._fits_compiled.get(alone):
+        logging.info("hetpar: the whole step fits %s compiled: planned there alone", alone)
+        return _roomy(table, alone)
+    return table
+
+
+def _roomy(table, name: str):
+    """`table` with device `name` given memory without bound (the planner's
+    own figures otherwise: what else keeps a plan off it)."""
+    return dataclasses.replace(table, devices=tuple(
+        dataclasses.replace(d, memory_bytes=1e30) if d.name == name else d
+        for d in table.devices))
+
+
+def fits_compiled(compiled, table, name: str) -> bool:
+    """Whether the whole step, compiled for present device `name` alone as a
+    one-device plan runs it (donation included), fits there less
+    `_memory_check.MARGIN`, where only the planner's memory figures keep it
+    off (`violations` names nothing else) and they put it at most
+    `COMPILE_WITHIN` x the capacity.
+
+    The planner's memory model overcounts what XLA's executables hold: on a
+    15 GB H200 it planned a 0.54B Llama-style step with five layers
+    recomputed (predicted 14.4 GB; compiled 10.0 GB, 1.64x jit's step) where
+    the step under `jax.jit` ran in 14.2 GB (experiments/results/fit_h200).
+    The compile is the one the one-device plan's first call runs (jit's
+    cache serves it); one compile, cached per device, and only while
+    planning on the caller's arguments (the calibration's)."""
+    from hetpar._memory_check import COMPILE_WITHIN, MARGIN
+    from hetpar.planner import evaluate, violations
+
+    cache = compiled._fits_compiled
+    if name in cache:
+        return cache[name]
+    cache[name] = False
+    args = compiled._calibration_args
+    if args is None or compiled._static is not None or name not in compiled.devices:
+        return False
+    everything = dict.fromkeys(table.layer_names, name)
+    roomy = _roomy(table, name)
+    if violations(roomy, everything):
+        return False
+    p = evaluate(roomy, everything)
+    need = (p.peak_memory_bytes or p.memory_bytes or {}).get(name)
+    cap = table.device(name).memory_bytes
+    if need is None or need > COMPILE_WITHIN * cap:
+        return False
+    try:
+        with compiled.first_call.phase("compile"):
+            peak = compiled.one_device_peak(name, args)
+    except Exception as e:  # noqa: BLE001 - the compile ran out of memory: no fit
+        logging.info("hetpar: compiling the step for %s alone failed (%s: %s)", name,
+                     type(e).__name__, e)
+        return False
+    cache[name] = ok = peak is not None and peak <= (1 - MARGIN) * cap
+    logging.info("hetpar: the planner puts the whole step on %s at %s (it holds %s); "
+                 "compiled, it needs %s: %s", name, nbytes(need), nbytes(cap),
+                 nbytes(peak or 0), "it fits" if ok else "it does not fit")
+    return ok
 
 
 def _tell(line: str) -> None:
@@ -345,7 +419,9 @@ def calibrated(compiled, table, budget, runtime: bool = True):
     scaled = scale_to_timed_step(
         table, compiled.devices, whole, **(runtime_costs() if runtime else {}),
         time_replicas=replicas_once if dp else None, budget=budget,
-        fits=lambda name: _fits_alone(table, name, options.memory))
+        fits=lambda name: _fits_alone(table, name, options.memory) or (
+            # the run is the compile `fits_compiled` checked (`shared_jit`)
+            not compiled._donated and compiled._fits_compiled.get(name, False)))
     steps = [f"{d} {seconds(t)}" for d, t in (scaled.meta.get("step_s") or {}).items()]
     steps += [f"data parallel over {', '.join(pair.split())} {seconds(t)}"
               for pair, t in (scaled.meta.get("replicated_step_s") or {}).items()]
@@ -429,7 +505,7 @@ def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str
     m = options.microbatches
 
     def planned():
-        return solve(compiled.table, objective=options.objective,
+        return solve(_planning_table(compiled, devices, options), objective=options.objective,
                      mode="pipelined" if m > 1 else "sequential", microbatches=m,
                      data_parallel=bool(options.data_parallel) and compiled._share is None,
                      sharded=options.data_parallel is True,

@@ -149,3 +149,67 @@ def test_the_calibration_does_not_time_the_whole_step_where_it_does_not_fit(cali
     assert not calibrating  # no whole step timed on a device it does not fit
     assert "cpu" in compiled.table.meta.get("untimed_kinds", ())
     assert len({p.compute for p in compiled.placements.values()}) == 2
+
+
+def test_a_step_the_planner_overcounts_is_planned_on_its_device_by_its_compiled_figure():
+    """Where only the planner's memory figures keep the whole step off the
+    fastest device, and they put it under COMPILE_WITHIN x its capacity, the
+    step is compiled for that device alone and, if its executable fits, the
+    plan is that device alone (as under jax.jit), not recomputation or
+    offload (a 0.54B Llama-style model on a 15 GB H200: five layers
+    recomputed, 1.64x jit's step, where jit fitted)."""
+    import dataclasses
+
+    from hetpar._memory_check import COMPILE_WITHIN, MARGIN
+    from hetpar._options import Options
+    from hetpar._step_planning import _planning_table, device_alone, fits_compiled
+    from hetpar.planner import evaluate
+    from hetpar.runtime import executable_peak
+
+    w = zoo.get("mlp", small=True)
+    args = w.example_args()
+    compiled = hetpar.auto(w.train_step, devices=["cpu:0"]).lower(*args)
+    peak = executable_peak(jax.jit(w.train_step).lower(*args).compile().memory_analysis())
+    base = cost_models.cost_table(compiled.graph, ["cpu:0", "h100"], memory_places=False)
+    # The spec-sheet H100 (absent) made 100x slower than the present CPU:
+    # only memory can keep the step off cpu:0.
+    layers = tuple(dataclasses.replace(
+        layer, time_s={**layer.time_s, "h100:0": 100 * layer.time_s["cpu:0"]},
+        memory_bytes={d: 20 * b for d, b in layer.memory_bytes.items()})
+        for layer in base.layers)
+    roomy = dataclasses.replace(base, layers=layers)
+    everything = dict.fromkeys(roomy.layer_names, "cpu:0")
+    p = evaluate(roomy, everything)
+    need = (p.peak_memory_bytes or p.memory_bytes)["cpu:0"]
+    assert need > 2 * peak / (1 - MARGIN)  # the planner's figure, inflated here
+
+    def table(cap):
+        return dataclasses.replace(roomy, devices=tuple(
+            dataclasses.replace(d, memory_bytes=cap) if d.name == "cpu:0" else d
+            for d in roomy.devices))
+
+    def fresh():
+        compiled._calibration_args, compiled._fits_compiled = args, {}
+        return compiled
+
+    names, options = ["cpu:0", "h100:0"], Options()
+    fits = table(need / 1.2)  # over by the planner's figure, within COMPILE_WITHIN
+    assert device_alone(fits, names, {"cpu:0"}, options) is None
+    assert device_alone(fits, names, {"cpu:0"}, options, compiled=fresh()) == "cpu:0"
+    assert compiled._jit_peaks["cpu:0"] == pytest.approx(peak)
+    compiled.table = fits
+    assert _planning_table(compiled, names, options).device("cpu:0").memory_bytes > need
+    # Under its compiled peak: it does not fit, and the planner's table stands.
+    tight = table(0.9 * peak)
+    assert not fits_compiled(fresh(), tight, "cpu:0")
+    compiled.table = tight
+    assert _planning_table(compiled, names, options) is tight
+    # Far over by the planner's figure: not even compiled.
+    far = table(need / (COMPILE_WITHIN * 1.1))
+    fresh()
+    compiled.one_device_peak = None  # a compile would call it
+    assert not fits_compiled(compiled, far, "cpu:0")
+    del compiled.one_device_peak
+    # A memory cap is the user's: no compile overrides it.
+    assert device_alone(fits, names, {"cpu:0"}, Options(memory={"cpu:0": need / 1.2}),
+                        compiled=fresh()) is None

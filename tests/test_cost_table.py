@@ -2,6 +2,7 @@
 
 import functools
 
+import numpy as np
 import pytest
 
 from hetpar import cost_models, zoo
@@ -707,3 +708,34 @@ def test_link_curve_times_the_sizes_the_link_carries():
     assert at == sorted(at) and all(t >= 0 for _, t in points)
     took = [t for _, t in points]
     assert took == sorted(took)  # a larger copy never prices cheaper
+
+
+def test_random_inputs_past_the_drawn_size_repeat_their_draw():
+    # A layer's timing inputs are drawn up to DRAWN values and repeated past
+    # it (drawing a 6.7B model's block took 16 s at the first call), integers
+    # as floats.
+    import jax
+    import jax.numpy as jnp
+
+    from hetpar.cost_models import _layer_timing
+    from hetpar.passes import trace
+
+    n = _layer_timing.DRAWN + 7
+    table = jnp.ones((8, 4))
+
+    def step(w, ids):
+        return jnp.sum(w * 2.0) + jnp.sum(table[ids])
+
+    graph = trace(step, jax.ShapeDtypeStruct((n,), jnp.float32),
+                  jax.ShapeDtypeStruct((n,), jnp.int32))
+    drawn = {}
+    for layer in graph.layers:
+        for v, x in zip(graph.layer_jaxpr(layer)[0].jaxpr.invars,
+                        cost_models.random_inputs(graph, layer)[1], strict=True):
+            if getattr(x, "shape", None) == (n,):
+                drawn[str(v.aval.dtype)] = np.asarray(x)
+    w, ids = drawn["float32"], drawn["int32"]
+    assert 0.9 < w[:1000].std() < 1.1 and len(np.unique(w[:1000])) == 1000
+    np.testing.assert_array_equal(w[_layer_timing.DRAWN:], w[:7])
+    assert ids.min() >= 0 and ids.max() < 128  # unbounded indices: below 128
+    np.testing.assert_array_equal(ids[_layer_timing.DRAWN:], ids[:7])
