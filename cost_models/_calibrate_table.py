@@ -146,6 +146,7 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                   for name in table.device_names if name in present}
     fastest = min(table_step, key=table_step.get, default=None)
     untimed: list[str] = []
+    unfit: list[str] = []
     runtime: list[str] = []  # devices whose runtime costs are measured
     for name in table.device_names:
         dev = present.get(name)
@@ -163,6 +164,7 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                              seconds(table_step[fastest]), kind)
             elif fits is not None and not fits(name):
                 skip = True
+                unfit.append(kind)
                 logging.info("hetpar: not timing the whole step on %s: it does not fit there "
                              "alone; %s keeps its layers' figures", name, kind)
             if skip:
@@ -178,12 +180,14 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
             step_s[name] = by_kind[kind]
         if by_kind[kind] is not None or kind in untimed:
             runtime.append(name)
+    # (`unfit_kinds`: untimed because the step does not fit there alone; no
+    # later round can time them either.)
+    marks = {"untimed_kinds": untimed, **({"unfit_kinds": unfit} if unfit else {})}
     if not step_s:
-        return dataclasses.replace(table, meta={**table.meta, "untimed_kinds": untimed}) \
-            if untimed else table
+        return dataclasses.replace(table, meta={**table.meta, **marks}) if untimed else table
     scaled = scale_to_step(table, step_s, siblings=True)
     if untimed:
-        scaled = dataclasses.replace(scaled, meta={**scaled.meta, "untimed_kinds": untimed})
+        scaled = dataclasses.replace(scaled, meta={**scaled.meta, **marks})
     if overhead:
         scaled = _with_runtime_costs(table, scaled, present, runtime, overhead, crossing,
                                      bandwidth, curve)

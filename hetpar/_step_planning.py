@@ -65,8 +65,11 @@ def _untimed_used(plan, table) -> frozenset[tuple[str, str]]:
 def _untimed_steps(plan, table) -> frozenset[str]:
     """Device kinds whose whole step `table` left untimed (`untimed_kinds`)
     on which the plan spends at least half its predicted step: their layers,
-    timed alone, are scaled to no step of theirs."""
-    untimed = set(table.meta.get("untimed_kinds", ()))
+    timed alone, are scaled to no step of theirs. Not a kind the step does
+    not fit alone (`unfit_kinds`): no round can time it there (a 6.7B
+    Llama-style model on an H200 spent a 5 s round finding that again)."""
+    untimed = (set(table.meta.get("untimed_kinds", ()))
+               - set(table.meta.get("unfit_kinds", ())))
     if plan.predicted is None or not untimed:
         return frozenset()
     busy: dict[str, float] = {}
@@ -286,6 +289,10 @@ def device_alone(table, devices: list[str], present, options: Options,
             table.device(d).kind == kind or total[d] < slower * total[best])
            for d in table.device_names):
         return None
+    if options.donate_argnums:  # one copy of the state, as the planner counts it then
+        from hetpar.planner._solve import with_donation
+
+        table = with_donation(table)
     if violations(table, dict.fromkeys(table.layer_names, best)) and not (
             compiled is not None and fits_compiled(compiled, table, best)):
         return None
@@ -438,7 +445,9 @@ def _fits_alone(table, name: str, memory=None) -> bool:
     from hetpar.planner import violations
     from hetpar.planner._solve import with_memory
 
-    capped = with_memory(table, memory) if memory else table  # memory= as the planner reads it
+    # memory= as the planner reads it; no donation: the calibration runs the
+    # step on the caller's arguments, which it keeps
+    capped = with_memory(table, memory) if memory else table
     return not violations(capped, dict.fromkeys(table.layer_names, name))
 
 

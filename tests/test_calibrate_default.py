@@ -149,6 +149,11 @@ def test_the_calibration_does_not_time_the_whole_step_where_it_does_not_fit(cali
     assert not calibrating  # no whole step timed on a device it does not fit
     assert "cpu" in compiled.table.meta.get("untimed_kinds", ())
     assert len({p.compute for p in compiled.placements.values()}) == 2
+    # ... and no later round tries to time it there again.
+    from hetpar._step_planning import _untimed_steps
+
+    assert "cpu" in compiled.table.meta["unfit_kinds"]
+    assert not _untimed_steps(compiled.plan, compiled.table)
 
 
 def test_a_step_the_planner_overcounts_is_planned_on_its_device_by_its_compiled_figure():
