@@ -133,8 +133,11 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     (a sibling of a timed class still borrows that class's factor), its
     runtime costs are measured as above, and the table's meta lists it
     under `untimed_kinds`. So is a kind whose first present device `fits`
-    (`fits(name)`) says cannot hold the whole step: timing it there would
-    only run out of memory.
+    (`fits(name)`) says cannot hold the whole step (timing it there would
+    only run out of memory), and one of another kind than the fastest whose
+    step the table puts over `budget.step_ceiling_s`, even where
+    `budget.steps` asks for it (its runs would cost the first call more than
+    the timing corrects); both are also listed under `untimable_kinds`.
 
     Returns:
       The scaled table, or `table` itself when nothing was timed.
@@ -167,6 +170,13 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                 unfit.append(kind)
                 logging.info("hetpar: not timing the whole step on %s: it does not fit there "
                              "alone; %s keeps its layers' figures", name, kind)
+            elif (budget is not None and kind != table.device(fastest).kind
+                    and table_step[name] > budget.step_ceiling_s):
+                skip = True
+                unfit.append(kind)
+                logging.info("hetpar: not timing the whole step on %s: the table puts a run "
+                             "at %s, over %s; %s keeps its layers' figures", name,
+                             seconds(table_step[name]), seconds(budget.step_ceiling_s), kind)
             if skip:
                 untimed.append(kind)
             by_kind[kind] = None if skip else time_step(name, dev)
@@ -180,9 +190,10 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
             step_s[name] = by_kind[kind]
         if by_kind[kind] is not None or kind in untimed:
             runtime.append(name)
-    # (`unfit_kinds`: untimed because the step does not fit there alone; no
-    # later round can time them either.)
-    marks = {"untimed_kinds": untimed, **({"unfit_kinds": unfit} if unfit else {})}
+    # (`untimable_kinds`: untimed because the step does not fit there alone,
+    # or one run would take past the budget's ceiling; no later round times
+    # them either.)
+    marks = {"untimed_kinds": untimed, **({"untimable_kinds": unfit} if unfit else {})}
     if not step_s:
         return dataclasses.replace(table, meta={**table.meta, **marks}) if untimed else table
     scaled = scale_to_step(table, step_s, siblings=True)

@@ -65,11 +65,12 @@ def _untimed_used(plan, table) -> frozenset[tuple[str, str]]:
 def _untimed_steps(plan, table) -> frozenset[str]:
     """Device kinds whose whole step `table` left untimed (`untimed_kinds`)
     on which the plan spends at least half its predicted step: their layers,
-    timed alone, are scaled to no step of theirs. Not a kind the step does
-    not fit alone (`unfit_kinds`): no round can time it there (a 6.7B
-    Llama-style model on an H200 spent a 5 s round finding that again)."""
+    timed alone, are scaled to no step of theirs. Not a kind no round can
+    time (`untimable_kinds`: the step does not fit there alone, or a run
+    is over the budget's ceiling; a 6.7B Llama-style model on an H200 spent
+    a 5 s round finding that again)."""
     untimed = (set(table.meta.get("untimed_kinds", ()))
-               - set(table.meta.get("unfit_kinds", ())))
+               - set(table.meta.get("untimable_kinds", ())))
     if plan.predicted is None or not untimed:
         return frozenset()
     busy: dict[str, float] = {}

@@ -96,6 +96,28 @@ def _norm(a: np.ndarray) -> float:
     return float(np.sqrt(np.sum(np.asarray(a, np.float64) ** 2)))
 
 
+#: ||want|| of recent float leaves, by identity: the oracle's own tests
+#: compare hundreds of copies of one step's result, each wrong in one leaf
+#: and sharing every other with it. The leaf is kept with its norm, so its
+#: id cannot be reused while cached.
+_SCALES: dict[int, tuple[object, float | None]] = {}
+_SCALES_KEPT = 4096
+
+
+def _scale(w) -> float | None:
+    """||w|| (NaNs as 0), None where w holds an infinity (inf - inf is no
+    error of 0: `leaf_errors` computes it in full)."""
+    hit = _SCALES.get(id(w))
+    if hit is not None and hit[0] is w:
+        return hit[1]
+    a = np.asarray(_host(w), np.float64)
+    scale = None if np.isinf(a).any() else _norm(np.where(np.isnan(a), 0.0, a))
+    if len(_SCALES) >= _SCALES_KEPT:
+        _SCALES.clear()
+    _SCALES[id(w)] = (w, scale)
+    return scale
+
+
 def leaf_errors(got, want) -> list[tuple[str, float, float]]:
     """(path, ||got - want||, ||want||) of every leaf, in tree order.
 
@@ -106,8 +128,13 @@ def leaf_errors(got, want) -> list[tuple[str, float, float]]:
     assert got_tree == want_tree, f"tree structure differs:\n got  {got_tree}\n want {want_tree}"
     out = []
     for (path, w), g in zip(flat, got_leaves):
-        g, w = _host(g), _host(w)
         name = jax.tree_util.keystr(path)
+        if g is w and hasattr(w, "dtype") and _is_float(w) and not _is_key(w):
+            scale = _scale(w)
+            if scale is not None:
+                out.append((name, 0.0, scale))  # the very same array: no error
+                continue
+        g, w = _host(g), _host(w)
         assert g.shape == w.shape, f"{name}: shape {g.shape} != {w.shape}"
         if not _is_float(w):
             out.append((name, 0.0 if np.array_equal(g, w) else float("inf"), 0.0))

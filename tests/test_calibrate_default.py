@@ -152,7 +152,7 @@ def test_the_calibration_does_not_time_the_whole_step_where_it_does_not_fit(cali
     # ... and no later round tries to time it there again.
     from hetpar._step_planning import _untimed_steps
 
-    assert "cpu" in compiled.table.meta["unfit_kinds"]
+    assert "cpu" in compiled.table.meta["untimable_kinds"]
     assert not _untimed_steps(compiled.plan, compiled.table)
 
 

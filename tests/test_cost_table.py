@@ -655,10 +655,20 @@ def test_timed_step_leaves_a_far_slower_kind_predicted():
     asked.clear()
     cost_models.scale_to_timed_step(table, present, time_step, budget=None)
     assert asked == ["cpu:0", "cpu:1"]
+    # Asked for (`steps`: a plan spends most of its step there), but one run
+    # over the ceiling: not timed, and no later round asks again.
+    slow_step = sum(la.time_s["cpu:1"] for la in table.layers)
+    for ceiling, want in ((2 * slow_step, ["cpu:0", "cpu:1"]), (slow_step / 2, ["cpu:0"])):
+        asked.clear()
+        t = cost_models.scale_to_timed_step(
+            table, present, time_step, budget=cost_models.TimingBudget(
+                step_floor_s=0.0, steps=frozenset({"t4"}), step_ceiling_s=ceiling))
+        assert asked == want
+    assert t.meta["untimable_kinds"] == ["t4"]
 
 
 @pytest.mark.parametrize("kw", [dict(slower=0.5), dict(floor_s=-1.0), dict(step_floor_s=-0.1),
-                                dict(slower=float("nan"))])
+                                dict(slower=float("nan")), dict(step_ceiling_s=0.0)])
 def test_timing_budget_rejects_what_would_skip_the_fastest_or_everything(kw):
     with pytest.raises(ProfileError, match="budget=None"):
         cost_models.TimingBudget(**kw)
