@@ -187,15 +187,12 @@ pipelines = {
     # (e) hierarchical: the same per-host plan on each process, gradients averaged.
     "hier1": hetpar.auto(w.train_step, hierarchical=True,
                          plan={"fc1": "p0/cpu:0", "fc2": "p0/cpu:1", "fc3": "p0/cpu:1"}),
+    "pipe2": hetpar.auto(w.train_step, plan=pipe, microbatches=2, schedule="1f1b"),
+    "planned": hetpar.auto(w.train_step, data_parallel=False),
+    "hier2": hetpar.auto(w.train_step, hierarchical=True, microbatches=2),
+    # each process passing only its rows of the batch
+    "hier_local": hetpar.auto(w.train_step, hierarchical=True, batch="local"),
 }
-if sys.argv[1] == "auto_full":  # the slow tier's run
-    pipelines.update({
-        "pipe2": hetpar.auto(w.train_step, plan=pipe, microbatches=2, schedule="1f1b"),
-        "planned": hetpar.auto(w.train_step, data_parallel=False),
-        "hier2": hetpar.auto(w.train_step, hierarchical=True, microbatches=2),
-        # each process passing only its rows of the batch
-        "hier_local": hetpar.auto(w.train_step, hierarchical=True, batch="local"),
-    })
 rows = jax.tree.map(lambda a: a[pid * B // n:(pid + 1) * B // n], batch)
 got_pipe = {}
 for key, s in pipelines.items():
@@ -275,18 +272,16 @@ def test_data_parallel_training_across_two_processes(tmp_path):
     assert losses[0] == losses[1]
 
 
-FAST_KINDS = ("pipe1", "hier1")
-ALL_KINDS = (*FAST_KINDS, "pipe2", "planned", "hier2", "hier_local")
+KINDS = ("pipe1", "hier1", "pipe2", "planned", "hier2", "hier_local")
 
 
 # Slow tier only: two processes that each start JAX and compile, 15 s of the
 # fast tier's 3 minutes; the fast tier checks device names and the launcher's
-# environment (below) in one process. (The "auto" mode's FAST_KINDS are a
-# subset of "auto_full"'s: run once, in it, for CI time.)
+# environment (below) in one process.
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, kinds", [("auto_full", ALL_KINDS)])
-def test_auto_across_two_processes(tmp_path, mode, kinds):
-    proc, _ = run_launcher(tmp_path, mode, script_text=AUTO_SCRIPT, timeout=240)
+def test_auto_across_two_processes(tmp_path):
+    kinds = KINDS
+    proc, _ = run_launcher(tmp_path, "auto", script_text=AUTO_SCRIPT, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     out = [lines_of(proc, i) for i in range(2)]
 
