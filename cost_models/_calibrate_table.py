@@ -149,7 +149,7 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                   for name in table.device_names if name in present}
     fastest = min(table_step, key=table_step.get, default=None)
     untimed: list[str] = []
-    unfit: list[str] = []
+    untimable: list[str] = []
     runtime: list[str] = []  # devices whose runtime costs are measured
     for name in table.device_names:
         dev = present.get(name)
@@ -167,13 +167,13 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                              seconds(table_step[fastest]), kind)
             elif fits is not None and not fits(name):
                 skip = True
-                unfit.append(kind)
+                untimable.append(kind)
                 logging.info("hetpar: not timing the whole step on %s: it does not fit there "
                              "alone; %s keeps its layers' figures", name, kind)
             elif (budget is not None and kind != table.device(fastest).kind
                     and table_step[name] > budget.step_ceiling_s):
                 skip = True
-                unfit.append(kind)
+                untimable.append(kind)
                 logging.info("hetpar: not timing the whole step on %s: the table puts a run "
                              "at %s, over %s; %s keeps its layers' figures", name,
                              seconds(table_step[name]), seconds(budget.step_ceiling_s), kind)
@@ -193,7 +193,7 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     # (`untimable_kinds`: untimed because the step does not fit there alone,
     # or one run would take past the budget's ceiling; no later round times
     # them either.)
-    marks = {"untimed_kinds": untimed, **({"untimable_kinds": unfit} if unfit else {})}
+    marks = {"untimed_kinds": untimed, **({"untimable_kinds": untimable} if untimable else {})}
     if not step_s:
         return dataclasses.replace(table, meta={**table.meta, **marks}) if untimed else table
     scaled = scale_to_step(table, step_s, siblings=True)

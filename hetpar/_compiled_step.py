@@ -138,7 +138,7 @@ class CompiledStep:
         self._given_prediction = None
         self._whole_steps: dict = {}  # the calibration's whole-step timings, while planning
         self._one_device_jits: dict = {}  # device -> the step's jit there (`_one_device_jit`)
-        self._jit_peaks: dict = {}  # device name -> that jit's compiled peak (`one_device_peak`)
+        self._jit_peaks: dict = {}  # device -> its one-device jit's compiled peak (`jit_memory`)
         self._fits_compiled: dict = {}  # device name -> whether the whole step fits it compiled
         with self.first_call.phase("plan"):
             self.placements: dict[str, Placement] = parse_placements(assign(self, options))
@@ -464,39 +464,31 @@ class CompiledStep:
         construction. None where the backend gives no analysis."""
         if self._jit is None or getattr(self, "_jit_specs", None) is None:
             return None
-        if not hasattr(self, "_jit_peak"):
-            known = self._jit_peaks.get(next((n for n, d in self.devices.items()
-                                              if d == self._device), None))
-            if known is not None:  # compiled while planning (`one_device_peak`)
-                self._jit_peak = known
-                return known
+        if self._device not in self._jit_peaks:  # (or compiled while planning)
             try:
-                with _may_trace():
-                    m = self._jit.lower(*self._jit_specs).compile().memory_analysis()
+                self._jit_peaks[self._device] = _compiled_peak(self._jit, self._jit_specs)
             except Exception:  # noqa: BLE001 - no analysis on this backend
-                m = None
-            self._jit_peak = executable_peak(m)
-        return self._jit_peak
+                self._jit_peaks[self._device] = None
+        return self._jit_peaks[self._device]
 
     def one_device_peak(self, name: str, args: tuple) -> float | None:
         """The whole step's peak bytes compiled for present device `name`
         alone, as a one-device plan runs it (`_one_device_jit`, donation
         included; `executable_peak`), on `args` (the caller's, no static
-        leaves): the executable that plan's first call then runs. Cached;
-        None where the backend gives no analysis.
+        leaves): the executable that plan's first call then runs, and whose
+        figure `jit_memory` then reads. Cached; None where the backend gives
+        no analysis.
 
         Raises:
           Whatever compiling raises (out of memory in XLA's autotuner).
         """
-        if name not in self._jit_peaks:
-            device = self.devices[name]
-            jitted = self._one_device_jit(device, args)
+        device = self.devices[name]
+        if device not in self._jit_peaks:
             sharding = jax.sharding.SingleDeviceSharding(device)
-            specs = jax.tree_util.tree_map(lambda x: _spec(x, sharding), args)
-            with _may_trace():
-                m = jitted.lower(*specs).compile().memory_analysis()
-            self._jit_peaks[name] = executable_peak(m)
-        return self._jit_peaks[name]
+            self._jit_peaks[device] = _compiled_peak(
+                self._one_device_jit(device, args),
+                jax.tree_util.tree_map(lambda x: _spec(x, sharding), args))
+        return self._jit_peaks[device]
 
     # -- running ----------------------------------------------------------
 
@@ -719,6 +711,13 @@ def _traced_when_known(step: Callable) -> Callable:
         return step(*args)
 
     return traced
+
+
+def _compiled_peak(jitted, specs) -> float | None:
+    """`executable_peak` of `jitted` compiled on `specs` (jit's cache keeps the
+    executable for the call that follows)."""
+    with _may_trace():
+        return executable_peak(jitted.lower(*specs).compile().memory_analysis())
 
 
 def _spec(x, sharding) -> jax.ShapeDtypeStruct:

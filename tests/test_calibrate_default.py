@@ -201,7 +201,7 @@ def test_a_step_the_planner_overcounts_is_planned_on_its_device_by_its_compiled_
     fits = table(need / 1.2)  # over by the planner's figure, within COMPILE_WITHIN
     assert device_alone(fits, names, {"cpu:0"}, options) is None
     assert device_alone(fits, names, {"cpu:0"}, options, compiled=fresh()) == "cpu:0"
-    assert compiled._jit_peaks["cpu:0"] == pytest.approx(peak)
+    assert compiled._jit_peaks[compiled.devices["cpu:0"]] == pytest.approx(peak)
     compiled.table = fits
     assert _planning_table(compiled, names, options).device("cpu:0").memory_bytes > need
     # Under its compiled peak: it does not fit, and the planner's table stands.
