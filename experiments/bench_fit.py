@@ -37,6 +37,10 @@ MODELS = {
     "llama7b": ("llama", dict(d_model=4096, num_layers=32, num_heads=32, hidden=11008), 4),
     "zoo": ("zoo", dict(d_model=2048, num_layers=16, num_heads=16), 8),   # 0.91B
     "zoo5b": ("zoo", dict(d_model=4096, num_layers=24, num_heads=32), 8),  # 5.04B
+    # A third-party model: Hugging Face's FlaxLlamaForCausalLM from a config,
+    # trained as run_clm_flax.py trains (transformers 4.x; 5.x dropped Flax).
+    "hf_llama3b": ("hf_llama", dict(hidden_size=3072, intermediate_size=8192,
+                                    num_hidden_layers=24, num_attention_heads=24), 4),  # 2.9B
 }
 
 
@@ -51,11 +55,45 @@ def _workload(name: str, batch: int | None, tiny: bool = False):
                if tiny else llama_style.Config(**config))
         step, init = llama_style.make(cfg, batch=batch, seq=16 if tiny else 512)
         return step, init, llama_style.parameter_count(cfg)
+    if kind == "hf_llama":
+        return _hf_llama(dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, vocab_size=256) if tiny else config,
+                         batch, 16 if tiny else 512)
     from hetpar import zoo
 
     w = (zoo.get("transformer", small=True) if tiny else
          zoo.get("transformer", batch=batch, **config))
     return w.train_step, (lambda key: w.example_args()), None
+
+
+def _hf_llama(config: dict, batch: int, seq: int):
+    """FlaxLlamaForCausalLM built from a config (no download) and the step
+    Hugging Face's run_clm_flax.py writes: next-token cross-entropy, clipped
+    AdamW, `jax.value_and_grad`."""
+    import jax
+    import optax
+    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(**{"vocab_size": 32000, **config})  # 2048 positions
+    model = FlaxLlamaForCausalLM(cfg, input_shape=(1, seq), seed=0, _do_init=False)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(3e-4, weight_decay=0.01))
+
+    def train_step(params, opt_state, batch):
+        def loss_fn(params):
+            logits = model(batch["input_ids"], params=params, train=False).logits
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1], batch["input_ids"][:, 1:]).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    def init(key):
+        params = jax.jit(lambda k: model.init_weights(k, (1, seq)))(key)
+        ids = jax.random.randint(jax.random.key(1), (batch, seq), 0, cfg.vocab_size)
+        return params, jax.jit(tx.init)(params), {"input_ids": ids}
+
+    return train_step, init, None
 
 
 def _median_step(step, state, batch, steps):

@@ -49,6 +49,7 @@ from hetpar.passes import (
     StaticLeaves,
     batch_argnums_of,
     microbatch_of,
+    one_program,
     split,
     static_where,
     trace,
@@ -140,6 +141,7 @@ class CompiledStep:
         self._one_device_jits: dict = {}  # device -> the step's jit there (`_one_device_jit`)
         self._jit_peaks: dict = {}  # device -> its one-device jit's compiled peak (`jit_memory`)
         self._fits_compiled: dict = {}  # device name -> whether the whole step fits it compiled
+        self._alone_need: dict = {}  # device name -> the planner's figure for the step alone there
         with self.first_call.phase("plan"):
             self.placements: dict[str, Placement] = parse_placements(assign(self, options))
         if self._share is not None and self.plan is not None:
@@ -256,7 +258,9 @@ class CompiledStep:
                                 "not donate its arguments yet; the old and the new state "
                                 "coexist during a step")
             with self.first_call.phase("compile"):  # the split included
-                self.stages = split(self.graph, self.placements, schedule=options.schedule)
+                # One device (layers recomputed): one executable (`one_program`).
+                self.stages = one_program(split(self.graph, self.placements,
+                                                schedule=options.schedule))
                 self._executor = Executor(self.stages,
                                           {d: self.devices[memory_place(d)[0]] for d in used},
                                           TransferEngine(), workers,

@@ -5,7 +5,8 @@ Imported as `hetpar.passes`. Modules: `_program` (the traced step),
 named by the key paths of the parameters they read, at a balanced depth),
 `_layers` (which layer each equation belongs to), `_layer_graph` (the
 LayerGraph), `_costs` (FLOPs and bytes counted on the jaxpr), `_xla` (XLA's
-cost analysis and HLO), `_split` (per-device stages of a plan).
+cost analysis and HLO), `_split` (per-device stages of a plan), `_fuse` (a one-device split
+as one executable).
 """
 
 from hetpar.passes._costs import (
@@ -48,6 +49,7 @@ from hetpar.passes._program import (
     subjaxpr,
     trace_program,
 )
+from hetpar.passes._fuse import fusable, one_program
 from hetpar.passes._split import Stage, StageGraph, check_covers, split
 from hetpar.passes._xla import XlaCost, compiled_cost, hlo_text, layer_costs, step_cost
 
@@ -70,6 +72,7 @@ __all__ = [
     "batch_argnums_of",
     "XlaCost",
     "check_covers",
+    "fusable",
     "compiled_cost",
     "conv_flops",
     "dot_general_flops",
@@ -87,6 +90,7 @@ __all__ = [
     "microbatch_of",
     "module_path",
     "op_class",
+    "one_program",
     "split",
     "static_where",
     "step_cost",

@@ -27,6 +27,8 @@ def _plan(how: str, layers: list) -> dict:
     if how == "split":  # the first half on cpu:0, the rest on cpu:1
         half = len(layers) // 2
         return {n: "cpu:0" if k < half else "cpu:1" for k, n in enumerate(layers)}
+    if how == "remat":  # one device, recomputed: one executable (passes/_fuse.py)
+        return {n: {"compute": "cpu:0", "activations": "remat"} for n in layers}
     return {n: OFFLOAD if how == "host_update" else STREAMED for n in layers}
 
 
@@ -39,7 +41,7 @@ def _deleted(tree) -> list[bool]:
     return [isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree_util.tree_leaves(tree)]
 
 
-@pytest.mark.parametrize("how", ["split", "host_update", "streamed"])
+@pytest.mark.parametrize("how", ["split", "host_update", "streamed", "remat"])
 def test_donating_split_and_offload_plans_equal_jit_and_give_up_the_state(how):
     w = zoo.get("mlp", small=True)
     args = tuple(w.example_args())

@@ -90,3 +90,30 @@ def test_state_in_gpu_pinned_host_memory_equals_jit():
              if isinstance(x, jax.Array) and x.size > 1}
     assert kinds == {"pinned_host"}, kinds
     assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(new_params)} == {"device"}
+
+
+def test_recomputed_layers_on_one_gpu_run_as_one_executable_that_holds_less():
+    """A one-GPU plan recomputing its blocks runs as one executable
+    (passes/_fuse.py) equal to jax.jit's step, and XLA kept the
+    recomputation: more matmuls than jit's, fewer temporaries."""
+    w = zoo.get("transformer", small=True, batch=16, seq_len=256, max_positions=256,
+                d_model=128, num_heads=4, num_layers=6, vocab_size=512, learning_rate=1e-4)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    plan = {n: {"compute": "gpu:0", "activations": "remat"} if n.startswith("h") else "gpu:0"
+            for n in layers}
+    with jax.default_matmul_precision("highest"):
+        step = hetpar.auto(w.train_step, plan=plan)
+        check_steps(w.train_step, step, args, rtol=5e-4)
+        stages = step._last.stages
+        assert len(stages.stages) == 1
+        (fused,) = stages.stages
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices("gpu")[0])
+        specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=sharding)
+                 for v in fused.inputs]
+        ours = step._last._executor.compiled[0].lower(*specs).compile()
+        jits = jax.jit(w.train_step).lower(*jax.device_put(args, sharding)).compile()
+    assert ours.as_text().count(" dot(") + ours.as_text().count("__cublas") > \
+        jits.as_text().count(" dot(") + jits.as_text().count("__cublas")
+    assert (ours.memory_analysis().temp_size_in_bytes
+            < 0.7 * jits.memory_analysis().temp_size_in_bytes)
