@@ -20,6 +20,7 @@ from hetpar.passes._costs import (
     leaf_equations,
     op_class,
 )
+from hetpar.passes._fuse import fusable, one_program
 from hetpar.passes._layer_graph import (
     LAYERS_FORMAT,
     LAYERS_VERSION,
@@ -49,7 +50,6 @@ from hetpar.passes._program import (
     subjaxpr,
     trace_program,
 )
-from hetpar.passes._fuse import fusable, one_program
 from hetpar.passes._split import Stage, StageGraph, check_covers, split
 from hetpar.passes._xla import XlaCost, compiled_cost, hlo_text, layer_costs, step_cost
 
