@@ -198,14 +198,16 @@ class AutoStep:
                 if (not is_out_of_memory(e) and not replanned_infeasible) \
                         or isinstance(e, OutOfMemoryError):
                     raise
-                self._replan_smaller(e, tries)
+                self._replan_smaller(e, tries, args)
 
-    def _replan_smaller(self, e: Exception, tries: int) -> None:
+    def _replan_smaller(self, e: Exception, tries: int, args: tuple = ()) -> None:
         """After a step ran out of memory, caps the device that ran out below what
         the plan predicted there, so that the next call plans again on the same
-        arguments (intact: nothing is donated, unless `donate_argnums` says so,
-        and then it gives up); raises `OutOfMemoryError` where planning again
-        cannot help (see hetpar/_recovery.py)."""
+        arguments (intact: nothing is donated, or an executable that could not
+        get its memory failed before it ran and gave its donated arguments
+        back, which tests/test_gpu.py checks; where one is deleted, it gives
+        up); raises `OutOfMemoryError` where planning again cannot help (see
+        hetpar/_recovery.py)."""
         # A replanned step that failed while compiling (XLA's autotuner, out of
         # memory beside the state) is not `_last` yet: the step replanned is.
         step, self._direct, self._nnx_direct = self._last or self._replanned, None, None
@@ -218,10 +220,11 @@ class AutoStep:
         device = failed_device(e, used) or (self._shrunk[0] if self._shrunk else None)
         if device is None:
             raise e
-        if (self.options.plan is not None or self.options.donate_argnums
+        lost = _donated_lost(args, self.options.donate_argnums)
+        if (self.options.plan is not None or lost
                 or tries >= MAX_REPLANS or len(candidate_devices(step, self.options)) < 2):
             raise give_up(device, e, tries=tries, given=self.options.plan is not None,
-                          donated=bool(self.options.donate_argnums)) from e
+                          donated=lost) from e
         table = step.table
         capacity = ({d.name: d.memory_bytes for d in table.devices}.get(device)
                     if table is not None else None) or live_capacity(step.devices[device])[0]
@@ -411,3 +414,10 @@ def _describe(p: Placement) -> str:
         return p.compute
     params = "" if p.params == p.state else f", parameters on {p.params}"
     return f"computes on {p.compute}, state on {p.state}{params}, update on {p.update}"
+
+
+def _donated_lost(args: tuple, donate_argnums) -> bool:
+    """Whether a step that failed gave up any of the caller's donated arrays."""
+    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums or ())
+    return any(isinstance(x, jax.Array) and x.is_deleted()
+               for i in nums if i < len(args) for x in jax.tree_util.tree_leaves(args[i]))

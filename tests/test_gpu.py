@@ -117,3 +117,29 @@ def test_recomputed_layers_on_one_gpu_run_as_one_executable_that_holds_less():
         jits.as_text().count(" dot(") + jits.as_text().count("__cublas")
     assert (ours.memory_analysis().temp_size_in_bytes
             < 0.7 * jits.memory_analysis().temp_size_in_bytes)
+
+
+def test_an_out_of_memory_at_launch_gives_donated_arguments_back():
+    """What `_memory_check.MARGIN` (3.5%) leans on: where a step's executable
+    cannot get its memory, JAX fails it before it runs and the donated
+    arguments stay whole, so hetpar's recovery (replan, retry with the
+    caller's state) has the state to retry with, under jax.jit and
+    hetpar.auto alike."""
+    import jax.numpy as jnp
+
+    from hetpar._recovery import OutOfMemoryError
+
+    gpu = jax.devices("gpu")[0]
+    x = jax.device_put(jnp.arange(1 << 28, dtype=jnp.float32), gpu)  # 1 GiB
+    copies = int(gpu.memory_stats()["bytes_limit"] // x.nbytes) + 2
+
+    def step(x):  # an output larger than the GPU
+        return x + 1, jnp.tile(x, copies)
+
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED|[Oo]ut of memory"):
+        jax.block_until_ready(jax.jit(step, donate_argnums=0)(x))
+    assert not x.is_deleted()
+    with pytest.raises(OutOfMemoryError):
+        jax.block_until_ready(hetpar.auto(step, devices="gpu:0", donate_argnums=0)(x))
+    assert not x.is_deleted()
+    np.testing.assert_array_equal(np.asarray(x[:3]), [0, 1, 2])
