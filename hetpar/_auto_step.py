@@ -203,11 +203,11 @@ class AutoStep:
     def _replan_smaller(self, e: Exception, tries: int, args: tuple = ()) -> None:
         """After a step ran out of memory, caps the device that ran out below what
         the plan predicted there, so that the next call plans again on the same
-        arguments (intact: nothing is donated, or an executable that could not
-        get its memory failed before it ran and gave its donated arguments
-        back, which tests/test_gpu.py checks; where one is deleted, it gives
-        up); raises `OutOfMemoryError` where planning again cannot help (see
-        hetpar/_recovery.py)."""
+        arguments (intact where none was donated, or none of the donated was
+        given up before the failure; JAX gives them up even where the
+        executable then cannot get its memory, tests/test_gpu.py: where one is
+        deleted, it gives up); raises `OutOfMemoryError` where planning again
+        cannot help (see hetpar/_recovery.py)."""
         # A replanned step that failed while compiling (XLA's autotuner, out of
         # memory beside the state) is not `_last` yet: the step replanned is.
         step, self._direct, self._nnx_direct = self._last or self._replanned, None, None

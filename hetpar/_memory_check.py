@@ -64,8 +64,11 @@ from hetpar.core import InfeasibleError, memory_place, nbytes
 #: allocator's peak ran 0.5-1.8% over the compiled figure for hetpar's
 #: plans, 3.1% for jit's 6.74B step at 99% of the limit. At 5% that step
 #: (108 GB compiled, 112.6 GB limit) was kept off the GPU it runs on under
-#: jax.jit. An executable that still cannot get its memory fails before it
-#: runs, its donated arguments intact (tests/test_gpu.py), and is replanned.
+#: jax.jit (which then peaked at 111.4 GB), and planned to recompute 31 of
+#: its layers at 1.96x jit's step. The margin cannot be spent freely: JAX
+#: gives donated buffers up even where the executable then fails to get
+#: its memory (tests/test_gpu.py), so a donating step that runs out loses
+#: its state, as under jax.jit.
 MARGIN = 0.035
 
 
