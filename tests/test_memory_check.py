@@ -13,7 +13,7 @@ import pytest
 
 import hetpar
 from hetpar import _memory_check
-from hetpar._memory_check import MARGIN, MemoryCheckWarning
+from hetpar._memory_check import MARGIN, SPLIT_MARGIN, MemoryCheckWarning, margin_of
 from hetpar._report import step_line
 from hetpar.core import InfeasibleError
 
@@ -102,7 +102,10 @@ def test_a_plan_whose_compiled_stages_exceed_a_cap_is_replanned_before_it_runs(m
     # The plan that ran fits its compiled stages (the extra included).
     last = auto._last
     peaks = last.compiled_memory[0]
-    assert all(peaks[d] <= (1 - MARGIN) * cap for d in peaks)
+    # A split plan's replayed peak keeps SPLIT_MARGIN back (measured 10% under
+    # the allocator's on an H200 offload plan), one executable MARGIN.
+    assert len(last.stages.stages) > 1 and margin_of(last) == SPLIT_MARGIN > MARGIN
+    assert all(peaks[d] <= (1 - SPLIT_MARGIN) * cap for d in peaks)
     _assert_unchanged(args, before)
     oracle.assert_equals_jit(out, step, args)
 
