@@ -85,3 +85,19 @@ def test_only_one_device_holding_everything_is_fused(plan):
     assert not fusable(stages) or plan == "keep"
     if plan != "keep":
         assert one_program(stages) is stages
+
+
+def test_a_recomputed_layer_recomputes_its_forward_only():
+    """Recomputing a layer repeats its forward (about a third of its work),
+    not its backward: the update stage reads the gradients the backward
+    made. (It repeated both: a 6.74B Llama-style step with 31 of 35 layers
+    recomputed ran at 1.96x jit's step on an H200; here the work was 1.77x
+    the step's.)"""
+    from hetpar.passes import jaxpr_work
+
+    train_step, args = _step()
+    graph = hetpar.trace(train_step, *args)
+    step_flops = jaxpr_work(graph.program.jaxpr.jaxpr).flops
+    stages = split(graph, _remat(graph.layers))
+    recomputed = sum(jaxpr_work(st.jaxpr.jaxpr).flops for st in stages.stages) / step_flops
+    assert 1.05 < recomputed < 1.4, recomputed
