@@ -194,3 +194,62 @@ def test_a_donated_argument_used_again_is_explained_on_one_jit_too(how):
                        ) as info:
         step(*placed)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["one_device", "host_update"])
+def test_place_gives_up_donated_arrays_as_it_copies_them(how, monkeypatch):
+    """With donate_argnums, place() deletes each donated array once its copy
+    is made, a chunk at a time (the host then holds one copy of a model
+    built there); the batch and arrays already in place stay."""
+    from hetpar import _place
+
+    monkeypatch.setattr(_place, "CHUNK_BYTES", 1)  # every array its own chunk
+    w = zoo.get("mlp", small=True)
+    args = oracle.on_cpu0(tuple(w.example_args()))
+    before = _copies(args[:2])
+    graph = hetpar.trace(w.train_step, *args)
+    plan = ({n: "cpu:1" for n in graph.layers} if how == "one_device"
+            else _plan(how, graph.layers))
+    step = hetpar.auto(w.train_step, plan=plan, donate_argnums=DONATE)
+    placed = step.place(*args)
+    moved = [a is not b for a, b in zip(jax.tree_util.tree_leaves(args[:2]),
+                                        jax.tree_util.tree_leaves(placed[:2]))]
+    assert any(moved)
+    assert _deleted(args[:2]) == moved  # given up exactly where copied
+    assert not any(_deleted(args[2:])) and not any(_deleted(placed))
+    for a, b in zip(jax.tree_util.tree_leaves(placed[:2]), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    oracle.assert_equals_jit(step(*placed), w.train_step, (*before, args[-1]))
+
+
+def test_a_failed_copy_in_place_loses_nothing(monkeypatch):
+    """A copy that fails half-way (out of host memory): the arrays moved so
+    far and those not yet moved come back in the error, whole."""
+    from hetpar import _place
+    from hetpar._place import PlaceError
+
+    monkeypatch.setattr(_place, "CHUNK_BYTES", 1)
+    w = zoo.get("mlp", small=True)
+    args = oracle.on_cpu0(tuple(w.example_args()))
+    before = _copies(args[:2])
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan={n: "cpu:1" for n in graph.layers},
+                       donate_argnums=DONATE)
+    step.lower(*args)
+    calls = []
+    real = jax.device_put
+
+    def failing(x, *a, **k):
+        calls.append(1)
+        if len(calls) == len(jax.tree_util.tree_leaves(args[2:])) + 2:  # the 2nd donated
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of host memory")
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(jax, "device_put", failing)
+    with pytest.raises(PlaceError, match="Nothing is lost") as info:
+        step.place(*args)
+    monkeypatch.setattr(jax, "device_put", real)
+    kept = info.value.placed
+    assert any(_deleted(args[:2])) and not any(_deleted(kept))
+    for a, b in zip(jax.tree_util.tree_leaves(kept[:2]), jax.tree_util.tree_leaves(before)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -392,12 +392,14 @@ class Executor:
         self.stage_memory = [None if k is None else done[k][1] for k in keys]
         return [None if k is None else done[k][0] for k in keys]
 
-    def place_inputs(self, flat_args: Sequence) -> list:
-        """Each input on its planned device (a no-op for state already resident)."""
+    def place_inputs(self, flat_args: Sequence, only: Sequence[int] | None = None) -> list:
+        """Each input on its planned device (a no-op for state already resident);
+        `only`: those positions only, the others as given."""
         by_device: dict = {}
         out = list(flat_args)
         me = jax.process_index()
-        for i, d in enumerate(self._input_devices):
+        for i in range(len(self._input_devices)) if only is None else only:
+            d = self._input_devices[i]
             if self.across:  # a replicated result of the last step: this process's copy
                 out[i] = local_part(out[i])
             elif self.multi_process:

@@ -210,11 +210,13 @@ class GroupRunner:
         """Where `var` lives on group `name` (for tests and reports)."""
         return self.groups[name].layout(var.aval, self._role.get(var))
 
-    def place_inputs(self, flat_args: Sequence) -> list:
-        """The step's inputs moved to where the plan keeps them between steps."""
+    def place_inputs(self, flat_args: Sequence, only: Sequence[int] | None = None) -> list:
+        """The step's inputs moved to where the plan keeps them between steps
+        (`only`: those positions only)."""
         out = list(flat_args)
-        at = [i for i, (v, x) in enumerate(zip(self._invars, flat_args))
-              if v in self._home and not _laid_out(x, self._home[v])]
+        wanted = range(len(flat_args)) if only is None else only
+        at = [i for i in wanted if self._invars[i] in self._home
+              and not _laid_out(flat_args[i], self._home[self._invars[i]])]
         moved = jax.device_put([flat_args[i] for i in at], [self._home[self._invars[i]]
                                                             for i in at])
         for i, y in zip(at, moved):
