@@ -101,6 +101,11 @@ class AutoStep:
         frees before the first step:
 
             params, opt_state, batch = step.place(params, opt_state, batch)
+
+        With `donate_argnums`, the donated arguments' arrays are given up as
+        their copies are made, a chunk at a time, so the host holds one copy
+        of a model built there; if a copy fails, `PlaceError.placed` holds
+        every argument, moved or not (hetpar/_place.py).
         """
         t = time.perf_counter()
         step, nnx_args = self._step_for(args)
