@@ -29,7 +29,7 @@ from hetpar._grad import microbatched
 from hetpar._host_memory import warn_without_huge_pages
 from hetpar._memory_check import compiled_peaks, worth_compiling
 from hetpar._options import FORCED, Options, check_present
-from hetpar._place import donated_leaves, place_donating
+from hetpar._place import place
 from hetpar._recovery import CHECKED_STEPS, ready
 from hetpar._signature import batch_positions, donated_positions, fast_signature
 from hetpar._step_clock import StepClock
@@ -645,37 +645,7 @@ class CompiledStep:
 
     def place(self, args: tuple) -> tuple:
         """`args` moved to where the plan keeps them between steps (see `auto`'s `place`)."""
-        # Arrays only: static leaves (an activation function) and Python
-        # numbers (a learning rate) stay as they are, so the step's
-        # signature does not change.
-        def is_array(x):
-            return isinstance(x, (jax.Array, np.ndarray))
-
-        if (self._replicated is not None and self._replicated.multi_process
-                and self._static is None):
-            return self._replicated.global_args(args)
-        leaves, tree = jax.tree_util.tree_flatten(args)
-        if self._executor is None and self._replicated is not None:
-            return args
-        # With donate_argnums the caller's donated arrays are given up as
-        # their copies are made (hetpar/_place.py).
-        donated = (donated_leaves(args, self._donated)
-                   if self._donated and jax.process_count() == 1 else [])
-        if self._executor is None:
-            def move(idx):
-                return [jax.device_put(leaves[i], self._sharding) if is_array(leaves[i])
-                        else leaves[i] for i in idx]
-        else:
-            fixed = set(static_where(args)) if self._static is not None else set()
-            traced = [i for i in range(len(leaves)) if i not in fixed]
-            at = {i: k for k, i in enumerate(traced)}
-            flat = [leaves[i] for i in traced]
-
-            def move(idx):  # (None: another process keeps it)
-                placed = self._executor.place_inputs(flat, only=[at[i] for i in idx if i in at])
-                return [placed[at[i]] if i in at and is_array(leaves[i])
-                        and placed[at[i]] is not None else leaves[i] for i in idx]
-        return jax.tree_util.tree_unflatten(tree, place_donating(leaves, donated, move, tree))
+        return place(self, args)
 
     def _run(self, args: tuple):
         if self._replicated is not None:

@@ -1,4 +1,5 @@
-"""`step.place(...)` giving up the caller's donated arrays as it copies them
+"""`step.place(...)`: the arguments moved to where the plan keeps them
+between steps, giving up the caller's donated arrays as it copies them
 (issue 41, item 4: the host holds one copy of the state).
 
 A 6.74B model's 81 GB of parameters and Adam state, built on the host and
@@ -18,8 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 from hetpar.core import HetparError, nbytes
+from hetpar.passes import static_where
 
 #: Bytes of donated arrays copied before their originals are given up.
 CHUNK_BYTES = 1 << 30
@@ -31,6 +34,41 @@ class PlaceError(HetparError, RuntimeError):
     def __init__(self, message: str, placed):
         super().__init__(message)
         self.placed = placed
+
+
+def place(step, args: tuple) -> tuple:
+    """`args` moved where `CompiledStep` `step`'s plan keeps them (see
+    `auto`'s `place`). Arrays only: static leaves (an activation function)
+    and Python numbers (a learning rate) stay as they are, so the step's
+    signature does not change."""
+    def is_array(x):
+        return isinstance(x, (jax.Array, np.ndarray))
+
+    replicated, executor = step._replicated, step._executor
+    if replicated is not None and replicated.multi_process and step._static is None:
+        return replicated.global_args(args)
+    if executor is None and replicated is not None:
+        return args
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    donated = (donated_leaves(args, step._donated)
+               if step._donated and jax.process_count() == 1 else [])
+    if executor is None:  # one device
+        def move(idx):  # one put, to the bare device: to its sharding, host -> GPU
+            # copies ran 1.1-1.4 GB/s against 5-8 (experiments/results/links)
+            arrays = [i for i in idx if is_array(leaves[i])]
+            put = dict(zip(arrays, jax.device_put([leaves[i] for i in arrays], step._device)))
+            return [put.get(i, leaves[i]) for i in idx]
+    else:
+        fixed = set(static_where(args)) if step._static is not None else set()
+        traced = [i for i in range(len(leaves)) if i not in fixed]
+        at = {i: k for k, i in enumerate(traced)}
+        flat = [leaves[i] for i in traced]
+
+        def move(idx):  # (None: another process keeps it)
+            placed = executor.place_inputs(flat, only=[at[i] for i in idx if i in at])
+            return [placed[at[i]] if i in at and is_array(leaves[i])
+                    and placed[at[i]] is not None else leaves[i] for i in idx]
+    return jax.tree_util.tree_unflatten(tree, place_donating(leaves, donated, move, tree))
 
 
 def donated_leaves(args: tuple, donated: Sequence[int]) -> list[int]:
