@@ -23,7 +23,13 @@ import jax
 from absl import logging
 
 from hetpar._compiled_step import UNKNOWN, CompiledStep
-from hetpar._memory_check import MemoryCheckWarning, does_not_fit, misfits, replan_cap
+from hetpar._memory_check import (
+    MemoryCheckWarning,
+    allocator_peak,
+    does_not_fit,
+    misfits,
+    replan_cap,
+)
 from hetpar._nnx_args import NNX_MARK, NnxArgs, NnxFastCall
 from hetpar._options import Options
 from hetpar._recovery import (
@@ -267,6 +273,8 @@ class AutoStep:
                     step.clock.observe(start, out, step)
                 return out
         step, nnx_args = self._step_for(args)
+        if step.first_call.total_s is None and not hasattr(step, "peaks_before_run"):
+            step.peaks_before_run = {d: allocator_peak(step, d) for d in step.devices}
         running = time.perf_counter()
         if nnx_args is None:
             out = step(*args)

@@ -444,15 +444,25 @@ def memory_summary(step) -> dict:
     devices = sorted(set(peaks) | {d for d in predicted if d in step.devices})
     caps = capacities(step, devices)
     out = {}
+    before = getattr(step, "peaks_before_run", {})
     for d in devices:
-        measured = None
-        dev = step.devices.get(memory_place(d)[0])
-        try:
-            stats = dev.memory_stats() if dev is not None else None
-        except Exception:  # noqa: BLE001 - a backend without memory statistics
-            stats = None
-        if stats and "peak_bytes_in_use" in stats:
-            measured = float(stats["peak_bytes_in_use"])
+        measured = allocator_peak(step, d)
         out[d] = {"predicted": predicted.get(d), "compiled": peaks.get(d),
                   "measured": measured, "capacity": caps.get(d)}
+        if measured is not None and before.get(d) == measured:
+            # The allocator's peak cannot be reset: one reached before the
+            # first step ran (the calibration timing the step on its own copy
+            # of the state, place()) says nothing of the step's own.
+            out[d]["measured_before_step"] = True
     return out
+
+
+def allocator_peak(step, name: str) -> float | None:
+    """The allocator's `peak_bytes_in_use` on device (or memory place) `name`'s
+    device, None where the backend keeps no statistics (CPU)."""
+    dev = step.devices.get(memory_place(name)[0])
+    try:
+        stats = dev.memory_stats() if dev is not None else None
+    except Exception:  # noqa: BLE001 - a backend without memory statistics
+        stats = None
+    return float(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None

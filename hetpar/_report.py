@@ -33,8 +33,10 @@ class CostReport:
       step: for a `hetpar.auto` step (`AutoStep.report()`), its predicted and
         measured step: {"predicted_s", "measured_s", "steps", "ratio",
         "warning", "memory": {device: {"predicted", "compiled", "measured",
-        "capacity"}}, "first_call": {"total_s", "place_s", "phases",
-        "other_s"}}; None for a report of a traced function.
+        "capacity", and "measured_before_step": True where the allocator's
+        peak was reached before the first step}}, "first_call": {"total_s",
+        "place_s", "phases", "other_s"}}; None for a report of a traced
+        function.
     """
 
     rows: tuple[dict, ...]
@@ -164,7 +166,9 @@ def memory_lines(memory: dict) -> str:
     for d, m in memory.items():
         lines.append(f"  {d}: {b(m.get('predicted'))} / {b(m.get('compiled'))} / "
                      + ("no allocator statistics" if m.get("measured") is None
-                        else b(m.get("measured")))
+                        else b(m.get("measured")) + (" (reached before the first step: "
+                                                     "the calibration's or place()'s)"
+                                                     if m.get("measured_before_step") else ""))
                      + f", of {b(m.get('capacity'))}")
     return "\n".join(lines)
 

@@ -405,3 +405,23 @@ def test_cpu_devices_sharing_the_host_ram_are_checked_against_the_os_figure(monk
                        memory=dict.fromkeys(["cpu:0", "cpu:1"], 0.8 * _capped(args) / 0.6))
     with pytest.raises(InfeasibleError, match="host's RAM|no plan fits"):
         auto(*args)
+
+
+def test_an_allocator_peak_reached_before_the_first_step_is_said_so(monkeypatch):
+    """The allocator's peak cannot be reset: where it was reached before the
+    first step ran (the calibration timed the step on its own copy of the
+    state: a 2.9B FlaxLlama showed 106 GB for a 50 GB step on an H200),
+    step.report() says so instead of passing it off as the step's."""
+    from hetpar import _memory_check
+    from hetpar._report import memory_lines
+
+    step, args = _mlp_step()
+    auto = hetpar.auto(step, devices=["cpu:0"], profile=None)
+    compiled = auto.lower(*args)
+    monkeypatch.setattr(_memory_check, "allocator_peak", lambda step, d: 7e9)
+    compiled.peaks_before_run = {"cpu:0": 7e9}
+    summary = _memory_check.memory_summary(compiled)
+    assert summary["cpu:0"]["measured_before_step"] is True
+    assert "reached before the first step" in memory_lines(summary)
+    compiled.peaks_before_run = {"cpu:0": 5e9}  # the step went higher
+    assert "measured_before_step" not in _memory_check.memory_summary(compiled)["cpu:0"]
