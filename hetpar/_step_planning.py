@@ -337,7 +337,10 @@ def _scaled_to_compiled(compiled, table):
     step compiled to 108 GB against the 107 GB an H200's allocator left it,
     and, planned on the planner's own 1.3x figures, recomputed 30 of its 35
     layers (2.0x jit's step; experiments/results/fit_h200, run 11). The
-    compiled check still has the last word (`_memory_check.misfits`)."""
+    scaling is uniform, the overcount is not: that step's peak is its state
+    and gradients, so the few layers its scaled plan recomputed saved
+    nothing compiled (run 13), and the compiled check (`_memory_check.
+    misfits`), which has the last word, planned it again."""
     from hetpar._memory_check import MARGIN
 
     for name, need in compiled._alone_need.items():
