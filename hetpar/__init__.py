@@ -41,6 +41,7 @@ _LAZY = {
     "HostMemoryWarning": "hetpar._host_memory",
     "OutOfMemoryWarning": "hetpar._recovery",
     "OutOfMemoryError": "hetpar._recovery",
+    "PlaceError": "hetpar._place",
     "gather": "hetpar.runtime",
 }
 
@@ -49,6 +50,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; never executed
     from hetpar._grad import grad, value_and_grad
     from hetpar._host_memory import HostMemoryWarning
     from hetpar._nnx_args import trace
+    from hetpar._place import PlaceError
     from hetpar._recovery import OutOfMemoryError, OutOfMemoryWarning
     from hetpar._report import CostReport, report
     from hetpar._step_clock import PredictionWarning
@@ -82,6 +84,7 @@ __all__ = [
     "HostMemoryWarning",
     "OutOfMemoryWarning",
     "OutOfMemoryError",
+    "PlaceError",
     "auto",
     "grad",
     "value_and_grad",

@@ -33,8 +33,9 @@ state as it arrives, offloaded activations until their backward.
 Stages on other devices are taken to run in the global stage order (their
 index), which decides when a value read across devices is freed.
 
-`misfits` compares each peak with the capacity the plan used, less
-`MARGIN`, and the CPU devices and memory places together with the host's
+`misfits` compares each peak with the capacity the plan used, less a
+margin (`margin_of`: `MARGIN` for one executable, `SPLIT_MARGIN` for a split
+plan's replayed peak), and the CPU devices and memory places together with the host's
 RAM as the OS gives it (`host_misfit`: they share it, and the planner's
 table gives each of them the whole); `AutoStep` plans again with the device
 capped by the excess (`replan_cap`), at most `MAX_REPLANS` times, before
@@ -105,7 +106,7 @@ class Misfit:
       device: the device name.
       compiled_bytes: the compiled stages' peak there (`compiled_peaks`).
       capacity_bytes: the capacity the plan used (`memory=` cap included).
-      usable_bytes: `capacity_bytes` less `MARGIN`.
+      usable_bytes: `capacity_bytes` less `margin`.
       predicted_bytes: what the planner predicted the device holds (None if unknown).
       stage: where the peak falls, for messages ("stage 7 (backward) of [layers]").
     """
@@ -117,7 +118,7 @@ class Misfit:
     predicted_bytes: float | None
     stage: str
     host: bool = False  # the host's RAM, which `device` shares with others (`host_misfit`)
-    margin: float = MARGIN
+    margin: float = MARGIN  # the share of `capacity_bytes` kept back (`margin_of`)
 
     @property
     def excess_bytes(self) -> float:
@@ -449,7 +450,7 @@ def memory_summary(step) -> dict:
         measured = allocator_peak(step, d)
         out[d] = {"predicted": predicted.get(d), "compiled": peaks.get(d),
                   "measured": measured, "capacity": caps.get(d)}
-        if measured is not None and before.get(d) == measured:
+        if measured is not None and before.get(memory_place(d)[0]) == measured:
             # The allocator's peak cannot be reset: one reached before the
             # first step ran (the calibration timing the step on its own copy
             # of the state, place()) says nothing of the step's own.

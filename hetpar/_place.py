@@ -7,9 +7,10 @@ placed for an offload plan, sat on the host twice (the caller's arrays and
 their copies in pinned host memory), over a 125 GiB host's RAM. With
 `donate_argnums`, `place` moves the donated arguments' arrays a chunk
 (`CHUNK_BYTES`) at a time, waits for the chunk's copies, and only then
-deletes the originals: the host holds at most one chunk twice. Arrays a
-copy leaves where they are (already placed), NumPy arrays and the other
-arguments are never given up. Nothing is lost when a copy fails:
+deletes the originals: the host holds at most one chunk twice. An array
+whose copy shares a buffer with it (already placed, or a replicated array's
+shard on the target), NumPy arrays and the other arguments are never given
+up; nor anything under several processes. Nothing is lost when a copy fails:
 `PlaceError.placed` holds the arguments as they then are, the arrays moved
 so far beside those not moved yet.
 """
@@ -53,10 +54,24 @@ def place(step, args: tuple) -> tuple:
     donated = (donated_leaves(args, step._donated)
                if step._donated and jax.process_count() == 1 else [])
     if executor is None:  # one device
-        def move(idx):  # one put, to the bare device: to its sharding, host -> GPU
-            # copies ran 1.1-1.4 GB/s against 5-8 (experiments/results/links)
+        def to(x):
+            # The bare device where it is a plain copy in: to the device's
+            # sharding, host -> GPU copies ran 1.1-1.4 GB/s against 5-8
+            # (experiments/results/links). Not an array already partly there or
+            # in another memory kind: a put to the bare device may wrap its
+            # buffer as it is.
+            if isinstance(x, jax.Array) and (
+                    len(x.devices()) > 1 or step._device in x.devices()
+                    or getattr(x.sharding, "memory_kind", None) not in (None, "device")):
+                return step._sharding
+            return step._device
+
+        def move(idx):  # one put per destination form
             arrays = [i for i in idx if is_array(leaves[i])]
-            put = dict(zip(arrays, jax.device_put([leaves[i] for i in arrays], step._device)))
+            put = {}
+            for dst in {to(leaves[i]) for i in arrays}:
+                mine = [i for i in arrays if to(leaves[i]) == dst]
+                put.update(zip(mine, jax.device_put([leaves[i] for i in mine], dst)))
             return [put.get(i, leaves[i]) for i in idx]
     else:
         fixed = set(static_where(args)) if step._static is not None else set()
@@ -92,12 +107,18 @@ def place_donating(leaves: list, donated: Sequence[int], move: Callable[[list[in
     rest = [i for i in range(len(leaves)) if i not in given]
     for i, y in zip(rest, move(rest) if rest else ()):
         out[i] = y
+    # An array at several donated positions (tied weights) is copied once,
+    # at its first; the others take that copy, never the original.
+    same: dict[int, list[int]] = {}  # id -> its donated positions
+    for i in donated:
+        same.setdefault(id(leaves[i]), []).append(i)
+    unique = [i for i in donated if same[id(leaves[i])][0] == i]
     chunk: list[int] = []
     size = 0
-    for n, i in enumerate(donated):
+    for n, i in enumerate(unique):
         chunk.append(i)
         size += int(getattr(leaves[i], "nbytes", 0) or 0)
-        if size < CHUNK_BYTES and n + 1 < len(donated):
+        if size < CHUNK_BYTES and n + 1 < len(unique):
             continue
         try:
             moved = move(chunk)
@@ -110,18 +131,23 @@ def place_donating(leaves: list, donated: Sequence[int], move: Callable[[list[in
                 "arguments, those moved so far and the rest, are in this error's `placed`",
                 placed) from e
         for i, y in zip(chunk, moved):
-            if _moved(leaves[i], y):
+            for j in same[id(leaves[i])]:
+                out[j] = y
+            if _copied(leaves[i], y):
                 leaves[i].delete()
-            out[i] = y
         chunk, size = [], 0
     return out
 
 
-def _moved(x, y) -> bool:
-    """Whether `y` is a copy of JAX array `x` elsewhere: a put to the device
-    and memory `x` is on may hand back `x`'s own buffer in a new array,
-    which deleting `x` would delete."""
+def _copied(x, y) -> bool:
+    """Whether `y` holds none of JAX array `x`'s buffers: a put may hand back
+    `x`'s own buffer in a new array (already in place; a replicated array's
+    shard on the target), which deleting `x` would delete. Unsure: no."""
     if not isinstance(x, jax.Array) or y is x:
         return False
-    kind = getattr(x.sharding, "memory_kind", None)
-    return x.devices() != y.devices() or kind != getattr(y.sharding, "memory_kind", None)
+    try:
+        mine = {(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+        return not mine & {(s.device, s.data.unsafe_buffer_pointer())
+                           for s in y.addressable_shards}
+    except Exception:  # noqa: BLE001 - no pointer to compare (a backend without one)
+        return False

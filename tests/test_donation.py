@@ -253,3 +253,36 @@ def test_a_failed_copy_in_place_loses_nothing(monkeypatch):
     assert any(_deleted(args[:2])) and not any(_deleted(kept))
     for a, b in zip(jax.tree_util.tree_leaves(kept[:2]), jax.tree_util.tree_leaves(before)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_place_never_gives_up_an_array_whose_copy_shares_its_buffer():
+    """A put may hand back the caller's own buffer in a new array: an array
+    replicated over cpu:0 and cpu:1 placed for a plan on cpu:1, arguments
+    placed twice, an array at two donated positions (tied). None of those
+    originals may be deleted: the placed state would go with them."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan=dict.fromkeys(graph.layers, "cpu:1"),
+                       donate_argnums=DONATE)
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+    both = jax.device_put(args[:2], NamedSharding(mesh, PartitionSpec()))
+    before = _copies(both)
+    placed = step.place(*both, args[2])
+    assert not any(_deleted(placed))
+    again = step.place(*placed)  # already in place: nothing moves, nothing goes
+    assert not any(_deleted(again)) and not any(_deleted(placed))
+    oracle.assert_equals_jit(step(*again), w.train_step, (*before, args[2]))
+    # The same arrays at two donated positions: copied once, both placed.
+    def tied_step(p, q, batch):  # q: the same arrays as p
+        new_p, _, loss = w.train_step(p, args[1], batch)
+        return new_p, q, loss
+
+    tied = hetpar.auto(tied_step, devices="cpu:1", donate_argnums=(0, 1))
+    p = oracle.on_cpu0(args[0])
+    out = tied.place(p, p, args[2])
+    assert not any(_deleted(out))
+    for a, b in zip(jax.tree_util.tree_leaves(out[0]), jax.tree_util.tree_leaves(out[1])):
+        assert a is b

@@ -126,7 +126,8 @@ def test_an_out_of_memory_at_launch_deletes_donated_arguments_as_under_jit():
     donated input was deleted), so an out-of-memory in a donating step
     loses the state, under jax.jit and hetpar.auto alike. hetpar says so in
     one line and does not retry on arrays that are gone; without donation
-    the arguments stay whole and it plans again."""
+    the arguments stay whole (here, on one device, it then gives up in one
+    line too; with another device to take state it plans again)."""
     import jax.numpy as jnp
 
     from hetpar._recovery import OutOfMemoryError
