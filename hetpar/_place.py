@@ -24,6 +24,7 @@ import numpy as np
 
 from hetpar.core import HetparError, nbytes
 from hetpar.passes import static_where
+from hetpar.runtime import copied_apart
 
 #: Bytes of donated arrays copied before their originals are given up.
 CHUNK_BYTES = 1 << 30
@@ -133,21 +134,7 @@ def place_donating(leaves: list, donated: Sequence[int], move: Callable[[list[in
         for i, y in zip(chunk, moved):
             for j in same[id(leaves[i])]:
                 out[j] = y
-            if _copied(leaves[i], y):
+            if copied_apart(leaves[i], y):
                 leaves[i].delete()
         chunk, size = [], 0
     return out
-
-
-def _copied(x, y) -> bool:
-    """Whether `y` holds none of JAX array `x`'s buffers: a put may hand back
-    `x`'s own buffer in a new array (already in place; a replicated array's
-    shard on the target), which deleting `x` would delete. Unsure: no."""
-    if not isinstance(x, jax.Array) or y is x:
-        return False
-    try:
-        mine = {(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
-        return not mine & {(s.device, s.data.unsafe_buffer_pointer())
-                           for s in y.addressable_shards}
-    except Exception:  # noqa: BLE001 - no pointer to compare (a backend without one)
-        return False

@@ -9,10 +9,10 @@ from hetpar.runtime._network import gather
 from hetpar.runtime._overhead import crossing_s, link_bandwidth, link_curve, stage_overhead_s
 from hetpar.runtime._replicated import Replicated
 from hetpar.runtime._sharded import STAGES, Sharded, shard_axis
-from hetpar.runtime._transfer import TransferEngine
+from hetpar.runtime._transfer import TransferEngine, copied_apart
 from hetpar.runtime._workers import Workers
 
 __all__ = ["STAGES", "Executor", "GroupRunner", "HostMemoryWarning", "Replicated", "Sharded",
-           "StageError", "StageEvent", "TransferEngine", "Workers", "crossing_s",
+           "StageError", "StageEvent", "TransferEngine", "Workers", "copied_apart", "crossing_s",
            "executable_peak", "gather", "link_bandwidth", "link_curve", "output_roles",
            "shard_axis", "stage_overhead_s"]

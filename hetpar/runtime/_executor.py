@@ -46,7 +46,7 @@ from hetpar.cost_models import has_pinned_host, host_cores
 from hetpar.passes import Stage, StageGraph
 from hetpar.runtime._network import Crossing, Network, crossings, global_order, local_part
 from hetpar.runtime._run import StageError, StageEvent, _give_up, _Run
-from hetpar.runtime._transfer import TransferEngine
+from hetpar.runtime._transfer import TransferEngine, copied_apart
 from hetpar.runtime._workers import Workers
 
 
@@ -423,8 +423,9 @@ class Executor:
         placed = self.place_inputs(flat_args)
         for i in self.donated:
             # The caller's donated array, copied to where the plan keeps it:
-            # the copy is the step's, the original is given up now.
-            if placed[i] is not flat_args[i]:
+            # the copy is the step's, the original is given up now (not where
+            # the "copy" holds its buffer: a replicated array's shard).
+            if copied_apart(flat_args[i], placed[i]):
                 _give_up(flat_args[i])
         run = _Run(self, dict(zip(self._invars, placed)))
         calls = {name: functools.partial(run.device, name) for name in self.local}

@@ -122,3 +122,17 @@ class TransferEngine:
     def move(self, x, dst):
         """`x` on `dst` (the same array when it is already there)."""
         return self.move_many([x], dst)[0]
+
+
+def copied_apart(x, y) -> bool:
+    """Whether `y` holds none of JAX array `x`'s buffers: a put may hand back
+    `x`'s own buffer in a new array (already in place; a replicated array's
+    shard on the target), which deleting `x` would delete. Unsure: no."""
+    if not isinstance(x, jax.Array) or y is x:
+        return False
+    try:
+        mine = {(s.device, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+        return not mine & {(s.device, s.data.unsafe_buffer_pointer())
+                           for s in y.addressable_shards}
+    except Exception:  # noqa: BLE001 - no pointer to compare (a backend without one)
+        return False
