@@ -134,6 +134,9 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if not graph.layers:
+        raise PlanError("the step has no layers to place: it computes nothing (its results "
+                        "are its inputs); call it as it is")
     check_covers(graph, assignment)
     placements = parse_placements(assignment)
     for layer, p in placements.items():

@@ -405,3 +405,11 @@ def test_calibration_times_a_short_step_more_than_three_times(monkeypatch):
     runs.clear()
     assert _auto.whole_step_s(step, (W, X), CPU[0], budget_s=0.0) > 0
     assert runs == [3]
+
+
+def test_a_step_that_computes_nothing_is_one_clear_error():
+    """Its results are its inputs: no layer to place (was an IndexError)."""
+    from hetpar.core import PlanError
+
+    with pytest.raises(PlanError, match="no layers to place"):
+        hetpar.auto(lambda p, x: (p, x), devices="cpu:0")(jnp.ones(3), jnp.ones(2))
