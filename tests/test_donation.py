@@ -27,7 +27,8 @@ def _plan(how: str, layers: list) -> dict:
     if how == "split":  # the first half on cpu:0, the rest on cpu:1
         half = len(layers) // 2
         return {n: "cpu:0" if k < half else "cpu:1" for k, n in enumerate(layers)}
-    if how == "remat":  # one device, recomputed: one executable (passes/_fuse.py)
+    if how == "remat":  # one device, recomputed: one executable (passes/_fuse.py; the
+        # fast tier's check of it against jax.jit)
         return {n: {"compute": "cpu:0", "activations": "remat"} for n in layers}
     return {n: OFFLOAD if how == "host_update" else STREAMED for n in layers}
 
@@ -48,7 +49,9 @@ def test_donating_split_and_offload_plans_equal_jit_and_give_up_the_state(how):
     graph = hetpar.trace(w.train_step, *args)
     step = hetpar.auto(w.train_step, plan=_plan(how, graph.layers), donate_argnums=DONATE)
     state, batch = step.place(*args)[:-1], args[-1]
-    assert step.lower(*state, batch).stages is not None  # a split plan, not one jit
+    stages = step.lower(*state, batch).stages
+    assert stages is not None  # a split plan, not one jit
+    assert (len(stages.stages) == 1) == (how == "remat")  # fused: one executable
     jitted = jax.jit(w.train_step)
     donating_jit = jax.jit(w.train_step, donate_argnums=DONATE)
     for _ in range(3):
