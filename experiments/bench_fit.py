@@ -72,7 +72,12 @@ def _hf_llama(config: dict, batch: int, seq: int):
     AdamW, `jax.value_and_grad`."""
     import jax
     import optax
-    from transformers import FlaxLlamaForCausalLM, LlamaConfig
+
+    try:
+        from transformers import FlaxLlamaForCausalLM, LlamaConfig
+    except ImportError as e:
+        raise SystemExit(f"hf_llama3b needs transformers 4.x with Flax models ({e}); 5.x "
+                         "dropped them: pip install 'transformers<5'") from e
 
     cfg = LlamaConfig(**{"vocab_size": 32000, **config})  # 2048 positions
     model = FlaxLlamaForCausalLM(cfg, input_shape=(1, seq), seed=0, _do_init=False)

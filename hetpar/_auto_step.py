@@ -42,7 +42,7 @@ from hetpar._recovery import (
     is_out_of_memory,
     smaller_cap,
 )
-from hetpar._signature import signature
+from hetpar._signature import donated_positions, signature
 from hetpar._step_planning import candidate_devices
 from hetpar.core import HetparError, InfeasibleError, Placement, memory_place, nbytes
 from hetpar.cost_models import live_capacity
@@ -211,7 +211,7 @@ class AutoStep:
                     raise
                 self._replan_smaller(e, tries, args)
 
-    def _replan_smaller(self, e: Exception, tries: int, args: tuple = ()) -> None:
+    def _replan_smaller(self, e: Exception, tries: int, args: tuple) -> None:
         """After a step ran out of memory, caps the device that ran out below what
         the plan predicted there, so that the next call plans again on the same
         arguments (intact where none was donated, or none of the donated was
@@ -273,7 +273,7 @@ class AutoStep:
                     step.clock.observe(start, out, step)
                 return out
         step, nnx_args = self._step_for(args)
-        if step.first_call.total_s is None and not hasattr(step, "peaks_before_run"):
+        if step.peaks_before_run is None:  # the first call: planned, placed, not run
             step.peaks_before_run = {d: allocator_peak(step, d) for d in step.devices}
         running = time.perf_counter()
         if nnx_args is None:
@@ -431,6 +431,6 @@ def _describe(p: Placement) -> str:
 
 def _donated_lost(args: tuple, donate_argnums) -> bool:
     """Whether a step that failed gave up any of the caller's donated arrays."""
-    nums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums or ())
     return any(isinstance(x, jax.Array) and x.is_deleted()
-               for i in nums if i < len(args) for x in jax.tree_util.tree_leaves(args[i]))
+               for i in donated_positions(donate_argnums, len(args))
+               for x in jax.tree_util.tree_leaves(args[i]))

@@ -143,6 +143,9 @@ class CompiledStep:
         self._jit_peaks: dict = {}  # device -> its one-device jit's compiled peak (`jit_memory`)
         self._fits_compiled: dict = {}  # device name -> whether the whole step fits it compiled
         self._alone_need: dict = {}  # device name -> the planner's figure for the step alone there
+        # device -> the allocator's peak when the first call started running
+        # (set by `AutoStep`; `memory_summary` tells a peak reached before it)
+        self.peaks_before_run: dict | None = None
         with self.first_call.phase("plan"):
             self.placements: dict[str, Placement] = parse_placements(assign(self, options))
         if self._share is not None and self.plan is not None:

@@ -445,7 +445,7 @@ def memory_summary(step) -> dict:
     devices = sorted(set(peaks) | {d for d in predicted if d in step.devices})
     caps = capacities(step, devices)
     out = {}
-    before = getattr(step, "peaks_before_run", {})
+    before = getattr(step, "peaks_before_run", None) or {}
     for d in devices:
         measured = allocator_peak(step, d)
         out[d] = {"predicted": predicted.get(d), "compiled": peaks.get(d),
