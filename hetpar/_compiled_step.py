@@ -92,6 +92,9 @@ class CompiledStep:
         # ({device: peak bytes}, {device: where}) of the compiled stages
         # (hetpar/_memory_check.py); None where nothing split was compiled.
         self.compiled_memory = None
+        # device -> the allocator's peak when the first call started running
+        # (set by `AutoStep`; `memory_summary` tells a peak reached before it)
+        self.peaks_before_run: dict | None = None
         self.devices = present_devices()
         check_present(options.devices, self.devices)
         self.plan_fingerprint: str | None = None
@@ -143,9 +146,6 @@ class CompiledStep:
         self._jit_peaks: dict = {}  # device -> its one-device jit's compiled peak (`jit_memory`)
         self._fits_compiled: dict = {}  # device name -> whether the whole step fits it compiled
         self._alone_need: dict = {}  # device name -> the planner's figure for the step alone there
-        # device -> the allocator's peak when the first call started running
-        # (set by `AutoStep`; `memory_summary` tells a peak reached before it)
-        self.peaks_before_run: dict | None = None
         with self.first_call.phase("plan"):
             self.placements: dict[str, Placement] = parse_placements(assign(self, options))
         if self._share is not None and self.plan is not None:
