@@ -156,6 +156,35 @@ def test_the_calibration_does_not_time_the_whole_step_where_it_does_not_fit(cali
     assert not _untimed_steps(compiled.plan, compiled.table)
 
 
+def test_a_device_that_only_updates_state_has_no_whole_step_timed():
+    """A plan whose host CPU only updates the state kept there (its compute
+    all on the GPU) gets no round timing the CPU's layers: each update was
+    timed alone already (a 0.54B model at 7.5 GB of an H200 spent 72 s
+    timing forwards and backwards on the CPU that its plan never ran). The
+    same busy CPU computing a layer does get the round."""
+    import dataclasses
+    import types
+
+    from hetpar.core import Placement
+    from hetpar._step_planning import _untimed_steps
+    from hetpar.planner import evaluate
+
+    table = _table()
+    table = dataclasses.replace(table, layers=tuple(
+        dataclasses.replace(layer, update_s={"cpu:0": 10.0, "gpu:0": 1e-3})
+        for layer in table.layers), meta={"untimed_kinds": ["cpu", "h100"]})
+    updates_only = {n: Placement("gpu:0", state="cpu:0", update="cpu:0") for n in table.layer_names}
+    computing = {**updates_only, "l0": "cpu:0"}
+    for assignment, busy in ((updates_only, frozenset()), (computing, {"cpu"})):
+        plan = types.SimpleNamespace(
+            placements={n: p if isinstance(p, Placement) else Placement(p)
+                        for n, p in assignment.items()},
+            predicted=evaluate(table, assignment))
+        cpu = plan.predicted.busy_s["cpu:0"]
+        assert cpu >= 0.5 * plan.predicted.step_time_s  # the CPU is the step's bulk
+        assert _untimed_steps(plan, table) == busy
+
+
 def test_a_step_the_planner_overcounts_is_planned_on_its_device_by_its_compiled_figure():
     """Where only the planner's memory figures keep the whole step off the
     fastest device, and they put it under COMPILE_WITHIN x its capacity, the
