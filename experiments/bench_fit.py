@@ -18,6 +18,7 @@ first call (trace, plan, compile, place; `step.report()`'s breakdown) against
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -199,6 +200,12 @@ def run_cell(args) -> dict:
             out["memory_gb"] = {d: {k: (None if v is None else v / 1e9) for k, v in m.items()}
                                 for d, m in summary["memory"].items()}
             out["first_call"] = summary["first_call"]
+            if args.timeline and plan is not None:
+                try:
+                    out["timeline"] = _timelines(step, [p, o], batch, args.timeline)
+                    p, o = out["timeline"].pop("state")
+                except Exception as e:  # noqa: BLE001 - the cell's figures stand without it
+                    out["timeline"] = {"error": f"{type(e).__name__}: {e}"[:400]}
             if plan is not None:
                 pred = plan.predicted
                 peaks = dict(pred.peak_memory_bytes or pred.memory_bytes or {})
@@ -218,6 +225,35 @@ def run_cell(args) -> dict:
     stats = gpu.memory_stats() or {}
     out.update({"median_s": statistics.median(times[1:]), "times_s": times, "loss": loss,
                 "gpu_peak_gb": (stats.get("peak_bytes_in_use") or 0) / 1e9})
+    return out
+
+
+def _timelines(step, state, batch, where: str) -> dict:
+    """One step watched as it runs (each device's compute and its copies in
+    and out: `Executor.watch_events`) beside the planner's replay of the same
+    plan, and the plan's cost table saved to `where` (the step's costs as
+    calibrated here, to replan offline)."""
+    from hetpar.planner import simulate
+
+    compiled = step._last
+    table = compiled.table
+    os.makedirs(os.path.dirname(where) or ".", exist_ok=True)
+    table.save(where)
+    replay = simulate(table, compiled.placements)
+    out = {"table": os.path.basename(where), "predicted": replay.timeline(),
+           "predicted_s": replay.step_time_s}
+    ex = compiled._executor
+    if ex is None:  # one executable: no stages to watch
+        out["state"] = state
+        return out
+    ex.watch_events = True
+    t = time.perf_counter()
+    params, opt_state, loss = step(*state, batch)
+    float(loss)
+    out["watched_s"] = time.perf_counter() - t
+    ex.watch_events = False
+    out["measured"] = [dataclasses.asdict(e) for e in ex.last_events]
+    out["state"] = [params, opt_state]
     return out
 
 
@@ -285,6 +321,10 @@ def main(argv=None):
     p.add_argument("--stacks", type=float, default=0.0,
                    help="every this many seconds, each cell dumps its Python stacks to stderr "
                         "(kept in the results when the cell times out)")
+    p.add_argument("--timeline", default=None,
+                   help="a directory: each hetpar cell with a split plan saves its cost "
+                        "table there and adds one watched step and the planner's replay "
+                        "of it to its results")
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--fraction", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -306,6 +346,9 @@ def main(argv=None):
                 cmd += ["--stacks", str(args.stacks)] if args.stacks else []
                 cmd += ["--state", args.state]
                 cmd += [] if args.donate else ["--no-donate"]
+                if args.timeline:
+                    cmd += ["--timeline", os.path.join(
+                        args.timeline, f"table_{model}_{fraction}_{mode}.json")]
                 t = time.perf_counter()
                 try:
                     proc = subprocess.run(cmd, env=env, capture_output=True, text=True,

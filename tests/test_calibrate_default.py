@@ -165,8 +165,8 @@ def test_a_device_that_only_updates_state_has_no_whole_step_timed():
     import dataclasses
     import types
 
-    from hetpar.core import Placement
     from hetpar._step_planning import _untimed_steps
+    from hetpar.core import Placement
     from hetpar.planner import evaluate
 
     table = _table()
