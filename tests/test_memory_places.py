@@ -37,14 +37,18 @@ RESIDENT = 2 * PARAM + OPT + ACT  # 4.5 GB: each block's memory_bytes
 # What a block holds with everything on its GPU: its memory_bytes and, as
 # nothing is donated, its new parameters and optimizer state: 7.5 GB.
 HELD = RESIDENT + PARAM + OPT
+# One batch at a time a block's activations (0.5 GB) are freed in its backward
+# as its gradient (1 GB) is made: the two count once, the larger (`Arrays.overlap`).
+HELD_ONE = HELD - ACT  # 7 GB
 PLACE = "gpu:0:pinned_host"
 CPU_BW, PLACE_BW, LAT = 7e9, 50e9, 3e-4
 
 
 def table(blocks: int = 6, *, gpu_gb: float = 100.0, host_gb: float = 200.0,
-          place: bool = True, cpu_compute: bool = True) -> CostTable:
+          place: bool = True, cpu_compute: bool = True, act: float = ACT) -> CostTable:
     """A chain of equal blocks on a slow CPU and a fast GPU, the GPU's pinned host
-    memory beside them (sharing the host's RAM)."""
+    memory beside them (sharing the host's RAM); `act`: each block's activations."""
+    resident = 2 * PARAM + OPT + act
     devices = [Device("cpu:0", "cpu", host_gb * GB, 0.0, 270.0, 100.0, price_alone_per_hour=1.4),
                Device("gpu:0", "h100", gpu_gb * GB, 6.9, 700.0, 70.0)]
     links = [Link("cpu:0", "gpu:0", CPU_BW, LAT), Link("gpu:0", "cpu:0", CPU_BW, LAT)]
@@ -54,8 +58,8 @@ def table(blocks: int = 6, *, gpu_gb: float = 100.0, host_gb: float = 200.0,
     names = [f"b{i}" for i in range(blocks)]
     layers = tuple(
         Layer(n, time_s={"cpu:0": 5.0, "gpu:0": 0.02},
-              memory_bytes={"cpu:0": RESIDENT, "gpu:0": RESIDENT},
-              allowed=None if cpu_compute else ("gpu:0",), activation_bytes=ACT,
+              memory_bytes={"cpu:0": resident, "gpu:0": resident},
+              allowed=None if cpu_compute else ("gpu:0",), activation_bytes=act,
               param_bytes=PARAM, opt_state_bytes=OPT, update_s={"cpu:0": 0.3, "gpu:0": 0.008})
         for n in names)
     edges = tuple(Edge(u, v, 1e7, 1e7) for u, v in zip(names, names[1:], strict=False))
@@ -70,16 +74,16 @@ JAX_OFFLOAD = Placement("gpu:0", PLACE, "gpu:0", params="gpu:0")
 
 def test_plan_streams_optimizer_state_from_pinned_host_not_the_cpu_device():
     roomy = table()
-    # 45 GB held resident on a 31 GB GPU; streamed from the place, a block
-    # holds 3.5 GB (its old and new optimizer state away), and old and new
+    # 42 GB held resident on a 28 GB GPU; streamed from the place, a block
+    # holds 3 GB (its old and new optimizer state away), and old and new
     # state visit for the updates, five at most in flight (2 GB each): six
-    # streamed hold 21 + 10 = 31 GB.
-    p = plan(roomy, memory={"gpu:0": 31 * GB}, activations=False)  # the state search alone
+    # streamed hold 18 + 10 = 28 GB (five would hold 15 + 7 + 10).
+    p = plan(roomy, memory={"gpu:0": 28 * GB}, activations=False)  # the state search alone
     assert set(p.assignment.values()) == {"gpu:0"}
     assert p.offloaded and set(p.offloaded.values()) == {JAX_OFFLOAD}
-    assert p.predicted.peak_memory_bytes["gpu:0"] == pytest.approx(31 * GB)
+    assert p.predicted.peak_memory_bytes["gpu:0"] == pytest.approx(28 * GB)
     assert PLACE not in p.predicted.busy_s
-    slow = plan(table(place=False), memory={"gpu:0": 31 * GB}, activations=False)
+    slow = plan(table(place=False), memory={"gpu:0": 28 * GB}, activations=False)
     assert {pl.state for pl in slow.offloaded.values()} == {"cpu:0"}
     assert p.predicted.step_time_s < slow.predicted.step_time_s
     # The streamed way keeps parameters on the GPU, through the CPU device too.
@@ -139,10 +143,10 @@ def test_held_bytes_with_places_and_shared_host_ram():
     assert held["cpu:0"] == 0
     # Two blocks' old and new optimizer state leave the GPU; both blocks'
     # visit for the updates (at most five states in flight, `streamed_in_flight`).
-    assert held["gpu:0"] == pytest.approx(6 * HELD - 2 * 2 * OPT + 4 * OPT)
+    assert held["gpu:0"] == pytest.approx(6 * HELD_ONE - 2 * 2 * OPT + 4 * OPT)
     three = {**two, "b2": JAX_OFFLOAD}
     held = dict(zip(arr.devices, held_bytes(arr, arr.placed(three)), strict=True))
-    assert held["gpu:0"] == pytest.approx(6 * HELD - 3 * 2 * OPT + 5 * OPT)
+    assert held["gpu:0"] == pytest.approx(6 * HELD_ONE - 3 * 2 * OPT + 5 * OPT)
     assert violations(t, two) == []
     # The place and the CPU device draw on one 12 GB RAM.
     host = Placement("gpu:0", "cpu:0", "gpu:0", params="gpu:0")
@@ -156,7 +160,7 @@ def test_held_bytes_with_places_and_shared_host_ram():
 
 
 def test_jax_offload_baseline():
-    t = table(gpu_gb=31)  # all six streamed from the place hold 31 GB
+    t = table(gpu_gb=28)  # all six streamed from the place hold 28 GB
     placements, why = _offload.jax_offload(t)
     assert why is None and set(placements.values()) == {JAX_OFFLOAD}
     p = plan(t, activations=False)
@@ -171,7 +175,7 @@ def test_jax_offload_baseline():
 
 
 def test_plan_json_round_trip_with_params_and_a_place(tmp_path):
-    t = table(gpu_gb=31)  # every block streamed from the place (31 GB held)
+    t = table(gpu_gb=28)  # every block streamed from the place (28 GB held)
     p = plan(t, activations=False)
     obj = p.to_json()["assignment"][next(iter(p.offloaded))]
     assert obj == {"compute": "gpu:0", "params": "gpu:0", "state": PLACE, "update": "gpu:0"}
@@ -212,24 +216,26 @@ def test_link_profile_keeps_its_duplex_bandwidth():
 
 
 def test_planner_recomputes_activations_when_that_keeps_state_on_the_gpu():
-    """Six blocks hold 6 x 7.5 = 45 GB resident; recomputed, 6 x 7 = 42 GB,
-    plus one block's 0.5 GB of activations back while its backward runs.
-    Under a 42.5 GB GPU the plan that keeps activations must stream some
-    blocks' state; recomputing them all keeps everything on the GPU for a
-    second forward each (20 ms x 1/3), far less than the state's copies."""
-    t = table()
-    keep = plan(t, memory={"gpu:0": 42.5 * GB}, activations=False)
+    """Blocks whose activations (1.5 GB) outweigh their gradient (1 GB) hold
+    6 x 7.5 = 45 GB resident (the gradient made as the activations go);
+    recomputed, 6 x 7 = 42 GB, plus one block's 1.5 GB of activations back
+    while its backward runs. Under a 43.5 GB GPU the plan that keeps
+    activations must stream some blocks' state; recomputing them all keeps
+    everything on the GPU for a second forward each (20 ms x 1/3), far less
+    than the state's copies."""
+    t = table(act=1.5 * GB)
+    keep = plan(t, memory={"gpu:0": 43.5 * GB}, activations=False)
     assert keep.offloaded  # some state goes to the place
-    p = plan(t, memory={"gpu:0": 42.5 * GB})
+    p = plan(t, memory={"gpu:0": 43.5 * GB})
     acts = {pl.activations for pl in p.placements.values()}
     assert acts == {"remat"}, p.placements
     assert all(pl.state == "gpu:0" for pl in p.placements.values())
     assert p.predicted.step_time_s < keep.predicted.step_time_s
-    assert p.predicted.peak_memory_bytes["gpu:0"] <= 42.5 * GB
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 43.5 * GB
     # The table itself, told the layers recompute, agrees: it fits, same step.
     from hetpar.planner import evaluate
     from hetpar.planner._solve import with_memory
-    capped = with_memory(t, {"gpu:0": 42.5 * GB})
+    capped = with_memory(t, {"gpu:0": 43.5 * GB})
     assert not violations(capped, p.placements)
     assert violations(capped, {n: pl.compute for n, pl in p.placements.items()})
     assert evaluate(capped, p.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
@@ -247,19 +253,20 @@ def test_planner_recomputes_activations_when_that_keeps_state_on_the_gpu():
 
 
 def test_only_as_many_layers_recompute_as_memory_needs():
-    """45 GB resident, 0.5 GB of activations a block: under 44 GB, three
-    blocks recomputed fit (43.5 GB, and one block's activations back while
-    its backward runs), and the other three keep their activations (each
-    recomputation costs 20 ms / 3). No pinned host memory: the state could
-    only go to the CPU device, whose updates cost more."""
-    t = table(place=False)
-    p = plan(t, memory={"gpu:0": 44 * GB})
+    """2 GB of activations a block (1 GB over its gradient): 6 x 8 = 48 GB
+    resident. Under 47 GB, three blocks recomputed fit (45 GB, and one
+    block's activations back while its backward runs), and the other three
+    keep their activations (each recomputation costs 20 ms / 3). No pinned
+    host memory: the state could only go to the CPU device, whose updates
+    cost more."""
+    t = table(place=False, act=2 * GB)
+    p = plan(t, memory={"gpu:0": 47 * GB})
     acts = [pl.activations for pl in p.placements.values()]
     assert acts.count("remat") == 3 and acts.count("keep") == 3, p.placements
     assert all(pl.state == "gpu:0" for pl in p.placements.values())
     assert p.predicted.step_time_s == pytest.approx(6 * 0.02 + 3 * 0.02 / 3)
-    assert p.predicted.peak_memory_bytes["gpu:0"] <= 44 * GB
-    everything = plan(t, memory={"gpu:0": 42.5 * GB})  # all six must recompute
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 47 * GB
+    everything = plan(t, memory={"gpu:0": 44 * GB})  # all six must recompute
     assert [pl.activations for pl in everything.placements.values()] == ["remat"] * 6
     assert p.predicted.step_time_s < everything.predicted.step_time_s
 
@@ -273,12 +280,13 @@ def test_layers_with_parameters_elsewhere_recompute_too():
     to the CPU, 4.8x and 2.5x slower (experiments/results/predictions_memory_bound)."""
     from hetpar.planner._solve import with_memory
 
-    p = plan(table(place=False), memory={"gpu:0": 38 * GB})
+    t = table(place=False, act=1.5 * GB)
+    p = plan(t, memory={"gpu:0": 39 * GB})
     places = list(p.placements.values())
     assert any(pl.activations == "remat" and pl.params != pl.compute for pl in places)
     recomputed = sum(pl.activations == "remat" for pl in places)
     assert p.solver["recomputed"] == f"{recomputed} of 6 layers"
-    assert not violations(with_memory(table(place=False), {"gpu:0": 38 * GB}), p.placements)
+    assert not violations(with_memory(t, {"gpu:0": 39 * GB}), p.placements)
 
 
 def test_recompute_costs_only_the_forward_the_backward_reads():
@@ -286,16 +294,16 @@ def test_recompute_costs_only_the_forward_the_backward_reads():
     as traced) recomputes 20 ms x 1/3 x 0.5, not a whole forward."""
     import dataclasses
 
-    t = table()
+    t = table(act=1.5 * GB)
     half = dataclasses.replace(t, layers=tuple(dataclasses.replace(la, recompute_fraction=0.5)
                                                 for la in t.layers))
-    whole = plan(t, memory={"gpu:0": 42.5 * GB})
-    p = plan(half, memory={"gpu:0": 42.5 * GB})
+    whole = plan(t, memory={"gpu:0": 43.5 * GB})
+    p = plan(half, memory={"gpu:0": 43.5 * GB})
     assert {pl.activations for pl in p.placements.values()} == {"remat"}
     assert p.predicted.step_time_s < whole.predicted.step_time_s
     from hetpar.planner import evaluate
     from hetpar.planner._solve import with_memory
-    capped = with_memory(half, {"gpu:0": 42.5 * GB})
+    capped = with_memory(half, {"gpu:0": 43.5 * GB})
     assert evaluate(capped, p.placements).step_time_s == pytest.approx(p.predicted.step_time_s)
     assert "23.3 ms" in p.summary(capped)  # 20 ms x (1 + 1/3 x 0.5)
 
@@ -304,12 +312,12 @@ def test_state_beyond_host_ram_names_the_smallest_footprint():
     with pytest.raises(InfeasibleError) as e:
         plan(table(gpu_gb=20, host_gb=5, cpu_compute=False))
     msg = str(e.value)
-    # 45 GB held on a 20 GB GPU: streaming two or more holds at least
-    # 6 x 2.5 + 2 + 4 x 2 = 25 GB (their old and new state in flight), so at
-    # most one block streams (4 GB on the host); the host way (7 GB each on
-    # the host: state and parameters x2, the gradient) leaves 5 GB a block.
-    # Smallest: one block resident, five the host way (GPU 7.5 + 5 x 2.5 =
-    # 20 GB): 35 GB of the host's 5 GB.
+    # 42 GB held on a 20 GB GPU (7 GB a block): streaming two or more holds
+    # at least 2 x 3 + 4 x 2 + 4 x 2 = 22 GB (their old and new state in
+    # flight), so at most one block streams (4 GB on the host); the host way
+    # (7 GB each on the host: state and parameters x2, the gradient) leaves
+    # 5 GB a block. Smallest: one block resident, five the host way (GPU
+    # 7 + 5 x 2 = 17 GB): 35 GB of the host's 5 GB.
     assert "does not fit host memory" in msg and "35 GB" in msg and "holds 5 GB" in msg
 
 
@@ -438,8 +446,8 @@ def test_a_stages_working_set_counts_against_the_cap():
     all_gpu = {n.name: "gpu:0" for n in with_head.layers}
     arr = Arrays(with_head)
     held = held_bytes(arr, arr.placed(all_gpu))
-    assert held[arr.dindex["gpu:0"]] == pytest.approx(6 * HELD + ACT + 3 * GB)
-    cap = 6 * HELD + ACT + 1 * GB  # room for everything it holds, not the head's working set
+    assert held[arr.dindex["gpu:0"]] == pytest.approx(6 * HELD_ONE + ACT + 3 * GB)
+    cap = 6 * HELD_ONE + ACT + 1 * GB  # room for everything it holds, not the head's working set
     from hetpar.planner._solve import with_memory
     capped = with_memory(with_head, {"gpu:0": cap})
     assert any("gpu:0 memory exceeded" in v for v in violations(capped, all_gpu))

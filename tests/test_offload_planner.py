@@ -10,6 +10,7 @@ import pytest
 
 from hetpar.core import GraphFormatError, InfeasibleError, Placement, PlanError
 from hetpar.planner import (
+    Arrays,
     CostTable,
     Device,
     Edge,
@@ -29,7 +30,9 @@ GB = 1e9
 PARAM, OPT, ACT = 1 * GB, 2 * GB, 0.5 * GB  # each block's parameters, optimizer state, activations
 RESIDENT = 2 * PARAM + OPT + ACT  # 4.5 GB: each block's memory_bytes
 # What a block holds with its state on its compute device: its memory_bytes and,
-# as nothing is donated, its new parameters and optimizer state: 7.5 GB.
+# as nothing is donated, its new parameters and optimizer state: 7.5 GB, of
+# which 7 GB count at the step's peak: its activations (0.5 GB) are freed in
+# its backward as its gradient (1 GB) is made (`Arrays.overlap`).
 HELD = RESIDENT + PARAM + OPT
 
 
@@ -55,7 +58,7 @@ def _apart(p: Plan) -> set[str]:
 
 
 def test_state_that_does_not_fit_goes_to_the_host_and_compute_stays_on_the_gpu():
-    tight = table(gpu_gb=20)  # 6 x 7.5 GB held resident = 45 GB
+    tight = table(gpu_gb=20)  # 6 x 7 GB held resident = 42 GB
     p = plan(tight, activations=False)  # the state search alone
     assert set(p.assignment.values()) == {"gpu:0"}
     assert _apart(p) and all(pl.state == "cpu:0" for pl in p.offloaded.values())
@@ -81,9 +84,9 @@ def test_with_enough_memory_nothing_is_offloaded():
 
 
 def test_partial_offload_beats_offloading_everything():
-    # 45 GB held resident on a 35 GB GPU: each streamed block's old and new
-    # optimizer state leave (4 GB), one visits for its update (2 GB), so three
-    # blocks' state must go, not all six.
+    # 42 GB held resident on a 35 GB GPU: each streamed block's old and new
+    # optimizer state leave (4 GB), and visit for its update (2 GB each), so
+    # some blocks' state must go, not all six.
     tight = table(gpu_gb=35)
     p = plan(tight, activations=False)  # the state search alone
     assert 0 < len(p.offloaded) < 6
@@ -182,15 +185,15 @@ def test_state_that_does_not_fit_the_host_names_the_host_and_bytes():
         plan(small_host)
     msg = str(e.value)
     assert "does not fit host memory" in msg and "cpu:0" in msg
-    # 45 GB held on a 20 GB GPU. Streamed, a block leaves 4 GB (old and new
-    # optimizer state) and costs the host 4 GB, but its old and new state
-    # visit for the update: 2 GB each, five at most in flight (two blocks' 8,
-    # three or more 10). The host way (ZeRO-Offload) leaves 5 GB (its new
-    # parameters too) and costs the host 7 GB (state and parameters x2, and
-    # the gradient). Streaming two or more costs the GPU at least
-    # 6 x 2.5 + 2 + 8 = 25 GB, one: 5 x 2.5 + 3.5 + 4 = 20 GB (host 39 GB),
-    # none: one block resident and five the host way, 7.5 + 12.5 = 20 GB:
-    # the smallest host footprint, 5 x 7 = 35 GB.
+    # 42 GB held on a 20 GB GPU (7 GB a block). Streamed, a block leaves 4 GB
+    # (old and new optimizer state) and costs the host 4 GB, but its old and
+    # new state visit for the update: 2 GB each, five at most in flight (two
+    # blocks' 8, three or more 10). The host way (ZeRO-Offload) leaves 5 GB
+    # (its new parameters too) and costs the host 7 GB (state and parameters
+    # x2, and the gradient). Streaming two or more costs the GPU at least
+    # 2 x 3 + 4 x 2 + 8 = 22 GB; one: 3 + 5 x 2 + 4 = 17 GB (host 39 GB);
+    # none: one block resident and five the host way, 7 + 10 = 17 GB: the
+    # smallest host footprint, 5 x 7 = 35 GB.
     assert "35 GB" in msg and "holds 5 GB" in msg
     assert "5 layers' offloaded state: parameters and optimizer state x2" in msg
     assert "gradients of its 5 updates" in msg
@@ -200,8 +203,9 @@ def test_a_cap_no_plan_meets_names_the_smallest_footprint():
     with pytest.raises(InfeasibleError) as e:
         plan(table(cpu_compute=False), memory={"gpu:0": 5 * GB})
     msg = str(e.value)
-    # Every block's state on the host still leaves its weights, gradient and activations.
-    assert "smallest footprint found needs 15 GB on gpu:0" in msg and "5 GB" in msg
+    # Every block's state on the host still leaves its weights and gradient
+    # (its activations freed as the gradient is made): 6 x 2 GB.
+    assert "smallest footprint found needs 12 GB on gpu:0" in msg and "5 GB" in msg
 
 
 def test_replayed_step_includes_the_transfers():
@@ -234,8 +238,9 @@ def test_streamed_state_moves_both_ways():
     held = evaluate(t, streamed).peak_memory_bytes
     assert held["cpu:0"] == pytest.approx(2 * (PARAM + OPT))
     # Its old and new optimizer state and new parameters (apart: they default
-    # to the state) leave the GPU, but both states visit for the update.
-    assert held["gpu:0"] == pytest.approx(6 * HELD - 2 * OPT - PARAM + 2 * OPT)
+    # to the state) leave the GPU, but both states visit for the update; each
+    # block's activations and gradient count once (`Arrays.overlap`).
+    assert held["gpu:0"] == pytest.approx(6 * (HELD - ACT) - 2 * OPT - PARAM + 2 * OPT)
 
 
 def test_pipelined_plans_offload_and_replay():
@@ -310,3 +315,31 @@ def test_offload_ilp_memory_rows_are_held_bytes():
                 m.prob.addConstraint(v == int(combo[o.layer]))
             status, _, _ = _ilp._run_solver(m.prob, "cbc", 10.0, 0.0)
             assert (status in ("optimal", "feasible")) == fits, (combo, cap / GB, status)
+
+
+def test_one_batch_counts_activations_and_gradient_once_pipelines_both():
+    """One batch at a time, a layer's activations are freed in its backward
+    as its gradient is made, so the step's peak holds the larger of the two
+    per layer, not their sum (the sum ran 1.27-1.41x the compiled peak of
+    one-device steps on an H200). Pipelined, microbatches' activations wait
+    beside the gradients accumulating: both count."""
+    t = table()
+    arr = Arrays(t)
+    gpu = dict.fromkeys(t.layer_names, "gpu:0")
+    placed = arr.placed(gpu)
+    one = held_bytes(arr, placed)[arr.dindex["gpu:0"]]
+    two = held_bytes(arr, placed, 2)[arr.dindex["gpu:0"]]
+    assert one == pytest.approx(6 * (HELD - min(ACT, PARAM)))
+    assert two == pytest.approx(6 * HELD)
+    assert evaluate(t, gpu).memory_bytes["gpu:0"] == pytest.approx(one)
+    assert evaluate(t, gpu, "pipelined", 2).memory_bytes["gpu:0"] == pytest.approx(two)
+    # A GPU between the two: the step runs there whole, one batch at a time;
+    # pipelined over two microbatches it does not fit there alone.
+    between = table(gpu_gb=(one + two) / 2 / GB, cpu_compute=False)
+    p = plan(between, activations=False)
+    assert not p.offloaded and set(p.assignment.values()) == {"gpu:0"}
+    assert violations(between, gpu) == []
+    assert violations(between, gpu, microbatches=2)
+    # Recomputed, a layer holds its gradient (not its activations) at the peak.
+    remat = arr.placed({n: Placement("gpu:0", activations="remat") for n in t.layer_names})
+    assert held_bytes(arr, remat)[arr.dindex["gpu:0"]] == pytest.approx(6 * (HELD - ACT) + ACT)

@@ -300,6 +300,19 @@ class Arrays:
         self.table_mem = self.mem
         if not self.donated:
             self.mem = self.mem + np.nan_to_num(self.param)[:, None] + np.nan_to_num(self.opt)
+        # One batch at a time, a layer's gradient is made in its backward as
+        # the activations it saved are freed: at the backward of layer k the
+        # device holds the activations of the layers before k and the
+        # gradients of those after, never both whole, so the peak is at most
+        # the sum of max(activations, gradient) per layer. Counting both (as
+        # `memory_bytes` does) ran 1.27-1.41x the compiled peak of one-device
+        # steps on an H200 (a 6.74B Llama-style step: 147.5 GB planned, 108
+        # GB compiled), which planned recomputation and CPU compute for steps
+        # that fit. Pipelined, microbatches' activations wait beside the
+        # gradients accumulating: `mem_whole` counts both.
+        self.overlap = np.minimum(np.nan_to_num(self.act), np.nan_to_num(self.param))
+        self.mem_whole = self.mem
+        self.mem = self.mem - self.overlap[:, None]
         self.resident = self.mem
         self.upd = np.full((L, D), np.nan)
         for i, layer in enumerate(table.layers):
@@ -310,6 +323,16 @@ class Arrays:
         host = int(np.argmax(self.cpu)) if self.cpu.any() else None
         self.ram = np.array([host if self.place[j] and host is not None else j
                              for j in range(D)], dtype=int)
+
+    def mem_at(self, microbatches: int) -> np.ndarray:
+        """[L, D] what each layer holds on each device: `mem` for one batch,
+        `mem_whole` (activations and gradient both whole) pipelined."""
+        return self.mem if microbatches <= 1 else self.mem_whole
+
+    def overlap_at(self, microbatches: int) -> np.ndarray | float:
+        """[L] the bytes `mem_at(microbatches)` leaves out as activations and
+        gradient overlapping in time (0 pipelined)."""
+        return self.overlap if microbatches <= 1 else 0.0
 
     def indices(self, assignment: Mapping[str, str]) -> np.ndarray:
         """[L] each layer's device position under `assignment` ({layer: device}).
@@ -488,14 +511,16 @@ class Placed:
         return bool(self.apart.any() or self.remat.any())
 
 
-def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
+def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray:
     """[D] each device's peak bytes over a step under `placed`.
 
     - A layer whose state and parameters stay with its compute holds its
       `memory_bytes` there (2 x parameters: values and gradients, optimizer
       state, saved activations) and its new parameters and optimizer state
       (`Arrays.resident`: without donation the caller's old ones live until
-      the step returns; with it, the new replace the old).
+      the step returns; with it, the new replace the old). With one
+      microbatch, its activations and its gradient count once, the larger
+      (`Arrays.overlap`): the one is freed as the other is made.
     - A layer whose optimizer state lives elsewhere (a host CPU device or a
       memory place) holds on its compute device its weights (a copy, when
       the parameters live elsewhere too), its gradient, its activations and
@@ -523,7 +548,7 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     rows = np.arange(L)
     c, s, w = placed.compute, placed.state, placed.params
     state_apart, params_apart = placed.state_apart, placed.params_apart
-    mem_c = arr.resident[rows, c]
+    mem_c = arr.mem_at(microbatches)[rows, c]
     o = np.nan_to_num(arr.opt[rows, c])
     p = np.nan_to_num(arr.param)
     out = np.zeros(D)
@@ -532,7 +557,8 @@ def held_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     copies = arr.state_copies
     away = (np.where(state_apart, copies * o, 0.0)
             + np.where(params_apart, (copies - 1) * p, 0.0)
-            + np.where(placed.remat, arr.act, 0.0))  # recomputed: not kept
+            # recomputed: not kept (nor overlapping its gradient)
+            + np.where(placed.remat, arr.act - arr.overlap_at(microbatches), 0.0))
     np.add.at(out, c, np.maximum(mem_c - away, 0.0))
     home = copies * o + np.where(placed.host_update, p, 0.0)
     np.add.at(out, s[state_apart], home[state_apart])

@@ -74,7 +74,8 @@ def _result(name: str, table: CostTable, assignment: dict[str, str] | None, mode
             reason: str | None = None) -> BaselineResult:
     if assignment is None:
         return BaselineResult(name, reason=reason)
-    broken = violations(table, assignment, contiguous=contiguous, arrays=arr)
+    broken = violations(table, assignment, contiguous=contiguous, arrays=arr,
+                        microbatches=microbatches if mode == "pipelined" else 1)
     if broken:
         more = f" (+{len(broken) - 2} more)" if len(broken) > 2 else ""
         return BaselineResult(name, assignment, reason="; ".join(broken[:2]) + more)
@@ -94,13 +95,14 @@ class _Room:
     """What each device has left: its cap less its layers' `memory_bytes` and
     the largest working set among them (`Arrays.ws`, held one at a time)."""
 
-    def __init__(self, arr: Arrays):
+    def __init__(self, arr: Arrays, microbatches: int = 1):
         self.arr = arr
+        self.mem = arr.mem_at(microbatches)
         self.left = arr.cap.astype(float).copy()
         self.ws = np.zeros(len(arr.cap))
 
     def need(self, i: int, j: int) -> float:
-        return float(self.arr.mem[i, j] + max(self.arr.ws[i] - self.ws[j], 0.0))
+        return float(self.mem[i, j] + max(self.arr.ws[i] - self.ws[j], 0.0))
 
     def fits(self, i: int, j: int) -> bool:
         return bool(self.arr.ok[i, j]) and self.need(i, j) <= self.left[j]
@@ -115,7 +117,7 @@ def greedy_fastest(table: CostTable, mode: str = "sequential", microbatches: int
     """Each layer on its fastest allowed device with room left (transfers ignored)."""
     arr = arrays or Arrays(table)
     t = arr.t_at(microbatches if mode == "pipelined" else 1)
-    room = _Room(arr)
+    room = _Room(arr, microbatches if mode == "pipelined" else 1)
     out = {}
     for i in arr.order:
         for j in np.argsort(np.where(arr.ok[i], t[i], np.inf), kind="stable"):
@@ -136,7 +138,7 @@ def memory_fill(table: CostTable, mode: str = "sequential", microbatches: int = 
     total = np.where(arr.ok, arr.t, 0.0).sum(axis=0) / np.maximum(arr.ok.sum(axis=0), 1)
     # A device no layer may use (a memory place) would rank first and hold the pointer.
     rank = [j for j in np.argsort(total, kind="stable") if arr.ok[:, j].any()]
-    room = _Room(arr)
+    room = _Room(arr, microbatches if mode == "pipelined" else 1)
     pointer = 0
     out = {}
     for i in arr.order:
@@ -191,7 +193,7 @@ def heft(table: CostTable, mode: str = "sequential", microbatches: int = 1, *,
     avail = np.zeros(D)
     finish = np.zeros(L)
     where = np.full(L, -1)
-    room = _Room(arr)
+    room = _Room(arr, microbatches if mode == "pipelined" else 1)
     for i in order:
         best, best_j = np.inf, -1
         for j in range(D):
@@ -245,7 +247,7 @@ def exhaustive(table: CostTable, objective: str = "time", mode: str = "sequentia
     for j in range(D):
         on = A == j
         busy[:, j] = np.where(on, t, 0.0).sum(axis=1)
-        memory[:, j] = (np.where(on, arr.mem[rows, A], 0.0).sum(axis=1)
+        memory[:, j] = (np.where(on, arr.mem_at(M)[rows, A], 0.0).sum(axis=1)
                         + np.where(on, arr.ws[None, :], 0.0).max(axis=1))  # one working set
     feasible &= np.all(memory <= arr.cap[None] * (1 + 1e-9), axis=1)
     f, b = arr.edge_parts(M)

@@ -68,7 +68,7 @@ def closed_form(arr: Arrays, placed: Placed, mode: str, M: int) -> Predicted:
     L, D = len(a), len(arr.devices)
     t = arr.t_at(M)[np.arange(L), a]
     busy = np.bincount(a, weights=t, minlength=D)
-    memory = np.bincount(a, weights=arr.mem[np.arange(L), a], minlength=D)
+    memory = np.bincount(a, weights=arr.mem_at(M)[np.arange(L), a], minlength=D)
     np.maximum.at(working := np.zeros(D), a, arr.ws)
     memory = memory + working
     used = np.bincount(a, minlength=D) > 0

@@ -72,11 +72,11 @@ def placement_obstacles(arr: Arrays, placed: Placed) -> list[str]:
 
 
 def violations(table: CostTable, assignment: Mapping[str, Any], *, contiguous: bool = False,
-               arrays: Arrays | None = None) -> list[str]:
+               arrays: Arrays | None = None, microbatches: int = 1) -> list[str]:
     """Every constraint an assignment breaks, in words (empty if it is feasible).
 
     `assignment` maps layers to device names or `Placement`s; memory follows
-    `held_bytes`.
+    `held_bytes` (for `microbatches` in flight).
     """
     arr = arrays or Arrays(table)
     placed = arr.placed(assignment)
@@ -92,7 +92,7 @@ def violations(table: CostTable, assignment: Mapping[str, Any], *, contiguous: b
             else:
                 out.append(f"{layer.name} is not allowed on {d}")
     out += placement_obstacles(arr, placed)
-    used = held_bytes(arr, placed)
+    used = held_bytes(arr, placed, microbatches)
     for j, d in enumerate(arr.devices):
         if used[j] > arr.cap[j] * (1 + 1e-9):
             out.append(f"{d} memory exceeded: needs {nbytes(used[j])}, holds {nbytes(arr.cap[j])}")
@@ -200,8 +200,11 @@ def data_parallel_obstacle(table: CostTable, replicas: Sequence[str], *,
 
 def replica_memory(arr: Arrays, idx: Sequence[int]) -> np.ndarray:
     """[N] bytes each replica holds: everything but activations whole, activations
-    and the largest working set (both per example) / N."""
-    mem, act = arr.mem[:, idx], np.minimum(arr.act[:, None], arr.mem[:, idx])
+    and the largest working set (both per example) / N. Activations and
+    gradients both count whole (`Arrays.mem_whole`): the overlap one device's
+    step has (`Arrays.overlap`) is not priced for replicas yet (their
+    sharded gradients and all-reduce buffers were not measured)."""
+    mem, act = arr.mem_whole[:, idx], np.minimum(arr.act[:, None], arr.mem_whole[:, idx])
     return (mem - act + act / len(idx)).sum(axis=0) + arr.ws.max(initial=0.0) / len(idx)
 
 

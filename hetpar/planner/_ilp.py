@@ -190,10 +190,11 @@ def _add_memory(m: _Model) -> None:
     set among them (`w_j >= ws_i x_ij`); skips devices that could hold every
     layer at once anyway."""
     arr = m.arr
+    mem = arr.mem_at(m.M)
     for j in range(arr.ok.shape[1]):
         rows = np.nonzero(arr.ok[:, j])[0]
-        if arr.mem[rows, j].sum() + arr.ws[rows].max(initial=0.0) > arr.cap[j]:
-            terms = [(m.x[i, j], float(arr.mem[i, j])) for i in rows]
+        if mem[rows, j].sum() + arr.ws[rows].max(initial=0.0) > arr.cap[j]:
+            terms = [(m.x[i, j], float(mem[i, j])) for i in rows]
             big = [i for i in rows if arr.ws[i] > 0]
             if big:
                 w = m.prob.add_variable(f"ws{j}", lowBound=0)

@@ -303,7 +303,8 @@ class Plan:
         f, b = arr.edge_parts(M)
         comm = f + b
         L, D = arr.ok.shape
-        memory = held_bytes(arr, arr.placed(self.placements))
+        memory = held_bytes(arr, arr.placed(self.placements), M)
+        mem = arr.mem_at(M)
         working = np.zeros(D)  # the largest working set on each device
         np.maximum.at(working, a, arr.ws)
         incident: list[list[tuple[int, int, bool]]] = [[] for _ in range(L)]
@@ -348,7 +349,7 @@ class Plan:
                 dt, dx = t[i, j] / M - t_here, x_there - x_here
                 why = (f"compute {signed_seconds(dt)}, transfers {signed_seconds(dx)} "
                        f"(net {signed_seconds(dt + dx)})")
-                over = (memory[j] + arr.mem[i, j] + max(arr.ws[i] - working[j], 0.0)
+                over = (memory[j] + mem[i, j] + max(arr.ws[i] - working[j], 0.0)
                         - arr.cap[j])
                 if over > 0:
                     why += f"; memory full: would exceed {d} by {nbytes(over)}"

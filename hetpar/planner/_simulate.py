@@ -524,7 +524,7 @@ def _evaluate_apart(arr: Arrays, assignment: Mapping, placed: Placed, microbatch
         used[where] = True
     busy = np.array([replay.busy_s.get(d, 0.0) for d in arr.devices])
     step = replay.step_time_s
-    held = held_bytes(arr, placed)
+    held = held_bytes(arr, placed, M)
     memory = {arr.devices[j]: float(held[j]) for j in range(D) if used[j]}
     return Predicted(
         step_time_s=step, cost_usd_per_step=step * arr.hourly_price(used) / 3600.0,

@@ -301,8 +301,8 @@ def _with_remat(table: CostTable, arr: Arrays, req: _Request, result: Plan | Non
             placements[n] = p
         else:
             placements[n] = dataclasses.replace(p, activations="remat")
-    if violations(table, placements, arrays=arr):  # what stays kept does not fit
-        return result
+    if violations(table, placements, arrays=arr, microbatches=req.microbatches):
+        return result  # what stays kept does not fit
     predicted = remat.predicted
     if req.mode == "sequential":
         placements = _fewest_recomputed(table, arr, placements)
@@ -430,7 +430,8 @@ def _with_offload(table: CostTable, arr: Arrays, req: _Request, result: Plan | N
             candidates.append((name, placements))
     best = None
     for name, placements in candidates:
-        if violations(table, placements, arrays=arr, contiguous=req.contiguous):
+        if violations(table, placements, arrays=arr, contiguous=req.contiguous,
+                      microbatches=req.microbatches):
             continue
         p = _predict(table, arr, placements, req)
         if _over_budget(p, req.max_cost, req.max_step_time) is not None:
@@ -458,7 +459,7 @@ def _with_offload(table: CostTable, arr: Arrays, req: _Request, result: Plan | N
     if result is not None:
         solver["layer_plan_predicted"] = result.predicted.to_json()
     contiguous = req.contiguous or (req.mode == "pipelined" and not violations(
-        table, placements, contiguous=True, arrays=arr))
+        table, placements, contiguous=True, arrays=arr, microbatches=req.microbatches))
     return req.plan(table, assignment=placements, predicted=p, solver=solver,
                     contiguous=contiguous and req.mode == "pipelined"), None
 
@@ -549,7 +550,8 @@ def _layer_plan(table: CostTable, arr: Arrays, sol: _ilp.IlpSolution, req: _Requ
     if req.mode == "pipelined":
         predicted = evaluate_replayed(table, assignment, req.microbatches, req.schedule,
                                       arrays=arr)
-        if not contiguous and violations(table, assignment, contiguous=True, arrays=arr):
+        if not contiguous and violations(table, assignment, contiguous=True, arrays=arr,
+                                         microbatches=req.microbatches):
             assignment, predicted, contiguous, solver_info = _try_contiguous(
                 arr, req, assignment, predicted, solver_info)
     return req.plan(table, assignment=assignment, predicted=predicted, solver=solver_info,
@@ -609,7 +611,7 @@ def _rule_baseline(name: str, table: CostTable, arr: Arrays, req: _Request) -> B
     placements, why = _RULES[name](table, arrays=arr)
     if placements is None:
         return BaselineResult(name, reason=why)
-    broken = violations(table, placements, arrays=arr)
+    broken = violations(table, placements, arrays=arr, microbatches=req.microbatches)
     if broken:
         more = f" (+{len(broken) - 2} more)" if len(broken) > 2 else ""
         return BaselineResult(name, placements, reason="; ".join(broken[:2]) + more)
