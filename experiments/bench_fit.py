@@ -113,6 +113,7 @@ def _median_step(step, state, batch, steps):
         float(loss)
         jax.block_until_ready((params, opt_state))
         times.append(time.perf_counter() - t)
+    state[:] = [params, opt_state]  # the caller's list: what the last step returned
     return times, float(loss)
 
 
@@ -183,7 +184,9 @@ def run_cell(args) -> dict:
                 float(loss)
                 out["first_call_s"] = time.perf_counter() - t0
                 del params, opt_state
-                times, loss = _median_step(step, [p, o], batch, args.steps)
+                state = [p, o]
+                del p, o
+                times, loss = _median_step(step, state, batch, args.steps)
             out["warnings"] = [f"{type(w.message).__name__}: {str(w.message)[:300]}"
                                for w in caught if "Memory" in type(w.message).__name__]
             plan = step.plan
@@ -202,8 +205,8 @@ def run_cell(args) -> dict:
             out["first_call"] = summary["first_call"]
             if args.timeline and plan is not None:
                 try:
-                    out["timeline"] = _timelines(step, [p, o], batch, args.timeline)
-                    p, o = out["timeline"].pop("state")
+                    out["timeline"] = _timelines(step, state, batch, args.timeline)
+                    out["timeline"].pop("state")
                 except Exception as e:  # noqa: BLE001 - the cell's figures stand without it
                     out["timeline"] = {"error": f"{type(e).__name__}: {e}"[:400]}
             if plan is not None:
@@ -369,8 +372,10 @@ def main(argv=None):
                     # What the cell was doing: hetpar's progress lines and the
                     # stacks faulthandler dumps (--stacks) are on its stderr.
                     err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+                    hetpar = [ln[:300] for ln in err.splitlines() if " ms hetpar" in ln]
                     cell = {"model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
                             "error": f"timed out after {args.timeout:.0f} s",
+                            "hetpar_lines": hetpar[:60] + hetpar[-60:],
                             "stderr_tail": err[-6000:]}
                 cell["wall_s"] = time.perf_counter() - t
                 cells.append(cell)

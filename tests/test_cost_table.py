@@ -667,6 +667,35 @@ def test_timed_step_leaves_a_far_slower_kind_predicted():
     assert t.meta["untimable_kinds"] == ["t4"]
 
 
+def test_links_are_measured_where_no_whole_step_is_timed():
+    """An offload plan's case: no device can hold the step alone (`fits`;
+    on an H200 host, the GPU too small and its CPU far slower), so no whole
+    step runs; the runtime's costs between the devices are still measured
+    and priced. Left at the spec sheet's, a 0.54B model's plan on a 7.5 GB
+    H200 predicted 272 ms and ran 1265 ms, its gradients crossing to the
+    host CPU at a fraction of the 63 GB/s the table said."""
+    import jax
+
+    _, graph = _lm()
+    table = cost_models.cost_table(graph, ["cpu:0", "cpu:1"])
+    present = {f"cpu:{d.id}": d for d in jax.devices("cpu")[:2]}
+    asked = []
+    scaled = cost_models.scale_to_timed_step(
+        table, present, lambda name, dev: asked.append(name) or 1.0,
+        lambda name, dev: 1e-4, crossing=lambda a, b, both: 2e-3,
+        bandwidth=lambda src, dst, at: 1e9, fits=lambda name: False)
+    assert asked == []  # no whole step ran
+    assert scaled.meta["untimed_kinds"] == ["cpu"]
+    assert "step_s" not in scaled.meta
+    assert [la.time_s for la in scaled.layers] == [la.time_s for la in table.layers]
+    link = {(k.src, k.dst): k for k in scaled.links}
+    for way in (("cpu:0", "cpu:1"), ("cpu:1", "cpu:0")):
+        assert link[way].latency_s == pytest.approx(2e-3)
+        assert link[way].bandwidth_bytes_per_s == pytest.approx(1e9)
+    assert scaled.device("cpu:0").stage_overhead_s == scaled.device("cpu:1").stage_overhead_s \
+        == 1e-4
+
+
 @pytest.mark.parametrize("kw", [dict(slower=0.5), dict(floor_s=-1.0), dict(step_floor_s=-0.1),
                                 dict(slower=float("nan")), dict(step_ceiling_s=0.0)])
 def test_timing_budget_rejects_what_would_skip_the_fastest_or_everything(kw):
