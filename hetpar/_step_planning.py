@@ -394,6 +394,8 @@ def fits_compiled(compiled, table, name: str) -> bool:
     if need is None or need > COMPILE_WITHIN * cap:
         return False
     compiled._alone_need[name] = need
+    logging.info("hetpar: compiling the whole step for %s alone to see whether it fits (the "
+                 "planner puts it at %s; it holds %s)", name, nbytes(need), nbytes(cap))
     try:
         with compiled.first_call.phase("compile"):
             peak = compiled.one_device_peak(name, args)
