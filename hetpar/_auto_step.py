@@ -29,6 +29,7 @@ from hetpar._memory_check import (
     does_not_fit,
     misfits,
     replan_cap,
+    slower_replan,
 )
 from hetpar._nnx_args import NNX_MARK, NnxArgs, NnxFastCall
 from hetpar._options import Options
@@ -189,6 +190,10 @@ class AutoStep:
             except InfeasibleError as e:
                 raise does_not_fit(worst, tries=tries, why=e, cap=cap, smallest=least) from e
             again.first_call.absorb(step.first_call)
+            slower = slower_replan(step.plan, again.plan, worst, cap)
+            if slower is not None:
+                logging.warning(slower)
+                warnings.warn(slower, MemoryCheckWarning, stacklevel=4)
             step = again
         raise AssertionError("unreachable")
 

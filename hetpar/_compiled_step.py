@@ -145,7 +145,6 @@ class CompiledStep:
         self._one_device_jits: dict = {}  # device -> the step's jit there (`_one_device_jit`)
         self._jit_peaks: dict = {}  # device -> its one-device jit's compiled peak (`jit_memory`)
         self._fits_compiled: dict = {}  # device name -> whether the whole step fits it compiled
-        self._alone_need: dict = {}  # device name -> the planner's figure for the step alone there
         with self.first_call.phase("plan"):
             self.placements: dict[str, Placement] = parse_placements(assign(self, options))
         if self._share is not None and self.plan is not None:

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from hetpar.core import InfeasibleError, memory_place, nbytes
+from hetpar.core import InfeasibleError, memory_place, nbytes, seconds
 
 #: Capacity kept back from what the plan may use: the allocator's own
 #: rounding and fragmentation (XLA's BFC allocator rounds every buffer up to
@@ -411,6 +411,41 @@ def replan_cap(misfit: Misfit) -> float:
     if misfit.predicted_bytes:
         base = min(base, misfit.predicted_bytes)
     return base - misfit.excess_bytes
+
+
+#: A plan replanned by the memory check predicted more than this many times
+#: the step of the plan it replaces is said so in a warning (`slower_replan`).
+SLOWER_REPLAN = 2.0
+
+
+def slower_replan(before, after, misfit: Misfit, cap: float) -> str | None:
+    """The warning for a replanned plan (`after`) predicted over
+    `SLOWER_REPLAN` x the step of the plan it replaces (`before`), naming the
+    devices it now computes on and how many layers each: under a cap, the
+    planner may move layers to a far slower host CPU (a 2.9B Llama at 45 GB
+    of an H200 was replanned with 16 of its 27 layers there, predicted at
+    seconds a layer; experiments/results/fit_h200, run 19). None otherwise."""
+    def step_s(plan):
+        p = getattr(plan, "predicted", None)
+        return None if p is None else p.step_time_s
+
+    b, a = step_s(before), step_s(after)
+    if not b or not a or a <= SLOWER_REPLAN * b:
+        return None
+    def tally(pairs) -> str:
+        counts: dict[str, int] = {}
+        for d in pairs:
+            counts[d] = counts.get(d, 0) + 1
+        return ", ".join(f"{n} on {d}" for d, n in sorted(counts.items(), key=lambda x: -x[1]))
+
+    places = list(after.placements.values())
+    apart = tally(p.state for p in places if p.state != p.compute)
+    return (f"hetpar: planned again with {misfit.device} capped at {nbytes(cap)} (its compiled "
+            f"stages were over), the step is predicted {a / b:.1f}x slower ({seconds(a)} "
+            f"against {seconds(b)}): layers compute {tally(p.compute for p in places)}"
+            + (f", their state {apart}" if apart else "")
+            + ". A smaller batch, more devices or microbatches=M with hetpar.value_and_grad "
+            "may run faster")
 
 
 def does_not_fit(misfit: Misfit, *, tries: int, why: Exception | None = None,

@@ -317,7 +317,14 @@ def _planning_table(compiled, devices: list[str], options: Options):
     if alone is not None and compiled._fits_compiled.get(alone):
         logging.info("hetpar: the whole step fits %s compiled: planned there alone", alone)
         return _roomy(table, alone)
-    return _scaled_to_compiled(compiled, table)
+    # Where the one-device compile did not fit, the planner plans with the
+    # device's own capacity, not one scaled by its overcount: planned so, a
+    # 6.74B step recomputed a few layers that saved nothing compiled (run 13),
+    # and a 2.9B offload plan at 45 GB was replanned, by the compiled check,
+    # to compute 16 of its 27 layers on the host CPU (run 19, where the
+    # scaling is the likeliest cause: its first plan was not logged;
+    # experiments/results/fit_h200).
+    return table
 
 
 def _roomy(table, name: str):
@@ -330,34 +337,6 @@ def _with_capacity(table, name: str, capacity: float):
     return dataclasses.replace(table, devices=tuple(
         dataclasses.replace(d, memory_bytes=capacity) if d.name == name else d
         for d in table.devices))
-
-
-def _scaled_to_compiled(compiled, table):
-    """`table` with each device whose whole step was compiled there alone
-    and did not fit (`fits_compiled`) given, in the planner's figures, what
-    its executable may use there: its capacity less `MARGIN`, times the
-    planner's figure for the step over the compiled one, where the planner
-    overcounts. The plan then recomputes (or offloads) what the executable
-    is over by, not what the planner's overcount is: a 6.74B Llama-style
-    step compiled to 108 GB against the 107 GB an H200's allocator left it,
-    and, planned on the planner's own 1.3x figures, recomputed 30 of its 35
-    layers (2.0x jit's step; experiments/results/fit_h200, run 11). The
-    scaling is uniform, the overcount is not: that step's peak is its state
-    and gradients, so the few layers its scaled plan recomputed saved
-    nothing compiled (run 13), and the compiled check (`_memory_check.
-    misfits`), which has the last word, planned it again."""
-    from hetpar._memory_check import MARGIN
-
-    for name, need in compiled._alone_need.items():
-        peak = compiled._jit_peaks.get(compiled.devices[name])
-        if compiled._fits_compiled.get(name) or not peak or peak >= need:
-            continue
-        cap = (1 - MARGIN) * table.device(name).memory_bytes * need / peak
-        logging.info("hetpar: the planner puts the whole step on %s at %.2fx its compiled "
-                     "figure: planning with %s there in its figures", name, need / peak,
-                     nbytes(cap))
-        table = _with_capacity(table, name, cap)
-    return table
 
 
 def fits_compiled(compiled, table, name: str) -> bool:
@@ -393,7 +372,6 @@ def fits_compiled(compiled, table, name: str) -> bool:
     cap = table.device(name).memory_bytes
     if need is None or need > COMPILE_WITHIN * cap:
         return False
-    compiled._alone_need[name] = need
     logging.info("hetpar: compiling the whole step for %s alone to see whether it fits (the "
                  "planner puts it at %s; it holds %s)", name, nbytes(need), nbytes(cap))
     try:

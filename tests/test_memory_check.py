@@ -425,3 +425,26 @@ def test_an_allocator_peak_reached_before_the_first_step_is_said_so(monkeypatch)
     assert "reached before the first step" in memory_lines(summary)
     compiled.peaks_before_run = {"cpu:0": 5e9}  # the step went higher
     assert "measured_before_step" not in _memory_check.memory_summary(compiled)["cpu:0"]
+
+
+def test_a_replanned_plan_far_slower_is_said_so():
+    """Under a cap, the planner may move layers to a far slower host CPU (a
+    2.9B Llama at 45 GB of an H200 was replanned with 16 of its 27 layers
+    there): the warning says how much slower, and where the layers went."""
+    from hetpar._memory_check import Misfit, slower_replan
+    from hetpar.planner import plan
+    from tests.test_memory_places import GB, table
+
+    t = table(cpu_compute=True, place=False)
+    roomy = plan(t, memory={"gpu:0": 100 * GB})
+    tight = plan(t, memory={"gpu:0": 20 * GB})
+    assert tight.predicted.step_time_s > 2 * roomy.predicted.step_time_s
+    misfit = Misfit("gpu:0", 30 * GB, 100 * GB, 88 * GB, 42 * GB, "stage 3 (main)")
+    msg = slower_replan(roomy, tight, misfit, 20 * GB)
+    on_cpu = sum(p.compute == "cpu:0" for p in tight.placements.values())
+    assert msg and "capped at 20 GB" in msg and "x slower" in msg
+    assert (f"{on_cpu} on cpu:0" in msg) == (on_cpu > 0)
+    apart = sum(p.state != p.compute for p in tight.placements.values())
+    assert apart and f"their state {apart} on cpu:0" in msg
+    assert slower_replan(roomy, roomy, misfit, 20 * GB) is None  # no slower
+    assert slower_replan(None, tight, misfit, 20 * GB) is None  # nothing planned before
