@@ -229,6 +229,9 @@ def cost_table(
         "device_sources": {d.name: {"origin": d.profile.origin, **dict(d.profile.sources)}
                            for d in devs},
     }
+    reads = graph.update_reads()
+    if reads:  # updates that wait for other layers' gradients (a global-norm clip)
+        info_meta["update_reads"] = {n: r if r == "all" else list(r) for n, r in reads.items()}
     # What a present device holds here (`as_present`): `memory=` may cap it, never raise it.
     info_meta["present_capacity"] = {d.name: float(d.profile.memory_bytes) for d in devs
                                      if d.jax_device is not None}

@@ -382,6 +382,39 @@ class LayerGraph:
 
     # -- pieces ------------------------------------------------------------
 
+    def update_reads(self) -> dict[str, tuple[str, ...] | str]:
+        """{layer: the other layers whose backward its optimizer update reads},
+        for the layers whose update waits for more than their own gradient;
+        "all" where it reads every other layer's. Under
+        `optax.clip_by_global_norm` every update reads the norm, which every
+        gradient makes: the split pass then runs a device's updates once the
+        whole backward is done (on an H200 a plan's host CPU ran its 7
+        layers' updates as one stage after the backward), and the planner's
+        replay waits so too (`CostTable.meta["update_reads"]`). A tied
+        embedding's update reads its head's backward alone."""
+        eqns = self.program.eqns
+        names = self.layers
+        bit = {name: 1 << k for k, name in enumerate(names)}
+        every = (1 << len(names)) - 1
+        made: dict = {}  # var -> bits of the layers whose backward it reads
+        waits: dict[str, int] = {}
+        for i, e in enumerate(eqns):
+            reads = 0
+            for v in e.invars:
+                if isinstance(v, jcore.Var):
+                    reads |= made.get(v, 0)
+            name = self.eqn_layers[i]
+            if name != SHARED:
+                stack = str(e.source_info.name_stack)
+                if is_backward(stack):
+                    reads |= bit[name]
+                elif not is_forward(stack) and reads & ~bit[name]:
+                    waits[name] = waits.get(name, 0) | (reads & ~bit[name])
+            for v in e.outvars:
+                made[v] = reads
+        return {name: "all" if (w | bit[name]) == every else
+                tuple(n for n in names if w & bit[n]) for name, w in waits.items()}
+
     def layer_jaxpr(self, layer: str) -> tuple[jcore.ClosedJaxpr, list, list]:
         """The layer's equations as their own jaxpr: (closed_jaxpr, inputs, outputs).
 

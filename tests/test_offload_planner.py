@@ -343,3 +343,29 @@ def test_one_batch_counts_activations_and_gradient_once_pipelines_both():
     # Recomputed, a layer holds its gradient (not its activations) at the peak.
     remat = arr.placed({n: Placement("gpu:0", activations="remat") for n in t.layer_names})
     assert held_bytes(arr, remat)[arr.dindex["gpu:0"]] == pytest.approx(6 * (HELD - ACT) + ACT)
+
+
+def test_host_updates_wait_for_the_gradients_they_read():
+    """A host update that reads every gradient (the table's `update_reads`: a
+    global-norm clip) starts after the whole backward, not as its own
+    gradient arrives: on an H200 a plan's host CPU ran its layers' updates
+    as one stage after the backward (experiments/results/fit_h200, run 19)."""
+    t = table(gpu_gb=100)
+    host = Placement("gpu:0", "cpu:0", "cpu:0")
+    placements = {n: Placement("gpu:0") for n in t.layer_names}
+    placements["b5"] = host  # the top layer: its backward comes first
+    alone = simulate(t, placements)
+    coupled = dataclasses.replace(t, meta={**t.meta, "update_reads": {"b5": "all"}})
+    waits = simulate(coupled, placements)
+
+    def update_start(replay):
+        return min(s.start_s for s in replay.stages if s.device == "cpu:0")
+
+    backward_end = max(s.end_s for s in waits.stages if s.device == "gpu:0")
+    assert update_start(alone) < backward_end  # overlapping the others' backward
+    assert update_start(waits) >= max(s.end_s for s in waits.stages
+                                      if s.device == "gpu:0" and "b0" in s.layers)
+    assert waits.step_time_s > alone.step_time_s
+    # Naming the layers read works the same.
+    named = dataclasses.replace(t, meta={**t.meta, "update_reads": {"b5": list(t.layer_names[:5])}})
+    assert simulate(named, placements).step_time_s == pytest.approx(waits.step_time_s)

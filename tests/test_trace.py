@@ -290,3 +290,38 @@ def test_workspace_of_a_result_a_shared_equation_reads_last():
     params = {"a": jnp.ones((8, 8)) * 0.1, "b": jnp.ones((8, 8)) * 0.1}
     g = hetpar.trace(step, params, jnp.ones((4, 8)))
     assert all(g[layer].workspace_bytes >= 0 for layer in g.layers)
+
+
+def test_update_reads_names_updates_that_wait_for_other_gradients():
+    """Under a global-norm clip every layer's update reads every gradient;
+    under plain Adam a layer's update reads only the backward that made its
+    gradient (its own, and the layers above it through the chain rule),
+    never that of a layer below it, whose backward comes after its own."""
+    import optax
+
+    from hetpar import passes
+    from tests.flax_mlp import MLP
+
+    model = MLP(16)
+    x, y = jnp.ones((4, 16)), jnp.zeros((4, 1))
+    params = model.init(jax.random.key(0), x)
+
+    def step_of(tx):
+        def step(params, opt_state):
+            loss, grads = jax.value_and_grad(
+                lambda p: ((model.apply(p, x) - y) ** 2).mean())(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+        return step, (params, tx.init(params))
+
+    clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    step, args = step_of(clipped)
+    graph = passes.trace(step, *args)
+    assert graph.update_reads() == dict.fromkeys(graph.layers, "all")
+    step, args = step_of(optax.adam(1e-2))
+    graph = passes.trace(step, *args)
+    order = {n: k for k, n in enumerate(graph.layers)}
+    for layer, reads in graph.update_reads().items():
+        others = graph.layers if reads == "all" else reads
+        assert all(order[o] > order[layer] for o in others if o != layer), (layer, reads)
+    assert "head" not in graph.update_reads()  # the top layer: its own gradient alone

@@ -302,7 +302,18 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, compute_mb: np.n
                 _add(xbytes, (bwd(u, m), bwd(v, m)), arr.bwd[k] / M)
     state_in: dict[int, list[tuple[str, float]]] = {}
     state_out: dict[int, list[tuple[str, float]]] = {}
+    # An update that reads other layers' backward waits for it (the table's
+    # `update_reads`: under a global-norm clip, every gradient): on an H200
+    # a plan's host CPU ran its layers' updates after the whole backward,
+    # where a replay starting each as its own gradient arrived predicted
+    # 487 ms for a 1095 ms step (experiments/results/fit_h200, run 19).
+    reads = arr.table.meta.get("update_reads") or {}
     for i, item in upd_item.items():
+        waits = reads.get(arr.layers[i])
+        if waits:
+            for j in (range(L) if waits == "all" else
+                      (arr.lindex[n] for n in waits if n in arr.lindex)):
+                deps[item].add(bwd(int(j), M - 1))
         c = arr.devices[a[i]]
         if apart[i]:
             s, w = arr.devices[placed.state[i]], arr.devices[placed.params[i]]
