@@ -312,7 +312,9 @@ class Arrays:
         # gradients accumulating: `mem_whole` counts both.
         self.overlap = np.minimum(np.nan_to_num(self.act), np.nan_to_num(self.param))
         self.mem_whole = self.mem
-        self.mem = self.mem - self.overlap[:, None]
+        # (never below nothing: a table's memory_bytes need not hold the
+        # activations and gradients its other fields name)
+        self.mem = np.maximum(self.mem - self.overlap[:, None], 0.0)
         self.resident = self.mem
         self.upd = np.full((L, D), np.nan)
         for i, layer in enumerate(table.layers):
