@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -279,6 +280,17 @@ def _held(gpu) -> dict:
             "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "live_arrays_gb": live}
 
 
+def _progress(err: list[str], timings: int = 40) -> list[str]:
+    """hetpar's progress lines from a cell's stderr: every one but the
+    per-layer timings ("[i/n] ..."), of which the first and last `timings`
+    (run 19's cell kept its first and last 60 lines of all kinds, and lost
+    the plan and the memory check's figures between them)."""
+    lines = [ln[:300] for ln in err if " ms hetpar" in ln]
+    layer = [i for i, ln in enumerate(lines) if re.search(r"hetpar: \[\d+/\d+\]", ln)]
+    dropped = set(layer[timings:-timings]) if len(layer) > 2 * timings else set()
+    return [ln for i, ln in enumerate(lines) if i not in dropped]
+
+
 def _count(values) -> dict:
     out: dict = {}
     for v in values:
@@ -368,7 +380,7 @@ def main(argv=None):
                     # hetpar's progress lines and warnings, without the
                     # allocator's per-chunk dumps.
                     err = proc.stderr.splitlines()
-                    cell["hetpar_lines"] = [ln[:300] for ln in err if " ms hetpar" in ln][-150:]
+                    cell["hetpar_lines"] = _progress(err)
                     cell["stderr_tail"] = "\n".join(
                         ln for ln in err if " ms hetpar" not in ln and "bfc_allocator" not in ln
                         and "InUse at" not in ln and "Chunk at" not in ln
@@ -377,10 +389,9 @@ def main(argv=None):
                     # What the cell was doing: hetpar's progress lines and the
                     # stacks faulthandler dumps (--stacks) are on its stderr.
                     err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
-                    hetpar = [ln[:300] for ln in err.splitlines() if " ms hetpar" in ln]
                     cell = {"model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
                             "error": f"timed out after {args.timeout:.0f} s",
-                            "hetpar_lines": hetpar[:60] + hetpar[-60:],
+                            "hetpar_lines": _progress(err.splitlines()),
                             "stderr_tail": err[-6000:]}
                 cell["wall_s"] = time.perf_counter() - t
                 cells.append(cell)
