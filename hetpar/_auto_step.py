@@ -158,6 +158,7 @@ class AutoStep:
         with a warning (`MemoryCheckWarning`).
         """
         step = CompiledStep(fn, args, self.options, self._workers)
+        first = step.plan  # what a replanned plan's speed is told against
         smallest: dict[str, float] = {}  # each device's smallest compiled peak over the plans
         for tries in itertools.count():
             for d, peak in (step.compiled_memory or ({}, {}))[0].items():
@@ -190,7 +191,7 @@ class AutoStep:
             except InfeasibleError as e:
                 raise does_not_fit(worst, tries=tries, why=e, cap=cap, smallest=least) from e
             again.first_call.absorb(step.first_call)
-            slower = slower_replan(step.plan, again.plan, worst, cap)
+            slower = slower_replan(first, again.plan, worst, cap)
             if slower is not None:
                 logging.warning(slower)
                 warnings.warn(slower, MemoryCheckWarning, stacklevel=4)

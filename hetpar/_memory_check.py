@@ -420,7 +420,7 @@ SLOWER_REPLAN = 2.0
 
 def slower_replan(before, after, misfit: Misfit, cap: float) -> str | None:
     """The warning for a replanned plan (`after`) predicted over
-    `SLOWER_REPLAN` x the step of the plan it replaces (`before`), naming the
+    `SLOWER_REPLAN` x the step of the first plan (`before`), naming the
     devices it now computes on and how many layers each: under a cap, the
     planner may move layers to a far slower host CPU (a 2.9B Llama at 45 GB
     of an H200 was replanned with 16 of its 27 layers there, predicted at

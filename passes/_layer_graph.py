@@ -383,9 +383,10 @@ class LayerGraph:
     # -- pieces ------------------------------------------------------------
 
     def update_reads(self) -> dict[str, tuple[str, ...] | str]:
-        """{layer: the other layers whose backward its optimizer update reads},
-        for the layers whose update waits for more than their own gradient;
-        "all" where it reads every other layer's. Under
+        """{layer: the other layers whose backward its optimizer update reads,
+        beyond those its own gradient already waits for (the layers above it,
+        through the chain rule)}, for the layers whose update waits for more
+        than their own gradient; "all" where that leaves no layer out. Under
         `optax.clip_by_global_norm` every update reads the norm, which every
         gradient makes: the split pass then runs a device's updates once the
         whole backward is done (on an H200 a plan's host CPU ran its 7
@@ -397,7 +398,8 @@ class LayerGraph:
         bit = {name: 1 << k for k, name in enumerate(names)}
         every = (1 << len(names)) - 1
         made: dict = {}  # var -> bits of the layers whose backward it reads
-        waits: dict[str, int] = {}
+        own: dict[str, int] = {}  # layer -> what its backward reads (itself included)
+        reads_of: dict[str, int] = {}  # layer -> what its update reads
         for i, e in enumerate(eqns):
             reads = 0
             for v in e.invars:
@@ -408,12 +410,18 @@ class LayerGraph:
                 stack = str(e.source_info.name_stack)
                 if is_backward(stack):
                     reads |= bit[name]
-                elif not is_forward(stack) and reads & ~bit[name]:
-                    waits[name] = waits.get(name, 0) | (reads & ~bit[name])
+                    own[name] = own.get(name, 0) | reads
+                elif not is_forward(stack) and reads:
+                    reads_of[name] = reads_of.get(name, 0) | reads
             for v in e.outvars:
                 made[v] = reads
-        return {name: "all" if (w | bit[name]) == every else
-                tuple(n for n in names if w & bit[n]) for name, w in waits.items()}
+        out: dict[str, tuple[str, ...] | str] = {}
+        for name, r in reads_of.items():
+            mine = own.get(name, 0) | bit[name]
+            if r & ~mine:  # beyond what its own gradient waits for
+                out[name] = ("all" if (r | mine) == every else
+                             tuple(n for n in names if r & ~mine & bit[n]))
+        return out
 
     def layer_jaxpr(self, layer: str) -> tuple[jcore.ClosedJaxpr, list, list]:
         """The layer's equations as their own jaxpr: (closed_jaxpr, inputs, outputs).

@@ -458,3 +458,18 @@ def test_a_stages_working_set_counts_against_the_cap():
     assert p.offloaded  # state streamed out to make room for the head's working set
     assert not violations(capped, p.placements)
     assert p.predicted.peak_memory_bytes["gpu:0"] <= cap
+
+
+def test_a_pipelined_plan_offloads_what_its_microbatches_need():
+    """Pipelined, a block's activations and gradient both count (7.5 GB a
+    block, 45 GB in all): under a 42.2 GB GPU the offload search still runs
+    (it found the one-batch figure, 42 GB, under the cap and tried nothing)
+    and its plan fits by the pipelined figures."""
+    from hetpar.planner._solve import with_memory
+
+    t = table()
+    p = plan(t, memory={"gpu:0": 42.2 * GB}, mode="pipelined", microbatches=2,
+             activations=False)
+    assert p.offloaded
+    assert not violations(with_memory(t, {"gpu:0": 42.2 * GB}), p.placements, microbatches=2)
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 42.2 * GB

@@ -293,10 +293,11 @@ def test_workspace_of_a_result_a_shared_equation_reads_last():
 
 
 def test_update_reads_names_updates_that_wait_for_other_gradients():
-    """Under a global-norm clip every layer's update reads every gradient;
-    under plain Adam a layer's update reads only the backward that made its
-    gradient (its own, and the layers above it through the chain rule),
-    never that of a layer below it, whose backward comes after its own."""
+    """Under a global-norm clip every layer's update reads every gradient:
+    each waits for the layers below it too, whose backward comes after its
+    own (the bottom layer's gradient waits for all the others already).
+    Under plain Adam a layer's update reads only what made its own gradient
+    (its backward, and the layers above it through the chain rule)."""
     import optax
 
     from hetpar import passes
@@ -317,11 +318,6 @@ def test_update_reads_names_updates_that_wait_for_other_gradients():
     clipped = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
     step, args = step_of(clipped)
     graph = passes.trace(step, *args)
-    assert graph.update_reads() == dict.fromkeys(graph.layers, "all")
+    assert graph.update_reads() == dict.fromkeys(graph.layers[1:], "all")
     step, args = step_of(optax.adam(1e-2))
-    graph = passes.trace(step, *args)
-    order = {n: k for k, n in enumerate(graph.layers)}
-    for layer, reads in graph.update_reads().items():
-        others = graph.layers if reads == "all" else reads
-        assert all(order[o] > order[layer] for o in others if o != layer), (layer, reads)
-    assert "head" not in graph.update_reads()  # the top layer: its own gradient alone
+    assert passes.trace(step, *args).update_reads() == {}

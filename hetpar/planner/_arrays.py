@@ -311,6 +311,11 @@ class Arrays:
         # that fit. Pipelined, microbatches' activations wait beside the
         # gradients accumulating: `mem_whole` counts both.
         self.overlap = np.minimum(np.nan_to_num(self.act), np.nan_to_num(self.param))
+        if table.meta.get("groups"):
+            # A group table's layers are a member's share (`_groups`): its
+            # activations per its smallest group, its gradient per its
+            # sharding; data-parallel members count both, as replicas do.
+            self.overlap = np.zeros(L)
         self.mem_whole = self.mem
         # (never below nothing: a table's memory_bytes need not hold the
         # activations and gradients its other fields name)

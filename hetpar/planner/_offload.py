@@ -183,11 +183,12 @@ def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Optio
     return out
 
 
-def memory_tight(arr: Arrays) -> bool:
+def memory_tight(arr: Arrays, microbatches: int = 1) -> bool:
     """Whether some device with offload options could not hold every layer it
-    may run, with the largest working set among them."""
+    may run (`Arrays.mem_at(microbatches)`), with the largest working set among them."""
     devs = {o.compute for o in options(arr)}
-    return any(arr.resident[arr.ok[:, j], j].sum() + arr.ws[arr.ok[:, j]].max(initial=0.0)
+    mem = arr.mem_at(microbatches)
+    return any(mem[arr.ok[:, j], j].sum() + arr.ws[arr.ok[:, j]].max(initial=0.0)
                > arr.cap[j] * (1 + 1e-9) for j in devs)
 
 
@@ -254,7 +255,7 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
                         for i in range(len(arr.layers))])
     chosen = {o.layer: o for o, v in y.items()
               if (v.varValue or 0.0) > 0.5 and compute[o.layer] == o.compute}
-    held = held_bytes(arr, _placed(arr, compute, chosen))
+    held = held_bytes(arr, _placed(arr, compute, chosen), microbatches)
     ram = ram_bytes(arr, held)
     parts = []
     for j in sorted(over, key=lambda j: -over[j]):
@@ -359,8 +360,9 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     use: list[list] = [[] for _ in range(D)]
     transient: dict[int, list] = {}
     streams: dict[int, list] = {}  # streamed options' optimizer state, per device
+    mem = arr.mem_at(M)  # pipelined, activations and gradients both count
     for (i, j), v in x.items():
-        use[j].append((v, float(arr.resident[i, j]) / _GB))
+        use[j].append((v, float(mem[i, j]) / _GB))
         if arr.ws[i] > 0:  # its working set, while it runs (`held_bytes`)
             transient.setdefault(j, []).append((v, float(arr.ws[i]) / _GB))
     for o, v in y.items():
@@ -369,6 +371,8 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         # device (`held_bytes`), and the new parameters where the host updates them.
         copies = arr.state_copies
         leaves = copies * opt + ((copies - 1) * p[o.layer] if o.way == "host" else 0.0)
+        # never more than the layer holds there (`held_bytes` floors it at 0)
+        leaves = min(leaves, float(mem[o.layer, o.compute]))
         use[o.compute].append((v, -leaves / _GB))
         host = copies * opt + ((copies + 1) * p[o.layer] if o.way == "host" else 0.0)
         use[o.state].append((v, host / _GB))

@@ -329,7 +329,8 @@ class Plan:
             lines.append(f"{layer.name} -> {arr.devices[here]}  (time: {times}; transfers here "
                          f"{seconds(x_here)})")
             if layer.name in self.offloaded:
-                lines.append("    " + _why_apart(arr, i, self.offloaded[layer.name], memory, a))
+                lines.append("    " + _why_apart(arr, i, self.offloaded[layer.name], memory, a,
+                                                mem))
             for j, d in enumerate(arr.devices):
                 if j == here or arr.place[j]:  # a memory place holds state, never a layer
                     continue
@@ -545,10 +546,11 @@ def _offload_line(placements: Mapping[str, Placement], p: Predicted) -> str:
 
 
 def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
-               compute: np.ndarray) -> str:
+               compute: np.ndarray, mem: np.ndarray) -> str:
     """Why layer i's state is where it is and what that costs, in one line.
 
-    `memory`: [D] the plan's `held_bytes`; `compute`: [L] each layer's compute device.
+    `memory`: [D] the plan's `held_bytes`; `compute`: [L] each layer's compute
+    device; `mem`: [L, D] what each layer holds (`Arrays.mem_at`, the plan's microbatches).
     """
     c, s = arr.dindex[pl.compute], arr.dindex[pl.state]
     o = float(np.nan_to_num(arr.opt[i, c]))
@@ -558,7 +560,7 @@ def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
     def move(a: int, b: int, n: float) -> str:
         return seconds(arr.link_s(a, b, n)) if arr.bw[a, b] > 0 else "-"
 
-    everyone = float(arr.mem[compute == c, c].sum())
+    everyone = float(mem[compute == c, c].sum())
     why = (f"state on {pl.state}: {pl.compute} would need {nbytes(need)} with it resident "
            f"({nbytes(everyone)} with all its layers' state there), holds "
            f"{nbytes(arr.cap[c])}")

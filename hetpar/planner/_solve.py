@@ -139,7 +139,7 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     if reason:
         raise InfeasibleError(reason)
     short = _feasibility.memory_shortfall(arr)
-    search = offload and _offload.memory_tight(arr)
+    search = offload and _offload.memory_tight(arr, req.microbatches)
     if short and not search and not data_parallel:
         raise short
     result, err, status = None, None, "infeasible"
