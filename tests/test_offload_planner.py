@@ -369,3 +369,19 @@ def test_host_updates_wait_for_the_gradients_they_read():
     # Naming the layers read works the same.
     named = dataclasses.replace(t, meta={**t.meta, "update_reads": {"b5": list(t.layer_names[:5])}})
     assert simulate(named, placements).step_time_s == pytest.approx(waits.step_time_s)
+
+
+@pytest.mark.parametrize("reads, why", [
+    (["b1"], "got list"),
+    ({"b9": "all"}, "'b9': 'all'"),
+    ({"b5": ["b0", "nope"]}, "'nope'"),
+    ({"b5": "some"}, "'some'"),
+])
+def test_a_malformed_update_reads_is_named_at_load(reads, why):
+    data = table().to_json()
+    data["meta"] = {"update_reads": reads}
+    with pytest.raises(GraphFormatError, match="meta.update_reads must map a layer") as e:
+        CostTable.from_json(data)
+    assert why in str(e.value)
+    data["meta"] = {"update_reads": {"b5": "all", "b4": ["b0"]}}
+    assert CostTable.from_json(data).meta["update_reads"]["b4"] == ["b0"]

@@ -215,6 +215,23 @@ class Edge:
     bytes_backward: float = 0.0
 
 
+def _check_update_reads(reads: Any, layers: set[str]) -> None:
+    """meta.update_reads: {layer: "all" | [layer, ...]} over the table's layers
+    (the replay waits for what it names: `LayerGraph.update_reads`)."""
+    if reads is None:
+        return
+    fix = ('meta.update_reads must map a layer to "all" or a list of layers whose '
+           "backward its update reads")
+    if not isinstance(reads, Mapping):
+        raise GraphFormatError(f"{fix}; got {type(reads).__name__}")
+    for layer, r in reads.items():
+        names = [] if r == "all" else r
+        if layer not in layers or not isinstance(names, list | tuple) or any(
+                n not in layers for n in names):
+            raise GraphFormatError(f"{fix}; got {layer!r}: {r!r} (the table's layers: "
+                                   f"{', '.join(sorted(layers)[:5])}...)")
+
+
 @dataclasses.dataclass(frozen=True)
 class CostTable:
     """Costs of every layer on every device, the edges between layers, the links between devices.
@@ -431,6 +448,7 @@ class CostTable:
         meta = data.get("meta", {})
         if not isinstance(meta, Mapping):
             raise GraphFormatError("meta must be an object")
+        _check_update_reads(meta.get("update_reads"), {la.name for la in layers})
         return cls(devices=devices, links=links, layers=tuple(layers), edges=edges,
                    meta=dict(meta))
 
