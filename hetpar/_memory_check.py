@@ -52,6 +52,7 @@ in data parallel.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Mapping
 
 from hetpar.core import InfeasibleError, memory_place, nbytes, seconds
@@ -432,11 +433,9 @@ def slower_replan(before, after, misfit: Misfit, cap: float) -> str | None:
     b, a = step_s(before), step_s(after)
     if not b or not a or a <= SLOWER_REPLAN * b:
         return None
-    def tally(pairs) -> str:
-        counts: dict[str, int] = {}
-        for d in pairs:
-            counts[d] = counts.get(d, 0) + 1
-        return ", ".join(f"{n} on {d}" for d, n in sorted(counts.items(), key=lambda x: -x[1]))
+
+    def tally(devices) -> str:
+        return ", ".join(f"{n} on {d}" for d, n in Counter(devices).most_common())
 
     places = list(after.placements.values())
     apart = tally(p.state for p in places if p.state != p.compute)

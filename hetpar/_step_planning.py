@@ -330,12 +330,8 @@ def _planning_table(compiled, devices: list[str], options: Options):
 def _roomy(table, name: str):
     """`table` with device `name` given memory without bound (the planner's
     own figures otherwise: what else keeps a plan off it)."""
-    return _with_capacity(table, name, 1e30)
-
-
-def _with_capacity(table, name: str, capacity: float):
     return dataclasses.replace(table, devices=tuple(
-        dataclasses.replace(d, memory_bytes=capacity) if d.name == name else d
+        dataclasses.replace(d, memory_bytes=1e30) if d.name == name else d
         for d in table.devices))
 
 
