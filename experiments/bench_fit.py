@@ -118,11 +118,40 @@ def _median_step(step, state, batch, steps):
     return times, float(loss)
 
 
+def _sample_stacks(every_s: float) -> None:
+    """Every `every_s` seconds, one stderr line naming where the main thread
+    is: its project frames (hetpar, cost_models, passes) and its innermost
+    frame. A Python thread reading `sys._current_frames()`, not
+    faulthandler's dump (run 17's cell died with SIGSEGV while faulthandler
+    dumped its stacks): a timed-out cell's lines then say where its time went."""
+    import threading
+    import traceback
+
+    main = threading.main_thread().ident
+    import logging
+
+    start = logging._startTime  # the progress lines' clock (%(relativeCreated))
+
+    def sample():
+        while True:
+            time.sleep(every_s)
+            frame = sys._current_frames().get(main)
+            if frame is None:
+                return
+            stack = traceback.extract_stack(frame)
+            ours = [f"{os.path.basename(f.filename)}:{f.name}" for f in stack
+                    if re.search(r"/(hetpar|cost_models|passes)/", f.filename)]
+            inner = stack[-1]
+            print(f"{(time.time() - start) * 1e3:8.0f} ms hetpar-stack: "
+                  f"{' > '.join(ours[-8:])} | {os.path.basename(inner.filename)}:{inner.name}",
+                  file=sys.stderr, flush=True)
+
+    threading.Thread(target=sample, daemon=True).start()
+
+
 def run_cell(args) -> dict:
     if args.stacks:
-        import faulthandler
-
-        faulthandler.dump_traceback_later(args.stacks, repeat=True, file=sys.stderr)
+        _sample_stacks(args.stacks)
     import logging
 
     from absl import logging as absl_logging
@@ -184,6 +213,10 @@ def run_cell(args) -> dict:
                 p, o, loss = step(params, opt_state, batch)
                 float(loss)
                 out["first_call_s"] = time.perf_counter() - t0
+                # The first step's own high-water mark, before later steps
+                # (run 20's 0.54B cell ran out of memory on a later one).
+                out["peak_after_first_call_gb"] = (
+                    (gpu.memory_stats() or {}).get("peak_bytes_in_use", 0) / 1e9)
                 del params, opt_state
                 state = [p, o]
                 del p, o
@@ -285,7 +318,7 @@ def _progress(err: list[str], timings: int = 40) -> list[str]:
     per-layer timings ("[i/n] ..."), of which the first and last `timings`
     (run 19's cell kept its first and last 60 lines of all kinds, and lost
     the plan and the memory check's figures between them)."""
-    lines = [ln[:300] for ln in err if " ms hetpar" in ln]
+    lines = [ln[:400] for ln in err if " ms hetpar" in ln]
     layer = [i for i, ln in enumerate(lines) if re.search(r"hetpar: \[\d+/\d+\]", ln)]
     dropped = set(layer[timings:-timings]) if len(layer) > 2 * timings else set()
     return [ln for i, ln in enumerate(lines) if i not in dropped]
@@ -334,8 +367,8 @@ def main(argv=None):
                    help="donate the parameters and optimizer state (donate_argnums=(0, 1)) "
                         "under jit and hetpar alike, as training loops do")
     p.add_argument("--stacks", type=float, default=0.0,
-                   help="every this many seconds, each cell dumps its Python stacks to stderr "
-                        "(kept in the results when the cell times out)")
+                   help="every this many seconds, each cell logs where its main thread is "
+                        "(its hetpar frames; kept in the results when the cell times out)")
     p.add_argument("--timeline", default=None,
                    help="a directory: each hetpar cell with a split plan saves its cost "
                         "table there and adds one watched step and the planner's replay "
@@ -387,7 +420,7 @@ def main(argv=None):
                         and "Free at" not in ln)[-3000:]
                 except subprocess.TimeoutExpired as e:
                     # What the cell was doing: hetpar's progress lines and the
-                    # stacks faulthandler dumps (--stacks) are on its stderr.
+                    # where its main thread was (--stacks) are on its stderr.
                     err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
                     cell = {"model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
                             "error": f"timed out after {args.timeout:.0f} s",

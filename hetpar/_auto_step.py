@@ -204,7 +204,11 @@ class AutoStep:
             try:
                 return self._call(args, start)
             except Exception as e:  # noqa: BLE001 - only out-of-memory is caught
-                if self.options.donate_argnums and "deleted" in str(e):
+                # (A stage that ran out of memory mid-step may name deleted
+                # buffers too: its donated inputs were given up. That is
+                # an out-of-memory, told as one, not the caller's mistake.)
+                if self.options.donate_argnums and "deleted" in str(e) \
+                        and not is_out_of_memory(e):
                     raise HetparError(
                         f"an argument was deleted: donate_argnums="
                         f"{self.options.donate_argnums} gave its buffers to an earlier step. "

@@ -77,6 +77,35 @@ def test_a_donated_argument_used_again_gets_the_deleted_buffer_error_explained()
         step(*placed)
 
 
+def test_a_stage_out_of_memory_after_donation_is_told_as_out_of_memory(monkeypatch):
+    """A stage that runs out of memory mid-step, after earlier stages gave up
+    donated inputs, can name deleted buffers in its error (an H200 at 7.5 GB,
+    experiments/results/fit_h200 run 20): the caller is told the step ran out
+    of memory and that donated arrays may be gone, not that they passed a
+    deleted argument."""
+    from hetpar._recovery import OutOfMemoryError
+    from hetpar.runtime import _executor
+
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    original = _executor.Executor._compile_all
+
+    def compile_all(executor, stages):
+        compiled = original(executor, stages)
+
+        def out_of_memory(*a):
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+                               "1024 bytes (an input buffer was deleted or donated)")
+
+        return [*compiled[:-1], out_of_memory]
+
+    monkeypatch.setattr(_executor.Executor, "_compile_all", compile_all)
+    step = hetpar.auto(w.train_step, plan=_plan("split", graph.layers), donate_argnums=DONATE)
+    with pytest.raises(OutOfMemoryError, match="ran out of memory.*donate_argnums may be deleted"):
+        step(*step.place(*args))
+
+
 def test_without_donate_argnums_the_caller_state_stays():
     w = zoo.get("mlp", small=True)
     args = tuple(w.example_args())
