@@ -215,7 +215,10 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
                 peak = now
                 at = (f"stage {i} ({st.phase}"
                       + ("" if st.microbatch is None else f", microbatch {st.microbatch}")
-                      + f") of {list(st.layers)[:3]}" + ("..." if len(st.layers) > 3 else ""))
+                      + f") of {list(st.layers)[:3]}" + ("..." if len(st.layers) > 3 else "")
+                      + _parts(inputs=sum(held.values()) + sum(_bytes(v) for v in cached),
+                               made=sum(live.values()), brought=transient + ahead,
+                               working=working, code=resident))
             for v in st.outputs:
                 if v not in away and (v in outputs or last_read.get(v, -1) > i):
                     live[v] = _bytes(v)
@@ -238,6 +241,15 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
     for place, (peak, at) in _place_peaks(executor, last_read, donated).items():
         peaks[place], where[place] = peak, at
     return peaks, where
+
+
+def _parts(**parts: float) -> str:
+    """What a peak is made of, for messages: ": inputs 20 GB + made 15 GB + ..."
+    (the step's inputs held there, values made there not yet read, what the
+    stage brought in or prefetched, its working set, code), largest first."""
+    shown = [f"{k} {nbytes(v)}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1])
+             if v >= 0.01 * max(parts.values(), default=0) and v > 0]
+    return ": " + " + ".join(shown) if shown else ""
 
 
 def _donated(executor) -> set:
