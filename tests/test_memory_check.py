@@ -448,3 +448,34 @@ def test_a_replanned_plan_far_slower_is_said_so():
     assert apart and f"their state {apart} on cpu:0" in msg
     assert slower_replan(roomy, roomy, misfit, 20 * GB) is None  # no slower
     assert slower_replan(None, tight, misfit, 20 * GB) is None  # nothing planned before
+
+
+def test_split_plans_are_planned_within_the_margin_the_check_keeps():
+    """The planner plans a present accelerator to its capacity less
+    SPLIT_MARGIN (what the compiled check lets a split plan use there); the
+    CPU keeps the host's RAM; a memory= cap (the caller's, or the check's own
+    replanning cap) stands as given; the plan found fits the smaller figure."""
+    from hetpar import cost_models
+    from hetpar._step_planning import within_split_margin
+    from hetpar.planner import plan
+    from hetpar.planner._solve import with_memory
+
+    step, args = _mlp_step(width=256)
+    graph = hetpar.trace(step, *args)
+    table = cost_models.cost_table(graph, ["cpu:0", "h100"])
+    narrowed = within_split_margin(table, ["h100:0"])
+    gpu, cpu = table.device("h100:0"), table.device("cpu:0")
+    assert narrowed.device("h100:0").memory_bytes == pytest.approx(
+        (1 - SPLIT_MARGIN) * gpu.memory_bytes)
+    assert narrowed.device("cpu:0").memory_bytes == cpu.memory_bytes
+    assert narrowed.fingerprint() == table.fingerprint()  # the same step and devices
+    assert with_memory(narrowed, {"h100:0": 0.95 * gpu.memory_bytes}).device(
+        "h100:0").memory_bytes == 0.95 * gpu.memory_bytes
+    # A cap the whole step is just over once narrowed: the plan keeps under it.
+    whole = plan(table, memory={"h100:0": 1e30}).predicted
+    need = (whole.peak_memory_bytes or whole.memory_bytes)["h100:0"]
+    tight = with_memory(table, {"h100:0": need / (1 - SPLIT_MARGIN / 2)})
+    inside = plan(within_split_margin(tight, ["h100:0"])).predicted
+    held = (inside.peak_memory_bytes or inside.memory_bytes)["h100:0"]
+    assert held <= (1 - SPLIT_MARGIN) * tight.device("h100:0").memory_bytes * (1 + 1e-6)
+    assert plan(tight).predicted.step_time_s <= inside.step_time_s
