@@ -432,14 +432,15 @@ class CompiledStep:
 
             used = sorted({d for p in self.placements.values() for d in p.devices})
             table = cost_table_for(self, used, self.options)
+            placements = _priced_on(table, self.placements)
             m = self.options.microbatches
-            if len(used) == 1:
+            if len({d for p in placements.values() for d in p.devices}) == 1:
                 self._given_prediction = evaluate(
                     table, self.assignment, mode="pipelined" if m > 1 else "sequential",
                     microbatches=m)
             else:
                 self._given_prediction = evaluate_replayed(
-                    table, self.placements, m, self.options.schedule)
+                    table, placements, m, self.options.schedule)
             if self.table is None:  # what the prediction was costed on, to inspect
                 self.table = table
         return self._given_prediction
@@ -770,3 +771,20 @@ def _hierarchical_devices(used, present) -> tuple[dict, dict]:
         mine[name] = peers[me]
         across[name] = peers
     return mine, across
+
+
+def _priced_on(table, placements: dict[str, Placement]) -> dict[str, Placement]:
+    """`placements` with each memory place `table` lacks priced as its device:
+    a CPU device's own pinned host memory (`cpu:0:pinned_host`, which a plan
+    given may name and the runtime keeps state in) is the same RAM, and the
+    cost table lists memory places of accelerators only. Before, the step's
+    prediction, and so `report()`, failed on such a plan ("state device
+    'cpu:0:pinned_host' is unknown")."""
+    known = set(table.device_names)
+
+    def on(name):
+        return memory_place(name)[0] if name is not None and name not in known else name
+
+    return {layer: dataclasses.replace(p, compute=on(p.compute), state=on(p.state),
+                                       update=on(p.update), params=on(p.params))
+            for layer, p in placements.items()}

@@ -134,6 +134,10 @@ def test_state_in_pinned_host_memory_equals_jit(model):
     # What the split sends home: the moments to the place, nothing to the device.
     homes = {d for d in step._last.stages.output_devices if d is not None}
     assert homes == {"cpu:0:pinned_host"}
+    # Priced and reported: the CPU's pinned host memory is its own RAM (the
+    # cost table lists accelerators' places only; this raised "unknown").
+    assert step._last.predicted().step_time_s > 0
+    assert "cpu:0" in str(step.report().to_json())
 
 
 def test_next_layers_state_comes_in_before_this_layers_goes_out():
