@@ -91,6 +91,10 @@ def test_a_plan_whose_compiled_stages_exceed_a_cap_is_replanned_before_it_runs(m
                         memory=dict.fromkeys(DEVICES, cap))
     first = probe.lower(*args)
     bad = max(first.compiled_memory[0], key=first.compiled_memory[0].get)
+    # Where the peak falls says what it is made of, largest first.
+    parts = re.findall(r"(inputs|made|brought|working|code) ([\d.]+) (k?B|[kMG]B)",
+                       first.compiled_memory[1][bad])
+    assert parts and parts[0][0] in ("inputs", "made", "working"), first.compiled_memory[1]
     compiler = _Compiler(monkeypatch, lambda d: 0.5 * cap if d == bad else 0)
     auto = hetpar.auto(step, devices=DEVICES, profile=None, memory=dict.fromkeys(DEVICES, cap))
     out = auto(*args)
