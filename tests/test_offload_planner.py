@@ -203,9 +203,10 @@ def test_a_cap_no_plan_meets_names_the_smallest_footprint():
     with pytest.raises(InfeasibleError) as e:
         plan(table(cpu_compute=False), memory={"gpu:0": 5 * GB})
     msg = str(e.value)
-    # Every block's state on the host still leaves its weights and gradient
-    # (its activations freed as the gradient is made): 6 x 2 GB.
-    assert "smallest footprint found needs 12 GB on gpu:0" in msg and "5 GB" in msg
+    # Every block's state and update on the host still leaves its weights and
+    # activations (1.5 GB; its gradient leaves as it is made, `gradient_leaves`):
+    # 6 x 1.5 GB, and the largest gradient on its way out (1 GB).
+    assert "smallest footprint found needs 10 GB on gpu:0" in msg and "5 GB" in msg
 
 
 def test_replayed_step_includes_the_transfers():
@@ -385,3 +386,48 @@ def test_a_malformed_update_reads_is_named_at_load(reads, why):
     assert why in str(e.value)
     data["meta"] = {"update_reads": {"b5": "all", "b4": ["b0"]}}
     assert CostTable.from_json(data).meta["update_reads"]["b4"] == ["b0"]
+
+
+@pytest.mark.parametrize("recomputed", [False, True])
+def test_offload_ilp_memory_rows_are_held_bytes_for_host_updates(recomputed):
+    """Updated on the host, a layer's gradient leaves the GPU as it is made
+    (`gradient_leaves`): the GPU holds its weights (and its activations where
+    kept), and the largest such gradient on its way out. The ILP's rows agree
+    with `held_bytes` for every choice of which blocks go to the host, kept
+    and recomputed alike; a recomputed plan is solved on the remat-priced
+    table and checked on the table itself (where they disagreed by the
+    overlap, a 0.54B model's recomputed plan was dropped for one computing
+    six of its layers on the CPU)."""
+    import itertools
+
+    from hetpar.planner import _ilp
+    from hetpar.planner._evaluate import Arrays
+    from hetpar.planner._offload import _model
+    from hetpar.planner._solve import _remat_table, with_memory
+
+    base = table(blocks=3, cpu_compute=False)
+    # Unequal blocks (parameters 0.5-1.5 GB), so which ones go matters.
+    base = dataclasses.replace(base, layers=tuple(
+        dataclasses.replace(layer, param_bytes=(k + 1) * 0.5 * GB,
+                            opt_state_bytes=(k + 1) * GB,
+                            memory_bytes={d: 4 * (k + 1) * 0.5 * GB + ACT
+                                          for d in layer.memory_bytes})
+        for k, layer in enumerate(base.layers)))
+    host = Placement("gpu:0", "cpu:0", "cpu:0", params="cpu:0",
+                     activations="remat" if recomputed else "keep")
+    here = Placement("gpu:0", activations="remat" if recomputed else "keep")
+    names = base.layer_names
+    arr = Arrays(base)
+    gpu = arr.dindex["gpu:0"]
+    priced = _remat_table(base, arr) if recomputed else base
+    for combo in itertools.product((False, True), repeat=len(names)):
+        placed = {n: host if s else here for n, s in zip(names, combo)}
+        need = float(held_bytes(arr, arr.placed(placed))[gpu])
+        for cap, fits in ((need, True), (need * 0.999, False)):
+            capped = Arrays(with_memory(priced, {"gpu:0": cap}))
+            m, y, _ = _model(capped, dict.fromkeys(names, "gpu:0"), 1,
+                             slack=[False] * len(arr.devices))
+            for o, v in y.items():
+                m.prob.addConstraint(v == int(combo[o.layer] and o.way == "host"))
+            status, _, _ = _ilp._run_solver(m.prob, "cbc", 10.0, 0.0)
+            assert (status in ("optimal", "feasible")) == fits, (combo, cap / GB, status)
