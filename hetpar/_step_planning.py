@@ -320,9 +320,18 @@ def _planning_table(compiled, devices: list[str], options: Options):
     # Where the one-device compile did not fit, the planner plans with the
     # device's own capacity, not one scaled by its overcount: planned so, a
     # 6.74B step recomputed a few layers that saved nothing compiled (run 13).
-    # It is the capacity less the margin the compiled check keeps back.
-    return within_split_margin(table, [d for d in devices if d in compiled.devices
-                                       and compiled.devices[d].platform != "cpu"])
+    # It is the capacity less the margin the compiled check keeps back for a
+    # split plan, where one accelerator computes beside the host. Where two
+    # of one kind could run the step data parallel (one executable, checked
+    # with the smaller MARGIN), a replica near the capacity would be planned
+    # out: there the capacity stands, and the check replans a split plan
+    # over it (no two-GPU machine measured this yet).
+    accelerators = [d for d in devices
+                    if d in compiled.devices and compiled.devices[d].platform != "cpu"]
+    kinds = [table.device(d).kind for d in accelerators]
+    if len(set(kinds)) < len(kinds):
+        return table
+    return within_split_margin(table, accelerators)
 
 
 def within_split_margin(table, accelerators):
