@@ -238,7 +238,7 @@ def _table_for(compiled, devices: list[str], options: Options, graph, budget,
 
     if calibrate:
         start = time.perf_counter()
-        _tell(f"hetpar: calibrating on {', '.join(d for d in devices if d in compiled.devices)}"
+        tell(f"hetpar: calibrating on {', '.join(d for d in devices if d in compiled.devices)}"
               f" at the first call: each layer and the whole step timed here, cached in "
               f"{cache_dir()} (profile='spec' or HETPAR_CALIBRATE=0 plans from spec sheets)")
     profiles = profile_set(compiled, options)
@@ -253,7 +253,7 @@ def _table_for(compiled, devices: list[str], options: Options, graph, budget,
             # layer there (a compile each) would change no placement. The
             # whole step is still timed, and the layers scaled to it.
             layers = False
-            _tell(f"hetpar: the step fits {alone} and every other device is over "
+            tell(f"hetpar: the step fits {alone} and every other device is over "
                   f"{budget.slower:.0f}x slower: timing the whole step only")
     if layers or not calibrate:
         table = cost_table(graph or compiled.graph, devices, profiles=profiles,
@@ -262,7 +262,7 @@ def _table_for(compiled, devices: list[str], options: Options, graph, budget,
                            if layers else None)
     if calibrate:
         table = calibrated(compiled, table, budget, runtime=layers)
-        _tell(f"hetpar: calibrated in {time.perf_counter() - start:.1f} s")
+        tell(f"hetpar: calibrated in {time.perf_counter() - start:.1f} s")
     return table
 
 
@@ -409,7 +409,7 @@ def fits_compiled(compiled, table, name: str) -> bool:
     return ok
 
 
-def _tell(line: str) -> None:
+def tell(line: str) -> None:
     """A progress line on stderr, as a user waiting on the first call sees it
     (absl's INFO lines are hidden by default)."""
     print(line, file=sys.stderr, flush=True)

@@ -254,3 +254,23 @@ def test_a_step_the_planner_overcounts_is_planned_on_its_device_by_its_compiled_
     # A memory cap is the user's: no compile overrides it.
     assert device_alone(fits, names, {"cpu:0"}, Options(memory={"cpu:0": need / 1.2}),
                         compiled=fresh()) is None
+
+
+def test_the_first_call_tells_when_it_compiles_a_split_plan(calibrating, capfd):
+    """Progress on stderr, as the calibration's: a split plan's stages compile
+    for tens of seconds on a large model, which the first call spent silent."""
+    w = zoo.get("mlp", small=True)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    plan = {n: "cpu:0" if i < len(layers) // 2 else "cpu:1" for i, n in enumerate(layers)}
+    step = hetpar.auto(w.train_step, plan=plan)
+    step(*args)
+    err = capfd.readouterr().err
+    stages = len(step.lower(*args).stages.stages)
+    assert stages > 1
+    assert f"hetpar: compiling the plan's {stages} stages on cpu:0, cpu:1" in err
+    assert "hetpar: compiled in" in err
+    # Asked for spec sheets, the first call is quiet, as before.
+    quiet = hetpar.auto(w.train_step, plan=plan, profile="spec")
+    quiet(*args)
+    assert "compiling the plan" not in capfd.readouterr().err
