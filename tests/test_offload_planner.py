@@ -286,13 +286,6 @@ def test_offload_ilp_memory_rows_are_held_bytes():
     blocks stream fits a cap in the ILP exactly when it fits by
     `held_bytes`. The blocks update on the GPU only, so each is resident or
     streamed."""
-    import itertools
-
-    from hetpar.planner import _ilp
-    from hetpar.planner._evaluate import Arrays
-    from hetpar.planner._offload import _model
-    from hetpar.planner._solve import with_memory
-
     base = table(blocks=4, cpu_compute=False)
     # Unequal blocks, so which ones stream matters: optimizer state 1-4 GB.
     base = dataclasses.replace(base, layers=tuple(
@@ -302,18 +295,32 @@ def test_offload_ilp_memory_rows_are_held_bytes():
                             workspace_bytes=(3 - k) * 0.7 * GB)
         for k, layer in enumerate(base.layers)))
     streamed = Placement("gpu:0", "cpu:0", "gpu:0", params="gpu:0")
+    _assert_ilp_rows_are_held_bytes(base, base, "streamed", streamed, Placement("gpu:0"))
+
+
+def _assert_ilp_rows_are_held_bytes(base, priced, way, away, here):
+    """For every choice of which layers of `base` go `away` (offload option
+    `way`) and which stay `here`, the offload ILP on `priced` (with the GPU
+    capped at what `held_bytes` says the choice holds there) is feasible, and
+    infeasible 0.1% under it."""
+    import itertools
+
+    from hetpar.planner import _ilp
+    from hetpar.planner._offload import _model
+    from hetpar.planner._solve import with_memory
+
     names = base.layer_names
     arr = Arrays(base)
     gpu = arr.dindex["gpu:0"]
     for combo in itertools.product((False, True), repeat=len(names)):
-        placed = {n: streamed if s else Placement("gpu:0") for n, s in zip(names, combo)}
+        placed = {n: away if s else here for n, s in zip(names, combo)}
         need = float(held_bytes(arr, arr.placed(placed))[gpu])
         for cap, fits in ((need, True), (need * 0.999, False)):
-            capped = Arrays(with_memory(base, {"gpu:0": cap}))
+            capped = Arrays(with_memory(priced, {"gpu:0": cap}))
             m, y, _ = _model(capped, dict.fromkeys(names, "gpu:0"), 1,
                              slack=[False] * len(arr.devices))
             for o, v in y.items():
-                m.prob.addConstraint(v == int(combo[o.layer]))
+                m.prob.addConstraint(v == int(combo[o.layer] and o.way == way))
             status, _, _ = _ilp._run_solver(m.prob, "cbc", 10.0, 0.0)
             assert (status in ("optimal", "feasible")) == fits, (combo, cap / GB, status)
 
@@ -398,12 +405,7 @@ def test_offload_ilp_memory_rows_are_held_bytes_for_host_updates(recomputed):
     table and checked on the table itself (where they disagreed by the
     overlap, a 0.54B model's recomputed plan was dropped for one computing
     six of its layers on the CPU)."""
-    import itertools
-
-    from hetpar.planner import _ilp
-    from hetpar.planner._evaluate import Arrays
-    from hetpar.planner._offload import _model
-    from hetpar.planner._solve import _remat_table, with_memory
+    from hetpar.planner._solve import _remat_table
 
     base = table(blocks=3, cpu_compute=False)
     # Unequal blocks (parameters 0.5-1.5 GB), so which ones go matters.
@@ -416,18 +418,5 @@ def test_offload_ilp_memory_rows_are_held_bytes_for_host_updates(recomputed):
     host = Placement("gpu:0", "cpu:0", "cpu:0", params="cpu:0",
                      activations="remat" if recomputed else "keep")
     here = Placement("gpu:0", activations="remat" if recomputed else "keep")
-    names = base.layer_names
-    arr = Arrays(base)
-    gpu = arr.dindex["gpu:0"]
-    priced = _remat_table(base, arr) if recomputed else base
-    for combo in itertools.product((False, True), repeat=len(names)):
-        placed = {n: host if s else here for n, s in zip(names, combo)}
-        need = float(held_bytes(arr, arr.placed(placed))[gpu])
-        for cap, fits in ((need, True), (need * 0.999, False)):
-            capped = Arrays(with_memory(priced, {"gpu:0": cap}))
-            m, y, _ = _model(capped, dict.fromkeys(names, "gpu:0"), 1,
-                             slack=[False] * len(arr.devices))
-            for o, v in y.items():
-                m.prob.addConstraint(v == int(combo[o.layer] and o.way == "host"))
-            status, _, _ = _ilp._run_solver(m.prob, "cbc", 10.0, 0.0)
-            assert (status in ("optimal", "feasible")) == fits, (combo, cap / GB, status)
+    priced = _remat_table(base, Arrays(base)) if recomputed else base
+    _assert_ilp_rows_are_held_bytes(base, priced, "host", host, here)
