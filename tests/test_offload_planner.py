@@ -203,10 +203,9 @@ def test_a_cap_no_plan_meets_names_the_smallest_footprint():
     with pytest.raises(InfeasibleError) as e:
         plan(table(cpu_compute=False), memory={"gpu:0": 5 * GB})
     msg = str(e.value)
-    # Every block's state and update on the host still leaves its weights and
-    # activations (1.5 GB; its gradient leaves as it is made, `gradient_leaves`):
-    # 6 x 1.5 GB, and the largest gradient on its way out (1 GB).
-    assert "smallest footprint found needs 10 GB on gpu:0" in msg and "5 GB" in msg
+    # Every block's state on the host still leaves its weights and gradient
+    # (its activations freed as the gradient is made): 6 x 2 GB.
+    assert "smallest footprint found needs 12 GB on gpu:0" in msg and "5 GB" in msg
 
 
 def test_replayed_step_includes_the_transfers():
@@ -397,9 +396,8 @@ def test_a_malformed_update_reads_is_named_at_load(reads, why):
 
 @pytest.mark.parametrize("recomputed", [False, True])
 def test_offload_ilp_memory_rows_are_held_bytes_for_host_updates(recomputed):
-    """Updated on the host, a layer's gradient leaves the GPU as it is made
-    (`gradient_leaves`): the GPU holds its weights (and its activations where
-    kept), and the largest such gradient on its way out. The ILP's rows agree
+    """Updated on the host, a layer's gradient waits on the GPU until the
+    host's update takes it (the runtime pulls it then). The ILP's rows agree
     with `held_bytes` for every choice of which blocks go to the host, kept
     and recomputed alike; a recomputed plan is solved on the remat-priced
     table and checked on the table itself (where they disagreed by the

@@ -537,9 +537,6 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
       `streamed_in_flight(n)` x the largest such state (2 for one; at most
       STREAMED_IN_FLIGHT, the runtime's bounded prefetch), beside the
       largest working set.
-    - Updated where its state lives (one batch: `gradient_leaves`), its
-      gradient leaves the compute device as it is made: counted there once,
-      the largest in flight, not beside each layer's weights.
     - Where its optimizer state lives: `Arrays.state_copies` x the state
       (without donation old and new coexist: 2; donated, 1), plus its
       gradient when the update runs there. Where its parameters live, when
@@ -565,15 +562,10 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
     # Apart, the old (and without donation the new) optimizer state leave the
     # device, and the new parameters when they live elsewhere too.
     copies = arr.state_copies
-    leaving = gradient_leaves(placed, microbatches)
     away = (np.where(state_apart, copies * o, 0.0)
             + np.where(params_apart, (copies - 1) * p, 0.0)
             # recomputed: not kept (nor overlapping its gradient)
-            + np.where(placed.remat, arr.act - arr.overlap_at(microbatches), 0.0)
-            # updated elsewhere: the gradient is not held beside the rest (nor
-            # overlapping activations a recomputed layer does not keep)
-            + np.where(leaving, p - np.where(placed.remat, 0.0, arr.overlap_at(microbatches)),
-                       0.0))
+            + np.where(placed.remat, arr.act - arr.overlap_at(microbatches), 0.0))
     np.add.at(out, c, np.maximum(mem_c - away, 0.0))
     home = copies * o + np.where(placed.host_update, p, 0.0)
     np.add.at(out, s[state_apart], home[state_apart])
@@ -589,24 +581,7 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
         in_flight[j] = streamed_in_flight(mine.sum()) * float(o[mine].max())
     working = np.zeros(len(out))
     np.maximum.at(working, c, arr.ws + np.where(placed.remat, arr.act, 0.0))
-    # and the largest gradient leaving for its update, on its way out
-    leaving_now = np.zeros(len(out))
-    np.maximum.at(leaving_now, c[leaving], p[leaving])
-    return out + in_flight + working + leaving_now
-
-
-def gradient_leaves(placed: Placed, microbatches: int = 1) -> np.ndarray:
-    """[L] whether the layer's gradient leaves its compute device as it is made:
-    its update runs on its state's device (`Placed.host_update`), and one
-    batch (pipelined, the gradient is summed over the microbatches where it
-    is computed and read once, at the end). The crossing frees it: an H200
-    offload plan's compiled replay held 1.7 GB less than a planner that kept
-    each such layer's weights and gradient on the GPU for the whole step
-    (a 0.54B Llama-style model at 7.5 GB: 4.9 GB replayed, 6.6 GB planned;
-    experiments/results/fit_h200, runs 20-22)."""
-    if microbatches > 1:
-        return np.zeros(len(placed.compute), bool)
-    return placed.host_update
+    return out + in_flight + working
 
 
 def ram_bytes(arr: Arrays, held: np.ndarray) -> np.ndarray:

@@ -26,11 +26,9 @@ z): a binary y per offload option, at most x[l, c] of them per layer.
 Memory (`hetpar.planner._arrays.held_bytes`, linear but for one max): a
 resident layer holds its `memory_bytes`; an offloaded layer holds on its
 compute device its weights, gradient and activations (memory_bytes less its
-optimizer state; host way, one batch, less its gradient, which leaves as it
-is made, the largest counted once: `gradient_leaves`), plus, streamed, the
-optimizer state in flight for the updates (`streamed_in_flight`: old and
-new of each, at most five states, in the largest; `_add_in_flight`
-linearises it); its host holds
+optimizer state), plus, streamed, the optimizer state in flight for the
+updates (`streamed_in_flight`: old and new of each, at most five states, in
+the largest; `_add_in_flight` linearises it); its host holds
 `Arrays.state_copies` x its optimizer state (2, old and new; 1 where the step
 donates its state), plus, host way, as many copies of its parameters and its
 gradient. A memory place and its host's CPU device draw on one RAM: their
@@ -362,7 +360,6 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     use: list[list] = [[] for _ in range(D)]
     transient: dict[int, list] = {}
     streams: dict[int, list] = {}  # streamed options' optimizer state, per device
-    going: dict[int, list] = {}  # host options' gradients, on their way out, per device
     mem = arr.mem_at(M)  # pipelined, activations and gradients both count
     for (i, j), v in x.items():
         use[j].append((v, float(mem[i, j]) / _GB))
@@ -374,9 +371,6 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         # device (`held_bytes`), and the new parameters where the host updates them.
         copies = arr.state_copies
         leaves = copies * opt + ((copies - 1) * p[o.layer] if o.way == "host" else 0.0)
-        if o.way == "host" and M == 1:  # its gradient leaves as made (`gradient_leaves`)
-            leaves += p[o.layer] - float(arr.overlap[o.layer])
-            going.setdefault(o.compute, []).append((v, p[o.layer] / _GB))
         # never more than the layer holds there (`held_bytes` floors it at 0)
         leaves = min(leaves, float(mem[o.layer, o.compute]))
         use[o.compute].append((v, -leaves / _GB))
@@ -393,12 +387,6 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
             for v, ws in transient[j]:
                 prob.addConstraint(_ilp._affine([(s, 1.0), (v, -ws)]) >= 0, f"tr{j}_{v.name}")
             terms.append((s, 1.0))
-        if j in going:  # the largest gradient leaving for a host's update
-            g = prob.add_variable(f"G{j}", lowBound=0)
-            held_once.setdefault(j, []).append(g)
-            for v, gb in going[j]:
-                prob.addConstraint(_ilp._affine([(g, 1.0), (v, -gb)]) >= 0, f"gr{j}_{v.name}")
-            terms.append((g, 1.0))
         if j in streams:  # beside it, the streamed state in flight
             f = prob.add_variable(f"F{j}", lowBound=0)
             held_once.setdefault(j, []).append(f)
