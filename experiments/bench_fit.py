@@ -103,17 +103,28 @@ def _hf_llama(config: dict, batch: int, seq: int):
     return train_step, init, None
 
 
-def _median_step(step, state, batch, steps):
+def _median_step(step, state, batch, steps, memory: list | None = None):
+    """Times `steps` steps; `memory`, a list, gets the GPU's bytes in use
+    before each step and its high-water mark after it (GB): whether a later
+    step holds more than the first (run 23's 0.54B cell ran out of memory
+    on its second step, the first having peaked 0.8 GB under the limit)."""
     import jax
 
     params, opt_state = state
     times = []
+    gpus = [d for d in jax.devices() if d.platform != "cpu"]
+    gpu = gpus[0] if gpus else None
     for _ in range(steps):
+        before = (gpu.memory_stats() or {}) if gpu is not None else {}
         t = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, batch)
         float(loss)
         jax.block_until_ready((params, opt_state))
         times.append(time.perf_counter() - t)
+        if memory is not None and gpu is not None:
+            after = gpu.memory_stats() or {}
+            memory.append([before.get("bytes_in_use", 0) / 1e9,
+                           after.get("peak_bytes_in_use", 0) / 1e9])
     state[:] = [params, opt_state]  # the caller's list: what the last step returned
     return times, float(loss)
 
@@ -221,7 +232,9 @@ def run_cell(args) -> dict:
                 del params, opt_state
                 state = [p, o]
                 del p, o
-                times, loss = _median_step(step, state, batch, args.steps)
+                out["step_memory_gb"] = []  # [in use before, high-water mark after]
+                times, loss = _median_step(step, state, batch, args.steps,
+                                           out["step_memory_gb"])
             out["warnings"] = [f"{type(w.message).__name__}: {str(w.message)[:300]}"
                                for w in caught if "Memory" in type(w.message).__name__]
             plan = step.plan
@@ -291,6 +304,25 @@ def _timelines(step, state, batch, where: str) -> dict:
     out["watched_s"] = time.perf_counter() - t
     ex.watch_events = False
     out["measured"] = [dataclasses.asdict(e) for e in ex.last_events]
+    # One more step serialised, each accelerator's allocator read after each
+    # stage, beside the compiled replay's figure for the same point.
+    from hetpar._memory_check import compiled_peaks
+
+    walk: list = []
+    compiled_peaks(ex, walk)
+    ex.record_memory = True
+    try:
+        params, opt_state, loss = step(params, opt_state, batch)
+        float(loss)
+    finally:
+        ex.record_memory = False
+    replayed = {(w["device"], w["stage"]): w for w in walk}
+    out["memory_walk"] = [
+        {"stage": i, "device": d, "layers": list(ex.stages.stages[i].layers)[:3],
+         "in_use_gb": (b or 0) / 1e9,
+         "replay_after_gb": replayed.get((d, i), {}).get("after", 0) / 1e9,
+         "replay_during_gb": replayed.get((d, i), {}).get("during", 0) / 1e9}
+        for i, d, b in ex.last_memory if b is not None]
     out["host_stages"] = _host_stages_alone(ex, out["measured"])
     out["state"] = [params, opt_state]
     return out

@@ -24,6 +24,9 @@ and keeps the largest total:
     + in flight  what the running stage brought in (state streamed from a
                memory place, values from another device) and the state of
                the next streaming stage, prefetched while it runs
+    + queued   the next stage on the device, dispatched while this one runs
+               (`Executor.prefetch`): its outputs and the inputs copied to it,
+               allocated at dispatch
     + working  the running stage's temporaries and its outputs (less those
                aliased to its donated inputs)
 
@@ -33,8 +36,9 @@ state as it arrives, offloaded activations until their backward.
 Stages on other devices are taken to run in the global stage order (their
 index), which decides when a value read across devices is freed.
 
-`misfits` compares each peak with the capacity the plan used, less a
-margin (`margin_of`: `MARGIN` for one executable, `SPLIT_MARGIN` for a split
+`misfits` compares each peak with the capacity the plan used (a `memory=`
+cap included), or the device's own less a margin where that is less
+(`margin_of`: `MARGIN` for one executable, `SPLIT_MARGIN` for a split
 plan's replayed peak), and the CPU devices and memory places together with the host's
 RAM as the OS gives it (`host_misfit`: they share it, and the planner's
 table gives each of them the whole); `AutoStep` plans again with the device
@@ -112,7 +116,8 @@ class Misfit:
       device: the device name.
       compiled_bytes: the compiled stages' peak there (`compiled_peaks`).
       capacity_bytes: the capacity the plan used (`memory=` cap included).
-      usable_bytes: `capacity_bytes` less `margin`.
+      usable_bytes: `capacity_bytes`, or the device's own capacity less
+        `margin` where that is less.
       predicted_bytes: what the planner predicted the device holds (None if unknown).
       stage: where the peak falls, for messages ("stage 7 (backward) of [layers]").
     """
@@ -136,9 +141,12 @@ class Misfit:
                     f"at their peaks ({self.stage}), over the {nbytes(self.usable_bytes)} it may "
                     f"give ({nbytes(self.capacity_bytes)} from the OS less a {self.margin:.1%} "
                     "margin)")
+        kept = (f"{nbytes(self.usable_bytes / (1 - self.margin))} less a {self.margin:.1%} "
+                "margin" if self.usable_bytes < self.capacity_bytes else
+                f"its cap; the device's own capacity less a {self.margin:.1%} margin is more")
         return (f"the compiled stages need {nbytes(self.compiled_bytes)} on {self.device} at "
                 f"their peak ({self.stage}), over the {nbytes(self.usable_bytes)} the plan may "
-                f"use there ({nbytes(self.capacity_bytes)} less a {self.margin:.1%} margin)")
+                f"use there ({kept})")
 
 
 def _bytes(v) -> int:
@@ -160,11 +168,17 @@ def stage_working_bytes(m) -> float:
     return m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
 
 
-def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
+def compiled_peaks(executor, walk: list | None = None
+                   ) -> tuple[dict[str, float], dict[str, str]]:
     """({device: peak bytes over the step}, {device: the stage where it falls})
     from the executor's compiled stages (`Executor.stage_memory`), memory
     places (`gpu:0:pinned_host`) included (`_place_peaks`); devices whose
-    stages have no memory analysis are left out."""
+    stages have no memory analysis are left out.
+
+    `walk`, a list, gets one entry per stage replayed: {"device", "stage",
+    "during" (bytes while it runs), "after" (held once it ran and what it
+    was the last reader of is freed)}, to set beside what the device's
+    allocator holds after each stage (`Executor.record_memory`)."""
     stages = executor.stages
     memory = executor.stage_memory
     peaks: dict[str, float] = {}
@@ -195,7 +209,7 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
         live: dict = {}  # values made here, alive until their last reader
         cached: set = set()  # step inputs moved here once a step
         peak, at = resident + sum(held.values()), "the step's inputs"
-        for i in order:
+        for pos, i in enumerate(order):
             st, m = stages.stages[i], memory[i]
             for v in [v for v in held if v in donated and last_read.get(v, -1) < i]:
                 del held[v]
@@ -209,8 +223,10 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
             nxt = executor._next_stream.get(i)
             ahead = sum(_bytes(v) for v in executor._streamed[nxt]) if nxt is not None else 0
             working = stage_working_bytes(m)
+            queued = _queued_bytes(executor, order[pos + 1] if pos + 1 < len(order) else None,
+                                   device, st, live, home, cached, nxt)
             now = (resident + sum(held.values()) + sum(live.values())
-                   + sum(_bytes(v) for v in cached) + transient + ahead + working)
+                   + sum(_bytes(v) for v in cached) + transient + ahead + working + queued)
             if now > peak:
                 peak = now
                 at = (f"stage {i} ({st.phase}"
@@ -218,13 +234,19 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
                       + f") of {list(st.layers)[:3]}" + ("..." if len(st.layers) > 3 else "")
                       + _parts(inputs=sum(held.values()) + sum(_bytes(v) for v in cached),
                                made=sum(live.values()), brought=transient + ahead,
-                               working=working, code=resident))
+                               working=working, queued=queued, code=resident))
             for v in st.outputs:
                 if v not in away and (v in outputs or last_read.get(v, -1) > i):
                     live[v] = _bytes(v)
             for v in list(live):
                 if v not in outputs and last_read.get(v, -1) <= i:
                     del live[v]
+            if walk is not None:
+                kept_inputs = sum(b for v, b in held.items()
+                                  if not (v in donated and last_read.get(v, -1) <= i))
+                walk.append({"device": device, "stage": i, "during": now,
+                             "after": resident + kept_inputs + sum(live.values())
+                             + sum(_bytes(v) for v in cached)})
         # Results computed elsewhere that come home here at the step's end.
         wanted = stages.output_devices or ()
         back = sum(_bytes(v) for v, d in zip(executor._outvars, wanted)
@@ -241,6 +263,23 @@ def compiled_peaks(executor) -> tuple[dict[str, float], dict[str, str]]:
     for place, (peak, at) in _place_peaks(executor, last_read, donated).items():
         peaks[place], where[place] = peak, at
     return peaks, where
+
+
+def _queued_bytes(executor, j, device, st, live, home, cached, nxt) -> float:
+    """What stage `j`, dispatched while `st` runs on `device` (a worker keeps
+    `Executor.prefetch` = 2 stages in flight), holds there already: its
+    outputs (allocated at dispatch, less those written into its donated
+    inputs) and the inputs copied to it (less the streamed state `ahead`
+    counts). Its temporaries reuse the running stage's (one stream)."""
+    if j is None or executor.prefetch < 2:
+        return 0.0
+    m = executor.stage_memory[j]
+    out = max(m.output_size_in_bytes - m.alias_size_in_bytes, 0)
+    streamed = set(executor._streamed[j]) if nxt == j else set()
+    made = set(st.outputs)
+    return out + sum(_bytes(v) for v in executor.stages.stages[j].inputs
+                     if v not in live and v not in made and home.get(v) != device
+                     and v not in cached and v not in streamed)
 
 
 def _parts(**parts: float) -> str:
@@ -342,13 +381,14 @@ def worth_compiling(step, devices) -> bool:
                for d in devices)
 
 
-def capacities(step, devices) -> dict[str, float]:
+def capacities(step, devices, capped: bool = True) -> dict[str, float]:
     """{device: the capacity the plan used}: its cost table's figure (this
     machine's, for a present device) under the `memory=` caps, else what the
-    device holds here (`live_capacity`)."""
+    device holds here (`live_capacity`). `capped=False`: what each holds,
+    the caps aside."""
     from hetpar.cost_models import live_capacity
 
-    memory = step.options.memory or {}
+    memory = (step.options.memory or {}) if capped else {}
     table = step.table
     if table is not None and memory:
         from hetpar.planner._solve import with_memory
@@ -384,10 +424,18 @@ def misfits(step) -> list[Misfit]:
     figure, less `MARGIN`: `host_misfit`), that one."""
     peaks, where = step.compiled_memory or ({}, {})
     caps = capacities(step, list(peaks))
+    held = capacities(step, list(peaks), capped=False) if step.options.memory else caps
     predicted = predicted_peaks(step)
     m = margin_of(step)
-    out = [Misfit(d, peak, caps[d], (1 - m) * caps[d], predicted.get(d), where[d], margin=m)
-           for d, peak in peaks.items() if d in caps and peak > (1 - m) * caps[d]]
+    # The margin is kept back from what the device holds, not from a cap under
+    # it: a cap (the caller's, or the one a replan set after the compiled
+    # stages or a step ran over) is what the plan may use, and a plan
+    # planned to a cap was replanned again for the margin taken off it (run
+    # 23: a 0.54B plan capped at 4.56 GB after running out of memory on a
+    # 7.5 GB GPU replayed at 4.53 GB, over the 4.02 GB then allowed).
+    usable = {d: min(c, (1 - m) * held.get(d, c)) for d, c in caps.items()}
+    out = [Misfit(d, peak, caps[d], usable[d], predicted.get(d), where[d], margin=m)
+           for d, peak in peaks.items() if d in caps and peak > usable[d]]
     out = sorted(out, key=lambda m: -m.excess_bytes)
     host = host_misfit(step, peaks, predicted)
     return out if host is None else [*out, host]

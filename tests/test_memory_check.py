@@ -483,3 +483,53 @@ def test_split_plans_are_planned_within_the_margin_the_check_keeps():
     held = (inside.peak_memory_bytes or inside.memory_bytes)["h100:0"]
     assert held <= (1 - SPLIT_MARGIN) * tight.device("h100:0").memory_bytes * (1 + 1e-6)
     assert plan(tight).predicted.step_time_s <= inside.step_time_s
+
+
+def test_the_replay_counts_the_stage_queued_behind_the_running_one():
+    """A worker keeps two stages in flight (`Executor.prefetch`), and the
+    queued one's outputs are allocated when it is dispatched: the replay
+    counts them beside the running stage's. With one stage in flight it
+    would not. The walk lists every stage replayed, once."""
+    step, args, layers = _zoo_mlp()
+    plan = {n: "cpu:0" if k < len(layers) // 2 else "cpu:1" for k, n in enumerate(layers)}
+    ex = hetpar.auto(step, plan=plan, profile=None).lower(*args)._executor
+    walk: list = []
+    two = _memory_check.compiled_peaks(ex, walk)[0]
+    assert sorted(w["stage"] for w in walk) == list(range(len(ex.stages.stages)))
+    assert all(w["during"] >= w["after"] > 0 for w in walk)
+    ex.prefetch = 1
+    alone: list = []
+    one = _memory_check.compiled_peaks(ex, alone)[0]
+    assert all(two[d] >= one[d] for d in two)
+    # A device running stages in a row: their successors' outputs (a layer's
+    # activations, gradients or new state) are not nothing.
+    several = [d for d, order in ex.stages.device_order.items() if len(order) > 1]
+    assert several
+    for d in several:
+        pairs = [(w["during"], a["during"]) for w, a in zip(walk, alone) if w["device"] == d]
+        assert all(x >= y for x, y in pairs) and any(x > y for x, y in pairs[:-1]), (d, pairs)
+
+
+def test_a_cap_is_what_a_plan_may_use_the_margin_comes_off_the_device():
+    """The margin is kept back from what a device holds, not from a `memory=`
+    cap far under it: a plan replayed at 95% of its cap fits (a replan's own
+    cap once took the margin off again, and the plan planned to it was
+    replanned, run 23); over the cap, it does not."""
+    import warnings
+
+    step, args = _mlp_step()
+    plan = _split_plan(step, args)
+
+    def lowered(cap=None):
+        memory = None if cap is None else {"cpu:1": cap}
+        auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], plan=plan, profile=None,
+                           memory=memory)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled = auto.lower(*args)
+        return compiled, [w for w in caught if w.category is MemoryCheckWarning]
+
+    peak = lowered()[0].compiled_memory[0]["cpu:1"]
+    assert peak > (1 - SPLIT_MARGIN) * (peak / 0.95)  # inside the margin of the cap
+    assert not lowered(peak / 0.95)[1]
+    assert lowered(peak / 1.05)[1]

@@ -541,3 +541,48 @@ def test_work_from_the_inputs_alone_runs_in_the_stage_that_reads_it():
     labels = next(v for v in head.inputs if jnp.issubdtype(v.aval.dtype, jnp.integer))
     assert labels in set(stages.graph.program.jaxpr.jaxpr.invars)  # the step's own input
     check_steps(w.train_step, auto, args, steps=2)
+
+
+def test_a_worker_keeps_at_most_prefetch_stages_in_flight(monkeypatch):
+    """A stage's outputs are allocated when it is dispatched, so a worker that
+    ran ahead through a whole backward would hold every layer's gradient at
+    once; the compiled memory check counts the running stage and one queued.
+    Here every stage's result is a marker that records when the worker waits
+    on it: before dispatching stage k on a device, it has waited for the
+    stage `prefetch` places earlier on that device."""
+    from hetpar.runtime import _run
+
+    w = zoo.get("mlp", small=True)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    step = hetpar.auto(w.train_step, plan=alternating(layers))
+    ex = step.lower(*args)._executor
+    assert ex.prefetch == 2
+    log: list = []
+
+    class Marker:
+        def __init__(self, idx):
+            self.idx = idx
+
+        def block_until_ready(self):
+            log.append(("waited", self.idx))
+            return self
+
+    real = _run._Run._stage
+
+    def stage(self, idx, st, name, dev):
+        outs = real(self, idx, st, name, dev)
+        log.append(("dispatched", idx))
+        return [Marker(idx), *outs]
+
+    monkeypatch.setattr(_run._Run, "_stage", stage)
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: [
+        m.block_until_ready() for m in (x if isinstance(x, list) else [x])
+        if isinstance(m, Marker)] or x)
+    step(*args)
+    assert {i for what, i in log if what == "dispatched"} == set(range(len(ex.stages.stages)))
+    for order in ex.stages.device_order.values():
+        for k, idx in enumerate(order):
+            if k >= ex.prefetch and ("dispatched", idx) in log:
+                earlier = order[k - ex.prefetch]
+                assert ("waited", earlier) in log[:log.index(("dispatched", idx))], (idx, log)

@@ -84,9 +84,10 @@ class Executor:
     says why), and the new state goes back as soon as the stage that computed
     it is dispatched, not at the step's end: the device then holds a few
     layers' optimizer state at a time, not the model's. Since dispatch runs
-    ahead of the device, a worker lets at most `prefetch` stages that read
-    such state be in flight, and the next one's state arrive meanwhile:
-    before dispatching another, it waits for the oldest to finish.
+    ahead of the device, and a stage's outputs are allocated when it is
+    dispatched, a worker lets at most `prefetch` stages be in flight on its
+    device (and the next streaming stage's state arrive meanwhile): before
+    dispatching another, it waits for the oldest to finish.
 
     Args:
       stages: the split step.
@@ -94,8 +95,7 @@ class Executor:
         (a memory place maps to its device, or is derived from it).
       transfer: the transfer engine (default: a new one).
       workers: the per-device worker threads (default: the executor's own).
-      prefetch: stages reading streamed state in flight per device
-        (default: `Executor.PREFETCH`).
+      prefetch: stages in flight per device (default: `Executor.PREFETCH`).
       donate: positions of the step's flat inputs it donates (the leaves of
         `donate_argnums`), given up by their last reader (module docstring);
         one process only.
@@ -109,8 +109,10 @@ class Executor:
         `update_apart=True`).
     """
 
-    #: Default stages reading streamed state in flight per device (one
-    #: computing, one queued), besides the next one's state arriving.
+    #: Default stages in flight per device (one computing, one queued),
+    #: besides the next streaming stage's state arriving. The compiled
+    #: memory check (`hetpar._memory_check.compiled_peaks`) counts the
+    #: queued stage's outputs and copied inputs beside the running one's.
     PREFETCH = 2
 
     def __init__(self, stages: StageGraph, devices: Mapping[str, jax.Device],
@@ -213,6 +215,11 @@ class Executor:
         # stage's copies in, compute and copies out while the step runs as
         # usual (no host sync added), each kind in issue order.
         self.record_events = False
+        # record_memory (serialises the step too): each stage's device's
+        # allocator read once the stage ran, in `last_memory` as (stage,
+        # device, bytes in use), beside the replay's (`compiled_peaks`' walk).
+        self.record_memory = False
+        self.last_memory: list = []
         self.watch_events = False
 
     def _donation(self, stages: StageGraph) -> tuple[list, dict]:
@@ -449,6 +456,7 @@ class Executor:
                    if self.donated else "The inputs you passed are unchanged."),
                 device=st.device) from e
         self.last_events = sorted(run.events, key=lambda ev: ev.start_s)
+        self.last_memory = list(run.memory)
         returned = {id(x) for x in (run.env.get(v) for v in self._outvars
                                     if isinstance(v, jcore.Var))}
         for i in self.donated:

@@ -61,6 +61,7 @@ class _Run:
         self.done = [threading.Event() for _ in ex.stages.stages]
         self.failure: list = []
         self.events: list[StageEvent] = []
+        self.memory: list = []  # (stage, device, bytes in use after it): record_memory
         self.t0 = time.perf_counter()
         # Step inputs (parameters) read on another device move there once per
         # step, not once per microbatch stage that reads them (a tied GPT-2
@@ -150,7 +151,7 @@ class _Run:
         ex = self.ex
         dev = ex.devices[name]
         dispatched = []
-        streaming: list = []  # outputs of stages reading streamed state, in flight
+        in_flight: list = []  # (stage, its outputs and the state it sent home), oldest first
         for idx in ex.stages.device_order[name]:
             st = ex.stages.stages[idx]
             for v in st.inputs:
@@ -166,22 +167,27 @@ class _Run:
             if self.failure:
                 return
             try:
-                if ex._streams[idx]:
-                    # Bounded prefetch: the state of at most `prefetch` stages on the device.
-                    if len(streaming) >= ex.prefetch:
-                        earlier, arrays = streaming.pop(0)
-                        try:
-                            jax.block_until_ready(arrays)
-                        except Exception as e:  # noqa: BLE001 - an earlier stage failed
-                            self.fail(earlier, e)
-                            return
+                # At most `prefetch` stages in flight on the device: a stage's
+                # outputs and the inputs copied to it are allocated when it is
+                # dispatched, not when it runs, so a worker dispatching the
+                # whole backward ahead would hold every layer's gradient at
+                # once, where the compiled check (`compiled_peaks`) counts
+                # the running stage and one queued.
+                if len(in_flight) >= ex.prefetch:
+                    earlier, arrays = in_flight.pop(0)
+                    try:
+                        jax.block_until_ready(arrays)
+                    except Exception as e:  # noqa: BLE001 - an earlier stage failed
+                        self.fail(earlier, e)
+                        return
                 outs = self._stage(idx, st, name, dev)
-                if ex._streams[idx]:
-                    # Waiting on the state sent home too: a device->host copy
-                    # frees its device buffer only once done, and the copies
-                    # back lag the compute (measured: ~28 GB of a 5B model's
-                    # new optimizer state queued on an H100 without this).
-                    streaming.append((st, [*outs, *(self.env[v] for v in st.outputs
+                # Waiting on the state sent home too: a device->host copy
+                # frees its device buffer only once done, and the copies
+                # back lag the compute (measured: ~28 GB of a 5B model's
+                # new optimizer state queued on an H100 without this).
+                # (One output names the execution's end; holding them all
+                # would keep what the next stages free alive.)
+                in_flight.append((st, [*outs[:1], *(self.env[v] for v in st.outputs
                                                     if v in ex._send_home)]))
             except Exception as e:  # noqa: BLE001 - re-raised by the caller with context
                 self.fail(st, e)
@@ -190,6 +196,10 @@ class _Run:
                 dispatched.append((st, outs[:1]))  # one result names a failed execution
             self.release(st)
             del outs
+            if ex.record_memory:
+                # What the allocator holds once the stage ran (serialised)
+                # and what it was the last reader of was dropped.
+                self.memory.append((idx, name, (dev.memory_stats() or {}).get("bytes_in_use")))
             self.done[idx].set()
         # Execution is asynchronous: errors surface when results are awaited.
         # A CPU worker awaits its stages' results in order once all are
@@ -230,7 +240,7 @@ class _Run:
             if self.watchers:
                 self.watch("copy in", self.ex.stages.stages[nxt], name,
                            list(self.ahead[nxt].values()))
-        if self.ex.record_events:
+        if self.ex.record_events or self.ex.record_memory:
             jax.block_until_ready(outs)
             self.events.append(StageEvent(idx, name, st.microbatch, st.phase,
                                           start - self.t0, time.perf_counter() - self.t0))
