@@ -222,6 +222,9 @@ def run_cell(args) -> dict:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 params, opt_state, batch = step.place(params, opt_state, batch)
+                from probe_held_between_steps import held, holders
+
+                out["held_after_place"] = held(gpu)  # calibrated, planned, compiled, placed
                 p, o, loss = step(params, opt_state, batch)
                 float(loss)
                 out["first_call_s"] = time.perf_counter() - t0
@@ -232,9 +235,15 @@ def run_cell(args) -> dict:
                 del params, opt_state
                 state = [p, o]
                 del p, o
+                # What the GPU holds once the first call returned: the
+                # allocator beside JAX's live arrays there, and what holds
+                # the largest (run 24: 2.41 GB before every later step of the
+                # 0.54B plan, whose state homed there is 0.79 GB).
+                out["held_after_first_call"] = {**held(gpu), "holders": holders(gpu, 4)}
                 out["step_memory_gb"] = []  # [in use before, high-water mark after]
                 times, loss = _median_step(step, state, batch, args.steps,
                                            out["step_memory_gb"])
+                out["held_after_steps"] = {**held(gpu), "holders": holders(gpu, 4)}
             out["warnings"] = [f"{type(w.message).__name__}: {str(w.message)[:300]}"
                                for w in caught if "Memory" in type(w.message).__name__]
             plan = step.plan

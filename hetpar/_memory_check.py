@@ -546,7 +546,9 @@ def memory_summary(step) -> dict:
     out = {}
     before = getattr(step, "peaks_before_run", None) or {}
     for d in devices:
-        measured = allocator_peak(step, d)
+        # A memory place (`gpu:0:pinned_host`) has no figure of its own: its
+        # device's allocator counts the device's memory, not the place's.
+        measured = allocator_peak(step, d) if memory_place(d)[1] is None else None
         out[d] = {"predicted": predicted.get(d), "compiled": peaks.get(d),
                   "measured": measured, "capacity": caps.get(d)}
         if measured is not None and before.get(memory_place(d)[0]) == measured:
