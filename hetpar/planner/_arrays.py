@@ -37,8 +37,8 @@ OBJECTIVES = ("time", "cost", "energy")
 HOST_STATE_COPIES = 2
 
 #: Streamed optimizer states a device may hold at once, counted in its largest
-#: one: the runtime lets `Executor.PREFETCH` (2) stages that read streamed
-#: state be in flight per device, each holding its old state and its new one
+#: one: the runtime lets `Executor.PREFETCH` (2) stages be in flight per
+#: device, each streaming one holding its old state and its new one
 #: (until the copy home ends), while the next one's state arrives.
 STREAMED_IN_FLIGHT = 5
 
