@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -228,9 +229,8 @@ def run_cell(args) -> dict:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 params, opt_state, batch = step.place(params, opt_state, batch)
-                from probe_held_between_steps import held, holders
-
-                out["held_after_place"] = held(gpu)  # calibrated, planned, compiled, placed
+                # Calibrated, planned, compiled and placed:
+                out["held_after_place"] = _what_gpu_holds(gpu)
                 p, o, loss = step(params, opt_state, batch)
                 float(loss)
                 out["first_call_s"] = time.perf_counter() - t0
@@ -245,11 +245,11 @@ def run_cell(args) -> dict:
                 # allocator beside JAX's live arrays there, and what holds
                 # the largest (run 24: 2.41 GB before every later step of the
                 # 0.54B plan, whose state homed there is 0.79 GB).
-                out["held_after_first_call"] = {**held(gpu), "holders": holders(gpu, 4)}
+                out["held_after_first_call"] = {**_what_gpu_holds(gpu), "holders": _holders(gpu, 4)}
                 out["step_memory_gb"] = []  # [in use before, high-water mark after]
                 times, loss = _median_step(step, state, batch, args.steps,
                                            out["step_memory_gb"])
-                out["held_after_steps"] = {**held(gpu), "holders": holders(gpu, 4)}
+                out["held_after_steps"] = {**_what_gpu_holds(gpu), "holders": _holders(gpu, 4)}
             out["warnings"] = [f"{type(w.message).__name__}: {str(w.message)[:300]}"
                                for w in caught if "Memory" in type(w.message).__name__]
             plan = step.plan
@@ -411,6 +411,66 @@ def _held(gpu) -> dict:
             continue
     return {"bytes_in_use_gb": stats.get("bytes_in_use", 0) / 1e9,
             "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "live_arrays_gb": live}
+
+
+def _what_gpu_holds(gpu) -> dict:
+    """The allocator's bytes in use on `gpu` beside what JAX's live arrays hold
+    there (deduplicated by buffer), by shape, largest first."""
+    import jax
+
+    seen, by_shape, total = set(), {}, 0
+    for a in jax.live_arrays():
+        try:
+            if a.is_deleted() or gpu not in a.devices():
+                continue
+            if getattr(a.sharding, "memory_kind", None) not in (None, "device"):
+                continue
+            ptr = a.unsafe_buffer_pointer()
+        except Exception:  # noqa: BLE001 - an array being deleted
+            continue
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        total += a.nbytes
+        key = f"{a.shape} {a.dtype}"
+        by_shape[key] = by_shape.get(key, 0) + a.nbytes
+    top = sorted(by_shape.items(), key=lambda kv: -kv[1])[:8]
+    return {"in_use_gb": (gpu.memory_stats() or {}).get("bytes_in_use", 0) / 1e9,
+            "live_arrays_gb": total / 1e9, "top": [(k, v / 1e9) for k, v in top]}
+
+
+def _holders(gpu, n: int = 3) -> list:
+    """For the `n` largest live arrays on the GPU, what refers to them, two
+    levels up (type, size, and a dict's keys or an object's class)."""
+    import jax
+
+    arrays = sorted((a for a in jax.live_arrays() if not a.is_deleted() and gpu in a.devices()
+                     and getattr(a.sharding, "memory_kind", None) in (None, "device")),
+                    key=lambda a: -a.nbytes)[:n]
+    here = {id(arrays)}
+
+    def describe(o):
+        kind = type(o).__name__
+        if isinstance(o, dict):
+            keys = [str(k)[:40] for k in list(o)[:3]]
+            return f"dict[{len(o)}] keys {keys}"
+        if isinstance(o, (list, tuple)):
+            return f"{kind}[{len(o)}]"
+        if hasattr(o, "f_code"):
+            return f"frame {o.f_code.co_filename.split('/')[-1]}:{o.f_lineno} {o.f_code.co_name}"
+        return kind
+
+    out = []
+    for a in arrays:
+        chain = []
+        for r in gc.get_referrers(a):
+            if id(r) in here or r is arrays:
+                continue
+            ups = [describe(u) for u in gc.get_referrers(r)
+                   if u is not arrays and not isinstance(u, type(sys._getframe()))][:4]
+            chain.append({"holder": describe(r), "held by": ups})
+        out.append({"shape": str(a.shape), "gb": a.nbytes / 1e9, "referrers": chain[:5]})
+    return out
 
 
 def _progress(err: list[str], timings: int = 40) -> list[str]:
