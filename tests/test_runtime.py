@@ -586,3 +586,29 @@ def test_a_worker_keeps_at_most_prefetch_stages_in_flight(monkeypatch):
             if k >= ex.prefetch and ("dispatched", idx) in log:
                 earlier = order[k - ex.prefetch]
                 assert ("waited", earlier) in log[:log.index(("dispatched", idx))], (idx, log)
+
+
+def test_record_memory_reads_each_stage_once_and_keeps_the_results():
+    """`Executor.record_memory` serialises a step and reads each stage's device
+    after it ran (None where the backend keeps no statistics, as on CPU),
+    beside the compiled replay's walk; the step computes what it computes
+    without it."""
+    from hetpar._memory_check import compiled_peaks
+
+    w = zoo.get("mlp", small=True)
+    args = w.example_args()
+    layers = hetpar.trace(w.train_step, *args).layers
+    step = hetpar.auto(w.train_step, plan=alternating(layers))
+    expected = step(*args)
+    ex = step._last._executor
+    ex.record_memory = True
+    got = step(*args)
+    ex.record_memory = False
+    assert sorted(i for i, _, _ in ex.last_memory) == list(range(len(ex.stages.stages)))
+    for i, device, held in ex.last_memory:
+        assert device == ex.stages.stages[i].device and held is None  # CPU: no statistics
+    walk: list = []
+    compiled_peaks(ex, walk)
+    assert {w["stage"] for w in walk} == {i for i, _, _ in ex.last_memory}
+    for a, b in zip(jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
