@@ -588,6 +588,7 @@ def test_a_worker_keeps_at_most_prefetch_stages_in_flight(monkeypatch):
                 assert ("waited", earlier) in log[:log.index(("dispatched", idx))], (idx, log)
 
 
+@pytest.mark.slow  # a diagnostic's plumbing, 6 s: over the fast tier's budget (CI runs it)
 def test_record_memory_reads_each_stage_once_and_keeps_the_results():
     """`Executor.record_memory` serialises a step and reads each stage's device
     after it ran (None where the backend keeps no statistics, as on CPU),
