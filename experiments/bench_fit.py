@@ -104,8 +104,8 @@ def _hf_llama(config: dict, batch: int, seq: int):
     return train_step, init, None
 
 
-def _median_step(step, state, batch, steps, memory: list | None = None):
-    """Times `steps` steps; `memory`, a list, gets the GPU's bytes in use
+def _median_step(step, state, batch, steps, memory: list | None = None, gpu=None):
+    """Times `steps` steps; `memory`, a list, gets `gpu`'s bytes in use
     before each step and its high-water mark after it (GB): whether a later
     step holds more than the first (run 23's 0.54B cell ran out of memory
     on its second step, the first having peaked 0.8 GB under the limit)."""
@@ -113,8 +113,6 @@ def _median_step(step, state, batch, steps, memory: list | None = None):
 
     params, opt_state = state
     times = []
-    gpus = [d for d in jax.devices() if d.platform != "cpu"]
-    gpu = gpus[0] if gpus else None
     for _ in range(steps):
         before = (gpu.memory_stats() or {}) if gpu is not None else {}
         t = time.perf_counter()
@@ -230,7 +228,7 @@ def run_cell(args) -> dict:
                 warnings.simplefilter("always")
                 params, opt_state, batch = step.place(params, opt_state, batch)
                 # Calibrated, planned, compiled and placed:
-                out["held_after_place"] = _what_gpu_holds(gpu)
+                out["held_after_place"] = _held(gpu)
                 p, o, loss = step(params, opt_state, batch)
                 float(loss)
                 out["first_call_s"] = time.perf_counter() - t0
@@ -245,11 +243,11 @@ def run_cell(args) -> dict:
                 # allocator beside JAX's live arrays there, and what holds
                 # the largest (run 24: 2.41 GB before every later step of the
                 # 0.54B plan, whose state homed there is 0.79 GB).
-                out["held_after_first_call"] = {**_what_gpu_holds(gpu), "holders": _holders(gpu, 4)}
+                out["held_after_first_call"] = {**_held(gpu), "holders": _holders(gpu, 4)}
                 out["step_memory_gb"] = []  # [in use before, high-water mark after]
                 times, loss = _median_step(step, state, batch, args.steps,
-                                           out["step_memory_gb"])
-                out["held_after_steps"] = {**_what_gpu_holds(gpu), "holders": _holders(gpu, 4)}
+                                           out["step_memory_gb"], gpu)
+                out["held_after_steps"] = {**_held(gpu), "holders": _holders(gpu, 4)}
             out["warnings"] = [f"{type(w.message).__name__}: {str(w.message)[:300]}"
                                for w in caught if "Memory" in type(w.message).__name__]
             plan = step.plan
@@ -413,48 +411,38 @@ def _host_stages_alone(ex, measured: list, runs: int = 5) -> list:
 
 
 def _held(gpu) -> dict:
-    """What the GPU's allocator and JAX's live arrays hold (GB): after an error,
-    whether something the step no longer needs still holds memory."""
+    """What the GPU's allocator holds (in use, high-water mark) beside what
+    JAX's live arrays hold, deduplicated by buffer (GB): on the GPU's own
+    memory, by shape, largest first, and per device and memory kind. After
+    an error, whether something the step no longer needs still holds memory;
+    between steps, what a step left there."""
     import jax
 
-    stats = gpu.memory_stats() or {}
-    live: dict = {}
+    seen, by_shape, by_place, total = set(), {}, {}, 0
     for a in jax.live_arrays():
         try:
+            if a.is_deleted():
+                continue
+            kind = getattr(a.sharding, "memory_kind", None)
             for s in a.addressable_shards:
-                kind = getattr(a.sharding, "memory_kind", None)
-                key = f"{s.device.platform}:{s.device.id}:{kind}"
-                live[key] = live.get(key, 0) + s.data.nbytes / 1e9
-        except Exception:  # noqa: BLE001 - a deleted array
-            continue
-    return {"bytes_in_use_gb": stats.get("bytes_in_use", 0) / 1e9,
-            "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9, "live_arrays_gb": live}
-
-
-def _what_gpu_holds(gpu) -> dict:
-    """The allocator's bytes in use on `gpu` beside what JAX's live arrays hold
-    there (deduplicated by buffer), by shape, largest first."""
-    import jax
-
-    seen, by_shape, total = set(), {}, 0
-    for a in jax.live_arrays():
-        try:
-            if a.is_deleted() or gpu not in a.devices():
-                continue
-            if getattr(a.sharding, "memory_kind", None) not in (None, "device"):
-                continue
-            ptr = a.unsafe_buffer_pointer()
+                ptr = (s.device.id, s.device.platform, s.data.unsafe_buffer_pointer())
+                if ptr in seen:
+                    continue
+                seen.add(ptr)
+                place = f"{s.device.platform}:{s.device.id}:{kind}"
+                by_place[place] = by_place.get(place, 0) + s.data.nbytes / 1e9
+                if s.device == gpu and kind in (None, "device"):
+                    total += s.data.nbytes
+                    key = f"{a.shape} {a.dtype}"
+                    by_shape[key] = by_shape.get(key, 0) + s.data.nbytes
         except Exception:  # noqa: BLE001 - an array being deleted
             continue
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        total += a.nbytes
-        key = f"{a.shape} {a.dtype}"
-        by_shape[key] = by_shape.get(key, 0) + a.nbytes
+    stats = gpu.memory_stats() or {}
     top = sorted(by_shape.items(), key=lambda kv: -kv[1])[:8]
-    return {"in_use_gb": (gpu.memory_stats() or {}).get("bytes_in_use", 0) / 1e9,
-            "live_arrays_gb": total / 1e9, "top": [(k, v / 1e9) for k, v in top]}
+    return {"in_use_gb": stats.get("bytes_in_use", 0) / 1e9,
+            "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9,
+            "live_arrays_gb": total / 1e9, "live_by_place_gb": by_place,
+            "top": [(k, v / 1e9) for k, v in top]}
 
 
 def _holders(gpu, n: int = 3) -> list:
