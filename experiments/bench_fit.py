@@ -184,9 +184,13 @@ def run_cell(args) -> dict:
     import hetpar
 
     try:
-        gpu, acc = jax.devices("gpu")[0], "gpu:0"
-    except RuntimeError:  # a smoke run on CPUs (--tiny, two host devices)
-        gpu, acc = jax.devices("cpu")[1], "cpu:1"
+        gpus = jax.devices("gpu")[:args.gpus]
+    except RuntimeError:  # a smoke run on CPUs (--tiny, host devices 1..gpus stand in)
+        gpus = jax.devices("cpu")[1:1 + args.gpus]
+    if len(gpus) < args.gpus:
+        raise SystemExit(f"--gpus {args.gpus}: this machine has {len(gpus)}")
+    accs = [f"{g.platform}:{g.id}" for g in gpus]
+    gpu = gpus[0]
     cpu = jax.devices("cpu")[0]
     from hetpar.cost_models import cache_dir
 
@@ -194,7 +198,7 @@ def run_cell(args) -> dict:
     # after another of the same model finds its timings on disk (warm).
     warm = (cache_dir() / "step").is_dir()
     out = {"model": args.model, "fraction": args.fraction, "mode": args.mode,
-           "cache": "warm" if warm else "cold", "card": gpu.device_kind,
+           "gpus": args.gpus, "cache": "warm" if warm else "cold", "card": gpu.device_kind,
            "limit_gb": (gpu.memory_stats() or {}).get("bytes_limit", 0) / 1e9,
            "host": _host()}
     train_step, init, n = _workload(args.model, args.batch, args.tiny)
@@ -202,7 +206,9 @@ def run_cell(args) -> dict:
     # small must still get its state, and step.place() then copies it where
     # the plan wants it. --state device builds it on the GPU, as jit's is
     # (the first call's comparison: the same inputs on both sides).
-    on_host = args.mode == "hetpar" and args.state == "host"
+    # (jit over several GPUs places its state sharded from the host: it need
+    # not fit one GPU.)
+    on_host = (args.mode == "hetpar" and args.state == "host") or len(gpus) > 1
     out["state_on"] = "host" if on_host else "device"
     with jax.default_device(cpu if on_host else gpu):
         params, opt_state, batch = init(jax.random.key(0))
@@ -217,13 +223,20 @@ def run_cell(args) -> dict:
         donate = (0, 1) if args.donate else ()
         out["donate_argnums"] = list(donate)
         if args.mode == "jit":
-            step = jax.jit(train_step, donate_argnums=donate)
+            if len(gpus) > 1:  # FSDP written by hand: shardings only (_fsdp.py)
+                from _fsdp import hand_sharded_jit
+
+                step, (params, opt_state, batch) = hand_sharded_jit(
+                    train_step, (params, opt_state, batch), gpus, donate_argnums=donate)
+                out["jit"] = "fsdp"
+            else:
+                step = jax.jit(train_step, donate_argnums=donate)
             p, o, loss = step(params, opt_state, batch)
             float(loss)
             out["first_call_s"] = time.perf_counter() - t0
             times, loss = _median_step(step, [p, o], batch, args.steps)
         else:
-            step = hetpar.auto(train_step, devices=[acc, "cpu:0"], donate_argnums=donate)
+            step = hetpar.auto(train_step, devices=[*accs, "cpu:0"], donate_argnums=donate)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 params, opt_state, batch = step.place(params, opt_state, batch)
@@ -257,6 +270,9 @@ def run_cell(args) -> dict:
                 "state": _count(p.state for p in placements.values()),
                 "activations": _count(p.activations for p in placements.values()),
                 "replicas": list(plan.replicas) if plan is not None else [],
+                "sharding": getattr(plan, "sharding", None),
+                "groups": sorted(getattr(plan, "groups", None) or ()),
+                "chosen": (plan.solver or {}).get("chosen") if plan is not None else None,
             }
             # Predicted, compiled (the check before the first step) and measured
             # per device, and where the first call's time went (step.report()).
@@ -273,9 +289,11 @@ def run_cell(args) -> dict:
             if plan is not None:
                 pred = plan.predicted
                 peaks = dict(pred.peak_memory_bytes or pred.memory_bytes or {})
-                peaks["gpu:0"] = peaks.get(acc)
+                for a in accs:  # (a --tiny run's stand-ins under the GPUs' names)
+                    peaks[f"gpu:{accs.index(a)}"] = peaks.get(a)
                 out["predicted_s"] = pred.step_time_s
-                out["predicted_peak_gb"] = {d: v / 1e9 for d, v in peaks.items()}
+                out["predicted_peak_gb"] = {d: None if v is None else v / 1e9
+                                            for d, v in peaks.items()}
                 out["memory_caps"] = dict(step.options.memory or {})
     except Exception as e:  # noqa: BLE001 - the cell reports what failed
         import traceback
@@ -288,7 +306,9 @@ def run_cell(args) -> dict:
         return out
     stats = gpu.memory_stats() or {}
     out.update({"median_s": statistics.median(times[1:]), "times_s": times, "loss": loss,
-                "gpu_peak_gb": (stats.get("peak_bytes_in_use") or 0) / 1e9})
+                "gpu_peak_gb": (stats.get("peak_bytes_in_use") or 0) / 1e9,
+                "gpu_peaks_gb": {a: ((g.memory_stats() or {}).get("peak_bytes_in_use") or 0)
+                                 / 1e9 for a, g in zip(accs, gpus)}})
     return out
 
 
@@ -501,8 +521,11 @@ def _row(cell: dict) -> str:
     def ms(x):
         return "" if x is None else f"{x * 1e3:.1f}"
 
-    pred_peak = (cell.get("predicted_peak_gb") or {}).get("gpu:0")
-    measured = cell.get("gpu_peak_gb")
+    # Several GPUs: the one whose measured peak is furthest over its prediction.
+    measured_by = cell.get("gpu_peaks_gb") or {"gpu:0": cell.get("gpu_peak_gb")}
+    predicted_by = cell.get("predicted_peak_gb") or {}
+    worst = max(measured_by, key=lambda d: (measured_by[d] or 0) / (predicted_by.get(d) or 1e-9))
+    measured, pred_peak = measured_by[worst], predicted_by.get(worst)
     ratio = f"{measured / pred_peak:.2f}" if pred_peak and measured else ""
     step_ratio = (f"{cell['median_s'] / cell['predicted_s']:.2f}"
                   if cell.get("predicted_s") and cell.get("median_s") else "")
@@ -510,7 +533,9 @@ def _row(cell: dict) -> str:
     what = cell.get("error") or ", ".join(f"{k}={v}" for k, v in plan.items() if v)
     warm = cell.get("cache") if cell["mode"] == "hetpar" else None
     mode = cell["mode"] + (f" ({warm})" if warm else "")
-    return (f"| {cell['model']} | {cell['fraction']} ({cell['limit_gb']:.0f} GB) | {mode} "
+    gpus = cell.get("gpus", 1)
+    return (f"| {cell['model']} | {cell['fraction']} ({cell['limit_gb']:.0f} GB"
+            f"{f' x {gpus}' if gpus > 1 else ''}) | {mode} "
             f"| {ms(cell.get('median_s'))} | {ms(cell.get('predicted_s'))} | {step_ratio} "
             f"| {measured or 0:.1f} | {pred_peak or 0:.1f} | {ratio} "
             f"| {cell.get('first_call_s') or 0:.1f} | {what[:160]} |")
@@ -524,6 +549,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=None,
                    help="default: the model's own (MODELS)")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--gpus", type=int, default=1,
+                   help="GPUs per cell: hetpar plans over them and the CPU; jit over "
+                        "several is FSDP written by hand (experiments/_fsdp.py)")
     p.add_argument("--timeout", type=float, default=240.0)
     p.add_argument("--out", default=None)
     p.add_argument("--tiny", action="store_true", help="a smoke run's shapes (CPU)")
@@ -559,7 +587,7 @@ def main(argv=None):
                 if fraction != "default":
                     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
                 cmd = [sys.executable, __file__, "--model", model, "--fraction", fraction,
-                       "--mode", mode, "--steps", str(args.steps)]
+                       "--mode", mode, "--steps", str(args.steps), "--gpus", str(args.gpus)]
                 cmd += ["--batch", str(args.batch)] if args.batch else []
                 cmd += ["--tiny"] if args.tiny else []
                 cmd += ["--stacks", str(args.stacks)] if args.stacks else []

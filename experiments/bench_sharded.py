@@ -82,33 +82,6 @@ def _devices():
     return [f"{d.platform}:{d.id}" for d in devs], devs
 
 
-def _jit(step, args, devs, sharded: bool):
-    """A hand-written `jax.jit` over `devs`: the batch split on axis 0, state
-    replicated or (FSDP) each leaf split on its largest axis len(devs) divides."""
-    import jax
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mesh, n = Mesh(np.array(devs), ("fsdp",)), len(devs)
-
-    def state(x):
-        axes = [a for a, s in enumerate(x.shape) if s % n == 0] if sharded else []
-        if not axes:
-            return NamedSharding(mesh, PartitionSpec())
-        a = max(axes, key=lambda a: (x.shape[a], -a))
-        return NamedSharding(mesh, PartitionSpec(*[None] * a, "fsdp"))
-
-    def batch(x):
-        return NamedSharding(mesh, PartitionSpec("fsdp" if x.ndim else None))
-
-    layout = (*(jax.tree.map(state, a) for a in args[:-1]), jax.tree.map(batch, args[-1]))
-    out = jax.eval_shape(step, *args)
-    out_layout = (*layout[:len(out) - 1], NamedSharding(mesh, PartitionSpec()))
-    placed = jax.device_put(args, layout)
-    return jax.jit(step, in_shardings=layout, out_shardings=out_layout,
-                   donate_argnums=(0, 1)), placed
-
-
 def run_variant(name: str) -> dict:
     """Times one variant here; its row of the results."""
 
@@ -118,7 +91,9 @@ def run_variant(name: str) -> dict:
     names, devs = _devices()
     row = {"variant": name, "devices": names}
     if name.startswith("jit"):
-        fn, args = _jit(step, args, devs, sharded=name == "jit_fsdp")
+        from _fsdp import hand_sharded_jit
+
+        fn, args = hand_sharded_jit(step, args, devs, sharded=name == "jit_fsdp")
     else:
         import hetpar
 

@@ -6,6 +6,7 @@ picks a pipeline of groups where it wins; plan.json records the groups."""
 
 import dataclasses
 import json
+import re
 
 import jax
 import pytest
@@ -204,13 +205,15 @@ def test_a_layer_on_a_group_is_priced_by_hand():
 
 def test_planner_picks_a_pipeline_of_fsdp_groups_when_no_group_holds_the_model():
     # 5 GB a device: one pair cannot hold the model sharded (10 GB a member),
-    # nor the whole step sharded over all four (5.05 GB), nor replicas.
+    # nor replicas; the whole step sharded over all four fits (4.95 GB) but
+    # gathers every layer over the slow links between the pairs.
     p = plan(_four_gpus(cap=5e9), mode="pipelined", microbatches=4)
     base = p.baselines
     assert "fsdp groups gpu:0+gpu:1 | gpu:2+gpu:3" == p.solver["chosen"]
     assert set(p.groups) == {"gpu:0+gpu:1", "gpu:2+gpu:3"}
     assert set(p.assignment.values()) == set(p.groups)  # both groups hold layers
-    assert not base["fsdp gpu:0+gpu:1+gpu:2+gpu:3"].feasible
+    assert (base["fsdp gpu:0+gpu:1+gpu:2+gpu:3"].predicted.step_time_s
+            > 2 * p.predicted.step_time_s)
     assert not base["data parallel gpu:0+gpu:1+gpu:2+gpu:3"].feasible
     layers_alone = base["exhaustive"].predicted.step_time_s  # one layer a GPU
     assert p.predicted.step_time_s < 0.75 * layers_alone
@@ -238,7 +241,8 @@ def test_explain_says_why_the_groups_were_chosen_over_the_alternatives():
                            "parameters and optimizer state sharded")
     assert "chosen: fsdp groups gpu:0+gpu:1 | gpu:2+gpu:3, predicted" in text
     assert "    exhaustive: 501 ms (1.42x)" in text
-    assert "    fsdp gpu:0+gpu:1+gpu:2+gpu:3: infeasible: gpu:0 memory" in text
+    assert "    data parallel gpu:0+gpu:1+gpu:2+gpu:3: infeasible: gpu:0 memory" in text
+    assert re.search(r"    fsdp gpu:0\+gpu:1\+gpu:2\+gpu:3: [\d.]+ (ms|s) \([\d.]+x\)", text)
     # A layer no group size divides keeps its state whole, and explain says so.
     odd = dataclasses.replace(table, layers=tuple(
         dataclasses.replace(la, state_leaves=(("param", (3, 5), 1e8),

@@ -23,11 +23,13 @@ largest such axis); a leaf no axis of which N divides stays whole on every
 member and is all-reduced as in the replicated step. Where the table lacks
 the leaves' shapes (`Layer.state_leaves`), every byte counts as divisible.
 
-Memory per member: the replicated step's (`replica_memory`: the old and new
-state, the gradients, 1/N of the activations), less what splitting saves:
-2 (O - O / N) of optimizer state (old and new) for zero1; for fsdp also
-3 (P - P / N) of parameters (old, new, gradient), plus the largest layer's
-gathered parameters and unreduced gradient, 2 P_l, alive while it runs.
+Memory per member (`replica_memory`, whose terms are the replicated
+step's): its share of the split optimizer state (zero1, fsdp) and
+parameters (fsdp), old and new unless donated; its shard of each split
+gradient (GSPMD reduce-scatters it as the backward makes it), plus the
+largest layer's unreduced gradient (zero1) or its gathered parameters and
+unreduced gradient (fsdp), 2 P_l (1 - 1/N), alive while it runs; 1/N of the
+activations, counted once with the gradients as on one device.
 """
 
 from __future__ import annotations
@@ -86,12 +88,16 @@ def sharded_memory(table: CostTable, arr: Arrays, idx: Sequence[int], stage: str
     """[N] bytes each member holds under `stage` (the module docstring has the terms)."""
     n = len(idx)
     p_split, o_split = split_bytes(table, arr, idx)
-    saved = 2 * o_split.sum() * (1 - 1 / n)
-    gathered = 0.0
-    if stage == "fsdp":
-        saved += 3 * p_split.sum() * (1 - 1 / n)
-        gathered = 2 * float((p_split * (1 - 1 / n)).max(initial=0.0))
-    return np.maximum(replica_memory(arr, idx) - saved + gathered, 0.0)
+    params = np.nan_to_num(arr.param)
+    opt = np.nan_to_num(arr.opt[:, idx[0]]) - o_split * (1 - 1 / n)
+    # GSPMD reduce-scatters each split gradient as the backward makes it
+    # (ZeRO-2): a member keeps its shard, the layer's whole one only while
+    # it is made.
+    grads = params - p_split * (1 - 1 / n)
+    gathered = float((p_split * (1 - 1 / n)).max(initial=0.0))
+    if stage == "fsdp":  # the parameters too; the running layer's gathered
+        params, gathered = grads, 2 * gathered
+    return replica_memory(arr, idx, params=params, opt=opt, grads=grads, gathered=gathered)
 
 
 def sharded_obstacle(table: CostTable, group: Sequence[str], stage: str, *,
