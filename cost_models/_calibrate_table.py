@@ -92,7 +92,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                         *, time_replicas: Callable[[list[str], list], float | None] | None = None,
                         budget: TimingBudget | None = TimingBudget(),
                         curve: Callable[[Any, Any, list], Sequence | None] | None = None,
-                        fits: Callable[[str], bool] | None = None):
+                        fits: Callable[[str], bool] | None = None,
+                        collective: Callable[[list[str], list], tuple | None] | None = None):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -138,6 +139,12 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     step the table puts over `budget.step_ceiling_s`, even where
     `budget.steps` asks for it (its runs would cost the first call more than
     the timing corrects); both are also listed under `untimable_kinds`.
+    With `collective` (`collective(names, jax_devices)`:
+    `hetpar.runtime.ring_figures`, (bandwidth, latency) of a ring step),
+    each kind with two or more present devices, CPUs aside, has its
+    collectives timed over all of them (`meta["collectives"]`, by the
+    devices' names joined with "+"): sharded state's all-gathers and
+    reduce-scatters are priced on it, not on the copy links.
 
     Returns:
       The scaled table, or `table` itself when nothing was timed.
@@ -206,6 +213,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
         # model's plan on a 7.5 GB H200 predicted 272 ms and ran 1265 ms.
         scaled = _with_runtime_costs(table, scaled, present, runtime, overhead, crossing,
                                      bandwidth, curve)
+    if collective is not None:
+        scaled = _with_collectives(scaled, present, collective)
     if time_replicas is not None and step_s:  # last: the all-reduce over the links measured
         scaled = _with_fixed_parts(scaled, present, step_s, time_replicas)
     return scaled
@@ -274,6 +283,28 @@ def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandw
 
     links = tuple(measured(k) for k in scaled.links)
     return dataclasses.replace(scaled, devices=devices, links=links, meta=meta)
+
+
+def _with_collectives(table, present: Mapping[str, Any], collective):
+    """`table` with each group of two or more present devices of one
+    accelerator kind given its measured ring (`meta["collectives"]`)."""
+    from hetpar.core import is_memory_place
+
+    by_kind: dict[str, list[str]] = {}
+    for d in table.devices:
+        if d.name in present and d.kind != "cpu" and not is_memory_place(d.name):
+            by_kind.setdefault(d.kind, []).append(d.name)
+    rings = dict(table.meta.get("collectives") or {})
+    for names in by_kind.values():
+        if len(names) >= 2:
+            got = collective(names, [present[n] for n in names])
+            if got is not None:
+                bandwidth, latency = got
+                rings["+".join(names)] = {"bandwidth_bytes_per_s": float(bandwidth),
+                                          "latency_s": float(latency)}
+    if not rings:
+        return table
+    return dataclasses.replace(table, meta={**table.meta, "collectives": rings})
 
 
 def _copy_sizes(table, src_kind: str, dst_kind: str) -> list[float]:

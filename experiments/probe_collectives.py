@@ -127,18 +127,24 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--only", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.only == "alone":
+        import jax
+
+        print("ROW " + json.dumps({"card": jax.devices()[0].device_kind, "rows": alone(
+            [int(s) for s in args.sizes_mb.split(",")])}), flush=True)
+        return
     if args.only:
         print("ROW " + json.dumps(step_variant(args.only, args.layers, args.batch)), flush=True)
         return
-    out = {"alone": alone([int(s) for s in args.sizes_mb.split(",")]), "steps": []}
-    import jax
-
-    out["card"] = jax.devices()[0].device_kind
-    for v in args.variants.split(","):
+    # Every part in a process of its own: this one never touches the GPUs (a
+    # process holding them leaves the next none of their memory: run 29's
+    # steps all failed to start NCCL).
+    out = {"steps": []}
+    for v in ["alone", *args.variants.split(",")]:
         env = dict(os.environ)
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS[v][1]).strip()
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + VARIANTS.get(v, ("", ""))[1]).strip()
         cmd = [sys.executable, __file__, "--only", v, "--layers", str(args.layers),
-               "--batch", str(args.batch)]
+               "--batch", str(args.batch), "--sizes-mb", args.sizes_mb]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=200)
             rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
@@ -147,7 +153,10 @@ def main():
         except subprocess.TimeoutExpired:
             row = {"variant": v, "error": "timed out"}
         print(row, flush=True)
-        out["steps"].append(row)
+        if v == "alone":
+            out.update(alone=row.get("rows", row), card=row.get("card"))
+        else:
+            out["steps"].append(row)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)

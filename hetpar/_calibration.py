@@ -79,7 +79,7 @@ def _once(key, what: str, measure: Callable[[], float]) -> float | None:
 
 def runtime_costs() -> dict:
     """The per stage, per crossing and per copy callbacks of `scale_to_timed_step`."""
-    from hetpar.runtime import crossing_s, link_curve, stage_overhead_s
+    from hetpar.runtime import crossing_s, link_curve, ring_figures, stage_overhead_s
 
     return dict(
         stage_overhead=lambda name, dev: _once(dev, f"the runtime's cost per stage on {name}",
@@ -89,7 +89,10 @@ def runtime_costs() -> dict:
                                           lambda: crossing_s(a, b, both)),
         curve=lambda src, dst, sizes: _once(
             (src, dst, tuple(sizes)), f"copies {src} -> {dst}",
-            lambda: _measured(link_curve(src, dst, sizes), max(sizes))))
+            lambda: _measured(link_curve(src, dst, sizes), max(sizes))),
+        collective=lambda names, devs: _once(
+            ("ring", *names), f"collectives over {'+'.join(names)}",
+            lambda: ring_figures(devs)))
 
 
 def _measured(curve, nbytes: float):

@@ -213,7 +213,7 @@ def test_planner_picks_a_pipeline_of_fsdp_groups_when_no_group_holds_the_model()
     assert set(p.groups) == {"gpu:0+gpu:1", "gpu:2+gpu:3"}
     assert set(p.assignment.values()) == set(p.groups)  # both groups hold layers
     assert (base["fsdp gpu:0+gpu:1+gpu:2+gpu:3"].predicted.step_time_s
-            > 2 * p.predicted.step_time_s)
+            > 1.5 * p.predicted.step_time_s)
     assert not base["data parallel gpu:0+gpu:1+gpu:2+gpu:3"].feasible
     layers_alone = base["exhaustive"].predicted.step_time_s  # one layer a GPU
     assert p.predicted.step_time_s < 0.75 * layers_alone

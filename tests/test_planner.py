@@ -497,13 +497,14 @@ def test_price_alone_holds_when_only_one_device_can_run_anything():
 # -- data parallel --------------------------------------------------------------
 
 
-def _two_gpus(link_bw=100e9, cap=1e12, param=4e8, fixed=0.0, update=None):
+def _two_gpus(link_bw=100e9, cap=1e12, param=4e8, fixed=0.0, update=None, latency=1e-5):
     """Two equal GPUs and a host CPU; three layers, 1 s of GPU time in all
-    (`update` of each layer's time its optimizer update, when given)."""
+    (`update` of each layer's time its optimizer update, when given; `latency`
+    the links')."""
     devices = (Device("cpu:0", "cpu", 1e12, 0.0, 200.0, 60.0, price_alone_per_hour=1.0),
                Device("gpu:0", "h100", cap, 3.0, 700.0, 80.0),
                Device("gpu:1", "h100", cap, 3.0, 700.0, 80.0))
-    links = tuple(Link(a, b, link_bw if "cpu:0" not in (a, b) else 1e10, 1e-5)
+    links = tuple(Link(a, b, link_bw if "cpu:0" not in (a, b) else 1e10, latency)
                   for a in ("cpu:0", "gpu:0", "gpu:1") for b in ("cpu:0", "gpu:0", "gpu:1")
                   if a != b)
     times = (0.2, 0.5, 0.3)
@@ -549,14 +550,15 @@ def test_data_parallel_replicas_each_run_the_whole_update():
 
 
 def test_planner_chooses_data_parallel_only_when_it_is_faster():
-    fast = plan(_two_gpus(), gap=EXACT)
+    # (replicated state: sharded state's candidates are tested in test_sharded)
+    fast = plan(_two_gpus(), gap=EXACT, sharded=False)
     assert fast.replicas == ("gpu:0", "gpu:1")
     assert set(fast.assignment.values()) == {"gpu:0"}
     assert fast.predicted.step_time_s == pytest.approx(0.5 + 2 * (1e-5 + 2e8 / 100e9))
     assert fast.baselines["data parallel gpu:0+gpu:1"].predicted == fast.predicted
     assert fast.solver["layer_plan_predicted"]["step_time_s"] == pytest.approx(1.0)
     # Over a slow peer link the all-reduce costs more than it saves.
-    slow = plan(_two_gpus(link_bw=1e8), gap=EXACT)
+    slow = plan(_two_gpus(link_bw=1e8), gap=EXACT, sharded=False)
     assert slow.replicas == () and slow.predicted.step_time_s == pytest.approx(1.0)
     assert slow.baselines["data parallel gpu:0+gpu:1"].feasible
     assert plan(_two_gpus(), data_parallel=False).replicas == ()

@@ -245,7 +245,15 @@ def replica_busy(arr: Arrays, idx: Sequence[int], update_share: np.ndarray | flo
 
 
 def ring_of(arr: Arrays, idx: Sequence[int]) -> tuple[float, float]:
-    """(bandwidth, latency) of a ring over `idx`: its slowest link's, its worst latency."""
+    """(bandwidth, latency) of a ring over `idx`: as measured over those
+    devices (`meta["collectives"]`: the calibration timed their all-gathers
+    and reduce-scatters, `hetpar.runtime.ring_figures`; a group measured
+    with more members stands for its subsets), else its slowest link's and
+    its worst latency."""
+    names = {arr.devices[j] for j in idx}
+    for group, ring in (arr.table.meta.get("collectives") or {}).items():
+        if names <= set(group.split("+")):
+            return float(ring["bandwidth_bytes_per_s"]), float(ring["latency_s"])
     ring = [(j, idx[(k + 1) % len(idx)]) for k, j in enumerate(idx)]
     return min(arr.bw[a, b] for a, b in ring), max(arr.lat[a, b] for a, b in ring)
 

@@ -1,0 +1,91 @@
+"""What a ring collective over a group of present devices costs, measured.
+
+Sharded state moves its bytes by all-gather and reduce-scatter (XLA's, from
+the shardings), not by the transfer engine's copies: on two H200s joined by
+NVLink a 1 GB all-gather ran at 414 GB/s of gathered bytes and a
+reduce-scatter at 451 GB/s, where `jax.device_put` between the two measured
+188 GB/s at the sizes a plan's activations cross
+(experiments/results/collectives_h200x2.json). Priced on the copy link, a
+6.74B model's FSDP step was predicted at 469 ms and ran in 266 ms.
+
+`ring_figures(devices)` times both collectives over `devices` (jitted
+`shard_map`s, two sizes, median of a few runs), takes out what dispatching a
+jitted call over the same arrays costs (an in-step collective pays no
+dispatch), and returns the (bandwidth, latency) of the ring formula
+(`hetpar.core.ring_allgather_s`: n - 1 steps of bytes / n) that reproduces
+them: what `planner.ring_of` prices a group's collectives with
+(`CostTable.meta["collectives"]`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Gathered bytes the collectives are timed at: two sizes a line is fitted
+#: through (a layer's parameters: 2-800 MB in the models measured).
+SIZES = (64 << 20, 512 << 20)
+_RUNS = 5
+_FLOOR_S = 5e-6  # an in-step collective's latency is never below this
+
+
+def _median_s(fn, x, runs: int = _RUNS) -> float:
+    jax.block_until_ready(fn(x))  # compiled, and the communicator set up
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def ring_figures(devices: Sequence[jax.Device]) -> tuple[float, float] | None:
+    """(bandwidth bytes/s, latency s) of one ring step over `devices`, from
+    an all-gather and a reduce-scatter timed there; None for one device, or
+    where a larger collective did not take longer than a smaller one."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    n = len(devices)
+    if n < 2:
+        return None
+    try:
+        from jax import shard_map
+    except ImportError:  # older jax
+        from jax.experimental.shard_map import shard_map
+    mesh = Mesh(np.array(list(devices)), ("ring",))
+    split = NamedSharding(mesh, PartitionSpec("ring"))
+
+    def jitted(op, out):
+        try:
+            return jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("ring"),
+                                     out_specs=out, check_vma=False))
+        except TypeError:  # jax before check_vma
+            return jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("ring"),
+                                     out_specs=out, check_rep=False))
+
+    gather = jitted(lambda x: jax.lax.all_gather(x, "ring", tiled=True), PartitionSpec())
+    scatter = jitted(lambda x: jax.lax.psum_scatter(x, "ring", tiled=True),
+                     PartitionSpec("ring"))
+    nothing = jitted(lambda x: x + 0, PartitionSpec("ring"))
+    seconds = []
+    for size in SIZES:
+        gathered = jax.device_put(jnp.zeros((size // 4 // n * n,), jnp.float32), split)
+        # a reduce-scatter of `size` bytes: each member holds the whole before
+        whole = jax.device_put(jnp.zeros((size // 4 // n * n * n,), jnp.float32), split)
+        dispatch = _median_s(nothing, gathered)
+        seconds.append(((_median_s(gather, gathered) + _median_s(scatter, whole)) / 2,
+                        dispatch))
+        del gathered, whole
+    (t_small, d_small), (t_big, d_big) = seconds
+    if t_big <= t_small:
+        return None
+    # A ring collective of S bytes over n: (n - 1) (latency + S / n / bandwidth).
+    per_byte = (t_big - t_small) / (SIZES[1] - SIZES[0])
+    bandwidth = (n - 1) / n / per_byte
+    latency = (t_small - min(d_small, d_big) - SIZES[0] * per_byte) / (n - 1)
+    return bandwidth, max(latency, _FLOOR_S)
