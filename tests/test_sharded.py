@@ -293,3 +293,23 @@ def test_traced_tables_carry_each_layers_state_leaves():
     assert roles == {"param", "opt_state"}
     assert sum(b for r, _, b in layer.state_leaves if r == "param") == layer.param_bytes
     assert np.prod((64, 32)) * 4 in [b for _, _, b in layer.state_leaves]
+
+
+def test_the_two_h200_table_plans_fsdp_as_it_measured():
+    # Run 30's calibrated table (2x H200, the 6.74B Llama-style step at 84 GB
+    # a GPU, experiments/results/fit_h200x2): the planner chooses fsdp, and
+    # what it predicts is what ran there: 274.5 ms a step (hand-written FSDP:
+    # 269.2 ms), a peak of 58.1 GB on gpu:0. zero1 (70.3 GB measured in run
+    # 28) no longer fits the 74 GB a split plan may use.
+    import pathlib
+
+    from hetpar._step_planning import within_split_margin
+
+    path = (pathlib.Path(__file__).parent.parent / "experiments/results/fit_h200x2"
+            / "run30_table_llama7b_0.56.json")
+    table = within_split_margin(CostTable.load(path), ["gpu:0", "gpu:1"])
+    p = plan(table, donate=True)
+    assert p.sharding == "fsdp" and p.replicas == ("gpu:0", "gpu:1")
+    assert p.predicted.step_time_s == pytest.approx(0.2745, rel=0.15)
+    assert p.predicted.memory_bytes["gpu:0"] == pytest.approx(58.1e9, rel=0.10)
+    assert re.search(r"zero1 gpu:0\+gpu:1 +infeasible: gpu:0 memory", p.summary())
