@@ -196,7 +196,8 @@ def test_collectives_measured_over_a_group_price_its_sharded_state():
 
     table = _sharded_table(fixed=0.1, update=0.3)
     present = dict(zip(["gpu:0", "gpu:1"], jax.devices("cpu")[:2]))
-    timed = _with_collectives(table, present, lambda names, devs: ring_figures(devs))
+    timed = _with_collectives(table, present,
+                              lambda names, devs: ring_figures(devs, sizes=(1 << 20, 32 << 20)))
     ring = timed.meta["collectives"]["gpu:0+gpu:1"]
     assert ring["bandwidth_bytes_per_s"] > 0 and ring["latency_s"] >= 5e-6
     # A ring ten times the links' bandwidth (100 GB/s): fsdp's 3 collectives

@@ -44,10 +44,12 @@ def _median_s(fn, x, runs: int = _RUNS) -> float:
     return statistics.median(times)
 
 
-def ring_figures(devices: Sequence[jax.Device]) -> tuple[float, float] | None:
+def ring_figures(devices: Sequence[jax.Device], sizes: tuple[int, int] = SIZES
+                 ) -> tuple[float, float] | None:
     """(bandwidth bytes/s, latency s) of one ring step over `devices`, from
-    an all-gather and a reduce-scatter timed there; None for one device, or
-    where a larger collective did not take longer than a smaller one."""
+    an all-gather and a reduce-scatter of `sizes` (gathered bytes, two)
+    timed there; None for one device, or where the larger collective did
+    not take longer than the smaller."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     n = len(devices)
@@ -73,7 +75,7 @@ def ring_figures(devices: Sequence[jax.Device]) -> tuple[float, float] | None:
                      PartitionSpec("ring"))
     nothing = jitted(lambda x: x + 0, PartitionSpec("ring"))
     seconds = []
-    for size in SIZES:
+    for size in sizes:
         gathered = jax.device_put(jnp.zeros((size // 4 // n * n,), jnp.float32), split)
         # a reduce-scatter of `size` bytes: each member holds the whole before
         whole = jax.device_put(jnp.zeros((size // 4 // n * n * n,), jnp.float32), split)
@@ -85,7 +87,7 @@ def ring_figures(devices: Sequence[jax.Device]) -> tuple[float, float] | None:
     if t_big <= t_small:
         return None
     # A ring collective of S bytes over n: (n - 1) (latency + S / n / bandwidth).
-    per_byte = (t_big - t_small) / (SIZES[1] - SIZES[0])
+    per_byte = (t_big - t_small) / (sizes[1] - sizes[0])
     bandwidth = (n - 1) / n / per_byte
-    latency = (t_small - min(d_small, d_big) - SIZES[0] * per_byte) / (n - 1)
+    latency = (t_small - min(d_small, d_big) - sizes[0] * per_byte) / (n - 1)
     return bandwidth, max(latency, _FLOOR_S)
