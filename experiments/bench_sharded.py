@@ -98,11 +98,16 @@ def run_variant(name: str) -> dict:
         import hetpar
 
         mode = "replicated" if name == "hetpar_replicated" else True
-        fn = hetpar.auto(step, devices=names, data_parallel=mode, donate_argnums=(0, 1))
+        # As a user on that machine writes it (issue 43): the GPUs and their host.
+        devices = names if FLAGS.quick else [*names, "cpu:0"]
+        fn = hetpar.auto(step, devices=devices, data_parallel=mode, donate_argnums=(0, 1))
         plan = fn.lower(*args).plan
         if plan is not None:
             row.update(chosen=plan.solver.get("chosen", "layer plan"), sharding=plan.sharding,
-                       predicted_s=plan.predicted.step_time_s)
+                       predicted_s=plan.predicted.step_time_s,
+                       predicted_peak_gb=[(plan.predicted.peak_memory_bytes
+                                           or plan.predicted.memory_bytes or {}).get(d, 0) / 1e9
+                                          for d in names])
     _, state = median_step(fn, tuple(args[:-1]), args[-1], 2)  # compile, settle
     t, _ = median_step(fn, state, args[-1], FLAGS.steps)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devs]
