@@ -314,7 +314,9 @@ class Arrays:
         if table.meta.get("groups"):
             # A group table's layers are a member's share (`_groups`): its
             # activations per its smallest group, its gradient per its
-            # sharding; data-parallel members count both, as replicas do.
+            # sharding. Counted both: a group plan's peaks are not measured
+            # yet (a whole-step replica's or sharded member's count once,
+            # `replica_memory`, measured on two H200s).
             self.overlap = np.zeros(L)
         self.mem_whole = self.mem
         # (never below nothing: a table's memory_bytes need not hold the
