@@ -386,8 +386,10 @@ class AutoStep:
         step = self._need_last()
         rep = report_graph(step.graph, xla=False)
         replicas = list(step.plan.replicas) if step.plan is not None else []
+        sharding = step.plan.sharding if step.plan is not None and replicas else None
         rows = tuple({"name": r["name"],
-                      "placement": replicas or step.placements[r["name"]].to_json(), **r}
+                      "placement": replicas or step.placements[r["name"]].to_json(),
+                      **({"sharding": sharding} if sharding else {}), **r}
                      for r in rep.rows)
         summary = {**step.clock.summary(step), "memory": memory_summary(step),
                    "first_call": step.first_call.summary(), "hint": microbatch_hint(step)}

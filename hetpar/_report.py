@@ -62,8 +62,8 @@ class CostReport:
         w = csv.DictWriter(buf, fieldnames=keys)
         w.writeheader()
         for r in self.rows:
-            w.writerow({**r, "placement": placement_text(r["placement"])} if "placement" in r
-                       else r)
+            w.writerow({**r, "placement": placement_text(r["placement"], r.get("sharding"))}
+                       if "placement" in r else r)
         w.writerow({"name": "TOTAL", **{k: v for k, v in self.totals.items() if k in keys}})
         return buf.getvalue()
 
@@ -87,7 +87,7 @@ class CostReport:
             if c == "name":
                 return str(v)
             if c == "placement":
-                return "" if v is None else placement_text(v)
+                return "" if v is None else placement_text(v, r.get("sharding"))
             if c == "intensity":
                 return "?" if v is None else f"{v:.2f}"
             return human(v, units.get(c, ""))
@@ -111,12 +111,18 @@ class CostReport:
         return self.table()
 
 
-def placement_text(value: str | dict | list) -> str:
+#: How a whole-step plan's state lies over its replicas, in a report's cell.
+SHARDED_TEXT = {"zero1": "data parallel, optimizer state sharded",
+                "fsdp": "fsdp: parameters and optimizer state sharded"}
+
+
+def placement_text(value: str | dict | list, sharding: str | None = None) -> str:
     """A placement in one cell: the compute device, then where the layer keeps
     or runs what it does not on it (`gpu:0; params, state gpu:0:pinned_host`);
-    a list is a data-parallel step's replicas."""
+    a list is a data-parallel step's replicas (`sharding`: its state split,
+    `Plan.sharding`)."""
     if isinstance(value, list):
-        return ", ".join(value) + " (data parallel)"
+        return ", ".join(value) + f" ({SHARDED_TEXT.get(sharding, 'data parallel')})"
     p = Placement.parse(value)
     apart: dict[str, list[str]] = {}
     for part in ("params", "state", "update"):

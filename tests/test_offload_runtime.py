@@ -453,6 +453,11 @@ def test_report_names_every_replica_of_a_data_parallel_step():
     rows = step.report().to_json()["layers"]
     assert {str(r["placement"]) for r in rows} == {"['cpu:0', 'cpu:1']"}
     assert "cpu:0, cpu:1 (data parallel)" in str(step.report())
+    # A sharded plan says how its state lies.
+    fsdp = hetpar.auto(w.train_step, devices=["cpu:0", "cpu:1"], data_parallel="fsdp")
+    check_steps(w.train_step, fsdp, args, steps=1)
+    assert "cpu:0, cpu:1 (fsdp: parameters and optimizer state sharded)" in str(fsdp.report())
+    assert {r["sharding"] for r in fsdp.report().to_json()["layers"]} == {"fsdp"}
 
 
 def test_moments_scaled_in_the_update_not_handed_on_from_the_backward():
