@@ -18,10 +18,11 @@ the terms):
   / N (`replica_busy` per layer), plus its collectives on the group's ring
   (`ring_of`): under "fsdp" its split parameters all-gathered for its
   forward and its backward and its gradient reduce-scattered, three ring
-  collectives of P_l / N; under "zero1" a reduce-scatter and an all-gather
-  of P_l; leaves that stay whole are all-reduced. Nothing is counted as
-  overlapped with compute. The collectives count as fixed time (paid by
-  every microbatch: each microbatch's stages gather and scatter again);
+  collectives of P_l / N, of which `FSDP_HIDDEN` is hidden behind compute
+  as in a whole-step fsdp plan; under "zero1" a reduce-scatter and an
+  all-gather of P_l; leaves that stay whole are all-reduced. The
+  collectives count as fixed time (paid by every microbatch: each
+  microbatch's stages gather and scatter again);
 * memory: a member's share of its parameters and their gradient (P_l / N
   under fsdp, P_l else), of its optimizer state (O_l / N under zero1 and
   fsdp) and of its activations (A_l / N), in the table's terms (the
@@ -58,7 +59,7 @@ from hetpar.core import (
 )
 from hetpar.planner._arrays import Arrays
 from hetpar.planner._evaluate import ring_of
-from hetpar.planner._sharded import SHARDINGS, split_bytes
+from hetpar.planner._sharded import FSDP_HIDDEN, SHARDINGS, split_bytes
 
 #: Where a group's state rests between steps.
 GROUP_STATES = ("device", "pinned_host")
@@ -248,8 +249,8 @@ def _member_costs(table: CostTable, arr: Arrays, g: Group) -> list[dict | None]:
         coll = 0.0
         if n > 1:
             coll += ring_allreduce_s(float(whole), n, bw, lat) if whole > 0 else 0.0
-            if g.sharding == "fsdp" and p_split[i] > 0:
-                coll += 3 * ring_allgather_s(float(p_split[i]), n, bw, lat)
+            if g.sharding == "fsdp" and p_split[i] > 0:  # as a whole-step fsdp plan's
+                coll += (1 - FSDP_HIDDEN) * 3 * ring_allgather_s(float(p_split[i]), n, bw, lat)
             elif g.sharding == "zero1" and p_keep[i] > 0:
                 coll += 2 * ring_allgather_s(float(p_keep[i]), n, bw, lat)
         time = fixed + coll + update * share + (t - fixed - update) / n
