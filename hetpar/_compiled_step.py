@@ -28,7 +28,7 @@ from absl import logging
 from hetpar._first_call import FirstCall
 from hetpar._grad import microbatched
 from hetpar._host_memory import warn_without_huge_pages
-from hetpar._memory_check import compiled_peaks, worth_compiling
+from hetpar._memory_check import compiled_peaks, group_peaks, worth_compiling
 from hetpar._options import FORCED, Options, check_present
 from hetpar._place import place
 from hetpar._recovery import CHECKED_STEPS, ready
@@ -193,6 +193,9 @@ class CompiledStep:
                     {n: g.sharding for n, g in groups.items()},
                     _batch_rows(args, self._batch_argnums, m),
                     offload=[n for n, g in groups.items() if g.state == "pinned_host"])
+            with self.first_call.phase("memory check"):
+                self.compiled_memory = group_peaks(
+                    self._executor, {n: g.devices for n, g in groups.items()})
         elif replicas:
             absent = [d for d in replicas if d not in self.devices]
             if absent:

@@ -59,6 +59,8 @@ import dataclasses
 from collections import Counter
 from collections.abc import Mapping
 
+import numpy as np
+
 from hetpar.core import InfeasibleError, memory_place, nbytes, seconds
 
 #: Capacity kept back from what the plan may use: the allocator's own
@@ -263,6 +265,71 @@ def compiled_peaks(executor, walk: list | None = None
     for place, (peak, at) in _place_peaks(executor, last_read, donated).items():
         peaks[place], where[place] = peak, at
     return peaks, where
+
+
+def _member_bytes(aval, sharding) -> float:
+    """Bytes one member of `sharding`'s devices holds of a value `aval`."""
+    try:
+        shape = sharding.shard_shape(tuple(aval.shape))
+        return float(np.prod(shape, dtype=float)) * int(aval.dtype.itemsize)
+    except (AttributeError, TypeError, ValueError):  # a PRNG key and the like: small
+        return 0.0
+
+
+def group_peaks(runner, members: Mapping[str, tuple[str, ...]]
+                ) -> tuple[dict[str, float], dict[str, str]]:
+    """({member device: peak bytes over the step}, {member device: the stage
+    where it falls}) of a group plan (`hetpar.runtime.GroupRunner`; `members`:
+    each group's device names): its stages replayed in the order it
+    dispatches them, one at a time.
+
+    A group's members hold alike: per member, the state resting on the
+    group (the caller's copy, kept: a group plan donates nothing), each
+    value a stage made there until its last reader ran (new state sent to
+    pinned host memory leaves as it is made), and while a stage runs its
+    inputs brought from elsewhere, its outputs and its working set
+    (`stage_working_bytes`). ({}, {}) where a stage has no memory analysis."""
+    stages = runner.stages.stages
+    if any(m is None for m in runner.stage_memory):
+        return {}, {}
+    last_read: dict = {}
+    for st in stages:
+        for v in st.inputs:
+            last_read[v] = max(last_read.get(v, -1), st.index)
+    live: dict[str, dict] = {g: {} for g in runner.groups}  # group -> {var: bytes}
+    for v, sharding in runner._home.items():
+        group = next(g for g, grp in runner.groups.items()
+                     if set(sharding.device_set) <= set(grp.mesh.devices.flat))
+        if getattr(sharding, "memory_kind", None) != "pinned_host":
+            live[group][v] = _member_bytes(v.aval, sharding)
+    peak: dict[str, float] = {}
+    where: dict[str, str] = {}
+    kept = set(runner._outvars) | set(runner._invars)
+    for i in runner._order:
+        st, g = stages[i], stages[i].device
+        held = live[g]
+        brought = sum(_member_bytes(v.aval, s) for v, s in zip(st.inputs, runner._in[i])
+                      if v not in held)
+        made = sum(_member_bytes(v.aval, s) for v, s in zip(st.outputs, runner._out[i]))
+        working = stage_working_bytes(runner.stage_memory[i])
+        during = sum(held.values()) + brought + max(working, made)
+        if during > peak.get(g, -1.0):
+            peak[g] = during
+            where[g] = (f"stage {i} ({', '.join(list(st.layers)[:3])}): held "
+                        f"{nbytes(sum(held.values()))}, brought {nbytes(brought)}, "
+                        f"working {nbytes(max(working, made))}")
+        for v, s in zip(st.outputs, runner._out[i]):
+            if v not in runner._send_home:
+                held[v] = _member_bytes(v.aval, s)
+        for v in st.inputs:
+            if v not in kept and last_read.get(v) == i:
+                for values in live.values():
+                    values.pop(v, None)
+    out, told = {}, {}
+    for g in peak:
+        for d in members[g]:
+            out[d], told[d] = peak[g], f"group {g}, {where[g]}"
+    return out, told
 
 
 def _queued_bytes(executor, j, device, st, live, home, cached, nxt) -> float:

@@ -9,6 +9,7 @@ import json
 import re
 
 import jax
+import numpy as np
 import pytest
 
 import hetpar
@@ -276,3 +277,43 @@ def test_group_plans_round_trip_and_old_plans_load(tmp_path):
         Plan.from_json(bad)
     with pytest.raises(PlanError, match="replicas.*or groups.*not both"):
         Plan.from_json({**data, "replicas": ["gpu:0", "gpu:1"]})
+
+
+@pytest.mark.slow  # 4 s of compiles: over the fast tier's 3-minute budget (CI runs it)
+def test_a_group_plans_compiled_stages_are_checked_before_it_runs(monkeypatch):
+    # Each member's peak comes from its stages' compiled memory, replayed in
+    # the order the runner dispatches them: it holds at least its share of
+    # the state resting on its group (the caller's copy: nothing donated),
+    # and less where that state rests in pinned host memory.
+    import hetpar._memory_check as check
+    from hetpar.core import InfeasibleError
+
+    w = zoo.get("mlp", small=True, batch=8)
+    args = w.example_args()
+    peaks, held = {}, {}
+    for state in ("device", "pinned_host"):
+        step = hetpar.auto(w.train_step, groups=GROUPS, microbatches=2, group_state=state,
+                           profile="spec")
+        compiled = step.lower(*args)
+        figures, where = compiled.compiled_memory
+        assert set(figures) == {"cpu:0", "cpu:1", "cpu:2", "cpu:3"}
+        assert figures["cpu:0"] == figures["cpu:1"] and "group cpu:0+cpu:1, stage" in where["cpu:0"]
+        peaks[state] = figures
+        amount, unit = re.search(r"held ([\d.]+) (k?B|MB)", where["cpu:0"]).groups()
+        held[state] = float(amount) * {"B": 1, "kB": 1e3, "MB": 1e6}[unit]
+    whole = sum(x.nbytes for x in jax.tree.leaves(args[:2]))
+    assert sum(peaks["device"].values()) >= whole  # every member its share, at least
+    # Offloaded, what rests on the members between stages is less; a stage
+    # still brings its layers' state in while it runs.
+    assert held["pinned_host"] < held["device"]
+    assert all(peaks["pinned_host"][d] <= peaks["device"][d] for d in peaks["device"])
+    # A stage whose working set no member holds: one line before anything runs,
+    # the caller's state untouched.
+    monkeypatch.setattr(check, "stage_working_bytes", lambda m: 1e15)
+    before = [np.array(x) for x in jax.tree.leaves(args)]
+    step = hetpar.auto(w.train_step, groups=GROUPS, microbatches=2, profile="spec")
+    with pytest.raises(InfeasibleError) as info:
+        step(*args)
+    assert "\n" not in str(info.value) and "Nothing ran" in str(info.value)
+    for a, b in zip(jax.tree.leaves(args), before):
+        np.testing.assert_array_equal(np.asarray(a), b)

@@ -187,7 +187,11 @@ class GroupRunner:
                            if isinstance(v, jcore.Var) and v in made
                            and self.groups[made[v]].offload and v in self._role}
         self._in = []
+        self._out = []
         self.compiled = []
+        # Per stage, XLA's memory analysis of its executable (per member:
+        # one SPMD program), None where the backend gives none.
+        self.stage_memory = []
         for st in stages.stages:
             g = self.groups[st.device]
             ins = [g.layout(v.aval, self._role.get(v)) for v in st.inputs]
@@ -195,8 +199,13 @@ class GroupRunner:
             fn = jax.jit(jcore.jaxpr_as_fun(st.jaxpr), in_shardings=ins, out_shardings=outs)
             specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
                      for v, s in zip(st.inputs, ins)]
-            fn.lower(*specs).compile()
+            executable = fn.lower(*specs).compile()
+            try:
+                self.stage_memory.append(executable.memory_analysis())
+            except Exception:  # noqa: BLE001 - a backend without memory analysis
+                self.stage_memory.append(None)
             self._in.append(ins)
+            self._out.append(outs)
             self.compiled.append(fn)
         # Values are dropped once their last reader is dispatched.
         readers: dict = {}
