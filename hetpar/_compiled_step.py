@@ -192,7 +192,8 @@ class CompiledStep:
                                   for n, g in groups.items()},
                     {n: g.sharding for n, g in groups.items()},
                     _batch_rows(args, self._batch_argnums, m),
-                    offload=[n for n, g in groups.items() if g.state == "pinned_host"])
+                    offload=[n for n, g in groups.items() if g.state == "pinned_host"],
+                    donate=self._donated_leaves(user_args))
             with self.first_call.phase("memory check"):
                 self.compiled_memory = group_peaks(
                     self._executor, {n: g.devices for n, g in groups.items()})

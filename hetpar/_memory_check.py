@@ -284,7 +284,7 @@ def group_peaks(runner, members: Mapping[str, tuple[str, ...]]
     dispatches them, one at a time.
 
     A group's members hold alike: per member, the state resting on the
-    group (the caller's copy, kept: a group plan donates nothing), each
+    group (the caller's copy, given up by its last reader where donated), each
     value a stage made there until its last reader ran (new state sent to
     pinned host memory leaves as it is made), and while a stage runs its
     inputs brought from elsewhere, its outputs and its working set
@@ -292,10 +292,10 @@ def group_peaks(runner, members: Mapping[str, tuple[str, ...]]
     stages = runner.stages.stages
     if any(m is None for m in runner.stage_memory):
         return {}, {}
-    last_read: dict = {}
-    for st in stages:
-        for v in st.inputs:
-            last_read[v] = max(last_read.get(v, -1), st.index)
+    last_read: dict = {}  # the last stage reading each value, in dispatch order
+    for i in runner._order:
+        for v in stages[i].inputs:
+            last_read[v] = i
     live: dict[str, dict] = {g: {} for g in runner.groups}  # group -> {var: bytes}
     for v, sharding in runner._home.items():
         group = next(g for g, grp in runner.groups.items()
@@ -305,6 +305,7 @@ def group_peaks(runner, members: Mapping[str, tuple[str, ...]]
     peak: dict[str, float] = {}
     where: dict[str, str] = {}
     kept = set(runner._outvars) | set(runner._invars)
+    donated = getattr(runner, "donated", frozenset())
     for i in runner._order:
         st, g = stages[i], stages[i].device
         held = live[g]
@@ -322,7 +323,7 @@ def group_peaks(runner, members: Mapping[str, tuple[str, ...]]
             if v not in runner._send_home:
                 held[v] = _member_bytes(v.aval, s)
         for v in st.inputs:
-            if v not in kept and last_read.get(v) == i:
+            if (v not in kept or v in donated) and last_read.get(v) == i:
                 for values in live.values():
                     values.pop(v, None)
     out, told = {}, {}

@@ -9,6 +9,7 @@ import json
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -317,3 +318,23 @@ def test_a_group_plans_compiled_stages_are_checked_before_it_runs(monkeypatch):
     assert "\n" not in str(info.value) and "Nothing ran" in str(info.value)
     for a, b in zip(jax.tree.leaves(args), before):
         np.testing.assert_array_equal(np.asarray(a), b)
+
+
+@pytest.mark.slow  # 5 s of compiles: over the fast tier's 3-minute budget (CI runs it)
+def test_a_group_plan_donates_the_state_it_replaces():
+    # donate_argnums on a group plan, as jax.jit has it: the caller's state
+    # ends the step deleted, the batch not; the results equal jit's on a
+    # copy, and the compiled check counts the old state once.
+    w = zoo.get("mlp", small=True, batch=8)
+    args = w.example_args()
+    copies = jax.tree.map(lambda x: jnp.array(x, copy=True), args)
+    kept = hetpar.auto(w.train_step, groups=GROUPS, microbatches=2, profile="spec")
+    step = hetpar.auto(w.train_step, groups=GROUPS, microbatches=2, profile="spec",
+                       donate_argnums=(0, 1))
+    placed = step.place(*args)
+    out = step(*placed)
+    oracle.assert_equals_jit(out, w.train_step, copies)
+    assert all(x.is_deleted() for x in jax.tree.leaves(placed[:2]))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(placed[2]))
+    out = step(*out[:-1], placed[2])  # the next step takes what the last returned
+    assert step._last.compiled_memory[0]["cpu:0"] < kept.lower(*copies).compiled_memory[0]["cpu:0"]

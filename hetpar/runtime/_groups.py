@@ -41,6 +41,7 @@ compiled-memory check are not used here: see docs/architecture/status.md.)
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -143,6 +144,13 @@ class GroupRunner:
       batch_rows: the leading-axis sizes of the batch and its microbatches:
         values with such a leading axis are split over a group's members.
       offload: groups whose state rests in their devices' pinned host memory.
+      donate: positions of the step's flat inputs it donates (the leaves of
+        `donate_argnums`): each is given up by its last reader, as the
+        `Executor` gives it up. Where that stage reads it laid out as it
+        rests, the stage's executable takes it donated (XLA may write the
+        new state into it); else it is deleted once that stage was
+        dispatched (JAX frees it when the reads are done). The caller's
+        donated arrays end the step deleted, as `jax.jit` leaves them.
 
     Raises:
       PlanError: a stage on a group not in `groups`, or a group offloading
@@ -151,7 +159,7 @@ class GroupRunner:
 
     def __init__(self, stages: StageGraph, groups: Mapping[str, Sequence[jax.Device]],
                  sharding: Mapping[str, str | None], batch_rows: frozenset[int],
-                 offload: Sequence[str] = ()):
+                 offload: Sequence[str] = (), donate: Sequence[int] = ()):
         self.stages = stages
         unknown = sorted({st.device for st in stages.stages} - set(groups))
         if unknown:
@@ -186,6 +194,25 @@ class GroupRunner:
                            for v in self._outvars
                            if isinstance(v, jcore.Var) and v in made
                            and self.groups[made[v]].offload and v in self._role}
+        # Donation: each donated input's last reader (in dispatch order)
+        # takes it donated where it reads it as it rests, else deletes it.
+        last: dict = {}
+        for i in self._order:
+            for v in stages.stages[i].inputs:
+                last[v] = i
+        wanted = {self._invars[k] for k in donate} - set(self._outvars)
+        self.donated = frozenset(v for v in wanted if v in last)
+        donate_at: dict[int, list[int]] = {}
+        self._give_up: dict[int, list] = {}  # stage -> donated inputs it reads last
+        for v in self.donated:
+            i = last[v]
+            st = stages.stages[i]
+            g = self.groups[st.device]
+            self._give_up.setdefault(i, []).append(v)
+            rests = self._home.get(v)
+            if rests is not None and st.inputs.count(v) == 1 and \
+                    rests == g.layout(v.aval, self._role.get(v)):
+                donate_at.setdefault(i, []).append(st.inputs.index(v))
         self._in = []
         self._out = []
         self.compiled = []
@@ -196,10 +223,14 @@ class GroupRunner:
             g = self.groups[st.device]
             ins = [g.layout(v.aval, self._role.get(v)) for v in st.inputs]
             outs = [g.layout(v.aval, self._role.get(v)) for v in st.outputs]
-            fn = jax.jit(jcore.jaxpr_as_fun(st.jaxpr), in_shardings=ins, out_shardings=outs)
+            fn = jax.jit(jcore.jaxpr_as_fun(st.jaxpr), in_shardings=ins, out_shardings=outs,
+                         donate_argnums=tuple(sorted(donate_at.get(st.index, ()))))
             specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, sharding=s)
                      for v, s in zip(st.inputs, ins)]
-            executable = fn.lower(*specs).compile()
+            with warnings.catch_warnings():
+                # A donated input no output can reuse is still given up.
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                executable = fn.lower(*specs).compile()
             try:
                 self.stage_memory.append(executable.memory_analysis())
             except Exception:  # noqa: BLE001 - a backend without memory analysis
@@ -244,9 +275,18 @@ class GroupRunner:
                 for k, y in zip(at, jax.device_put([args[k] for k in at],
                                                    [want[k] for k in at])):
                     args[k] = y
-            outs = self.compiled[i](*args)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                outs = self.compiled[i](*args)
             for v, y in zip(st.outputs, outs):
                 env[v] = jax.device_put(y, self._send_home[v]) if v in self._send_home else y
+            for v in self._give_up.get(i, ()):
+                # Not taken donated (read from elsewhere, or moved for its
+                # stage): the caller's buffer goes once its last reader was
+                # dispatched.
+                x = env[v]
+                if isinstance(x, jax.Array) and not x.is_deleted():
+                    x.delete()
             for v in st.inputs:
                 if v in left:
                     left[v] -= 1
