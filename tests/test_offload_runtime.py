@@ -453,7 +453,12 @@ def test_report_names_every_replica_of_a_data_parallel_step():
     rows = step.report().to_json()["layers"]
     assert {str(r["placement"]) for r in rows} == {"['cpu:0', 'cpu:1']"}
     assert "cpu:0, cpu:1 (data parallel)" in str(step.report())
-    # A sharded plan says how its state lies.
+
+
+@pytest.mark.slow  # 2 s; the fast tier keeps the replicated report above
+def test_report_says_how_a_sharded_steps_state_lies():
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
     fsdp = hetpar.auto(w.train_step, devices=["cpu:0", "cpu:1"], data_parallel="fsdp")
     check_steps(w.train_step, fsdp, args, steps=1)
     assert "cpu:0, cpu:1 (fsdp: parameters and optimizer state sharded)" in str(fsdp.report())
