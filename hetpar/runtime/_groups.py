@@ -35,8 +35,11 @@ the new state goes back as soon as the stage that made it is dispatched.
 Dispatch: the stages are dispatched from the calling thread in one global
 order that keeps every group's schedule order (`global_order`); JAX's
 asynchronous dispatch lets groups on different devices run at once. (The
-`Executor`'s per-device worker threads, donation, streaming prefetch and
-compiled-memory check are not used here: see docs/architecture/status.md.)
+`Executor`'s per-device worker threads and streaming prefetch are not used
+here: see docs/architecture/status.md.) Donation (`donate`) gives each
+donated input up at its last reader; `stage_memory` (each stage's compiled
+memory analysis) is what the check before the first step replays
+(`hetpar._memory_check.group_peaks`).
 """
 
 from __future__ import annotations
