@@ -216,6 +216,7 @@ class GroupRunner:
             if rests is not None and st.inputs.count(v) == 1 and \
                     rests == g.layout(v.aval, self._role.get(v)):
                 donate_at.setdefault(i, []).append(st.inputs.index(v))
+        self._donating = frozenset(donate_at)
         self._in = []
         self._out = []
         self.compiled = []
@@ -278,8 +279,11 @@ class GroupRunner:
                 for k, y in zip(at, jax.device_put([args[k] for k in at],
                                                    [want[k] for k in at])):
                     args[k] = y
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+            if i in self._donating:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                    outs = self.compiled[i](*args)
+            else:
                 outs = self.compiled[i](*args)
             for v, y in zip(st.outputs, outs):
                 env[v] = jax.device_put(y, self._send_home[v]) if v in self._send_home else y
