@@ -527,6 +527,11 @@ def _row(cell: dict) -> str:
     worst = max(measured_by, key=lambda d: (measured_by[d] or 0) / (predicted_by.get(d) or 1e-9))
     measured, pred_peak = measured_by[worst], predicted_by.get(worst)
     ratio = f"{measured / pred_peak:.2f}" if pred_peak and measured else ""
+    # The check before the first step (the compiled stages replayed): the
+    # memory model issue 41 asks to agree with the allocator.
+    compiled = ((cell.get("memory_gb") or {}).get(worst) or {}).get("compiled")
+    if compiled and measured:
+        ratio += f" (compiled {measured / compiled:.2f})"
     step_ratio = (f"{cell['median_s'] / cell['predicted_s']:.2f}"
                   if cell.get("predicted_s") and cell.get("median_s") else "")
     plan = cell.get("plan") or {}
