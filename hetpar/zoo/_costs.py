@@ -147,7 +147,7 @@ def _calibrated(table: CostTable, w: Workload, k: int,
                      f"(jax.jit, median of {k})")
         return t
 
-    from hetpar.runtime import crossing_s, link_curve, stage_overhead_s
+    from hetpar.runtime import crossing_s, link_curve, ring_figures, stage_overhead_s
 
     def reported(measure, line):
         def call(*args):
@@ -164,10 +164,13 @@ def _calibrated(table: CostTable, w: Workload, k: int,
     curve = reported(link_curve, lambda src, dst, sizes, c:
                      f"runtime copies {src} -> {dst}: " + (", ".join(
                          f"{b / 1e6:.3g} MB {seconds(t)}" for b, t in c) if c else "unmeasured"))
+    collective = reported(lambda names, devs: ring_figures(devs), lambda names, _, r: (
+        f"collectives over {'+'.join(names)}: " + (
+            f"a ring step {r[0] / 1e9:.3g} GB/s, {seconds(r[1])}" if r else "unmeasured")))
     # (Layers measured at batch / M too already have their own fixed parts.)
     scaled = cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
                                              time_replicas=time_replicas, budget=budget,
-                                             curve=curve)
+                                             curve=curve, collective=collective)
     if progress and scaled.meta.get("untimed_kinds"):
         progress(f"whole step not timed on {', '.join(scaled.meta['untimed_kinds'])}: predicted "
                  "over 10x the fastest device's (--measure-all times it)")
