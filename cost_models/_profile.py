@@ -344,6 +344,9 @@ class DeviceProfile:
       watts_busy: power while computing.
       watts_idle: power while idle.
       host_link: the bus to the host CPU (None for the CPU itself).
+      peer_link: the direct interconnect to another device of the same class
+        in one machine (NVLink between SXM GPUs), or None: two such devices
+        without a measured path between them then go through the host.
       efficiencies: `{op_class: {"flops": e, "bytes": e}}`, each in (0, 1]:
         the fraction of peak FLOP/s and of peak bandwidth reached.
       sources: `{figure: source}` for every figure above; nested figures use
@@ -365,6 +368,7 @@ class DeviceProfile:
     efficiencies: Mapping[str, Mapping[str, float]]
     sources: Mapping[str, str]
     host_link: LinkProfile | None = None
+    peer_link: LinkProfile | None = None
     host_price_per_hour: float = 0.0
     origin: str = "spec"
     benchmarks: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -425,6 +429,8 @@ class DeviceProfile:
         if self.layer_model:
             out["layer_model"] = dict(self.layer_model)
         out["host_link"] = self.host_link.to_json() if self.host_link else None
+        if self.peer_link:
+            out["peer_link"] = self.peer_link.to_json()
         out["efficiencies"] = {c: dict(e) for c, e in self.efficiencies.items()}
         out["sources"] = dict(self.sources)
         if self.benchmarks:
@@ -486,6 +492,8 @@ class DeviceProfile:
                            for k, v in layer_model.items()}
         link = data.get("host_link")
         host_link = LinkProfile.from_json(link, f"{where} host_link") if link else None
+        peer = data.get("peer_link")
+        peer_link = LinkProfile.from_json(peer, f"{where} peer_link") if peer else None
         effs = _require(where, data, "efficiencies", "{op_class: {'flops': e, 'bytes': e}}")
         efficiencies = _validate_efficiencies(where, effs)
         sources = _require(where, data, "sources", "{figure: where it came from}")
@@ -510,6 +518,7 @@ class DeviceProfile:
             kind=str(kind),
             peak_flops_per_s=peaks,
             host_link=host_link,
+            peer_link=peer_link,
             host_price_per_hour=host_price,
             efficiencies=efficiencies,
             sources={str(k): str(v) for k, v in sources.items()},

@@ -32,7 +32,9 @@ curve (`LinkProfile.copy_curve`, `Link.curve`), not as the straight line
 fitted through them. CPU devices of one host share its memory: between them a copy
 runs at the host's memory bandwidth. An accelerator without a measured path
 to a CPU uses its spec sheet's host link, and two accelerators without a
-measured path go through the host (two hops in series).
+measured path go through the host (two hops in series), unless both are
+of one class whose spec sheet names a `peer_link` (NVLink between SXM
+GPUs): then that.
 
 Two devices of different processes (`p0/...` and `p1/...`) without a link of
 their own are joined by the network link between their processes,
@@ -326,6 +328,9 @@ def _link(src: ResolvedDevice, dst: ResolvedDevice, profiles: ProfileSet,
         return to_host(src, True)
     if s_cpu:
         return to_host(dst, False)
+    peer = src.profile.peer_link
+    if peer is not None and s_class == d_class:  # NVLink between two SXM GPUs
+        return _Path(peer.latency_s, peer.bandwidth_bytes_per_s)
     a, b = to_host(src, True), to_host(dst, False)
     return _series(a, b) if a and b else None
 

@@ -74,9 +74,30 @@ def test_accelerators_of_two_processes():
     assert links[("p0/h100:0", "p0/cpu:0")].bandwidth_bytes_per_s == host.bandwidth_bytes_per_s
     for pair in [("p0/h100:0", "p1/h100:0"), ("p1/h100:0", "p0/cpu:0")]:
         assert links[pair].bandwidth_bytes_per_s == DEFAULT_NETWORK_BANDWIDTH
-    # A name without a process is on no process in particular: links as today
-    # (two accelerators through the host, two hops in series).
-    assert links[("p0/h100:0", "h100:0")].latency_s == pytest.approx(2 * host.latency_s)
+    # A name without a process is on no process in particular: links as
+    # within one machine (two H100s: their NVLink, the spec sheet's peer link).
+    peer = spec("h100").peer_link
+    assert links[("p0/h100:0", "h100:0")].latency_s == pytest.approx(peer.latency_s)
+    assert links[("p0/h100:0", "h100:0")].bandwidth_bytes_per_s == peer.bandwidth_bytes_per_s
+
+
+def test_two_absent_gpus_of_one_class_are_joined_by_their_peer_link():
+    # Planning for a machine you do not have: two H200s talk over NVLink
+    # (300 GB/s as JAX reached it), not through the host's PCIe twice
+    # (~31 GB/s), so a model too large for one is planned as FSDP.
+    links, _ = table_links(["cpu", "h200", "h200"])
+    peer, host = spec("h200").peer_link, spec("h200").host_link
+    assert links[("h200:0", "h200:1")].bandwidth_bytes_per_s == peer.bandwidth_bytes_per_s
+    assert peer.bandwidth_bytes_per_s > 4 * host.bandwidth_bytes_per_s
+    # Of different classes: through the host, two hops in series.
+    links, _ = table_links(["a100", "h200"])
+    assert links[("a100:0", "h200:0")].latency_s == pytest.approx(
+        spec("a100").host_link.latency_s + host.latency_s)
+    # The peer link survives a profile file's round trip.
+    from cost_models import DeviceProfile
+
+    again = DeviceProfile.from_json(spec("h200").to_json())
+    assert again.peer_link == spec("h200").peer_link
 
 
 def measured_profiles():
