@@ -288,14 +288,11 @@ def _with_runtime_costs(table, scaled, present, names, overhead, crossing, bandw
 def _with_collectives(table, present: Mapping[str, Any], collective):
     """`table` with each group of two or more present devices of one
     accelerator kind given its measured ring (`meta["collectives"]`)."""
-    from hetpar.core import is_memory_place
+    from hetpar.planner import replica_groups
 
-    by_kind: dict[str, list[str]] = {}
-    for d in table.devices:
-        if d.name in present and d.kind != "cpu" and not is_memory_place(d.name):
-            by_kind.setdefault(d.kind, []).append(d.name)
     rings = dict(table.meta.get("collectives") or {})
-    for names in by_kind.values():
+    for group in replica_groups(table):  # the groups the planner shards state over
+        names = [n for n in group if n in present]
         if len(names) >= 2:
             got = collective(names, [present[n] for n in names])
             if got is not None:

@@ -297,15 +297,14 @@ def group_peaks(runner, members: Mapping[str, tuple[str, ...]]
         for v in stages[i].inputs:
             last_read[v] = i
     live: dict[str, dict] = {g: {} for g in runner.groups}  # group -> {var: bytes}
-    for v, sharding in runner._home.items():
-        group = next(g for g, grp in runner.groups.items()
-                     if set(sharding.device_set) <= set(grp.mesh.devices.flat))
-        if getattr(sharding, "memory_kind", None) != "pinned_host":
+    for v, group in zip(runner._invars, runner.stages.input_devices):
+        sharding = runner._home.get(v)
+        if sharding is not None and getattr(sharding, "memory_kind", None) != "pinned_host":
             live[group][v] = _member_bytes(v.aval, sharding)
     peak: dict[str, float] = {}
     where: dict[str, str] = {}
     kept = set(runner._outvars) | set(runner._invars)
-    donated = getattr(runner, "donated", frozenset())
+    donated = runner.donated
     for i in runner._order:
         st, g = stages[i], stages[i].device
         held = live[g]

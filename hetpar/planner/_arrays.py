@@ -298,6 +298,12 @@ class Arrays:
         # unless the step donates them (as `jax.jit` without donate_argnums).
         # So what a layer holds on d is its `memory_bytes` and that new state.
         self.table_mem = self.mem
+        # What a layer's memory figure holds beyond its parameters, gradient,
+        # optimizer state and activations (never negative: a table need not
+        # itemise it); what group members count whole (`replica_memory`, `_groups`).
+        self.other = np.maximum(self.table_mem - 2 * np.nan_to_num(self.param)[:, None]
+                                - np.nan_to_num(self.opt)
+                                - np.nan_to_num(self.act)[:, None], 0.0)
         if not self.donated:
             self.mem = self.mem + np.nan_to_num(self.param)[:, None] + np.nan_to_num(self.opt)
         # One batch at a time, a layer's gradient is made in its backward as

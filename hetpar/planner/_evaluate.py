@@ -213,14 +213,12 @@ def replica_memory(arr: Arrays, idx: Sequence[int], *, params: np.ndarray | None
     working set / N and `gathered`, what a sharded layer holds whole while
     it runs. Measured on two H200s (a 6.74B Llama-style step, batch 4 x
     512, donated): zero1 planned 75.1 GB against 70.3 GB measured, fsdp
-    62.4 GB against 57.9 GB (experiments/results/fit_h200, run 28)."""
+    61.5 GB against 58.1 GB (experiments/results/fit_h200x2, runs 28, 30)."""
     n, cols = len(idx), list(idx)
     param = np.nan_to_num(arr.param)
     state = np.nan_to_num(arr.opt[:, cols])
     act = np.nan_to_num(arr.act)
-    # What a layer's memory figure holds beyond its state, gradient and
-    # activations (never negative: a table need not itemise it).
-    other = np.maximum(arr.table_mem[:, cols] - 2 * param[:, None] - state - act[:, None], 0.0)
+    other = arr.other[:, cols]
     keep_p = param if params is None else params
     keep_o = state if opt is None else np.broadcast_to(opt[:, None], state.shape)
     grad = param if grads is None else grads

@@ -260,7 +260,7 @@ def _member_costs(table: CostTable, arr: Arrays, g: Group) -> list[dict | None]:
         act = float(min(np.nan_to_num(arr.act[i]), arr.table_mem[i, j]))
         p_m = p_split[i] / n + whole if g.sharding == "fsdp" else params[i]
         o_m = o_split[i] / n + opt[i] - o_split[i]
-        other = max(float(arr.table_mem[i, j]) - 2 * params[i] - act - opt[i], 0.0)
+        other = float(arr.other[i, j])
         mem = 2 * p_m + act / n + o_m + other
         workspace = float(arr.ws[i]) / n
         if g.sharding == "fsdp":  # the layer's parameters gathered and its gradient whole

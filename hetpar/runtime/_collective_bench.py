@@ -19,29 +19,20 @@ them: what `planner.ring_of` prices a group's collectives with
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Sequence
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from hetpar.runtime._overhead import _timed_s
 
 #: Gathered bytes the collectives are timed at: two sizes a line is fitted
 #: through (a layer's parameters: 2-800 MB in the models measured).
 SIZES = (64 << 20, 512 << 20)
 _RUNS = 5
 _FLOOR_S = 5e-6  # an in-step collective's latency is never below this
-
-
-def _median_s(fn, x, runs: int = _RUNS) -> float:
-    jax.block_until_ready(fn(x))  # compiled, and the communicator set up
-    times = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def ring_figures(devices: Sequence[jax.Device], sizes: tuple[int, int] = SIZES
@@ -79,9 +70,9 @@ def ring_figures(devices: Sequence[jax.Device], sizes: tuple[int, int] = SIZES
         gathered = jax.device_put(jnp.zeros((size // 4 // n * n,), jnp.float32), split)
         # a reduce-scatter of `size` bytes: each member holds the whole before
         whole = jax.device_put(jnp.zeros((size // 4 // n * n * n,), jnp.float32), split)
-        dispatch = _median_s(nothing, gathered)
-        seconds.append(((_median_s(gather, gathered) + _median_s(scatter, whole)) / 2,
-                        dispatch))
+        dispatch = _timed_s(partial(nothing, gathered), _RUNS)
+        seconds.append(((_timed_s(partial(gather, gathered), _RUNS)
+                         + _timed_s(partial(scatter, whole), _RUNS)) / 2, dispatch))
         del gathered, whole
     (t_small, d_small), (t_big, d_big) = seconds
     if t_big <= t_small:
