@@ -338,3 +338,17 @@ def test_a_group_plan_donates_the_state_it_replaces():
     assert not any(x.is_deleted() for x in jax.tree.leaves(placed[2]))
     out = step(*out[:-1], placed[2])  # the next step takes what the last returned
     assert step._last.compiled_memory[0]["cpu:0"] < kept.lower(*copies).compiled_memory[0]["cpu:0"]
+
+
+@pytest.mark.slow  # 3 s of compiles: over the fast tier's 3-minute budget (CI runs it)
+def test_state_donated_to_an_earlier_step_is_one_line_not_a_crash():
+    # Passing again the state a donating group plan gave up: the error
+    # jax.jit gives, explained, before any stage runs (it crashed the
+    # process when a stage's executable got the deleted buffer).
+    w = zoo.get("mlp", small=True, batch=8)
+    step = hetpar.auto(w.train_step, groups=GROUPS, microbatches=2, profile="spec",
+                       donate_argnums=(0, 1))
+    placed = step.place(*w.example_args())
+    step(*placed)
+    with pytest.raises(hetpar.HetparError, match=r"an argument was deleted: donate_argnums"):
+        step(*placed)

@@ -268,6 +268,12 @@ class GroupRunner:
         return out
 
     def __call__(self, flat_args: Sequence) -> list:
+        for x in flat_args:
+            # Before any stage runs: a deleted buffer handed to a stage's
+            # executable (state donated to an earlier step) crashed the
+            # process (CPU, jax 0.10), where jax.jit raises this.
+            if isinstance(x, jax.Array) and x.is_deleted():
+                raise RuntimeError(f"Array has been deleted with shape={x.aval.str_short()}.")
         env = dict(zip(self._invars, flat_args))
         left = dict(self._readers)
         for i in self._order:
