@@ -72,6 +72,12 @@ setup() {
   if [ -n "$W" ]; then
     python3 -m pip install -q --no-index --find-links "$W" pulp highspy \
       || echo "warning: pulp/highspy not installed from $W (the planner needs pulp)"
+    # transformers 4.x for the Hugging Face Flax models (the machine's 5.x has
+    # none); its other requirements are the machine's own.
+    if ls "$W"/hf/transformers-4*.whl >/dev/null 2>&1; then
+      python3 -m pip install -q --no-index --no-deps "$W"/hf/*.whl \
+        || echo "warning: transformers 4.x not installed from $W/hf"
+    fi
   else
     echo "warning: no wheel folder (HETPAR_WHEELS, shared/wheels, ../shared/wheels, .whl):" \
          "pulp not installed; profile and costs still run"
@@ -107,7 +113,7 @@ case "$job" in
 help|-h|--help) usage; exit 0 ;;
 profile|costs|cross-card|runtime|baselines|rows|fit-check|hetpar) TWO_GPUS= ;;
 two-gpus|two-gpus-planned|two-gpus-launch|two-gpus-replay|two-gpus-study|two-gpus-measured|\
-two-gpus-final|sweep|predictions) TWO_GPUS=1 ;;
+two-gpus-final|sweep|predictions|fit-two-gpus) TWO_GPUS=1 ;;
 *) echo "unknown job: $job"; usage; exit 2 ;;
 esac
 if [ "$job" = sweep ] && [ $# -lt 5 ]; then

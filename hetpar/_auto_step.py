@@ -28,7 +28,7 @@ from hetpar._memory_check import (
     allocator_peak,
     does_not_fit,
     misfits,
-    replan_cap,
+    replan_caps,
     slower_replan,
 )
 from hetpar._nnx_args import NNX_MARK, NnxArgs, NnxFastCall
@@ -159,14 +159,14 @@ class AutoStep:
         """
         step = CompiledStep(fn, args, self.options, self._workers)
         first = step.plan  # what a replanned plan's speed is told against
-        smallest: dict[str, float] = {}  # each device's smallest compiled peak over the plans
+        closest = None  # the worst misfit of the plan that came closest to fitting
         for tries in itertools.count():
-            for d, peak in (step.compiled_memory or ({}, {}))[0].items():
-                smallest[d] = min(peak, smallest.get(d, peak))
             found = misfits(step)
             if not found:
                 return step
             worst = found[0]
+            if not worst.host and (closest is None or worst.excess_bytes < closest.excess_bytes):
+                closest = worst
             # Under several processes each checks its own devices: planning
             # again on one alone would part the processes' plans.
             why = ("was given" if self.options.plan is not None else
@@ -178,18 +178,22 @@ class AutoStep:
                 logging.warning(msg)
                 warnings.warn(msg, MemoryCheckWarning, stacklevel=4)
                 return step
-            cap = replan_cap(worst)
-            least = None if worst.host else smallest.get(worst.device)
+            caps = replan_caps(step, found)
+            cap = caps[worst.device]
             if tries >= MAX_REPLANS or cap <= 0:
-                raise does_not_fit(worst, tries=tries, cap=cap, smallest=least)
-            logging.warning("hetpar: %s; planning again with %s capped at %s before the "
-                            "first step", worst.describe(), worst.device, nbytes(cap))
-            self.options = dataclasses.replace(
-                self.options, memory={**(self.options.memory or {}), worst.device: cap})
+                raise does_not_fit(worst, tries=tries, cap=cap, closest=closest)
+            others = ", ".join(f"{d} at {nbytes(c)}" for d, c in caps.items() if d != worst.device)
+            logging.warning("hetpar: %s; planning again with %s capped at %s%s before the "
+                            "first step", worst.describe(), worst.device, nbytes(cap),
+                            f" ({others})" if others else "")
+            memory = dict(self.options.memory or {})
+            for d, c in caps.items():
+                memory[d] = min(c, memory.get(d, c))
+            self.options = dataclasses.replace(self.options, memory=memory)
             try:
                 again = CompiledStep(fn, args, self.options, self._workers)
             except InfeasibleError as e:
-                raise does_not_fit(worst, tries=tries, why=e, cap=cap, smallest=least) from e
+                raise does_not_fit(worst, tries=tries, why=e, cap=cap, closest=closest) from e
             again.first_call.absorb(step.first_call)
             slower = slower_replan(first, again.plan, worst, cap)
             if slower is not None:

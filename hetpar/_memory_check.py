@@ -41,10 +41,11 @@ cap included), or the device's own less a margin where that is less
 (`margin_of`: `MARGIN` for one executable, `SPLIT_MARGIN` for a split
 plan's replayed peak), and the CPU devices and memory places together with the host's
 RAM as the OS gives it (`host_misfit`: they share it, and the planner's
-table gives each of them the whole); `AutoStep` plans again with the device
-capped by the excess (`replan_cap`), at most `MAX_REPLANS` times, before
-anything runs, and gives up with one line (`InfeasibleError`) naming the
-device, the bytes and the smallest peak any plan tried needed there.
+table gives each of them the whole); `AutoStep` plans again with the
+devices over capped by their excess, and their twins (accelerators of the
+same kind) with the same cap (`replan_caps`), at most `MAX_REPLANS` times,
+before anything runs, and gives up with one line (`InfeasibleError`) naming
+the device, the bytes and the plan tried that came closest.
 A plan given, or a step with one device to run on, runs with a warning.
 
 Not checked: a step under several processes (each process's executables
@@ -491,8 +492,22 @@ def misfits(step) -> list[Misfit]:
     figure, less `MARGIN`: `host_misfit`), that one."""
     peaks, where = step.compiled_memory or ({}, {})
     caps = capacities(step, list(peaks))
-    held = capacities(step, list(peaks), capped=False) if step.options.memory else caps
+    usable = usable_capacities(step, list(peaks))
     predicted = predicted_peaks(step)
+    m = margin_of(step)
+    out = [Misfit(d, peak, caps[d], usable[d], predicted.get(d), where[d], margin=m)
+           for d, peak in peaks.items() if d in caps and peak > usable[d]]
+    out = sorted(out, key=lambda m: -m.excess_bytes)
+    host = host_misfit(step, peaks, predicted)
+    return out if host is None else [*out, host]
+
+
+def usable_capacities(step, devices) -> dict[str, float]:
+    """{device: what the plan's compiled peak may reach there}: the capacity
+    the plan used, or the device's own less the step's margin (`margin_of`)
+    where that is less."""
+    caps = capacities(step, devices)
+    held = capacities(step, devices, capped=False) if step.options.memory else caps
     m = margin_of(step)
     # The margin is kept back from what the device holds, not from a cap under
     # it: a cap (the caller's, or the one a replan set after the compiled
@@ -500,12 +515,7 @@ def misfits(step) -> list[Misfit]:
     # planned to a cap was replanned again for the margin taken off it (run
     # 23: a 0.54B plan capped at 4.56 GB after running out of memory on a
     # 7.5 GB GPU replayed at 4.53 GB, over the 4.02 GB then allowed).
-    usable = {d: min(c, (1 - m) * held.get(d, c)) for d, c in caps.items()}
-    out = [Misfit(d, peak, caps[d], usable[d], predicted.get(d), where[d], margin=m)
-           for d, peak in peaks.items() if d in caps and peak > usable[d]]
-    out = sorted(out, key=lambda m: -m.excess_bytes)
-    host = host_misfit(step, peaks, predicted)
-    return out if host is None else [*out, host]
+    return {d: min(c, (1 - m) * held.get(d, c)) for d, c in caps.items()}
 
 
 def host_misfit(step, peaks: Mapping[str, float], predicted: Mapping[str, float]
@@ -534,11 +544,48 @@ def replan_cap(misfit: Misfit) -> float:
     """The cap the next plan gets on the device: what the planner predicted it
     holds there (or the capacity, if less or unknown) less the excess the
     compiled stages showed, so that a plan the planner fits under it fits
-    compiled too, if the planner's undercount stays what it was."""
+    compiled too, if the planner's undercount stays what it was; and never
+    more than the compiled peak may reach there, so that where the planner
+    overcounted (planned to the whole capacity, replayed lower but still
+    over what the margin leaves) one replan fits if it still overcounts (a
+    6.74B Llama over two 45 GB H200s: planned at 45 GB, replayed at 41.2,
+    capped at 43.4 and replayed at 40.4, over 39.6 each time; fit_h200x2, run 32)."""
     base = misfit.capacity_bytes
     if misfit.predicted_bytes:
         base = min(base, misfit.predicted_bytes)
-    return base - misfit.excess_bytes
+    return min(base - misfit.excess_bytes, misfit.usable_bytes)
+
+
+def replan_caps(step, found: list[Misfit]) -> dict[str, float]:
+    """{device: cap} for the next plan: the worst misfit and every other
+    accelerator over (`replan_cap`), and each other accelerator of the same
+    kind as one over given the same cap, or what the planner put there where
+    more (that fitted compiled), but never more than it may reach
+    (`usable_capacities`): devices of one kind are the same to the
+    planner, which moved what a cap took off one GPU onto its twin, and that
+    one went over in turn (fit_h200x2, run 32: four plans, the two GPUs over
+    by turns). The host's RAM (`host_misfit`) is capped on its largest user
+    only."""
+    worst, *rest = found
+    over = [worst, *(m for m in rest if not m.host)]
+    caps = {m.device: replan_cap(m) for m in over}
+    table = getattr(step, "table", None)
+    if table is None:
+        return caps
+    kinds = {d.name: d.kind for d in table.devices}
+    per_kind: dict[str, float] = {}
+    for m in over:
+        if not m.host:
+            k = kinds.get(m.device)
+            per_kind[k] = min(caps[m.device], per_kind.get(k, float("inf")))
+    peers = [d for d, k in kinds.items() if k in per_kind and d not in caps
+             and d in step.devices and not on_host(step, d)]
+    usable = usable_capacities(step, peers)
+    predicted = predicted_peaks(step)
+    for d in peers:
+        if d in usable:  # (what it was planned to hold fitted compiled: it may keep that)
+            caps[d] = min(usable[d], max(per_kind[kinds[d]], predicted.get(d) or 0.0))
+    return caps
 
 
 #: A plan replanned by the memory check predicted more than this many times
@@ -575,10 +622,10 @@ def slower_replan(before, after, misfit: Misfit, cap: float) -> str | None:
 
 
 def does_not_fit(misfit: Misfit, *, tries: int, why: Exception | None = None,
-                 cap: float | None = None, smallest: float | None = None) -> InfeasibleError:
+                 cap: float | None = None, closest: Misfit | None = None) -> InfeasibleError:
     """The one-line error once no plan's compiled stages fit (nothing ran),
-    naming the smallest peak any plan tried needed on the device (`smallest`)
-    where plans were tried."""
+    naming, where plans were tried, the one that came closest (`closest`: its
+    worst misfit, the least over of the plans')."""
     if why is not None:
         tried = (f"; planned again with {misfit.device} capped at {nbytes(cap)}, no plan fits "
                  f"({str(why).splitlines()[0]})")
@@ -586,9 +633,9 @@ def does_not_fit(misfit: Misfit, *, tries: int, why: Exception | None = None,
         tried = "; no smaller plan can be asked for"
     else:
         tried = f"; {tries} plans tried, each over" if tries else ""
-    if smallest is not None and (tries or why is not None):
-        tried += (f"; the smallest footprint found needs {nbytes(smallest)} on "
-                  f"{misfit.device}, over its {nbytes(misfit.usable_bytes)}")
+    if closest is not None and (tries or why is not None):
+        tried += (f"; the smallest footprint found needs {nbytes(closest.compiled_bytes)} on "
+                  f"{closest.device}, over its {nbytes(closest.usable_bytes)}")
     return InfeasibleError(
         f"{misfit.describe()}{tried}. Nothing ran and your arguments are unchanged",
         api="try a smaller batch, microbatches=M with hetpar.value_and_grad, more devices, "

@@ -533,3 +533,37 @@ def test_a_cap_is_what_a_plan_may_use_the_margin_comes_off_the_device():
     assert peak > (1 - SPLIT_MARGIN) * (peak / 0.95)  # inside the margin of the cap
     assert not lowered(peak / 0.95)[1]
     assert lowered(peak / 1.05)[1]
+
+
+def _two_gpu_step(predicted: dict, compiled: dict):
+    """A split plan's step over two GPUs of one kind, a third of another kind
+    and the host, as `misfits` and `replan_caps` read it (this machine has
+    no GPU: the figures are run 32's, fit_h200x2)."""
+    ns = types.SimpleNamespace
+    kinds = {"gpu:0": ("h200", 45e9), "gpu:1": ("h200", 45e9), "gpu:2": ("h100", 80e9),
+             "cpu:0": ("cpu", 100e9)}
+    return ns(table=ns(devices=tuple(ns(name=d, kind=k, memory_bytes=m)
+                                     for d, (k, m) in kinds.items())),
+              devices={d: ns(platform="cpu" if d.startswith("cpu") else "gpu") for d in kinds},
+              options=ns(memory=None), stages=ns(stages=[0, 1]),
+              plan=ns(predicted=ns(peak_memory_bytes=predicted, memory_bytes={})),
+              compiled_memory=(compiled, dict.fromkeys(compiled, "stage 7 (main)")))
+
+
+def test_a_replan_gives_the_twin_of_a_gpu_over_the_same_cap():
+    # Run 32 (two 45 GB H200s): the planner filled gpu:0 to 45 GB, which
+    # replayed at 41.2, over the 39.6 the split margin leaves. Capped alone
+    # at 43.4, the plan moved its excess onto gpu:1, which went over in turn.
+    step = _two_gpu_step({"gpu:0": 45e9, "gpu:1": 44e9, "gpu:2": 70e9, "cpu:0": 50e9},
+                         {"gpu:0": 41.2e9, "gpu:1": 39e9, "gpu:2": 60e9, "cpu:0": 50e9})
+    found = _memory_check.misfits(step)
+    assert [m.device for m in found] == ["gpu:0"]
+    usable = (1 - SPLIT_MARGIN) * 45e9
+    caps = _memory_check.replan_caps(step, found)
+    # The planner overcounted there: never more than the replay may reach.
+    assert caps == pytest.approx({"gpu:0": usable, "gpu:1": usable})  # gpu:2 is another kind
+    # Where it undercounted, the cap is its figure less the excess; the twin
+    # keeps what it was planned to hold (that fitted), no more.
+    step = _two_gpu_step({"gpu:0": 30e9, "gpu:1": 36e9}, {"gpu:0": 41.2e9, "gpu:1": 38e9})
+    caps = _memory_check.replan_caps(step, _memory_check.misfits(step))
+    assert caps == pytest.approx({"gpu:0": 30e9 - (41.2e9 - usable), "gpu:1": 36e9})
