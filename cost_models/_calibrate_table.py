@@ -93,7 +93,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                         budget: TimingBudget | None = TimingBudget(),
                         curve: Callable[[Any, Any, list], Sequence | None] | None = None,
                         fits: Callable[[str], bool] | None = None,
-                        collective: Callable[[list[str], list], tuple | None] | None = None):
+                        collective: Callable[[list[str], list], tuple | None] | None = None,
+                        place_links: Callable[[list[str], list], float | None] | None = None):
     """`table` scaled to whole steps timed here (`scale_to_step(siblings=True)`).
 
     The step is timed once per device kind the table has a present device
@@ -144,7 +145,12 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     each kind with two or more present devices, CPUs aside, has its
     collectives timed over all of them (`meta["collectives"]`, by the
     devices' names joined with "+"): sharded state's all-gathers and
-    reduce-scatters are priced on it, not on the copy links.
+    reduce-scatters are priced on it, not on the copy links. With
+    `place_links` (`place_links(names, jax_devices)`:
+    `hetpar.runtime.place_link_figures`, bytes/s each way), the links
+    between the present accelerators and their pinned host memory places
+    take the bandwidth measured with all of them copying both ways at once
+    (`meta["place_links"]`), as plans streaming state on them do.
 
     Returns:
       The scaled table, or `table` itself when nothing was timed.
@@ -215,6 +221,8 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
                                      bandwidth, curve)
     if collective is not None:
         scaled = _with_collectives(scaled, present, collective)
+    if place_links is not None:
+        scaled = _with_place_links(scaled, present, place_links)
     if time_replicas is not None and step_s:  # last: the all-reduce over the links measured
         scaled = _with_fixed_parts(scaled, present, step_s, time_replicas)
     return scaled
@@ -302,6 +310,33 @@ def _with_collectives(table, present: Mapping[str, Any], collective):
     if not rings:
         return table
     return dataclasses.replace(table, meta={**table.meta, "collectives": rings})
+
+
+def _with_place_links(table, present: Mapping[str, Any], place_links):
+    """`table` with the links between present accelerators and their pinned
+    host memory places at the bandwidth `place_links` measured over all of
+    them at once (each way; `meta["place_links"]`, by the accelerators'
+    names joined with "+"). Their latency stays."""
+    from hetpar.core import memory_place
+
+    owners = sorted({memory_place(d.name)[0] for d in table.devices
+                     if memory_place(d.name)[1] is not None} & set(present))
+    if not owners:
+        return table
+    bandwidth = place_links(owners, [present[n] for n in owners])
+    if not bandwidth:
+        return table
+
+    def measured(k):
+        src, dst = memory_place(k.src), memory_place(k.dst)
+        between = (src[0] == dst[0] and src[0] in owners
+                   and (src[1] is None) != (dst[1] is None))
+        return dataclasses.replace(k, bandwidth_bytes_per_s=float(bandwidth),
+                                   curve=()) if between else k
+
+    return dataclasses.replace(table, links=tuple(measured(k) for k in table.links), meta={
+        **table.meta, "place_links": {"+".join(owners): {
+            "bandwidth_bytes_per_s": float(bandwidth), "at_once": len(owners)}}})
 
 
 def _copy_sizes(table, src_kind: str, dst_kind: str) -> list[float]:

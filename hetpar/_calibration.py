@@ -79,7 +79,13 @@ def _once(key, what: str, measure: Callable[[], float]) -> float | None:
 
 def runtime_costs() -> dict:
     """The per stage, per crossing and per copy callbacks of `scale_to_timed_step`."""
-    from hetpar.runtime import crossing_s, link_curve, ring_figures, stage_overhead_s
+    from hetpar.runtime import (
+        crossing_s,
+        link_curve,
+        place_link_figures,
+        ring_figures,
+        stage_overhead_s,
+    )
 
     return dict(
         stage_overhead=lambda name, dev: _once(dev, f"the runtime's cost per stage on {name}",
@@ -92,7 +98,10 @@ def runtime_costs() -> dict:
             lambda: _measured(link_curve(src, dst, sizes), max(sizes))),
         collective=lambda names, devs: _once(
             ("ring", *names), f"collectives over {'+'.join(names)}",
-            lambda: ring_figures(devs)))
+            lambda: ring_figures(devs)),
+        place_links=lambda names, devs: _once(
+            ("places", *names), f"copies to and from the pinned host memory of "
+            f"{'+'.join(names)}", lambda: place_link_figures(devs)))
 
 
 def _measured(curve, nbytes: float):

@@ -192,3 +192,14 @@ def test_the_first_call_over_two_gpus_times_their_collectives(monkeypatch, tmp_p
         check_steps(w.train_step, step, args)
     ring = step.lower(*args).table.meta["collectives"]["gpu:0+gpu:1"]
     assert ring["bandwidth_bytes_per_s"] > 10e9 and 0 < ring["latency_s"] < 0.01
+
+
+def test_place_links_are_timed_with_every_gpu_copying_both_ways():
+    # What a plan streaming state on every GPU meets (fit_h200x2, run 35: two
+    # H200s 31 GB/s each way at once, one alone 43 each way, 52 one way).
+    from hetpar.runtime import place_link_figures
+
+    gpus = jax.devices("gpu")
+    one = place_link_figures(gpus[:1], nbytes=256 << 20)
+    every = place_link_figures(gpus, nbytes=256 << 20)
+    assert 5e9 < every <= 1.1 * one < 200e9

@@ -473,3 +473,55 @@ def test_a_pipelined_plan_offloads_what_its_microbatches_need():
     assert p.offloaded
     assert not violations(with_memory(t, {"gpu:0": 42.2 * GB}), p.placements, microbatches=2)
     assert p.predicted.peak_memory_bytes["gpu:0"] <= 42.2 * GB
+
+
+def test_place_links_take_the_bandwidth_measured_with_every_gpu_streaming_at_once():
+    # Two H200s streaming state from their pinned host memory at once copied
+    # 31 GB/s each way, where one alone one way copied 52 (fit_h200x2, run
+    # 35): the calibration prices every place link at what was measured over
+    # all of them at once, and a streaming plan's step grows to match.
+    from cost_models._calibrate_table import _with_place_links
+
+    t = table()
+    two = CostTable(
+        t.devices + (Device("gpu:1", "h100", 100 * GB),
+                     Device("gpu:1:pinned_host", "pinned_host", 200 * GB)),
+        t.links + (Link("gpu:1", "gpu:1:pinned_host", PLACE_BW, LAT),
+                   Link("gpu:1:pinned_host", "gpu:1", PLACE_BW, LAT),
+                   Link("gpu:1", "gpu:0", 100e9, LAT)), t.layers, t.edges)
+    asked = []
+
+    def measured(names, devs):
+        asked.append((names, devs))
+        return 31e9
+
+    present = {"gpu:0": "jax gpu 0", "gpu:1": "jax gpu 1", "cpu:0": "jax cpu"}
+    timed = _with_place_links(two, present, measured)
+    assert asked == [(["gpu:0", "gpu:1"], ["jax gpu 0", "jax gpu 1"])]  # one timing, both at once
+    assert timed.meta["place_links"] == {"gpu:0+gpu:1": {"bandwidth_bytes_per_s": 31e9,
+                                                         "at_once": 2}}
+    by_pair = {(k.src, k.dst): k for k in timed.links}
+    for g in ("gpu:0", "gpu:1"):
+        for pair in ((g, f"{g}:pinned_host"), (f"{g}:pinned_host", g)):
+            assert by_pair[pair].bandwidth_bytes_per_s == 31e9
+            assert by_pair[pair].latency_s == LAT
+    # Links to the CPU device and between the GPUs are not the places'.
+    assert by_pair["gpu:0", "cpu:0"].bandwidth_bytes_per_s == CPU_BW
+    assert by_pair["gpu:1", "gpu:0"].bandwidth_bytes_per_s == 100e9
+    streamed = {n: JAX_OFFLOAD for n in t.layer_names}
+    assert evaluate(timed, streamed).step_time_s > evaluate(two, streamed).step_time_s
+    # No place among the present devices, or nothing measured: the table as it was.
+    assert _with_place_links(two, {"cpu:0": "jax cpu"}, measured) is two
+    assert _with_place_links(two, present, lambda names, devs: None) is two
+
+
+def test_place_link_figures_time_every_device_at_once():
+    # A real timing (the CPU devices here have pinned host memory too); on
+    # GPUs, tests/test_gpu.py.
+    import jax
+
+    from hetpar.runtime import place_link_figures
+
+    cpus = jax.devices("cpu")
+    each_way = place_link_figures(cpus[:2], nbytes=1 << 20)
+    assert each_way is not None and each_way > 1e6

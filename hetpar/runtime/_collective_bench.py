@@ -82,3 +82,40 @@ def ring_figures(devices: Sequence[jax.Device], sizes: tuple[int, int] = SIZES
     bandwidth = (n - 1) / n / per_byte
     latency = (t_small - min(d_small, d_big) - sizes[0] * per_byte) / (n - 1)
     return bandwidth, max(latency, _FLOOR_S)
+
+
+#: Bytes each way per accelerator the copies to and from pinned host memory
+#: are timed at: a layer's state in the models measured is 0.2-2.4 GB, moved
+#: as arrays of 50-800 MB.
+PLACE_BYTES = 512 << 20
+
+
+def place_link_figures(devices: Sequence[jax.Device], nbytes: int = PLACE_BYTES
+                       ) -> float | None:
+    """Bytes/s each way between each of `devices` and its pinned host memory,
+    with every one of them copying both ways at once: what a plan streaming
+    state on all of them meets. On two H200s of one host (PCIe gen 5) a GPU
+    copied 52 GB/s one way alone, 43 GB/s each way with both ways at once,
+    and 31 GB/s each way with the other GPU doing the same; a plan streaming
+    on both, priced at the spec sheet's 38 GB/s, ran 1.30x its prediction
+    (experiments/results/fit_h200x2, runs 34 and 35). None where a device
+    has no pinned host memory."""
+    from jax.sharding import SingleDeviceSharding
+
+    def on(dev, kind):
+        return SingleDeviceSharding(dev, memory_kind=kind)
+
+    try:
+        n = nbytes // 4
+        host = [jax.device_put(jnp.zeros((n,), jnp.float32), on(d, "pinned_host"))
+                for d in devices]
+        dev = [jax.device_put(jnp.zeros((n,), jnp.float32), on(d, "device")) for d in devices]
+    except (ValueError, RuntimeError):  # no such memory kind
+        return None
+
+    def both_ways():
+        return [y for i, d in enumerate(devices)
+                for y in (jax.device_put(host[i], on(d, "device")),
+                          jax.device_put(dev[i], on(d, "pinned_host")))]
+
+    return nbytes / _timed_s(both_ways, _RUNS)

@@ -147,7 +147,13 @@ def _calibrated(table: CostTable, w: Workload, k: int,
                      f"(jax.jit, median of {k})")
         return t
 
-    from hetpar.runtime import crossing_s, link_curve, ring_figures, stage_overhead_s
+    from hetpar.runtime import (
+        crossing_s,
+        link_curve,
+        place_link_figures,
+        ring_figures,
+        stage_overhead_s,
+    )
 
     def reported(measure, line):
         def call(*args):
@@ -167,10 +173,14 @@ def _calibrated(table: CostTable, w: Workload, k: int,
     collective = reported(lambda names, devs: ring_figures(devs), lambda names, _, r: (
         f"collectives over {'+'.join(names)}: " + (
             f"a ring step {r[0] / 1e9:.3g} GB/s, {seconds(r[1])}" if r else "unmeasured")))
+    places = reported(lambda names, devs: place_link_figures(devs), lambda names, _, b: (
+        f"copies to and from the pinned host memory of {'+'.join(names)} at once: " + (
+            f"{b / 1e9:.3g} GB/s each way" if b else "unmeasured")))
     # (Layers measured at batch / M too already have their own fixed parts.)
     scaled = cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
                                              time_replicas=time_replicas, budget=budget,
-                                             curve=curve, collective=collective)
+                                             curve=curve, collective=collective,
+                                             place_links=places)
     if progress and scaled.meta.get("untimed_kinds"):
         progress(f"whole step not timed on {', '.join(scaled.meta['untimed_kinds'])}: predicted "
                  "over 10x the fastest device's (--measure-all times it)")
