@@ -316,7 +316,11 @@ def _with_place_links(table, present: Mapping[str, Any], place_links):
     """`table` with the links between present accelerators and their pinned
     host memory places at the bandwidth `place_links` measured over all of
     them at once (each way; `meta["place_links"]`, by the accelerators'
-    names joined with "+"). Their latency stays."""
+    names joined with "+"). Their latency stays. The table has one figure
+    per link, not one per plan: a plan streaming on one of them alone is
+    priced as if all streamed (on two H200s 31 GB/s each way where one
+    alone copies 43), which errs slow where the other figure would err fast
+    on every plan that streams on all (run 34 ran 1.30x its prediction)."""
     from hetpar.core import memory_place
 
     owners = sorted({memory_place(d.name)[0] for d in table.devices
