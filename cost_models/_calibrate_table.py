@@ -328,7 +328,7 @@ def _with_place_links(table, present: Mapping[str, Any], place_links):
     if not owners:
         return table
     bandwidth = place_links(owners, [present[n] for n in owners])
-    if not bandwidth:
+    if not bandwidth or not math.isfinite(bandwidth) or bandwidth <= 0:
         return table
 
     def measured(k):

@@ -160,8 +160,13 @@ class AutoStep:
         step = CompiledStep(fn, args, self.options, self._workers)
         first = step.plan  # what a replanned plan's speed is told against
         closest = None  # the worst misfit of the plan that came closest to fitting
+        # The compiled peaks answer to the caller's caps (and those a step
+        # that ran out of memory set), not to the caps below that steer the
+        # planner: where it undercounts, a plan it fits under a steering cap
+        # compiles over that cap and may still fit the device.
+        limits = dict(self.options.memory or {})
         for tries in itertools.count():
-            found = misfits(step)
+            found = misfits(step, limits=limits)
             if not found:
                 return step
             worst = found[0]
@@ -180,7 +185,8 @@ class AutoStep:
                 return step
             caps = replan_caps(step, found)
             cap = caps[worst.device]
-            if tries >= MAX_REPLANS or cap <= 0:
+            if tries >= MAX_REPLANS or min(caps.values()) <= 0:
+                cap = min(cap, *caps.values())
                 raise does_not_fit(worst, tries=tries, cap=cap, closest=closest)
             others = ", ".join(f"{d} at {nbytes(c)}" for d, c in caps.items() if d != worst.device)
             logging.warning("hetpar: %s; planning again with %s capped at %s%s before the "

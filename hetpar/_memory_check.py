@@ -449,14 +449,17 @@ def worth_compiling(step, devices) -> bool:
                for d in devices)
 
 
-def capacities(step, devices, capped: bool = True) -> dict[str, float]:
+def capacities(step, devices, capped: bool = True,
+               memory: Mapping[str, float] | None = None) -> dict[str, float]:
     """{device: the capacity the plan used}: its cost table's figure (this
-    machine's, for a present device) under the `memory=` caps, else what the
-    device holds here (`live_capacity`). `capped=False`: what each holds,
-    the caps aside."""
+    machine's, for a present device) under the `memory=` caps (`memory`,
+    where given, instead of the step's), else what the device holds here
+    (`live_capacity`). `capped=False`: what each holds, the caps aside."""
     from hetpar.cost_models import live_capacity
 
-    memory = (step.options.memory or {}) if capped else {}
+    if memory is None:
+        memory = step.options.memory
+    memory = (memory or {}) if capped else {}
     table = step.table
     if table is not None and memory:
         from hetpar.planner._solve import with_memory
@@ -485,14 +488,17 @@ def predicted_peaks(step, given: bool = False) -> Mapping[str, float]:
     return predicted.peak_memory_bytes or predicted.memory_bytes or {}
 
 
-def misfits(step) -> list[Misfit]:
+def misfits(step, limits: Mapping[str, float] | None = None) -> list[Misfit]:
     """The devices whose compiled peak (`step.compiled_memory`) exceeds the
     capacity the plan used less its margin (`margin_of`), worst first; then, where the CPU
     devices and memory places together exceed the host's RAM (the OS's
-    figure, less `MARGIN`: `host_misfit`), that one."""
+    figure, less `MARGIN`: `host_misfit`), that one. `limits`: the caps the
+    compiled peaks answer to, where not the step's own `memory=` (the
+    caller's, without the caps a replan set to steer the planner:
+    `replan_caps`)."""
     peaks, where = step.compiled_memory or ({}, {})
-    caps = capacities(step, list(peaks))
-    usable = usable_capacities(step, list(peaks))
+    caps = capacities(step, list(peaks), memory=limits)
+    usable = usable_capacities(step, list(peaks), limits=limits)
     predicted = predicted_peaks(step)
     m = margin_of(step)
     out = [Misfit(d, peak, caps[d], usable[d], predicted.get(d), where[d], margin=m)
@@ -502,12 +508,13 @@ def misfits(step) -> list[Misfit]:
     return out if host is None else [*out, host]
 
 
-def usable_capacities(step, devices) -> dict[str, float]:
+def usable_capacities(step, devices, limits: Mapping[str, float] | None = None
+                      ) -> dict[str, float]:
     """{device: what the plan's compiled peak may reach there}: the capacity
-    the plan used, or the device's own less the step's margin (`margin_of`)
-    where that is less."""
-    caps = capacities(step, devices)
-    held = capacities(step, devices, capped=False) if step.options.memory else caps
+    the plan used (under `limits` where given, as `misfits`), or the
+    device's own less the step's margin (`margin_of`) where that is less."""
+    caps = capacities(step, devices, memory=limits)
+    held = capacities(step, devices, capped=False)
     m = margin_of(step)
     # The margin is kept back from what the device holds, not from a cap under
     # it: a cap (the caller's, or the one a replan set after the compiled
@@ -557,25 +564,26 @@ def replan_cap(misfit: Misfit) -> float:
 
 
 def replan_caps(step, found: list[Misfit]) -> dict[str, float]:
-    """{device: cap} for the next plan: the worst misfit and every other
-    accelerator over (`replan_cap`), and each other accelerator of the same
-    kind as one over given the same cap, or what the planner put there where
-    more (that fitted compiled), but never more than it may reach
-    (`usable_capacities`): devices of one kind are the same to the
-    planner, which moved what a cap took off one GPU onto its twin, and that
-    one went over in turn (fit_h200x2, run 32: four plans, the two GPUs over
-    by turns). The host's RAM (`host_misfit`) is capped on its largest user
-    only."""
-    worst, *rest = found
-    over = [worst, *(m for m in rest if not m.host)]
-    caps = {m.device: replan_cap(m) for m in over}
+    """{device: cap} for the next plan: each device over (`replan_cap`;
+    the host's RAM, `host_misfit`, on its largest user), and each other
+    accelerator of the same kind as one over given the same cap, or what the
+    planner put there where more (that fitted compiled), but never more than
+    it may reach (`usable_capacities`): devices of one kind are the same to
+    the planner, which moved what a cap took off one GPU onto its twin, and
+    that one went over in turn (fit_h200x2, run 33: four plans, the two
+    GPUs over by turns). The caps steer the planner: the compiled peaks
+    still answer to the devices' own capacities and the caller's caps
+    (`AutoStep._new_step` passes those to `misfits`)."""
+    caps: dict[str, float] = {}
+    for m in found:
+        caps[m.device] = min(replan_cap(m), caps.get(m.device, float("inf")))
     table = getattr(step, "table", None)
     if table is None:
         return caps
     kinds = {d.name: d.kind for d in table.devices}
     per_kind: dict[str, float] = {}
-    for m in over:
-        if not m.host:
+    for m in found:
+        if not m.host and not on_host(step, m.device):
             k = kinds.get(m.device)
             per_kind[k] = min(caps[m.device], per_kind.get(k, float("inf")))
     peers = [d for d, k in kinds.items() if k in per_kind and d not in caps

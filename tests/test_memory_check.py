@@ -107,9 +107,15 @@ def test_a_plan_whose_compiled_stages_exceed_a_cap_is_replanned_before_it_runs(m
     last = auto._last
     peaks = last.compiled_memory[0]
     # A split plan's replayed peak keeps SPLIT_MARGIN back (measured 10% under
-    # the allocator's on an H200 offload plan), one executable MARGIN.
+    # the allocator's on an H200 offload plan) from what a device holds, one
+    # executable MARGIN; a cap (here the caller's, far under the host's RAM)
+    # is what the plan may use. The caps the replan set to steer the planner
+    # (`auto.options.memory`, lower) are not what the peaks answer to.
     assert len(last.stages.stages) > 1 and margin_of(last) == SPLIT_MARGIN > MARGIN
-    assert all(peaks[d] <= (1 - SPLIT_MARGIN) * cap for d in peaks)
+    limits = dict.fromkeys(DEVICES, cap)
+    usable = _memory_check.usable_capacities(last, list(peaks), limits=limits)
+    assert all(peaks[d] <= usable[d] <= cap for d in peaks)
+    assert _memory_check.misfits(last, limits=limits) == []
     _assert_unchanged(args, before)
     oracle.assert_equals_jit(out, step, args)
 
@@ -135,7 +141,9 @@ def test_a_cap_no_plan_meets_is_one_line_before_anything_runs(monkeypatch):
 def test_plans_tried_in_vain_name_the_smallest_footprint_found(monkeypatch):
     step, args = _mlp_step()
     cap = _capped(args)
-    compiler = _Compiler(monkeypatch, lambda d: 0.6 * cap)  # every stage, every device
+    # Every stage, every device: nearly the whole cap of temporaries, so no
+    # share of the state fits beside them on any of the three.
+    compiler = _Compiler(monkeypatch, lambda d: 0.95 * cap)
     auto = hetpar.auto(step, devices=DEVICES, profile=None, memory=dict.fromkeys(DEVICES, cap))
     with pytest.raises(InfeasibleError, match=r"planned again|plans tried") as info:
         auto(*args)
@@ -567,3 +575,14 @@ def test_a_replan_gives_the_twin_of_a_gpu_over_the_same_cap():
     step = _two_gpu_step({"gpu:0": 30e9, "gpu:1": 36e9}, {"gpu:0": 41.2e9, "gpu:1": 38e9})
     caps = _memory_check.replan_caps(step, _memory_check.misfits(step))
     assert caps == pytest.approx({"gpu:0": 30e9 - (41.2e9 - usable), "gpu:1": 36e9})
+    # The caps steer the planner; the compiled peaks still answer to the
+    # devices (and the caller's caps, here none): gpu:1's 38 GB is over
+    # its 36 GB cap but within the 39.6 GB it may reach, and is not over.
+    step.options = types.SimpleNamespace(memory=caps)
+    found = _memory_check.misfits(step, limits={})
+    assert [m.device for m in found] == ["gpu:0"] and found[0].usable_bytes == usable
+    # A second device over by more than the planner put there gets no
+    # positive cap: the check gives up with one line (`_new_step`).
+    step = _two_gpu_step({"gpu:0": 45e9, "gpu:2": 1e9}, {"gpu:0": 41.2e9, "gpu:2": 75e9})
+    caps = _memory_check.replan_caps(step, _memory_check.misfits(step))
+    assert caps["gpu:2"] <= 0 < caps["gpu:0"]

@@ -170,10 +170,23 @@ def _calibrated(table: CostTable, w: Workload, k: int,
     curve = reported(link_curve, lambda src, dst, sizes, c:
                      f"runtime copies {src} -> {dst}: " + (", ".join(
                          f"{b / 1e6:.3g} MB {seconds(t)}" for b, t in c) if c else "unmeasured"))
-    collective = reported(lambda names, devs: ring_figures(devs), lambda names, _, r: (
+    def guarded(measure, what: str):
+        # A runtime extra (collectives, host links) that fails leaves its
+        # figures as they were, as the first call's calibration does.
+        def call(names, devs):
+            try:
+                return measure(devs)
+            except Exception as e:  # noqa: BLE001 - out of memory, a backend without it
+                if progress:
+                    progress(f"{what} over {'+'.join(names)}: not measured "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                return None
+        return call
+
+    collective = reported(guarded(ring_figures, "collectives"), lambda names, _, r: (
         f"collectives over {'+'.join(names)}: " + (
             f"a ring step {r[0] / 1e9:.3g} GB/s, {seconds(r[1])}" if r else "unmeasured")))
-    places = reported(lambda names, devs: place_link_figures(devs), lambda names, _, b: (
+    places = reported(guarded(place_link_figures, "host links"), lambda names, _, b: (
         f"copies to and from the pinned host memory of {'+'.join(names)} at once: " + (
             f"{b / 1e9:.3g} GB/s each way" if b else "unmeasured")))
     # (Layers measured at batch / M too already have their own fixed parts.)
