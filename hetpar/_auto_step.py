@@ -166,6 +166,7 @@ class AutoStep:
         # compiles over that cap and may still fit the device.
         limits = dict(self.options.memory or {})
         for tries in itertools.count():
+            step.memory_limits = limits
             found = misfits(step, limits=limits)
             if not found:
                 return step

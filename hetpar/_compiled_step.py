@@ -97,6 +97,10 @@ class CompiledStep:
         # device -> the allocator's peak when the first call started running
         # (set by `AutoStep`; `memory_summary` tells a peak reached before it)
         self.peaks_before_run: dict | None = None
+        # The caps the compiled peaks answer to (the caller's, and those a
+        # step that ran out of memory set), where `options.memory` also holds
+        # caps a replan set to steer the planner (set by `AutoStep`).
+        self.memory_limits: dict | None = None
         self.devices = present_devices()
         check_present(options.devices, self.devices)
         self.plan_fingerprint: str | None = None

@@ -656,7 +656,9 @@ def memory_summary(step) -> dict:
     stages' peak (`compiled_peaks`; a one-device step's executable's own),
     and JAX's allocator's `peak_bytes_in_use` where the backend keeps memory
     statistics (not on CPU; the process's peak on that device, not this
-    step's alone)."""
+    step's alone). The capacity is what the compiled peak answers to (the
+    device's, or the caller's cap); where a replan capped the planner below
+    it (`replan_caps`), "planned_under" gives that cap."""
     peaks = dict((step.compiled_memory or ({}, {}))[0])
     one = step.jit_memory() if getattr(step, "_jit", None) is not None else None
     if one is not None:
@@ -664,7 +666,9 @@ def memory_summary(step) -> dict:
         peaks[device] = float(one)
     predicted = predicted_peaks(step, given=True)
     devices = sorted(set(peaks) | {d for d in predicted if d in step.devices})
-    caps = capacities(step, devices)
+    limits = getattr(step, "memory_limits", None)
+    caps = capacities(step, devices, memory=limits)
+    steered = capacities(step, devices) if limits is not None else caps
     out = {}
     before = getattr(step, "peaks_before_run", None) or {}
     for d in devices:
@@ -673,6 +677,8 @@ def memory_summary(step) -> dict:
         measured = allocator_peak(step, d) if memory_place(d)[1] is None else None
         out[d] = {"predicted": predicted.get(d), "compiled": peaks.get(d),
                   "measured": measured, "capacity": caps.get(d)}
+        if steered.get(d) is not None and caps.get(d) is not None and steered[d] < caps[d]:
+            out[d]["planned_under"] = steered[d]
         if measured is not None and before.get(memory_place(d)[0]) == measured:
             # The allocator's peak cannot be reset: one reached before the
             # first step ran (the calibration timing the step on its own copy

@@ -33,8 +33,10 @@ class CostReport:
       step: for a `hetpar.auto` step (`AutoStep.report()`), its predicted and
         measured step: {"predicted_s", "measured_s", "steps", "ratio",
         "warning", "memory": {device: {"predicted", "compiled", "measured",
-        "capacity", and "measured_before_step": True where the allocator's
-        peak was reached before the first step}}, "first_call": {"total_s",
+        "capacity", "planned_under" where the memory check's replan capped
+        the planner below the capacity, and "measured_before_step": True
+        where the allocator's peak was reached before the first step}},
+        "first_call": {"total_s",
         "place_s", "phases", "other_s"}}; None for a report of a traced
         function.
     """
@@ -175,7 +177,9 @@ def memory_lines(memory: dict) -> str:
                         else b(m.get("measured")) + (" (reached before the first step: "
                                                      "the calibration's or place()'s)"
                                                      if m.get("measured_before_step") else ""))
-                     + f", of {b(m.get('capacity'))}")
+                     + f", of {b(m.get('capacity'))}"
+                     + (f" (planned under {b(m['planned_under'])}: the memory check's replan)"
+                        if m.get("planned_under") is not None else ""))
     return "\n".join(lines)
 
 

@@ -116,6 +116,11 @@ def test_a_plan_whose_compiled_stages_exceed_a_cap_is_replanned_before_it_runs(m
     usable = _memory_check.usable_capacities(last, list(peaks), limits=limits)
     assert all(peaks[d] <= usable[d] <= cap for d in peaks)
     assert _memory_check.misfits(last, limits=limits) == []
+    # The report gives the capacity the peaks answer to, the steering cap apart.
+    memory = auto.report().step["memory"]
+    assert memory[bad]["capacity"] == pytest.approx(cap)
+    assert memory[bad]["planned_under"] == pytest.approx(auto.options.memory[bad])
+    assert "planned under" in str(auto.report())
     _assert_unchanged(args, before)
     oracle.assert_equals_jit(out, step, args)
 
