@@ -1,0 +1,202 @@
+"""Why a host update stage runs slower in the step than alone (issue 41).
+
+The 0.54B Llama-style offload plan's host update stage (nine layers' clipped
+AdamW on the CPU) ran 556-705 ms inside the step and 209-289 ms timed alone
+after it (experiments/results/fit_h200 run 24, fit_h200x2 run 35). Ruled out
+so far: the gradients read from pinned pages (~10%), the host state's page
+backing (run 36), subnormal values (XLA's CPU runtime flushes them:
+`probe_host_denormals.py`).
+
+This plans the model from a saved cost table (no calibration), runs the plan
+given, and wraps each host stage's executable so that, inside the step, at
+the moment the stage would run, it runs three times:
+
+- `copies_s`: on fresh host copies of its inputs (not the step's buffers);
+- `copies_pinned_s`: the same, what another device makes brought as the step
+  brings it (staged in the GPU's pinned host memory, then aliased);
+- `real_s`: on the step's own inputs (what the step then uses).
+
+Each with the CPU time every thread of the process spent meanwhile, by
+thread name (`/proc/self/task`), and the whole machine's busy time
+(`/proc/stat`). Slow in all three: what runs beside the stage (threads,
+the machine). Slow only on the step's buffers: the buffers. Then the same
+three alone, after the steps.
+
+    python experiments/probe_host_stage.py --table T.json --out R.json
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 \
+        python experiments/probe_host_stage.py --tiny --out /tmp/r.json   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_times() -> dict:
+    """{(tid, name): CPU seconds} for every thread of this process."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                s = f.read()
+        except OSError:
+            continue
+        name = s[s.index("(") + 1:s.rindex(")")]
+        fields = s[s.rindex(")") + 2:].split()
+        out[tid, name] = (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + v[4]
+    return (sum(v) - idle) / TICK, sum(v) / TICK
+
+
+def timed(fn, *args):
+    """(result, seconds, what ran meanwhile) for `fn(*args)` made ready."""
+    import jax
+
+    th0, m0, t = thread_times(), machine_busy(), time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    s = time.perf_counter() - t
+    th1, m1 = thread_times(), machine_busy()
+    by_name: dict = {}
+    busy_threads = 0
+    for key, v in th1.items():
+        d = v - th0.get(key, 0.0)
+        if d > 0:
+            by_name[key[1]] = by_name.get(key[1], 0.0) + d
+            busy_threads += d > 0.5 * s
+    return out, s, {"process_cpu_s": round(sum(by_name.values()), 3),
+                    "threads_busy_half_the_time": busy_threads,
+                    "by_thread_name": {k: round(v, 3) for k, v in
+                                       sorted(by_name.items(), key=lambda kv: -kv[1])[:8]},
+                    "machine_busy_cores": round((m1[0] - m0[0]) / s, 2)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--table", help="a saved cost table to plan from (no calibration)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a smoke run: the tiny model, every layer's update on the CPU")
+    p.add_argument("--model", default="llama")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    import bench_fit
+    import jax
+    import numpy as np
+
+    import hetpar
+    from hetpar._step_planning import within_split_margin
+    from hetpar.core import CostTable
+    from hetpar.planner import plan
+
+    try:
+        gpu, name = jax.devices("gpu")[0], "gpu:0"
+    except RuntimeError:  # a smoke run on two CPU devices, the second as the GPU
+        gpu, name = jax.devices("cpu")[1], "cpu:1"
+    cpu = jax.devices("cpu")[0]
+    train_step, init, _ = bench_fit._workload(args.model, None, tiny=args.tiny)
+    with jax.default_device(cpu):
+        state = init(jax.random.key(0))
+    if args.tiny:
+        placements = {layer: {"compute": name, "state": "cpu:0", "update": "cpu:0"}
+                      for layer in hetpar.trace(train_step, *state).layers}
+    else:
+        table = CostTable.load(args.table)
+        accs = [d.name for d in table.devices if d.kind not in ("cpu", "pinned_host")]
+        chosen = plan(within_split_margin(table, accs), donate=True)
+        placements = {layer: {f: getattr(pl, f).replace("gpu:0", name) for f in
+                              ("compute", "params", "state", "update", "activations")}
+                      for layer, pl in chosen.placements.items()}
+    step = hetpar.auto(train_step, devices=[name, "cpu:0"], plan=placements,
+                       donate_argnums=(0, 1))
+    params, opt_state, batch = step.place(*state)
+    del state
+    result = {"card": getattr(gpu, "device_kind", str(gpu)), "jax": jax.__version__,
+              "cpu_count": os.cpu_count(), "table": args.table and os.path.basename(args.table),
+              "steps_s": []}
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, batch)
+        float(loss)
+        jax.block_until_ready((params, opt_state))
+        result["steps_s"].append(time.perf_counter() - t)
+    ex = step._last._executor
+    host = [st for st in ex.stages.stages
+            if ex.devices[st.device].platform == "cpu" and ex.compiled[st.index] is not None]
+    result["host_stages"] = [{"stage": st.index, "layers": list(st.layers)} for st in host]
+
+    def copies(st, xs, pinned: bool) -> list:
+        out = []
+        for v, x in zip(st.inputs, xs):
+            fresh = np.array(x)  # a host copy apart from the step's buffer
+            prod = ex._producer.get(v)
+            src = None if prod is None else ex.devices[ex.stages.stages[prod].device]
+            if pinned and src is not None and src.platform != "cpu":
+                out.append(ex.transfer.move(jax.device_put(fresh, src), cpu))
+            else:
+                out.append(jax.device_put(fresh, cpu))
+        return jax.block_until_ready(out)
+
+    def trio(st, fn, xs, where: str) -> dict:
+        row = {"stage": st.index, "where": where}
+        for key, pinned in (("copies", False), ("copies_pinned", True)):
+            ys = copies(st, xs, pinned)
+            out, s, meanwhile = timed(fn, *ys)
+            row[f"{key}_s"], row[f"{key}_meanwhile"] = s, meanwhile
+            del out, ys
+        return row
+
+    rows: list = []
+    originals = {st.index: ex.compiled[st.index] for st in host}
+    for st in host:
+        def wrapped(*xs, st=st, fn=originals[st.index]):
+            jax.block_until_ready(xs)
+            row = trio(st, fn, xs, "in the step")
+            out, s, meanwhile = timed(fn, *xs)
+            row["real_s"], row["real_meanwhile"] = s, meanwhile
+            rows.append(row)
+            return out
+        ex.compiled[st.index] = wrapped
+    try:
+        for _ in range(2):
+            t = time.perf_counter()
+            params, opt_state, loss = step(params, opt_state, batch)
+            float(loss)
+            jax.block_until_ready((params, opt_state))
+            rows.append({"probed_step_s": time.perf_counter() - t})
+    finally:
+        ex.compiled[:] = [originals.get(i, f) for i, f in enumerate(ex.compiled)]
+    # Alone, after the steps: the step's last inputs cannot be had (donated),
+    # so copies of ones shaped as them, as bench_fit's host_stages does.
+    for st in host:
+        xs = [np.ones(v.aval.shape, v.aval.dtype) for v in st.inputs]
+        rows.append(trio(st, originals[st.index], xs, "alone"))
+    result["probes"] = rows
+    result["steps_median_s"] = statistics.median(result["steps_s"][1:] or result["steps_s"])
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    for r in rows:
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()
+               if not k.endswith("meanwhile")})
+        for k, v in r.items():
+            if k.endswith("meanwhile"):
+                print("   ", k, v)
+
+
+if __name__ == "__main__":
+    main()
