@@ -42,7 +42,11 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def thread_times() -> dict:
-    """{(tid, name): CPU seconds} for every thread of this process."""
+    """{(tid, name): (user s, system s, minor page faults)} for every thread of
+    this process; a Python thread is named by its Python name."""
+    import threading
+
+    py = {t.native_id: t.name for t in threading.enumerate()}
     out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -50,9 +54,9 @@ def thread_times() -> dict:
                 s = f.read()
         except OSError:
             continue
-        name = s[s.index("(") + 1:s.rindex(")")]
+        name = py.get(int(tid)) or s[s.index("(") + 1:s.rindex(")")]
         fields = s[s.rindex(")") + 2:].split()
-        out[tid, name] = (int(fields[11]) + int(fields[12])) / TICK
+        out[tid, name] = (int(fields[11]) / TICK, int(fields[12]) / TICK, int(fields[7]))
     return out
 
 
@@ -64,26 +68,78 @@ def machine_busy() -> tuple[float, float]:
     return (sum(v) - idle) / TICK, sum(v) / TICK
 
 
-def timed(fn, *args):
+class StackSampler:
+    """Samples every other Python thread's innermost frames every `every_s`:
+    what the process's Python threads do while a stage runs."""
+
+    def __init__(self, every_s: float = 0.01):
+        import threading
+
+        self.every_s, self.counts, self._stop = every_s, {}, threading.Event()
+        self._thread = threading.Thread(target=self._run, name="probe-sampler", daemon=True)
+
+    def _run(self):
+        import threading
+        import traceback
+
+        me = threading.get_ident()
+        names = {}
+        while not self._stop.wait(self.every_s):
+            for t in threading.enumerate():
+                names[t.ident] = t.name
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                top = traceback.extract_stack(frame)[-3:]
+                key = f"{names.get(ident, ident)}: " + " < ".join(
+                    f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in reversed(top))
+                self.counts[key] = self.counts.get(key, 0) + 1
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def top(self, n: int = 8) -> list:
+        return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
+
+
+def timed(fn, *args, sample: bool = False):
     """(result, seconds, what ran meanwhile) for `fn(*args)` made ready."""
+    import contextlib
+
     import jax
 
+    sampler = StackSampler() if sample else contextlib.nullcontext()
     th0, m0, t = thread_times(), machine_busy(), time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
+    with sampler:
+        out = jax.block_until_ready(fn(*args))
     s = time.perf_counter() - t
     th1, m1 = thread_times(), machine_busy()
     by_name: dict = {}
     busy_threads = 0
-    for key, v in th1.items():
-        d = v - th0.get(key, 0.0)
-        if d > 0:
-            by_name[key[1]] = by_name.get(key[1], 0.0) + d
-            busy_threads += d > 0.5 * s
-    return out, s, {"process_cpu_s": round(sum(by_name.values()), 3),
-                    "threads_busy_half_the_time": busy_threads,
-                    "by_thread_name": {k: round(v, 3) for k, v in
-                                       sorted(by_name.items(), key=lambda kv: -kv[1])[:8]},
-                    "machine_busy_cores": round((m1[0] - m0[0]) / s, 2)}
+    for key, (u, sy, flt) in th1.items():
+        u0, s0, f0 = th0.get(key, (0.0, 0.0, 0))
+        du, ds, df = u - u0, sy - s0, flt - f0
+        if du + ds > 0 or df > 0:
+            name = key[1] if not key[1].startswith("tf_") else key[1]
+            a = by_name.setdefault(name, [0.0, 0.0, 0])
+            a[0] += du
+            a[1] += ds
+            a[2] += df
+            busy_threads += du + ds > 0.5 * s
+    rows = sorted(by_name.items(), key=lambda kv: -(kv[1][0] + kv[1][1]))[:10]
+    meanwhile = {"process_cpu_s": round(sum(a[0] + a[1] for a in by_name.values()), 3),
+                 "threads_busy_half_the_time": busy_threads,
+                 "by_thread_name_user_sys_s_minflt": {
+                     k: [round(a[0], 3), round(a[1], 3), a[2]] for k, a in rows},
+                 "machine_busy_cores": round((m1[0] - m0[0]) / s, 2)}
+    if sample:
+        meanwhile["python_stacks"] = sampler.top()
+    return out, s, meanwhile
 
 
 def main(argv=None):
@@ -156,7 +212,7 @@ def main(argv=None):
         row = {"stage": st.index, "where": where}
         for key, pinned in (("copies", False), ("copies_pinned", True)):
             ys = copies(st, xs, pinned)
-            out, s, meanwhile = timed(fn, *ys)
+            out, s, meanwhile = timed(fn, *ys, sample=True)
             row[f"{key}_s"], row[f"{key}_meanwhile"] = s, meanwhile
             del out, ys
         return row
@@ -167,7 +223,7 @@ def main(argv=None):
         def wrapped(*xs, st=st, fn=originals[st.index]):
             jax.block_until_ready(xs)
             row = trio(st, fn, xs, "in the step")
-            out, s, meanwhile = timed(fn, *xs)
+            out, s, meanwhile = timed(fn, *xs, sample=True)
             row["real_s"], row["real_meanwhile"] = s, meanwhile
             rows.append(row)
             return out
