@@ -11,16 +11,18 @@ This plans the model from a saved cost table (no calibration), runs the plan
 given, and wraps each host stage's executable so that, inside the step, at
 the moment the stage would run, it runs three times:
 
-- `copies_s`: on fresh host copies of its inputs (not the step's buffers);
+- `copies_plain_s`: on fresh host copies of its inputs (not the step's buffers);
 - `copies_pinned_s`: the same, what another device makes brought as the step
   brings it (staged in the GPU's pinned host memory, then aliased);
+- `copies_pinned_copied_s`: the same, then copied into the CPU's own memory;
 - `real_s`: on the step's own inputs (what the step then uses).
 
 Each with the CPU time every thread of the process spent meanwhile, by
 thread name (`/proc/self/task`), and the whole machine's busy time
 (`/proc/stat`). Slow in all three: what runs beside the stage (threads,
 the machine). Slow only on the step's buffers: the buffers. Then the same
-three alone, after the steps.
+three alone, after the steps, and whole steps with what comes from the GPU
+aliased or copied (`TransferEngine.ALIAS_PINNED`).
 
     python experiments/probe_host_stage.py --table T.json --out R.json
     XLA_FLAGS=--xla_force_host_platform_device_count=2 \
@@ -196,24 +198,31 @@ def main(argv=None):
             if ex.devices[st.device].platform == "cpu" and ex.compiled[st.index] is not None]
     result["host_stages"] = [{"stage": st.index, "layers": list(st.layers)} for st in host]
 
-    def copies(st, xs, pinned: bool) -> list:
+    def copies(st, xs, how: str) -> list:
+        """Host copies of `xs` apart from the step's buffers; "pinned": what
+        another device makes brought as the step brings it (aliasing the
+        GPU's pinned staging buffer); "pinned_copied": then copied into
+        memory the CPU device owns (`TransferEngine.ALIAS_PINNED = False`)."""
         out = []
         for v, x in zip(st.inputs, xs):
-            fresh = np.array(x)  # a host copy apart from the step's buffer
+            fresh = np.array(x)
             prod = ex._producer.get(v)
             src = None if prod is None else ex.devices[ex.stages.stages[prod].device]
-            if pinned and src is not None and src.platform != "cpu":
-                out.append(ex.transfer.move(jax.device_put(fresh, src), cpu))
+            if how != "plain" and src is not None and src.platform != "cpu":
+                y = ex.transfer.move(jax.device_put(fresh, src), cpu)
+                if how == "pinned_copied":
+                    y = jax.device_put(y, cpu, may_alias=False)
+                out.append(y)
             else:
                 out.append(jax.device_put(fresh, cpu))
         return jax.block_until_ready(out)
 
     def trio(st, fn, xs, where: str) -> dict:
         row = {"stage": st.index, "where": where}
-        for key, pinned in (("copies", False), ("copies_pinned", True)):
-            ys = copies(st, xs, pinned)
+        for how in ("plain", "pinned", "pinned_copied"):
+            ys = copies(st, xs, how)
             out, s, meanwhile = timed(fn, *ys, sample=True)
-            row[f"{key}_s"], row[f"{key}_meanwhile"] = s, meanwhile
+            row[f"copies_{how}_s"], row[f"copies_{how}_meanwhile"] = s, meanwhile
             del out, ys
         return row
 
@@ -237,6 +246,19 @@ def main(argv=None):
             rows.append({"probed_step_s": time.perf_counter() - t})
     finally:
         ex.compiled[:] = [originals.get(i, f) for i, f in enumerate(ex.compiled)]
+    # Whole steps with what comes from the GPU copied into the CPU's own
+    # memory, then aliased again, alternating.
+    for alias in (False, True, False, True):
+        ex.transfer.ALIAS_PINNED = alias
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            params, opt_state, loss = step(params, opt_state, batch)
+            float(loss)
+            jax.block_until_ready((params, opt_state))
+            times.append(time.perf_counter() - t)
+        rows.append({"alias_pinned": alias, "steps_s": times})
+    ex.transfer.ALIAS_PINNED = True
     # Alone, after the steps: the step's last inputs cannot be had (donated),
     # so copies of ones shaped as them, as bench_fit's host_stages does.
     for st in host:

@@ -60,6 +60,10 @@ class TransferEngine:
     #: False puts them to its SingleDeviceSharding, as hetpar did before
     #: (experiments compare the two in one run).
     PUT_TO_DEVICE = True
+    #: GPU -> CPU through pinned memory: the CPU array may alias the GPU's
+    #: pinned staging buffer (zero-copy); False copies it into memory the
+    #: CPU device owns (experiments/probe_host_stage.py compares the two).
+    ALIAS_PINNED = True
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -112,7 +116,8 @@ class TransferEngine:
             if not plain and self.path(src, dev) == "pinned_host":
                 staged = jax.device_put(
                     arrays, SingleDeviceSharding(src, memory_kind="pinned_host"))
-                moved = jax.device_put([np.asarray(a) for a in staged], plain_to)
+                moved = jax.device_put([np.asarray(a) for a in staged], plain_to,
+                                       may_alias=None if self.ALIAS_PINNED else False)
             else:
                 moved = jax.device_put(arrays, put_to if plain else plain_to)
             for i, y in zip(idx, moved):
