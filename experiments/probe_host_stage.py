@@ -87,6 +87,7 @@ class StackSampler:
         me = threading.get_ident()
         names = {}
         while not self._stop.wait(self.every_s):
+            self._kernel_states()
             for t in threading.enumerate():
                 names[t.ident] = t.name
             for ident, frame in sys._current_frames().items():
@@ -97,7 +98,37 @@ class StackSampler:
                     f"{f.filename.split('/')[-1]}:{f.lineno} {f.name}" for f in reversed(top))
                 self.counts[key] = self.counts.get(key, 0) + 1
 
+    def _kernel_states(self):
+        """Each native thread's state, kernel wait channel and system call
+        (where the kernel lets this process read them): what a thread that
+        is not running waits on (a lock such as the address space's
+        `mmap_lock` shows as an rwsem wait)."""
+        import threading
+
+        py = {t.native_id: t.name for t in threading.enumerate()}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    st = f.read()
+                name = py.get(int(tid)) or st[st.index("(") + 1:st.rindex(")")]
+                state = st[st.rindex(")") + 2]
+                wchan = syscall = "?"
+                try:
+                    with open(f"/proc/self/task/{tid}/wchan") as f:
+                        wchan = f.read().strip() or "0"
+                    with open(f"/proc/self/task/{tid}/syscall") as f:
+                        syscall = f.read().split()[0]
+                except OSError:
+                    pass
+            except (OSError, ValueError):
+                continue
+            if name == "probe-sampler":
+                continue
+            key = f"{name} {state} wchan={wchan} syscall={syscall}"
+            self.kernel[key] = self.kernel.get(key, 0) + 1
+
     def __enter__(self):
+        self.kernel = {}
         self._thread.start()
         return self
 
@@ -107,6 +138,9 @@ class StackSampler:
 
     def top(self, n: int = 8) -> list:
         return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
+
+    def kernel_top(self, n: int = 14) -> list:
+        return sorted(self.kernel.items(), key=lambda kv: -kv[1])[:n]
 
 
 def timed(fn, *args, sample: bool = False):
@@ -141,6 +175,7 @@ def timed(fn, *args, sample: bool = False):
                  "machine_busy_cores": round((m1[0] - m0[0]) / s, 2)}
     if sample:
         meanwhile["python_stacks"] = sampler.top()
+        meanwhile["thread_states"] = sampler.kernel_top()
     return out, s, meanwhile
 
 
