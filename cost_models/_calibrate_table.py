@@ -23,6 +23,7 @@ from absl import logging
 
 from hetpar.core import ProfileError, seconds
 from hetpar.core._graph import curve_rate
+from hetpar.cost_models._group_figures import place_owners, with_place_links, with_rings
 from hetpar.cost_models._resolve import typical_copy
 from hetpar.cost_models._table import TimingBudget
 
@@ -298,18 +299,14 @@ def _with_collectives(table, present: Mapping[str, Any], collective):
     accelerator kind given its measured ring (`meta["collectives"]`)."""
     from hetpar.planner import replica_groups
 
-    rings = dict(table.meta.get("collectives") or {})
+    rings = {}
     for group in replica_groups(table):  # the groups the planner shards state over
         names = [n for n in group if n in present]
         if len(names) >= 2:
             got = collective(names, [present[n] for n in names])
             if got is not None:
-                bandwidth, latency = got
-                rings["+".join(names)] = {"bandwidth_bytes_per_s": float(bandwidth),
-                                          "latency_s": float(latency)}
-    if not rings:
-        return table
-    return dataclasses.replace(table, meta={**table.meta, "collectives": rings})
+                rings["+".join(names)] = {"bandwidth_bytes_per_s": got[0], "latency_s": got[1]}
+    return with_rings(table, rings)
 
 
 def _with_place_links(table, present: Mapping[str, Any], place_links):
@@ -321,26 +318,13 @@ def _with_place_links(table, present: Mapping[str, Any], place_links):
     priced as if all streamed (on two H200s 31 GB/s each way where one
     alone copies 43), which errs slow where the other figure would err fast
     on every plan that streams on all (run 34 ran 1.30x its prediction)."""
-    from hetpar.core import memory_place
-
-    owners = sorted({memory_place(d.name)[0] for d in table.devices
-                     if memory_place(d.name)[1] is not None} & set(present))
+    owners = [n for n in place_owners(table) if n in present]
     if not owners:
         return table
     bandwidth = place_links(owners, [present[n] for n in owners])
     if not bandwidth or not math.isfinite(bandwidth) or bandwidth <= 0:
         return table
-
-    def measured(k):
-        src, dst = memory_place(k.src), memory_place(k.dst)
-        between = (src[0] == dst[0] and src[0] in owners
-                   and (src[1] is None) != (dst[1] is None))
-        return dataclasses.replace(k, bandwidth_bytes_per_s=float(bandwidth),
-                                   curve=()) if between else k
-
-    return dataclasses.replace(table, links=tuple(measured(k) for k in table.links), meta={
-        **table.meta, "place_links": {"+".join(owners): {
-            "bandwidth_bytes_per_s": float(bandwidth), "at_once": len(owners)}}})
+    return with_place_links(table, owners, bandwidth)
 
 
 def _copy_sizes(table, src_kind: str, dst_kind: str) -> list[float]:

@@ -57,6 +57,7 @@ from typing import Any
 
 from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
 from hetpar.cost_models._equation_model import matmul_equations, predict_layer
+from hetpar.cost_models._group_figures import with_stored
 from hetpar.cost_models._layer_timing import (
     INTERLEAVED_PLATFORMS,
     LAYER_RUNS,
@@ -252,9 +253,12 @@ def cost_table(
         info_meta["fixed_s"] = f"fitted from each layer measured at batch and batch/{microbatches}"
     info_meta.update(meta or {})
     links = resolve_links(devs, profiles, sizes) + [k for p in places for k in p.links()]
-    return CostTable(devices=_table_devices(devs, host_cpu_included=host_cpu_included)
-                     + tuple(_place_device(p) for p in places),
-                     links=tuple(links), layers=tuple(layers), edges=tuple(edges), meta=info_meta)
+    table = CostTable(devices=_table_devices(devs, host_cpu_included=host_cpu_included)
+                      + tuple(_place_device(p) for p in places),
+                      links=tuple(links), layers=tuple(layers), edges=tuple(edges),
+                      meta=info_meta)
+    # What the profile file measured over groups of its devices at once.
+    return with_stored(table, profiles.meta)
 
 
 def _memory_places(devs: Sequence[ResolvedDevice], profiles: ProfileSet,

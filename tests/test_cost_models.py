@@ -366,6 +366,12 @@ def test_cli_profile_quick_end_to_end(tmp_path):
     assert all(len(lk.samples) == 4 and len(lk.copy_curve()) == 4 for lk in ps.links)
     # a measured cpu lends its calibration to the cpu spec sheet
     assert ps.device("cpu").origin == "transferred"
+    # the two devices' collectives, timed together, kept for plans made from
+    # the file (no accelerator here: no place links)
+    assert "timing collectives over cpu:0+cpu:1" in r.stderr
+    ring = ps.meta["collectives"]["cpu:0+cpu:1"]
+    assert ring["bandwidth_bytes_per_s"] > 0 and ring["latency_s"] > 0
+    assert "place_links" not in ps.meta
     # the command measured with huge pages where glibc takes them (it re-executed
     # itself with the tunable), and the file says so
     from hetpar._host_memory import has_huge_pages, wants_huge_pages

@@ -31,7 +31,10 @@ def register(subparsers) -> None:
         description=(
             "Measure every device present (jax.devices() plus the CPU): matmul FLOP/s, "
             "memory bandwidth, dispatch overhead, and transfer time for every ordered "
-            "device pair and path. The file written overrides the built-in spec sheets. "
+            "device pair and path; and what devices run together: the collectives of each "
+            "group of two or more of one kind, and the copies between the accelerators and "
+            "their pinned host memory with all copying at once. The file written overrides "
+            "the built-in spec sheets. "
             "Run under several JAX processes (python -m hetpar.launch -n 2 \"$(which hetpar)\" "
             "profile, or a cluster launcher), it also times a transfer between every pair of "
             "processes (the network link); process 0 writes the file."
@@ -98,6 +101,8 @@ def _measure(args, links, process: int) -> int:
     )
     if fit:
         profiles = _fitted(profiles, fit, quick=args.quick, progress=progress)
+    if not args.no_transfers:
+        profiles = _measured_together(profiles, progress)
     if links:
         profiles = profiles.with_network_links(links)
     if process != 0:
@@ -106,11 +111,73 @@ def _measure(args, links, process: int) -> int:
         return 0
     save_profiles(args.out, profiles)
     print(summary_table(profiles))
+    for group, ring in (profiles.meta.get("collectives") or {}).items():
+        print(f"collectives over {group}: a ring step at "
+              f"{ring['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, {ring['latency_s'] * 1e6:.0f} us")
+    for group, place in (profiles.meta.get("place_links") or {}).items():
+        print(f"pinned host memory of {group}, all at once: "
+              f"{place['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s each way")
     for name, prof in profiles.devices.items():
         if "layer_model" in prof.sources:  # what --fit chose for unmeasured layers
             print(f"{name}: per-equation layer model {prof.sources['layer_model']}")
     print(f"wrote {args.out}")
     return 0
+
+
+def _measured_together(profiles, progress):
+    """`profiles` with what its measured devices ran together, in its `meta`
+    (`hetpar.cost_models._group_figures`): the ring of each group of two or
+    more devices of one kind (an all-gather and a reduce-scatter timed over
+    them), and the copies between the accelerators and their pinned host
+    memory with all of them copying both ways at once. A plan made from the
+    file elsewhere prices sharded state and streamed state on these, as the
+    first call's calibration does here. One process's devices only (across
+    processes the network links stand for them)."""
+    import dataclasses
+
+    import jax
+
+    from hetpar.cost_models import has_pinned_host, present_devices
+    from hetpar.runtime import place_link_figures, ring_figures
+
+    if jax.process_count() > 1:
+        return profiles
+    present = present_devices()
+    mine = {n: present[n] for n, p in profiles.devices.items()
+            if p.origin == "measured" and n in present}
+    kinds: dict = {}
+    for n, d in mine.items():
+        kinds.setdefault((d.platform, d.device_kind), []).append(n)
+    meta = dict(profiles.meta)
+
+    def timed(what: str, measure):
+        progress(f"timing {what}")
+        try:
+            return measure()
+        except Exception as e:  # noqa: BLE001 - an extra figure: keep the profile
+            progress(f"  could not time {what} ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0][:200]}); left out")
+            return None
+
+    rings = {}
+    for names in kinds.values():
+        if len(names) >= 2:
+            names = sorted(names)
+            got = timed(f"collectives over {'+'.join(names)}",
+                        lambda names=names: ring_figures([mine[n] for n in names]))
+            if got is not None:
+                rings["+".join(names)] = {"bandwidth_bytes_per_s": float(got[0]),
+                                          "latency_s": float(got[1])}
+    if rings:
+        meta["collectives"] = rings
+    owners = sorted(n for n, d in mine.items() if d.platform != "cpu" and has_pinned_host(d))
+    if owners:
+        each_way = timed(f"copies to and from the pinned host memory of {'+'.join(owners)}, "
+                         "all at once", lambda: place_link_figures([mine[n] for n in owners]))
+        if each_way:
+            meta["place_links"] = {"+".join(owners): {
+                "bandwidth_bytes_per_s": float(each_way), "at_once": len(owners)}}
+    return dataclasses.replace(profiles, meta=meta)
 
 
 def _fit_models(text: str) -> list[str]:

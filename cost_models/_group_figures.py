@@ -1,0 +1,78 @@
+"""Figures measured over several devices at once, set on a cost table.
+
+Two figures depend on which devices work together, so no single device's or
+link's profile holds them:
+
+- a group's **collectives** (`meta["collectives"]`, by the members' names
+  joined with "+"): the ring its all-gathers and reduce-scatters ran at,
+  which prices sharded state and replicas (`hetpar.planner.ring_of`). On two
+  H200s the ring ran 263 GB/s where a copy between the same GPUs ran 188;
+- the **place links** (`meta["place_links"]`): what each accelerator copies
+  each way to and from its pinned host memory while every one of them does
+  the same (on two H200s 31 GB/s each way; one alone both ways, 43).
+
+The first call's calibration times both on the devices present
+(`_calibrate_table`). `hetpar profile` stores them in the profile file's
+`meta` under the same keys, and a table built from that file takes those
+whose devices it plans for (`with_stored`): a plan made elsewhere for this
+machine prices its collectives and streamed state as this machine ran them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from hetpar.core import CostTable, memory_place
+
+
+def with_rings(table: CostTable, rings: Mapping[str, Mapping]) -> CostTable:
+    """`table` with `rings` ({"gpu:0+gpu:1": {"bandwidth_bytes_per_s",
+    "latency_s"}}) added to its `meta["collectives"]`."""
+    if not rings:
+        return table
+    merged = {**(table.meta.get("collectives") or {}),
+              **{g: {"bandwidth_bytes_per_s": float(r["bandwidth_bytes_per_s"]),
+                     "latency_s": float(r["latency_s"])} for g, r in rings.items()}}
+    return dataclasses.replace(table, meta={**table.meta, "collectives": merged})
+
+
+def place_owners(table: CostTable) -> list[str]:
+    """The accelerators of `table` that have a memory place, sorted."""
+    return sorted({memory_place(d.name)[0] for d in table.devices
+                   if memory_place(d.name)[1] is not None})
+
+
+def with_place_links(table: CostTable, owners: Sequence[str], bandwidth: float) -> CostTable:
+    """`table` with the links between each of `owners` and its memory place
+    at `bandwidth` bytes/s each way (their latency stays), measured with all
+    of `owners` copying both ways at once (`meta["place_links"]`)."""
+    owners = sorted(owners)
+
+    def measured(k):
+        src, dst = memory_place(k.src), memory_place(k.dst)
+        between = (src[0] == dst[0] and src[0] in owners
+                   and (src[1] is None) != (dst[1] is None))
+        return dataclasses.replace(k, bandwidth_bytes_per_s=float(bandwidth),
+                                   curve=()) if between else k
+
+    return dataclasses.replace(table, links=tuple(measured(k) for k in table.links), meta={
+        **table.meta, "place_links": {"+".join(owners): {
+            "bandwidth_bytes_per_s": float(bandwidth), "at_once": len(owners)}}})
+
+
+def with_stored(table: CostTable, stored: Mapping) -> CostTable:
+    """`table` with the figures a profile file stored (its `meta`): the rings
+    of groups all of whose members `table` plans for, and the place links
+    measured over exactly the accelerators with a memory place in `table`
+    (measured with other accelerators streaming too, or fewer, the figure
+    is another plan's: the links keep their own)."""
+    names = {d.name for d in table.devices}
+    rings = {g: r for g, r in (stored.get("collectives") or {}).items()
+             if set(g.split("+")) <= names}
+    table = with_rings(table, rings)
+    owners = place_owners(table)
+    links = (stored.get("place_links") or {}).get("+".join(owners)) if owners else None
+    if links:
+        table = with_place_links(table, owners, float(links["bandwidth_bytes_per_s"]))
+    return table

@@ -1,0 +1,63 @@
+"""What a profile file measured over groups of devices at once prices a plan
+made from it elsewhere: the ring of a group's collectives and the links to
+pinned host memory with every accelerator streaming (`meta["collectives"]`,
+`meta["place_links"]`; `hetpar profile` measures them,
+`tests/test_cost_models.py::test_cli_profile_quick_end_to_end`)."""
+
+import dataclasses
+
+import pytest
+
+import hetpar
+from hetpar import zoo
+from hetpar.cost_models import cost_table, load_profiles, save_profiles
+from hetpar.planner import evaluate_sharded
+
+RING = {"bandwidth_bytes_per_s": 263e9, "latency_s": 3e-5}  # two H200s' ring (fit_h200x2 run 30)
+PLACES = {"bandwidth_bytes_per_s": 31e9, "at_once": 2}  # both streaming at once (run 35)
+
+
+@pytest.fixture(scope="module")
+def graph():
+    w = zoo.get("mlp", small=True)
+    return hetpar.trace(w.train_step, *w.example_args())
+
+
+def _place_links(table) -> dict:
+    return {(k.src, k.dst): k.bandwidth_bytes_per_s for k in table.links
+            if k.src.endswith(":pinned_host") != k.dst.endswith(":pinned_host")
+            and k.src.split(":pinned_host")[0] == k.dst.split(":pinned_host")[0]}
+
+
+def test_a_table_from_a_profile_takes_the_figures_measured_over_its_devices(graph, tmp_path):
+    base = load_profiles()
+    stored = {"collectives": {"h200:0+h200:1": RING,
+                              "gpu:0+gpu:1": RING},  # devices the plan below does not use
+              "place_links": {"h200:0+h200:1": PLACES}}
+    path = tmp_path / "h200x2.json"
+    save_profiles(path, dataclasses.replace(base, meta={**base.meta, **stored}))
+    profiles = load_profiles(path)  # as a plan made elsewhere reads it
+
+    table = cost_table(graph, ["cpu", "h200", "h200"], profiles=profiles)
+    assert table.meta["collectives"] == {"h200:0+h200:1": RING}
+    assert table.meta["place_links"] == {"h200:0+h200:1": PLACES}
+    places = _place_links(table)
+    assert len(places) == 4 and set(places.values()) == {31e9}
+    spec_only = cost_table(graph, ["cpu", "h200", "h200"])
+    assert "collectives" not in spec_only.meta
+    assert set(_place_links(spec_only).values()) != {31e9}
+    # The links between the GPUs stay (the peer link); the planner prices
+    # sharded state on the ring measured.
+    links = {(k.src, k.dst): k for k in table.links}
+    spec_links = {(k.src, k.dst): k for k in spec_only.links}
+    assert links["h200:0", "h200:1"] == spec_links["h200:0", "h200:1"]
+    ours, theirs = (evaluate_sharded(t, ["h200:0", "h200:1"], "fsdp")
+                    for t in (table, spec_only))
+    assert ours.transfer_s != pytest.approx(theirs.transfer_s)
+    assert ours.busy_s == theirs.busy_s
+
+    # Measured with two GPUs streaming at once, the place links are not one
+    # GPU's: a plan for one keeps its own, and has no group to shard over.
+    one = cost_table(graph, ["cpu", "h200"], profiles=profiles)
+    assert "place_links" not in one.meta and "collectives" not in one.meta
+    assert _place_links(one) == _place_links(cost_table(graph, ["cpu", "h200"]))
