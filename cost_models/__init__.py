@@ -21,6 +21,8 @@ measured, traced or fitted. One idea per module, lower ones first:
 - `_layer_work`: the roofline's view of a traced layer.
 - `_layer_timing`: timing a traced layer alone, on random inputs.
 - `_resolve`: a device list's graph.json devices and the links between them.
+- `_group_figures`: what devices ran together (a group's collectives, the
+  links to pinned host memory with all copying at once) set on a table.
 - `_layer_fit`: a present device's efficiencies fitted on measured layers.
 - `_table`: the planner's CostTable of a traced step (graph.json).
 - `_calibrate_table`: a CostTable scaled to whole steps timed on the devices
