@@ -129,9 +129,10 @@ def warn_without_huge_pages(platforms: Iterable[str], env: Mapping[str, str] | N
     _warned = True
     warnings.warn(
         "hetpar: this plan computes on the host CPU beside an accelerator, and this "
-        "process's malloc maps the CPU's temporaries in 4 KiB pages: on an H200 host "
-        "that made a GPT-2 plan's step 1.24x slower (the CPU's layers slower, and "
-        "45-78 ms stalls of every Python thread after a large CPU layer). Start "
+        "process's malloc maps the CPU's temporaries in 4 KiB pages: on H200 hosts "
+        "that made a GPT-2 plan's step 1.24x slower and a 0.54B Llama plan updating "
+        "its state on the CPU about 2x slower (the CPU's layers slower, and 45-78 ms "
+        "stalls of every Python thread after a large CPU layer). Start "
         f"Python with GLIBC_TUNABLES={TUNABLE} (the `hetpar` command does so itself); "
         f"set {OPT_OUT}=1 to silence this.", HostMemoryWarning, stacklevel=_user_stacklevel())
     return True
