@@ -366,6 +366,7 @@ def _layer(graph, name: str, devs: Sequence[ResolvedDevice], times: _Times, *,
                  opt_state_bytes=float(info.opt_state_bytes),
                  recompute_fraction=float(info.recompute_fraction),
                  workspace_bytes=float(info.workspace_bytes),
+                 remat_workspace_bytes=float(info.remat_workspace_bytes),
                  state_leaves=tuple((r, shape, float(b)) for r, shape, b in info.state_leaves),
                  update_s=update_s)
 

@@ -156,6 +156,15 @@ def is_forward(name_stack: str) -> bool:
     return "jvp(" in s and "transpose(" not in s
 
 
+def updating_eqns(eqns) -> list[bool]:
+    """Per equation: whether it is update work (neither forward nor backward,
+    after the backward began: the optimizer, gradient accumulation)."""
+    stacks = [str(e.source_info.name_stack) for e in eqns]
+    first_bwd = next((i for i, s in enumerate(stacks) if is_backward(s)), len(eqns))
+    return [i > first_bwd and not is_forward(s) and not is_backward(s)
+            for i, s in enumerate(stacks)]
+
+
 def _strip_root(paths: Sequence[tuple[str, ...]]) -> list[tuple[str, ...]]:
     """Drops the root module (Flax's model class) shared by the named paths.
 

@@ -37,7 +37,7 @@ from hetpar.core import (
 )
 from hetpar.core import runs as cut_runs
 from hetpar.passes._layer_graph import OPT_STATE, PARAM, LayerGraph
-from hetpar.passes._layers import SHARED, is_backward, is_forward, microbatch_of
+from hetpar.passes._layers import SHARED, is_backward, is_forward, microbatch_of, updating_eqns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +146,7 @@ def split(graph: LayerGraph, assignment: Mapping[str, str | Placement | Mapping]
     compute = {layer: p.compute for layer, p in placements.items()}
     eqns = graph.program.jaxpr.jaxpr.eqns
     home = compute[graph.layers[0]]
-    updating = _updating(eqns)
+    updating = updating_eqns(eqns)
     device = _eqn_devices(graph, placements, home, updating)
     keys = _stage_keys(eqns, device)
     if update_apart:
@@ -557,15 +557,6 @@ def _eqn_devices(graph: LayerGraph, placements: Mapping[str, Placement], home: s
             readers = [first_reader[o] for o in eqns[i].outvars if o in first_reader]
             device[i] = device[min(readers)] if readers else home
     return device  # type: ignore[return-value]
-
-
-def _updating(eqns) -> list[bool]:
-    """Per equation: whether it is update work (neither forward nor backward,
-    after the backward began: the optimizer, gradient accumulation)."""
-    stacks = [str(e.source_info.name_stack) for e in eqns]
-    first_bwd = next((i for i, s in enumerate(stacks) if is_backward(s)), len(eqns))
-    return [i > first_bwd and not is_forward(s) and not is_backward(s)
-            for i, s in enumerate(stacks)]
 
 
 def _update_after_backward(graph: LayerGraph, updating: list[bool],

@@ -350,6 +350,15 @@ def test_one_batch_counts_activations_and_gradient_once_pipelines_both():
     # Recomputed, a layer holds its gradient (not its activations) at the peak.
     remat = arr.placed({n: Placement("gpu:0", activations="remat") for n in t.layer_names})
     assert held_bytes(arr, remat)[arr.dindex["gpu:0"]] == pytest.approx(6 * (HELD - ACT) + ACT)
+    # Where the trace counted the recomputation's own working set
+    # (`remat_workspace_bytes`: the backward frees activations as it goes),
+    # that, not all the activations beside the working set, is what runs.
+    counted = dataclasses.replace(t, layers=tuple(
+        dataclasses.replace(la, remat_workspace_bytes=0.6 * ACT) for la in t.layers))
+    arr = Arrays(counted)
+    remat = arr.placed({n: Placement("gpu:0", activations="remat") for n in t.layer_names})
+    assert held_bytes(arr, remat)[arr.dindex["gpu:0"]] == pytest.approx(
+        6 * (HELD - ACT) + 0.6 * ACT)
 
 
 def test_host_updates_wait_for_the_gradients_they_read():

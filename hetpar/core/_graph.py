@@ -162,8 +162,14 @@ class Layer:
       workspace_bytes: bytes the layer's stage holds only while it runs,
         beyond `memory_bytes` (its temporaries: a GPT-2 head's logits'
         softmax and gradient). The planner adds the largest on each device
-        to what it holds, and the layer's activations too where it
-        recomputes them. None means 0.
+        to what it holds (`remat_workspace_bytes` where it recomputes its
+        activations). None means 0.
+      remat_workspace_bytes: the same where it recomputes its activations
+        (activations="remat"): its recomputed forward and its backward run
+        as one, the activations inside (at least `workspace_bytes`; under
+        `workspace_bytes` + `activation_bytes` where the backward frees
+        activations as it goes). None: unknown, and the planner takes
+        `workspace_bytes` + `activation_bytes`.
       state_leaves: the shapes of the layer's state, one `(role, shape,
         bytes)` per leaf, role "param" or "opt_state": what a sharded-state
         plan can split over a group of N devices (a leaf no axis of which N
@@ -183,6 +189,7 @@ class Layer:
     update_s: Mapping[str, float] | None = None
     recompute_fraction: float | None = None
     workspace_bytes: float | None = None
+    remat_workspace_bytes: float | None = None
     state_leaves: tuple[tuple[str, tuple[int, ...], float], ...] | None = None
 
     def __post_init__(self):
@@ -342,6 +349,8 @@ class CostTable:
                 out["recompute_fraction"] = layer.recompute_fraction
             if layer.workspace_bytes is not None:
                 out["workspace_bytes"] = layer.workspace_bytes
+            if layer.remat_workspace_bytes is not None:
+                out["remat_workspace_bytes"] = layer.remat_workspace_bytes
             if layer.state_leaves is not None:
                 out["state_leaves"] = [{"role": r, "shape": list(shape), "bytes": b}
                                        for r, shape, b in layer.state_leaves]
@@ -438,6 +447,8 @@ class CostTable:
                     layer, "recompute_fraction", where, float),
                 workspace_bytes=None if layer.get("workspace_bytes") is None else _field(
                     layer, "workspace_bytes", where, float),
+                remat_workspace_bytes=None if layer.get("remat_workspace_bytes") is None
+                else _field(layer, "remat_workspace_bytes", where, float),
                 state_leaves=_state_leaves(layer, where)))
         edges = tuple(
             Edge(src=_field(e, "src", f"edges[{i}]", str),
@@ -655,6 +666,8 @@ def _validate_layer(i: int, layer: Layer, layers: Mapping[str, int], names: Mapp
         _check_number(layer.opt_state_bytes, f"{where}.opt_state_bytes")
     if layer.workspace_bytes is not None:
         _check_number(layer.workspace_bytes, f"{where}.workspace_bytes")
+    if layer.remat_workspace_bytes is not None:
+        _check_number(layer.remat_workspace_bytes, f"{where}.remat_workspace_bytes")
     for k, (_, _, b) in enumerate(layer.state_leaves or ()):
         _check_number(b, f"{where}.state_leaves[{k}].bytes")
     if layer.recompute_fraction is not None:

@@ -280,6 +280,11 @@ class Arrays:
         self.act = np.where(np.isnan(act), out_bytes, act)
         # What a layer's stage holds only while it runs (0: unknown).
         self.ws = np.array([layer.workspace_bytes or 0.0 for layer in table.layers], dtype=float)
+        # The same where it recomputes its activations: they come back
+        # while its backward runs (unknown: all of them beside the rest).
+        self.ws_remat = np.array([
+            self.ws[i] + self.act[i] if layer.remat_workspace_bytes is None
+            else layer.remat_workspace_bytes for i, layer in enumerate(table.layers)], dtype=float)
         # Share of a layer's forward a recomputation of its activations repeats.
         self.recompute = np.array([1.0 if layer.recompute_fraction is None
                                    else layer.recompute_fraction for layer in table.layers])
@@ -579,7 +584,7 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
     np.add.at(out, s[state_apart], home[state_apart])
     np.add.at(out, w[params_apart], copies * p[params_apart])
     # While the step runs: the streamed state in flight, beside the largest
-    # working set of a layer (its activations too where it recomputes them):
+    # working set of a layer (its recomputation's where it recomputes them):
     # a streamed layer's backward runs with its state arrived and the next's
     # arriving.
     visiting = placed.streamed & state_apart
@@ -588,7 +593,7 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
         mine = visiting & (c == j)
         in_flight[j] = streamed_in_flight(mine.sum()) * float(o[mine].max())
     working = np.zeros(len(out))
-    np.maximum.at(working, c, arr.ws + np.where(placed.remat, arr.act, 0.0))
+    np.maximum.at(working, c, np.where(placed.remat, arr.ws_remat, arr.ws))
     return out + in_flight + working
 
 

@@ -262,7 +262,7 @@ def _remat_table(table: CostTable, arr: Arrays) -> CostTable:
             memory_bytes={d: max(m - act, 0.0) if d in accs else m
                           for d, m in layer.memory_bytes.items()},
             # recomputed, they come back while its backward runs
-            workspace_bytes=(layer.workspace_bytes or 0.0) + act,
+            workspace_bytes=float(arr.ws_remat[i]),
             activation_bytes=0.0))
     return dataclasses.replace(table, layers=tuple(layers))
 
