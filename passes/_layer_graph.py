@@ -69,10 +69,10 @@ class LayerInfo:
     #: The same, its forward recomputed right before its backward
     #: (activations="remat"): the most bytes alive at once of its own results
     #: read only by its own forward and backward, activations included, run
-    #: as one; never under `workspace_bytes`. Under `workspace_bytes` +
-    #: `activation_bytes` where the backward frees activations as it goes
-    #: (a 0.54B Llama block: 1.24 GB against 0.47 + 1.18; XLA's compiled
-    #: stage, about 1.2 GB).
+    #: as one; never under `workspace_bytes` nor over it plus
+    #: `activation_bytes`, and under that where the backward frees them as
+    #: it goes (a 0.54B Llama block: 1.24 GB against 0.47 + 1.18; XLA's
+    #: compiled stage, about 1.2 GB).
     remat_workspace_bytes: int = 0
     #: (role, shape, bytes) of each of its parameter and optimizer-state
     #: leaves: what a sharded-state plan can split (`Layer.state_leaves`).
@@ -310,8 +310,11 @@ class LayerGraph:
                 work=eqns_work(eqns[i] for i in ids),
                 recompute_fraction=_recompute_fraction(eqns, ids, producer, inputs),
                 workspace_bytes=workspace,
-                remat_workspace_bytes=max(workspace, _recomputed_peak(
-                    eqns, ids, readers, outs, updating)),
+                # Within what a run holds and all its activations beside it
+                # (a bound by construction: microbatches' runs counted as one
+                # could pass it).
+                remat_workspace_bytes=min(max(workspace, _recomputed_peak(
+                    eqns, ids, readers, outs, updating)), workspace + int(saved[name])),
                 state_leaves=tuple(state_leaves[name]),
             ))
         for (u, v), (fwd, bwd) in flow.items():
