@@ -10,7 +10,10 @@ misses the budgets and replicas meet them, it says why (`layer_plan`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
+import threading
 from collections.abc import Mapping
 
 from absl import logging
@@ -142,6 +145,14 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
     search = offload and _offload.memory_tight(arr, req.microbatches)
     if short and not search and not data_parallel:
         raise short
+    # The plan with recomputed activations is a second, independent solve of
+    # the same size: started now, it runs beside this one (HiGHS releases
+    # the GIL; the 6.74B model's replan on two H200s spent 43 s in solves
+    # one after another: `plan` 30 s there, 22 s on 2 cores this way).
+    alternative = (_Background(_remat_plan, table, arr, req, offload)
+                   if search and activations else None)
+    # So is the offload search, beside the layer ILP.
+    offloading = _Background(_offload_search, arr, req) if search else None
     result, err, status = None, None, "infeasible"
     if not short:
         sol = req.solve(arr)
@@ -154,11 +165,11 @@ def plan(table: CostTable, *, objective: str = "time", mode: str = "sequential",
         else:
             result = _layer_plan(table, arr, sol, req)
     if search:
-        result, off_err = _with_offload(table, arr, req, result)
+        result, off_err = _with_offload(table, arr, req, result, offloading.result())
         if err is None or short:
             err = off_err
-    if search and activations:
-        result = _with_remat(table, arr, req, result, offload=offload)
+    if alternative is not None:
+        result = _with_remat(table, arr, req, result, alternative.result())
     if result is None:
         err = err or short or InfeasibleError("no plan meets the constraints")
         # No placement of layers meets the budgets; replicas still might.
@@ -267,28 +278,68 @@ def _remat_table(table: CostTable, arr: Arrays) -> CostTable:
     return dataclasses.replace(table, layers=tuple(layers))
 
 
-def _with_remat(table: CostTable, arr: Arrays, req: _Request, result: Plan | None, *,
-                offload: bool) -> Plan | None:
+#: Solve the plan with recomputed activations beside the other from this
+#: many cores: with fewer, the two would share a core and each reach its
+#: solver's time limit with half the work done (a plan could come out worse).
+CONCURRENT_FROM_CORES = 4
+
+
+class _Background:
+    """`fn(*args)` in a thread of its own where the host has
+    `CONCURRENT_FROM_CORES` cores, else when its result is asked for;
+    `result()` returns it or raises what it raised."""
+
+    def __init__(self, fn, *args):
+        self._call, self._out = functools.partial(fn, *args), None
+        self._thread = None
+        if (os.cpu_count() or 1) >= CONCURRENT_FROM_CORES:
+            self._thread = threading.Thread(target=self._run, name="hetpar-plan", daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        try:
+            self._out = (self._call(), None)
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+            self._out = (None, e)
+
+    def result(self):
+        if self._thread is None:
+            self._run()
+        else:
+            self._thread.join()
+        value, error = self._out
+        if error is not None:
+            raise error
+        return value
+
+
+def _remat_plan(table: CostTable, arr: Arrays, req: _Request, offload: bool) -> Plan | None:
+    """The plan of the remat-priced table (`_remat_table`), or None where none."""
+    try:
+        return plan(_remat_table(table, arr), objective=req.objective, mode=req.mode,
+                    microbatches=req.microbatches, contiguous=req.contiguous,
+                    max_cost=req.max_cost, max_step_time=req.max_step_time,
+                    solver=req.solver, time_limit=req.time_limit, gap=req.gap,
+                    schedule=req.schedule, baselines=False, data_parallel=False,
+                    offload=offload, activations=False)
+    except PlanError as e:
+        logging.info("no plan with recomputed activations: %s", e)
+        return None
+
+
+def _with_remat(table: CostTable, arr: Arrays, req: _Request, result: Plan | None,
+                remat: Plan | None) -> Plan | None:
     """The better of `result` and the plan with recomputed activations.
 
     Recomputing a layer's activations in its backward (`activations="remat"`,
     run by the split pass) frees their bytes on the accelerator for the
     price of a second forward: where memory is what forces state off the
-    GPU or layers onto the CPU, that can win. Planned on the remat-priced
-    table (`_remat_table`), whose prediction is the remat plan's; kept when
-    it beats `result` on the objective, or when `result` is None.
+    GPU or layers onto the CPU, that can win. `remat` was planned on the
+    remat-priced table (`_remat_plan`), whose prediction is the remat
+    plan's; kept when it beats `result` on the objective, or when `result`
+    is None.
     """
-    try:
-        remat = plan(_remat_table(table, arr), objective=req.objective, mode=req.mode,
-                     microbatches=req.microbatches, contiguous=req.contiguous,
-                     max_cost=req.max_cost, max_step_time=req.max_step_time,
-                     solver=req.solver, time_limit=req.time_limit, gap=req.gap,
-                     schedule=req.schedule, baselines=False, data_parallel=False,
-                     offload=offload, activations=False)
-    except PlanError as e:
-        logging.info("no plan with recomputed activations: %s", e)
-        return result
-    if remat.replicas or remat.predicted is None:
+    if remat is None or remat.replicas or remat.predicted is None:
         return result
     cpus = {d.name for d in table.devices if d.kind == "cpu"}
     placements = {}
@@ -405,9 +456,17 @@ def _predict(table: CostTable, arr: Arrays, assignment: Mapping, req: _Request) 
     return evaluate(table, assignment, arrays=arr)
 
 
-def _with_offload(table: CostTable, arr: Arrays, req: _Request, result: Plan | None
-                  ) -> tuple[Plan | None, InfeasibleError | None]:
-    """`result`, or the offload search's plan when its replayed objective is better.
+def _offload_search(arr: Arrays, req: _Request):
+    """The offload ILP's solution (`_offload.search`) on `req`'s terms."""
+    return _offload.search(arr, solver=req.solver, time_limit=req.time_limit, gap=req.gap,
+                           microbatches=req.microbatches if req.mode == "pipelined" else 1,
+                           contiguous=req.contiguous and req.mode == "pipelined")
+
+
+def _with_offload(table: CostTable, arr: Arrays, req: _Request, result: Plan | None,
+                  found) -> tuple[Plan | None, InfeasibleError | None]:
+    """`result`, or the offload search's plan (`found`, `_offload_search`)
+    when its replayed objective is better.
 
     The candidates, all replayed: the offload ILP's placements, the same with
     every offloaded layer's update moved to the host, streamed, or streamed
@@ -417,8 +476,6 @@ def _with_offload(table: CostTable, arr: Arrays, req: _Request, result: Plan | N
     does.
     """
     M = req.microbatches if req.mode == "pipelined" else 1
-    found = _offload.search(arr, solver=req.solver, time_limit=req.time_limit, gap=req.gap,
-                            microbatches=M, contiguous=req.contiguous and req.mode == "pipelined")
     info = found.info()
     logging.info("offload ILP %s: %s in %.2f s", req.solver, found.status, found.solve_time_s)
     candidates = []
