@@ -18,8 +18,13 @@ the moment the stage would run, it runs three times:
 - `real_s`: on the step's own inputs (what the step then uses).
 
 Each with the CPU time every thread of the process spent meanwhile, by
-thread name (`/proc/self/task`), and the whole machine's busy time
-(`/proc/stat`). Slow in all three: what runs beside the stage (threads,
+thread name and for the busiest one by one (`/proc/self/task`), each
+thread's state, wait channel and system call sampled (and a native
+thread's kernel stack, as root), and the whole machine's busy time
+(`/proc/stat`); the first run on the step's own inputs also with every
+thread's native stack once, where `eu-stack` or `py-spy` is on the PATH
+(runs 38-41 found an unnamed native thread at work while the stage ran
+slow; this names what it runs). Slow in all three: what runs beside the stage (threads,
 the machine). Slow only on the step's buffers: the buffers. Then the same
 three alone, after the steps, and whole steps with what comes from the GPU
 aliased or copied (`TransferEngine.ALIAS_PINNED`).
@@ -122,9 +127,18 @@ class StackSampler:
                     pass
             except (OSError, ValueError):
                 continue
-            if name == "probe-sampler":
+            if name in ("probe-sampler", "probe-native"):
                 continue
             key = f"{name} {state} wchan={wchan} syscall={syscall}"
+            if int(tid) not in py and (state != "S" or syscall not in ("202", "7")):
+                # A native thread at work: its kernel stack, where readable
+                # (root), names what it waits on or does in the kernel.
+                try:
+                    with open(f"/proc/self/task/{tid}/stack") as f:
+                        frames = [ln.split()[-1].split("+")[0] for ln in f.read().splitlines()]
+                    key += " stack=" + "<".join(frames[:4])
+                except (OSError, IndexError):
+                    pass
             self.kernel[key] = self.kernel.get(key, 0) + 1
 
     def __enter__(self):
@@ -139,19 +153,80 @@ class StackSampler:
     def top(self, n: int = 8) -> list:
         return sorted(self.counts.items(), key=lambda kv: -kv[1])[:n]
 
-    def kernel_top(self, n: int = 14) -> list:
+    def kernel_top(self, n: int = 24) -> list:
         return sorted(self.kernel.items(), key=lambda kv: -kv[1])[:n]
 
 
-def timed(fn, *args, sample: bool = False):
-    """(result, seconds, what ran meanwhile) for `fn(*args)` made ready."""
+#: Readers of every thread's native stack that leave the process running
+#: after (gdb attached from a thread of the process itself hung with it
+#: stopped, on the 2-core machine).
+NATIVE_TOOLS = (("eu-stack", ["eu-stack", "-p", "{pid}"]),
+                ("py-spy", ["py-spy", "dump", "--native", "--pid", "{pid}"]))
+
+
+class NativeStacks:
+    """Every thread's native stack once, `after_s` into a run, by the first of
+    `NATIVE_TOOLS` on the PATH (it stops the process while it reads them):
+    what a thread no Python frame names is doing."""
+
+    def __init__(self, after_s: float = 0.25):
+        import shutil
+        import threading
+
+        self.tool = next(((n, cmd) for n, cmd in NATIVE_TOOLS if shutil.which(n)), None)
+        self.text, self.after_s = "", after_s
+        self._thread = threading.Thread(target=self._run, name="probe-native", daemon=True)
+
+    def _run(self):
+        import subprocess
+
+        time.sleep(self.after_s)
+        name, cmd = self.tool
+        try:
+            r = subprocess.run([c.format(pid=os.getpid()) for c in cmd], capture_output=True,
+                               text=True, timeout=90)
+            self.text = r.stdout + r.stderr[-2000:]
+        except (OSError, subprocess.SubprocessError) as e:
+            self.text = f"{name} failed: {e}"
+        finally:
+            import signal
+
+            os.kill(os.getpid(), signal.SIGCONT)  # never left stopped by a reader killed
+
+    def __enter__(self):
+        if self.tool is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.tool is not None:
+            self._thread.join()
+
+    def of_threads(self, tids: set) -> dict:
+        """{tid: its stack} for `tids`, cut from the tool's output."""
+        import re
+
+        out, tid = {}, None
+        for line in self.text.splitlines():
+            m = re.search(r"(?:^TID |LWP |Thread )(\d+)", line)
+            if m and (line.startswith("TID ") or "LWP" in line or line.startswith("Thread ")):
+                tid = m.group(1)
+            if tid in tids:
+                out.setdefault(tid, []).append(line.strip()[:200])
+        return {t: lines[:16] for t, lines in out.items()}
+
+
+def timed(fn, *args, sample: bool = False, native: bool = False):
+    """(result, seconds, what ran meanwhile) for `fn(*args)` made ready;
+    `native`: with every thread's native stack once, a quarter second in."""
     import contextlib
 
     import jax
 
     sampler = StackSampler() if sample else contextlib.nullcontext()
+    stacks = NativeStacks() if native else contextlib.nullcontext()
     th0, m0, t = thread_times(), machine_busy(), time.perf_counter()
-    with sampler:
+    with sampler, stacks:
         out = jax.block_until_ready(fn(*args))
     s = time.perf_counter() - t
     th1, m1 = thread_times(), machine_busy()
@@ -173,9 +248,18 @@ def timed(fn, *args, sample: bool = False):
                  "by_thread_name_user_sys_s_minflt": {
                      k: [round(a[0], 3), round(a[1], 3), a[2]] for k, a in rows},
                  "machine_busy_cores": round((m1[0] - m0[0]) / s, 2)}
+    # The busiest threads one by one (a thread pool's names are alike).
+    each = sorted(((sum(v[:2]) - sum(th0.get(k, (0.0, 0.0, 0))[:2]),
+                    v[2] - th0.get(k, (0.0, 0.0, 0))[2], k) for k, v in th1.items()),
+                  reverse=True)[:6]
+    meanwhile["busiest_threads"] = [{"tid": k[0], "name": k[1], "cpu_s": round(c, 3),
+                                     "minflt": f} for c, f, k in each]
     if sample:
         meanwhile["python_stacks"] = sampler.top()
         meanwhile["thread_states"] = sampler.kernel_top()
+    if native:
+        meanwhile["native_tool"] = stacks.tool[0] if stacks.tool else None
+        meanwhile["native_stacks"] = stacks.of_threads({k[0] for _, _, k in each})
     return out, s, meanwhile
 
 
@@ -267,7 +351,7 @@ def main(argv=None):
         def wrapped(*xs, st=st, fn=originals[st.index]):
             jax.block_until_ready(xs)
             row = trio(st, fn, xs, "in the step")
-            out, s, meanwhile = timed(fn, *xs, sample=True)
+            out, s, meanwhile = timed(fn, *xs, sample=True, native=not rows)
             row["real_s"], row["real_meanwhile"] = s, meanwhile
             rows.append(row)
             return out
