@@ -284,6 +284,14 @@ def _remat_table(table: CostTable, arr: Arrays) -> CostTable:
 CONCURRENT_FROM_CORES = 4
 
 
+def _cores() -> int:
+    """The cores this process may run on (its affinity, where the OS says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 class _Background:
     """`fn(*args)` in a thread of its own where the host has
     `CONCURRENT_FROM_CORES` cores, else when its result is asked for;
@@ -292,7 +300,7 @@ class _Background:
     def __init__(self, fn, *args):
         self._call, self._out = functools.partial(fn, *args), None
         self._thread = None
-        if (os.cpu_count() or 1) >= CONCURRENT_FROM_CORES:
+        if _cores() >= CONCURRENT_FROM_CORES:
             self._thread = threading.Thread(target=self._run, name="hetpar-plan", daemon=True)
             self._thread.start()
 
