@@ -21,9 +21,35 @@ machine prices its collectives and streamed state as this machine ran them.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 
-from hetpar.core import CostTable, memory_place
+from hetpar.core import CostTable, ProfileError, memory_place
+
+#: The figures each kind of stored entry carries.
+FIELDS = {"collectives": ("bandwidth_bytes_per_s", "latency_s"),
+          "place_links": ("bandwidth_bytes_per_s",)}
+
+
+def check_stored(meta: Mapping, where: str = "profile file") -> None:
+    """Raises ProfileError naming the entry where `meta`'s stored group
+    figures are not {"a+b": {field: number >= 0, ...}} (a hand-edited file)."""
+    for key, fields in FIELDS.items():
+        entries = meta.get(key)
+        if entries is None:
+            continue
+        if not isinstance(entries, Mapping):
+            raise ProfileError(f"{where}: meta.{key} must map device groups (\"gpu:0+gpu:1\") "
+                               f"to their figures, got {type(entries).__name__}; fix the entry "
+                               "or measure again with `hetpar profile`")
+        for group, figures in entries.items():
+            for f in fields:
+                v = figures.get(f) if isinstance(figures, Mapping) else None
+                if isinstance(v, bool) or not isinstance(v, (int, float)) \
+                        or not math.isfinite(v) or v < 0:
+                    raise ProfileError(
+                        f"{where}: meta.{key}[{group!r}] needs {f} as a number >= 0, got "
+                        f"{v!r}; fix the entry or measure again with `hetpar profile`")
 
 
 def with_rings(table: CostTable, rings: Mapping[str, Mapping]) -> CostTable:
@@ -67,6 +93,7 @@ def with_stored(table: CostTable, stored: Mapping) -> CostTable:
     measured over exactly the accelerators with a memory place in `table`
     (measured with other accelerators streaming too, or fewer, the figure
     is another plan's: the links keep their own)."""
+    check_stored(stored)
     names = {d.name for d in table.devices}
     rings = {g: r for g, r in (stored.get("collectives") or {}).items()
              if set(g.split("+")) <= names}

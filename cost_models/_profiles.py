@@ -26,6 +26,7 @@ from absl import logging
 
 from hetpar.core import ProfileError, load_json, save_json
 from hetpar.cost_models._devices import process_of
+from hetpar.cost_models._group_figures import check_stored
 from hetpar.cost_models._profile import (
     FORMAT,
     NETWORK_PATH,
@@ -210,7 +211,9 @@ class ProfileSet:
         links = tuple(
             LinkProfile.from_json(lk, f"link #{i}") for i, lk in enumerate(data.get("links", []))
         )
-        return cls(devices, links, dict(data.get("meta", {})))
+        meta = dict(data.get("meta", {}))
+        check_stored(meta)  # what its devices measured together (`_group_figures`)
+        return cls(devices, links, meta)
 
 
 @dataclasses.dataclass(frozen=True)

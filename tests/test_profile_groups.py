@@ -61,3 +61,18 @@ def test_a_table_from_a_profile_takes_the_figures_measured_over_its_devices(grap
     one = cost_table(graph, ["cpu", "h200"], profiles=profiles)
     assert "place_links" not in one.meta and "collectives" not in one.meta
     assert _place_links(one) == _place_links(cost_table(graph, ["cpu", "h200"]))
+
+
+@pytest.mark.parametrize("meta, says", [
+    ({"collectives": {"h200:0+h200:1": {"bandwidth": 1e9}}}, "needs bandwidth_bytes_per_s"),
+    ({"place_links": {"h200:0+h200:1": {"bandwidth_bytes_per_s": "fast"}}}, "got 'fast'"),
+    ({"collectives": ["h200:0+h200:1"]}, "must map device groups"),
+])
+def test_a_malformed_stored_figure_is_refused_when_the_file_is_read(tmp_path, meta, says):
+    from hetpar.core import ProfileError
+
+    path = tmp_path / "edited.json"
+    save_profiles(path, dataclasses.replace(load_profiles(), meta=meta))
+    with pytest.raises(ProfileError, match=says) as e:
+        load_profiles(path)
+    assert "hetpar profile" in str(e.value)  # how to mend it
