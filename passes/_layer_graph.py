@@ -96,21 +96,26 @@ class LayerInfo:
         return 2 * self.param_bytes + self.opt_state_bytes + self.activation_bytes
 
 
-def _last_uses(jaxpr) -> dict:
-    """{variable: index of the last equation that reads it}; the program's
-    results are read after its last equation."""
-    last = {}
+def _readers(jaxpr) -> dict:
+    """{variable: the indices of the equations that read it, ascending}; the
+    program's results are read after its last equation (`len(eqns)`)."""
+    readers: dict = {}
     for i, e in enumerate(jaxpr.eqns):
         for a in e.invars:
             if isinstance(a, jcore.Var):
-                last[a] = i
+                readers.setdefault(a, []).append(i)
     for a in jaxpr.outvars:
         if isinstance(a, jcore.Var):
-            last[a] = len(jaxpr.eqns)
-    return last
+            readers.setdefault(a, []).append(len(jaxpr.eqns))
+    return readers
 
 
-def _recomputed_peak(eqns, ids: Sequence[int], readers: Mapping, outs: set,
+def _peak(delta: Sequence[int]) -> int:
+    """The most bytes alive at once, given what each position adds and frees."""
+    return int(max(itertools.accumulate(delta[:-1], initial=0)))
+
+
+def _recomputed_peak(eqns, ids: Sequence[int], readers: Mapping,
                      updating: Sequence[bool]) -> int:
     """The most bytes alive at once, in program order, of the results of the
     layer's forward and backward equations (its update's excluded: it runs
@@ -127,19 +132,15 @@ def _recomputed_peak(eqns, ids: Sequence[int], readers: Mapping, outs: set,
             if isinstance(o, jcore.DropVar) or not hasattr(o.aval, "shape"):
                 continue
             read = readers.get(o, ())
-            if o in outs or any(r not in pos for r in read):
+            if any(r not in pos for r in read):  # read by another, or a result
                 continue
             size = math.prod(o.aval.shape) * o.aval.dtype.itemsize
             delta[k] += size
             delta[max((pos[r] for r in read), default=k) + 1] -= size
-    peak = live = 0
-    for d in delta[:-1]:
-        live += d
-        peak = max(peak, live)
-    return int(peak)
+    return _peak(delta)
 
 
-def _live_peak(eqns, ids: Sequence[int], last_use: Mapping, kept: set,
+def _live_peak(eqns, ids: Sequence[int], readers: Mapping, kept: set,
                layered: Sequence[int]) -> int:
     """What the layer's stage holds only while it runs, beyond the
     activations it keeps (`memory_bytes` counts those across the step): the
@@ -167,7 +168,7 @@ def _live_peak(eqns, ids: Sequence[int], last_use: Mapping, kept: set,
         for o in eqns[i].outvars:
             if isinstance(o, jcore.DropVar) or not hasattr(o.aval, "shape"):
                 continue
-            last = last_use.get(o, i)
+            last = readers[o][-1] if o in readers else i
             stop = bisect.bisect_right(ids, last)  # after its last own equation up to `last`
             if last >= len(eqns) or layered[last + 1] - layered[i] != stop - k:
                 continue  # read after another layer's equation, or a result
@@ -175,11 +176,7 @@ def _live_peak(eqns, ids: Sequence[int], last_use: Mapping, kept: set,
             inside += size if o in kept else 0
             delta[k] += size
             delta[max(stop, k + 1)] -= size
-    peak = live = 0
-    for d in delta[:-1]:
-        live += d
-        peak = max(peak, live)
-    return max(int(peak) - inside, 0)
+    return max(_peak(delta) - inside, 0)
 
 
 def _recompute_fraction(eqns, ids: Sequence[int], producer: Mapping,
@@ -289,18 +286,12 @@ class LayerGraph:
         producer = {o: i for i, e in enumerate(eqns) for o in e.outvars
                     if not isinstance(o, jcore.DropVar)}
         inputs = set(self.program.jaxpr.jaxpr.invars)
-        last_use = _last_uses(self.program.jaxpr.jaxpr)
+        readers = _readers(self.program.jaxpr.jaxpr)
         layered = [0, *itertools.accumulate(name != SHARED for name in self.eqn_layers)]
-        readers: dict = {}
-        for i, e in enumerate(eqns):
-            for a in e.invars:
-                if isinstance(a, jcore.Var):
-                    readers.setdefault(a, []).append(i)
-        outs = {a for a in self.program.jaxpr.jaxpr.outvars if isinstance(a, jcore.Var)}
         updating = updating_eqns(eqns)
         g = nx.DiGraph()
         for name, ids in members.items():
-            workspace = _live_peak(eqns, ids, last_use, kept, layered)
+            workspace = _live_peak(eqns, ids, readers, kept, layered)
             g.add_node(name, info=LayerInfo(
                 name=name,
                 eqns=tuple(ids),
@@ -314,7 +305,7 @@ class LayerGraph:
                 # (a bound by construction: microbatches' runs counted as one
                 # could pass it).
                 remat_workspace_bytes=min(max(workspace, _recomputed_peak(
-                    eqns, ids, readers, outs, updating)), workspace + int(saved[name])),
+                    eqns, ids, readers, updating)), workspace + int(saved[name])),
                 state_leaves=tuple(state_leaves[name]),
             ))
         for (u, v), (fwd, bwd) in flow.items():
