@@ -48,23 +48,26 @@ sys.path.insert(0, os.path.dirname(__file__))
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def thread_times() -> dict:
-    """{(tid, name): (user s, system s, minor page faults)} for every thread of
-    this process; a Python thread is named by its Python name."""
+def tasks():
+    """(tid, name, stat fields from the state on) of every thread of this
+    process; a Python thread is named by its Python name."""
     import threading
 
     py = {t.native_id: t.name for t in threading.enumerate()}
-    out = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/stat") as f:
                 s = f.read()
         except OSError:
             continue
-        name = py.get(int(tid)) or s[s.index("(") + 1:s.rindex(")")]
-        fields = s[s.rindex(")") + 2:].split()
-        out[tid, name] = (int(fields[11]) / TICK, int(fields[12]) / TICK, int(fields[7]))
-    return out
+        yield tid, py.get(int(tid)) or s[s.index("(") + 1:s.rindex(")")], \
+            s[s.rindex(")") + 2:].split(), int(tid) in py
+
+
+def thread_times() -> dict:
+    """{(tid, name): (user s, system s, minor page faults)} for every thread."""
+    return {(tid, name): (int(f[11]) / TICK, int(f[12]) / TICK, int(f[7]))
+            for tid, name, f, _ in tasks()}
 
 
 def machine_busy() -> tuple[float, float]:
@@ -108,29 +111,20 @@ class StackSampler:
         (where the kernel lets this process read them): what a thread that
         is not running waits on (a lock such as the address space's
         `mmap_lock` shows as an rwsem wait)."""
-        import threading
-
-        py = {t.native_id: t.name for t in threading.enumerate()}
-        for tid in os.listdir("/proc/self/task"):
+        for tid, name, fields, is_python in tasks():
+            state = fields[0]
+            wchan = syscall = "?"
             try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    st = f.read()
-                name = py.get(int(tid)) or st[st.index("(") + 1:st.rindex(")")]
-                state = st[st.rindex(")") + 2]
-                wchan = syscall = "?"
-                try:
-                    with open(f"/proc/self/task/{tid}/wchan") as f:
-                        wchan = f.read().strip() or "0"
-                    with open(f"/proc/self/task/{tid}/syscall") as f:
-                        syscall = f.read().split()[0]
-                except OSError:
-                    pass
-            except (OSError, ValueError):
-                continue
+                with open(f"/proc/self/task/{tid}/wchan") as f:
+                    wchan = f.read().strip() or "0"
+                with open(f"/proc/self/task/{tid}/syscall") as f:
+                    syscall = f.read().split()[0]
+            except (OSError, IndexError):
+                pass
             if name in ("probe-sampler", "probe-native"):
                 continue
             key = f"{name} {state} wchan={wchan} syscall={syscall}"
-            if int(tid) not in py and (state != "S" or syscall not in ("202", "7")):
+            if not is_python and (state != "S" or syscall not in ("202", "7")):
                 # A native thread at work: its kernel stack, where readable
                 # (root), names what it waits on or does in the kernel.
                 try:
