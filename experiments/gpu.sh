@@ -48,6 +48,7 @@ two GPUs (env PROFILES: the profile file, default results/profile_2gpu_h200x2.js
                       issue 41's two-GPU cells: the GPU tests at full f32 (SKIP_TESTS=1
                       skips them), then bench_fit --gpus 2 on MODELS (default llama7b:
                       the 6.74B Llama-style model) at FRACTIONS (default "default,0.3"),
+                      MODES (default hetpar; jit,hetpar adds FSDP written by hand),
                       FIT_TIMEOUT s a cell (default 300; results/fit_h200x2/README.md,
                       "Not run")
   sweep MODEL BATCH MICROBATCHES BUDGET_S NAME [FLAGS]
@@ -312,7 +313,7 @@ fit-two-gpus)
       | tee "$OUT/gpu_tests_$CARD.txt" | tail -4
   fi
   python3 experiments/bench_fit.py --gpus 2 --models "${MODELS:-llama7b}" \
-    --fractions "${1:-default,0.3}" --modes hetpar --timeout "${FIT_TIMEOUT:-300}" --steps 6 \
+    --fractions "${1:-default,0.3}" --modes "${MODES:-hetpar}" --timeout "${FIT_TIMEOUT:-300}" --steps 6 \
     --timeline "$OUT/tl" --out "$OUT/fit_two_gpus_$CARD.json" 2>&1 | tail -4
   ;;
 two-gpus-replay)
