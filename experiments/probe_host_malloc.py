@@ -9,8 +9,9 @@ touches fresh pages for its large outputs and temporaries on every call. Run
 it under different `GLIBC_TUNABLES` to compare, e.g.:
 
     JAX_PLATFORMS=cpu python experiments/probe_host_malloc.py --mb 800
-    GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=68719476736 \\
-        JAX_PLATFORMS=cpu python experiments/probe_host_malloc.py --mb 800
+    K=glibc.malloc.mmap_max=0:glibc.malloc.arena_max=1:glibc.malloc.trim_threshold=68719476736
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1:$K JAX_PLATFORMS=cpu \\
+        python experiments/probe_host_malloc.py --mb 800
 
 Prints one JSON line: the tunables, each call's seconds, minor page faults
 and system CPU seconds, and their medians over the calls after the first.
