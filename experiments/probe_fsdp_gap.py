@@ -28,7 +28,30 @@ import statistics
 import sys
 import time
 
+import numpy as np
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1,
+          "f64": 8, "s64": 8}
+
+
+def collectives(text: str) -> dict:
+    """{op: [count, GB of the first array its line names]} for each collective
+    in an HLO text: what XLA chose to move (parameters, or activations)."""
+    import re
+
+    out = {}
+    for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
+               "collective-permute"):
+        n, size = 0, 0.0
+        for dtype, dims in re.findall(
+                rf"= \(?(\w+)\[([\d,]*)\][^=]*? {op}(?:-start)?\(", text):
+            n += 1
+            size += _BYTES.get(dtype, 4) * float(np.prod([int(d) for d in dims.split(",") if d]))
+        out[op.replace("-", "_")] = [n, size / 1e9]
+    return out
 
 
 def main() -> None:
@@ -106,6 +129,10 @@ def main() -> None:
                 "hetpar_over_hand": med["hetpar"] / med["hand"],
                 "inner_over_hand": med["inner"] / med["hand"],
                 "hetpar_over_inner": med["hetpar"] / med["inner"]})
+    with open(a.out, "w") as f:  # the timings, before the (long) compiles below
+        json.dump(out, f, indent=1)
+    print(json.dumps({k: out[k] for k in ("median_s", "hetpar_over_hand", "inner_over_hand",
+                                          "hetpar_over_inner")}), flush=True)
     # What each compiled program is, side by side (the same ops, the same layouts?).
     for name, fn, args in () if not a.programs else (("hand", hand, (*state["hand"], hb)),
                            ("inner", inner, (*state["hetpar"], ab))):
@@ -114,13 +141,10 @@ def main() -> None:
         m = c.memory_analysis()
         out[f"{name}_program"] = {
             "chars": len(text), "fusions": text.count(" fusion("),
-            **{k.replace("-", "_"): text.count(f" {k}(") + text.count(f" {k}-start(")
-               for k in ("all-gather", "reduce-scatter", "all-reduce")},
+            **collectives(text),
             "temp_gb": getattr(m, "temp_size_in_bytes", 0) / 1e9}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
-    print(json.dumps({k: out[k] for k in ("median_s", "hetpar_over_hand", "inner_over_hand",
-                                          "hetpar_over_inner")}))
 
 
 if __name__ == "__main__":
