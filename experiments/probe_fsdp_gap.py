@@ -28,30 +28,7 @@ import statistics
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(__file__))
-
-
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1,
-          "f64": 8, "s64": 8}
-
-
-def collectives(text: str) -> dict:
-    """{op: [count, GB of the first array its line names]} for each collective
-    in an HLO text: what XLA chose to move (parameters, or activations)."""
-    import re
-
-    out = {}
-    for op in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all",
-               "collective-permute"):
-        n, size = 0, 0.0
-        for dtype, dims in re.findall(
-                rf"= \(?(\w+)\[([\d,]*)\][^=]*? {op}(?:-start)?\(", text):
-            n += 1
-            size += _BYTES.get(dtype, 4) * float(np.prod([int(d) for d in dims.split(",") if d]))
-        out[op.replace("-", "_")] = [n, size / 1e9]
-    return out
 
 
 def main() -> None:
@@ -70,6 +47,7 @@ def main() -> None:
 
     import hetpar
     from hetpar import zoo
+    from hetpar._compiled_collectives import hlo_collectives
 
     cfg = (dict(batch=4, d_model=64, num_layers=4, num_heads=4) if a.tiny
            else dict(batch=8, d_model=4096, num_layers=24, num_heads=32))
@@ -141,7 +119,7 @@ def main() -> None:
         m = c.memory_analysis()
         out[f"{name}_program"] = {
             "chars": len(text), "fusions": text.count(" fusion("),
-            **collectives(text),
+            "collectives": hlo_collectives(text, len(devs)),
             "temp_gb": getattr(m, "temp_size_in_bytes", 0) / 1e9}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -12,7 +12,8 @@ them to zero. This times one Adam-like update of `--gb` GB per array on
 the CPU with normal values, then with a share of the second moment and of
 the gradients' squares subnormal:
 
-    JAX_PLATFORMS=cpu python experiments/probe_host_denormals.py --gb 0.75 --out results/denormals.json
+    JAX_PLATFORMS=cpu python experiments/probe_host_denormals.py --gb 0.75 \
+        --out results/denormals.json
 """
 
 from __future__ import annotations

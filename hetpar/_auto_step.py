@@ -387,10 +387,13 @@ class AutoStep:
         `StepClock.STEPS` steps after `SETTLE` more than the compiling one; a
         warning when they differ by more than 25%), each device's memory
         predicted, compiled and measured (`step["memory"]`,
-        hetpar/_memory_check.py) and where the first call's time went
-        (`step["first_call"]`, hetpar/_first_call.py)."""
+        hetpar/_memory_check.py), where the first call's time went
+        (`step["first_call"]`, hetpar/_first_call.py) and, for a whole step
+        over several devices, its collectives as planned and as compiled
+        (`step["collectives"]`, hetpar/_compiled_collectives.py)."""
         import dataclasses as dc
 
+        from hetpar._compiled_collectives import collectives_summary
         from hetpar._memory_check import memory_summary
         from hetpar._report import report_graph
 
@@ -404,6 +407,9 @@ class AutoStep:
                      for r in rep.rows)
         summary = {**step.clock.summary(step), "memory": memory_summary(step),
                    "first_call": step.first_call.summary(), "hint": microbatch_hint(step)}
+        collectives = collectives_summary(step)
+        if collectives is not None:
+            summary["collectives"] = collectives
         return dc.replace(rep, rows=rows, step=summary)
 
     @property

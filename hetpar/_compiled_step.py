@@ -178,6 +178,9 @@ class CompiledStep:
         self.stages: StageGraph | None = None
         self._out_tree = self.graph.program.out_tree
         self._replicated = None
+        # The whole step's argument shapes as its first call lowers them (for
+        # `_compiled_collectives.collectives_summary`, after that call).
+        self._replicated_shapes = None
         self._replicated_known = None
         self._executor = None
         self._checked_steps = 0  # calls whose results were waited for (`ready`)
@@ -215,6 +218,7 @@ class CompiledStep:
                 fn, [self.devices[d] for d in replicas], args, self._batch_argnums, self.plan,
                 self.graph, donate_argnums=() if self._static else self._donated)
             if self._static is None and not multi:
+                self._replicated_shapes = self._replicated.shapes(args)
                 # Later calls with these leaves' shapes and dtypes go straight
                 # to its jit (`call_known`): the full path's checks of GPT-2's
                 # 446 leaves cost more than a batch-16 step's GPU time.

@@ -186,28 +186,37 @@ class Replicated:
                 tree, [_global(x, s, local and s is self.split) for x, s in zip(leaves, want)]))
         return tuple(out)
 
-    def memory_peak(self, args: tuple) -> float | None:
-        """The step's executable's peak bytes on each replica (XLA's memory
-        analysis of the partitioned program, `executable_peak`), compiled on
-        `args` laid out as `_placed` lays them out: the executable the first
-        call runs (jit's cache serves it; a batch leaf jit lays out itself
-        is lowered as it is, which jit keys apart from a committed one).
-        None where the backend gives no analysis. One process only."""
+    def shapes(self, args: tuple) -> tuple:
+        """`args` as the first call lowers them, every leaf a ShapeDtypeStruct:
+        a leaf `_placed` lays out (or that is committed) with its sharding, a
+        batch leaf jit lays out itself without one (jit keys it apart from a
+        committed one). Holds no array: kept for `executable` after the call."""
         def like_placed(x, sharding, batch: bool):
-            if _misplaced(x, sharding, batch) or isinstance(x, jax.Array) and x.committed:
-                aval = jax.typeof(x)
-                return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
-                                            sharding=sharding)
-            return x
+            aval = jax.typeof(x)
+            placed = _misplaced(x, sharding, batch) or isinstance(x, jax.Array) and x.committed
+            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type,
+                                        sharding=sharding if placed else None)
 
-        shaped = tuple(
+        return tuple(
             jax.tree_util.tree_unflatten(
                 jax.tree_util.tree_structure(a),
                 [like_placed(x, s, i in self._nums)
                  for x, s in zip(jax.tree_util.tree_leaves(a), want)])
             for i, (a, want) in enumerate(zip(args, self._leaf_shardings)))
+
+    def executable(self, shapes: tuple):
+        """The step's compiled executable for `shapes` (`self.shapes(args)`): the
+        one the first call runs, from jit's cache once that call compiled it."""
+        return self._jit.lower(*shapes).compile()
+
+    def memory_peak(self, args: tuple) -> float | None:
+        """The step's executable's peak bytes on each replica (XLA's memory
+        analysis of the partitioned program, `executable_peak`), compiled on
+        `args` laid out as `_placed` lays them out: the executable the first
+        call runs (jit's cache serves it). None where the backend gives no
+        analysis. One process only."""
         try:
-            m = self._jit.lower(*shaped).compile().memory_analysis()
+            m = self.executable(self.shapes(args)).memory_analysis()
         except Exception:  # noqa: BLE001 - no analysis on this backend (the call reports errors)
             return None
         return executable_peak(m)

@@ -1,0 +1,84 @@
+"""What a compiled whole step moves between devices (`step["collectives"]` in
+the report), read from its HLO and priced at the group's ring."""
+
+import jax
+import pytest
+
+import hetpar
+from hetpar import zoo
+from hetpar._compiled_collectives import hlo_collectives, ring_seconds, ring_share
+
+TWO = ["cpu:0", "cpu:1"]
+
+HLO = """
+  %all-gather.29 = f32[64,64]{1,0} all-gather(%param.7), channel_id=76, dimensions={0}
+  %ags = (f32[32,64]{1,0}, f32[64,64]{1,0}) all-gather-start(%p), channel_id=3
+  %agd = f32[64,64]{1,0} all-gather-done(%ags)
+  %rs = bf16[32,64]{1,0} reduce-scatter(%x), dimensions={0}, to_apply=%add
+  %ar = f32[128,64]{1,0} all-reduce(%y), to_apply=%add
+  %ars = f32[128,64]{1,0} all-reduce-start(%y), to_apply=%add
+  %ard = f32[128,64]{1,0} all-reduce-done(%ars)
+  %a2a = (f32[32,1,32]{2,1,0}, f32[32,1,32]{2,1,0}) all-to-all(%a, %b), dimensions={1}
+  %fusion = f32[64,64]{1,0} fusion(%all-gather.29), kind=kLoop, calls=%fused_computation
+"""
+
+
+def test_collectives_are_read_from_their_results_by_the_op():
+    got = hlo_collectives(HLO, 2)
+    # An all-gather's result is the whole (64 x 64 f32): each member receives half
+    # of it; the started one's result is its tuple's second half.
+    assert got["all-gather"] == {"count": 2, "ring_bytes": 2 * 64 * 64 * 4 / 2}
+    # A reduce-scatter's result is one member's share (bf16): it sends one share.
+    assert got["reduce-scatter"] == {"count": 1, "ring_bytes": 32 * 64 * 2}
+    # An all-reduce is a reduce-scatter and an all-gather of the whole; the
+    # -done half of an async pair is not counted again.
+    assert got["all-reduce"] == {"count": 2, "ring_bytes": 2 * (2 * 128 * 64 * 4 / 2)}
+    assert got["all-to-all"] == {"count": 1, "ring_bytes": 2 * 32 * 32 * 4 / 2}
+    assert "collective-permute" not in got
+
+
+def test_the_ring_share_grows_with_the_group():
+    assert ring_share("all-gather", 4) == 0.75 and ring_share("reduce-scatter", 4) == 3.0
+    assert ring_share("all-reduce", 4) == 1.5
+    assert hlo_collectives(HLO, 4)["all-gather"]["ring_bytes"] == 2 * 64 * 64 * 4 * 0.75
+
+
+def test_ring_seconds_are_bytes_over_bandwidth_plus_a_latency_each():
+    got = {"all-gather": {"count": 2, "ring_bytes": 1e9}, "all-reduce": {"count": 3,
+                                                                          "ring_bytes": 5e8}}
+    assert ring_seconds(got, 1e11, 1e-4) == pytest.approx(1.5e9 / 1e11 + 5 * 1e-4)
+
+
+def _param_bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("data_parallel", ["always", "fsdp"])
+def test_the_report_sets_the_compiled_collectives_beside_the_planned(data_parallel):
+    """Real compiles over two virtual CPUs: data parallel all-reduces every
+    gradient once (XLA may reduce a tied weight's two parts apart, so up to
+    twice its bytes); fsdp gathers parameters. Both priced at the ring the
+    plan was priced with."""
+    w = zoo.get("transformer", small=True, batch=4)
+    args = w.example_args()
+    step = hetpar.auto(w.train_step, devices=TWO, data_parallel=data_parallel)
+    step(*args)
+    got = step.report().step["collectives"]
+    grads = _param_bytes(args[0])
+    compiled = got["compiled"]
+    if data_parallel == "always":
+        assert set(compiled) == {"all-reduce"}
+        assert grads <= compiled["all-reduce"]["ring_bytes"] <= 2 * grads
+    else:
+        assert compiled["all-gather"]["count"] > 0
+        assert "all-reduce" in compiled or "reduce-scatter" in compiled
+    assert got["planned_s"] > 0
+    assert got["compiled_s"] == pytest.approx(ring_seconds(
+        compiled, got["ring"]["bandwidth_bytes_per_s"], got["ring"]["latency_s"]))
+
+
+def test_a_plan_on_one_device_reports_no_collectives():
+    w = zoo.get("mlp", small=True, batch=4)
+    step = hetpar.auto(w.train_step, devices=["cpu:0"])
+    step(*w.example_args())
+    assert "collectives" not in step.report().step
