@@ -280,6 +280,10 @@ def run_cell(args) -> dict:
             out["memory_gb"] = {d: {k: (None if v is None else v / 1e9) for k, v in m.items()}
                                 for d, m in summary["memory"].items()}
             out["first_call"] = summary["first_call"]
+            # A whole step over several GPUs: the collectives the planner priced
+            # beside those its compiled executable moves (run 47: the zoo's fsdp
+            # moved 3.7 GB a GPU where the model counts 30).
+            out["collectives"] = summary.get("collectives")
             if args.timeline and plan is not None:
                 try:
                     out["timeline"] = _timelines(step, state, batch, args.timeline)
