@@ -19,6 +19,19 @@ a plan computes on a CPU beside an accelerator without it. Neither happens where
 it cannot help (not Linux, not glibc 2.35 or later) or where the user named the
 tunable already (`glibc.malloc.hugetlb=0` included) or set HETPAR_NO_HUGE_PAGES.
 Standard library only: the CLI asks before anything imports JAX.
+
+Huge pages make fresh pages cheaper, not rarer: glibc still maps each
+allocation over 32 MB afresh and unmaps it when freed (a thread's own arena
+cannot keep one over 64 MB), so a host update stage faults in its
+temporaries on every call, and inside a step, beside the GPU's transfers,
+that costs more than alone. With `HETPAR_KEEP_FREED_MEMORY` set, the `hetpar`
+command and `hetpar launch` also start Python with one arena that keeps what
+it frees (`KEEP_TUNABLES`): the 0.54B Llama plan updating its state on the
+CPU ran 732 ms a step against 1017 ms, and steadier, but its first call's
+compile took 68 s against 11 s, XLA's compiler threads contending for the one
+arena's lock (experiments/results/fit_h200, run 44). Hence opt-in: for long
+runs whose plan computes on the CPU. `mallopt` cannot do it once the process
+runs: its threads keep the arenas they have.
 """
 
 from __future__ import annotations
@@ -34,6 +47,13 @@ COMPUTING_COMMANDS = frozenset({"run", "profile", "costs"})
 OPT_OUT = "HETPAR_NO_HUGE_PAGES"  # set (to anything, even empty) to keep the process as it starts
 
 
+# Set (to anything): the `hetpar` command and `hetpar launch` start Python with
+# malloc keeping one arena and what it frees (module docstring: the trade).
+KEEP_OPT_IN = "HETPAR_KEEP_FREED_MEMORY"
+KEEP_TUNABLES = ("glibc.malloc.arena_max=1", "glibc.malloc.mmap_max=0",
+                 "glibc.malloc.trim_threshold=68719476736")
+
+
 class HostMemoryWarning(UserWarning):
     """A plan computes on a host CPU in a process without huge pages for malloc."""
 
@@ -45,6 +65,12 @@ def hugetlb_setting(env: Mapping[str, str] = os.environ) -> str | None:
         if name.strip() == "glibc.malloc.hugetlb":
             return value.strip()
     return None
+
+
+def _tunable_named(env: Mapping[str, str], names: Sequence[str]) -> bool:
+    """Whether `env`'s GLIBC_TUNABLES names any of `names` (any value)."""
+    named = {t.partition("=")[0].strip() for t in env.get("GLIBC_TUNABLES", "").split(":")}
+    return any(n in named for n in names)
 
 
 def has_huge_pages(env: Mapping[str, str] = os.environ) -> bool:
@@ -84,22 +110,41 @@ def wants_huge_pages(env: Mapping[str, str], platform: str | None = None,
             and OPT_OUT not in env and glibc_takes_it(libc))
 
 
+def malloc_env(env: Mapping[str, str], platform: str | None = None,
+               libc: str | None = None) -> dict[str, str]:
+    """`env` with the tunables hetpar starts a computing process with: huge
+    pages (`wants_huge_pages`), and where `KEEP_OPT_IN` is set, one arena that
+    keeps what it frees (`KEEP_TUNABLES`, each unless the user names it),
+    on Linux with a glibc that takes them."""
+    out = with_huge_pages(env) if wants_huge_pages(env, platform, libc) else dict(env)
+    if (KEEP_OPT_IN in env and (platform or sys.platform) == "linux"
+            and glibc_takes_it(libc)):
+        have = [t for t in out.get("GLIBC_TUNABLES", "").split(":") if t]
+        add = [t for t in KEEP_TUNABLES if not _tunable_named(out, [t.partition("=")[0]])]
+        if add:
+            out["GLIBC_TUNABLES"] = ":".join([*have, *add])
+    return out
+
+
 def ensure_huge_pages(argv: Sequence[str], env: Mapping[str, str] | None = None, *,
                       execve=None, platform: str | None = None, libc: str | None = None,
                       orig_argv: Sequence[str] | None = None) -> None:
     """Re-executes this process as it was started (`sys.orig_argv`: interpreter
-    options, `-m hetpar` or the console script) with the tunable set, where its
-    sub-command (`argv`) computes on the host CPU and `wants_huge_pages` says so. Returns
-    only where it does not."""
+    options, `-m hetpar` or the console script) with the tunables of
+    `malloc_env` set, where its sub-command (`argv`) computes on the host CPU
+    and they add anything. Returns only where they do not."""
     env = os.environ if env is None else env
     # Any word naming such a sub-command (a flag's value may come first); a word
     # that only looks like one costs a re-exec, nothing else.
     computes = any(a in COMPUTING_COMMANDS for a in argv if not a.startswith("-"))
     started = list(sys.orig_argv if orig_argv is None else orig_argv)
-    if (not computes or not wants_huge_pages(env, platform, libc) or not sys.executable
-            or getattr(sys, "frozen", False) or len(started) < 2):
+    if (not computes or not sys.executable or getattr(sys, "frozen", False)
+            or len(started) < 2):
         return
-    (execve or os.execve)(sys.executable, [sys.executable, *started[1:]], with_huge_pages(env))
+    wanted = malloc_env(env, platform, libc)
+    if wanted.get("GLIBC_TUNABLES") == env.get("GLIBC_TUNABLES"):
+        return
+    (execve or os.execve)(sys.executable, [sys.executable, *started[1:]], wanted)
 
 
 _warned = False

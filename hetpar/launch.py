@@ -103,8 +103,7 @@ def child_env(base: dict, *, process_id: int, num_processes: int, coordinator: s
                              f"processes needs {num_processes * gpus_per_process} GPUs; "
                              f"CUDA_VISIBLE_DEVICES lists {len(ids)}")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
-    if _host_memory.wants_huge_pages(env):
-        env = _host_memory.with_huge_pages(env)
+    env = _host_memory.malloc_env(env)
     # Lines should arrive as they are printed, not when a buffer fills.
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -181,3 +181,70 @@ def test_auto_asks_with_the_platforms_that_compute(fresh_warning, monkeypatch):
     held = {"compute": "cpu:0", "state": "cpu:1", "update": "cpu:0"}
     hetpar.auto(step, plan={"first": "cpu:0", "second": held})(w, x)
     assert seen == [["cpu", "cpu"], ["cpu"]]
+
+
+def test_kept_freed_memory_is_opt_in_and_joins_huge_pages():
+    from hetpar._host_memory import KEEP_OPT_IN, KEEP_TUNABLES, malloc_env
+
+    assert malloc_env({}, "linux", GLIBC) == {"GLIBC_TUNABLES": TUNABLE}
+    kept = malloc_env({KEEP_OPT_IN: "1"}, "linux", GLIBC)["GLIBC_TUNABLES"].split(":")
+    assert kept == [TUNABLE, *KEEP_TUNABLES]
+    # The user's own values stay, huge pages' opt-out included.
+    mine = malloc_env({KEEP_OPT_IN: "", "HETPAR_NO_HUGE_PAGES": "1",
+                       "GLIBC_TUNABLES": "glibc.malloc.arena_max=4"}, "linux", GLIBC)
+    assert mine["GLIBC_TUNABLES"].split(":") == ["glibc.malloc.arena_max=4", *KEEP_TUNABLES[1:]]
+    assert malloc_env({KEEP_OPT_IN: "1"}, "darwin", GLIBC) == {KEEP_OPT_IN: "1"}
+
+
+def test_the_cli_reexecutes_to_keep_freed_memory_where_asked():
+    from hetpar._host_memory import KEEP_OPT_IN, KEEP_TUNABLES
+
+    (call,) = _execs(["run", "x"], {KEEP_OPT_IN: "1", "GLIBC_TUNABLES": TUNABLE})
+    assert call[2]["GLIBC_TUNABLES"] == ":".join([TUNABLE, *KEEP_TUNABLES])
+    assert not _execs(["run", "x"], {KEEP_OPT_IN: "1", "GLIBC_TUNABLES": call[2][
+        "GLIBC_TUNABLES"]})  # all there: no loop
+    assert not _execs(["plan", "x"], {KEEP_OPT_IN: "1"})
+
+
+_UPDATE_FAULTS = """
+import resource, threading
+import jax, jax.numpy as jnp, optax
+params = {f"w{i}": jnp.full((16 * 2**20,), 0.5, jnp.float32) for i in range(4)}  # 4 x 64 MB
+grads = jax.tree.map(lambda p: p * 1e-3, params)
+opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+def update(p, s, g):
+    u, s = opt.update(g, s, p)
+    return optax.apply_updates(p, u), s
+f = jax.jit(update, donate_argnums=(0, 1))
+state = [params, opt.init(params)]
+faults = []
+def calls():  # from a thread of its own, as the runtime's CPU worker calls a stage
+    for _ in range(6):
+        r = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        state[:] = jax.block_until_ready(f(*state, grads))
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r)
+t = threading.Thread(target=calls); t.start(); t.join()
+print(min(faults[2:]))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not glibc_takes_it(),
+                    reason="glibc's tunables on Linux")
+def test_kept_freed_memory_spares_a_cpu_update_its_page_faults():
+    """The real thing, in processes of their own: a donated clipped AdamW over
+    256 MB called from a worker thread faults its temporaries in afresh on
+    every call under glibc's defaults, and (almost) never with
+    `KEEP_TUNABLES` set at start."""
+    from hetpar._host_memory import KEEP_TUNABLES
+
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env["JAX_PLATFORMS"] = "cpu"
+    faults = {}
+    for mode, tunables in (("default", None), ("kept", ":".join(KEEP_TUNABLES))):
+        run_env = dict(env, **({"GLIBC_TUNABLES": tunables} if tunables else {}))
+        out = subprocess.run([sys.executable, "-c", _UPDATE_FAULTS], env=run_env,
+                             capture_output=True, text=True, timeout=240)
+        assert out.returncode == 0, out.stderr[-2000:]
+        faults[mode] = int(out.stdout.split()[-1])
+    assert faults["default"] > 10_000, faults  # 40 MB or more of fresh pages a call
+    assert faults["kept"] < faults["default"] / 10, faults
