@@ -583,6 +583,8 @@ def main(argv=None):
     if args.model:
         print("CELL " + json.dumps(run_cell(args)), flush=True)
         return
+    from hetpar._host_memory import malloc_env
+
     cells = []
     for model in args.models.split(","):
         for fraction in args.fractions.split(","):
@@ -592,7 +594,9 @@ def main(argv=None):
                 # plan's CPU updates otherwise fault in their new state 4 KiB
                 # at a time (run 19: the 0.54B plan's host update stage ran
                 # 536 ms against 260 ms timed alone). jit's cells get it too.
-                env.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+                # (`malloc_env`: HETPAR_KEEP_FREED_MEMORY adds one arena keeping
+                # what it frees, run 44.)
+                env = malloc_env(env)
                 if fraction != "default":
                     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
                 cmd = [sys.executable, __file__, "--model", model, "--fraction", fraction,
