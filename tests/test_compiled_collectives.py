@@ -82,3 +82,18 @@ def test_a_plan_on_one_device_reports_no_collectives():
     step = hetpar.auto(w.train_step, devices=["cpu:0"])
     step(*w.example_args())
     assert "collectives" not in step.report().step
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_ring_fit_takes_bandwidth_from_large_sizes_and_latency_from_a_small_one(n):
+    from hetpar.core import ring_allgather_s
+    from hetpar.runtime._collective_bench import ring_fit
+
+    bw, lat, dispatch = 2.5e11, 2e-5, 4e-5
+    sizes = (64 << 20, 512 << 20)
+    big = tuple(ring_allgather_s(float(s), n, bw, lat) + dispatch for s in sizes)
+    tiny = (ring_allgather_s(float(64 << 10), n, bw, lat) + dispatch, dispatch)
+    assert ring_fit(n, sizes, big, 64 << 10, tiny) == (pytest.approx(bw), pytest.approx(lat))
+    # Noise of 0.2 ms on the small large size moves the latency no more.
+    noisy = (big[0] + 2e-4, big[1])
+    assert ring_fit(n, sizes, noisy, 64 << 10, tiny)[1] == pytest.approx(lat, rel=0.05)
