@@ -296,6 +296,12 @@ def run_cell(args) -> dict:
                 for a in accs:  # (a --tiny run's stand-ins under the GPUs' names)
                     peaks[f"gpu:{accs.index(a)}"] = peaks.get(a)
                 out["predicted_s"] = pred.step_time_s
+                coll = out.get("collectives") or {}
+                if "compiled_s" in coll and "planned_s" in coll:
+                    # The prediction had it priced the compiled step's own
+                    # collectives, none hidden (docs/architecture/planner.md).
+                    out["predicted_compiled_collectives_s"] = (
+                        pred.step_time_s - coll["planned_s"] + coll["compiled_s"])
                 out["predicted_peak_gb"] = {d: None if v is None else v / 1e9
                                             for d, v in peaks.items()}
                 out["memory_caps"] = dict(step.options.memory or {})
