@@ -281,8 +281,9 @@ def run_cell(args) -> dict:
                                 for d, m in summary["memory"].items()}
             out["first_call"] = summary["first_call"]
             # A whole step over several GPUs: the collectives the planner priced
-            # beside those its compiled executable moves (run 47: the zoo's fsdp
-            # moved 3.7 GB a GPU where the model counts 30).
+            # beside those its compiled executable moves, which its prediction
+            # takes (run 47: the zoo's fsdp moved 3.7 GB a GPU where the model
+            # counts 30).
             out["collectives"] = summary.get("collectives")
             if args.timeline and plan is not None:
                 try:
@@ -295,13 +296,11 @@ def run_cell(args) -> dict:
                 peaks = dict(pred.peak_memory_bytes or pred.memory_bytes or {})
                 for a in accs:  # (a --tiny run's stand-ins under the GPUs' names)
                     peaks[f"gpu:{accs.index(a)}"] = peaks.get(a)
-                out["predicted_s"] = pred.step_time_s
-                coll = out.get("collectives") or {}
-                if "compiled_s" in coll and "planned_s" in coll:
-                    # The prediction had it priced the compiled step's own
-                    # collectives, none hidden (docs/architecture/planner.md).
-                    out["predicted_compiled_collectives_s"] = (
-                        pred.step_time_s - coll["planned_s"] + coll["compiled_s"])
+                # The step's prediction (a whole step over several GPUs: with its
+                # compiled collectives, hetpar/_compiled_collectives.py) beside
+                # the planner's own.
+                out["planned_s"] = pred.step_time_s
+                out["predicted_s"] = summary.get("predicted_s") or pred.step_time_s
                 out["predicted_peak_gb"] = {d: None if v is None else v / 1e9
                                             for d, v in peaks.items()}
                 out["memory_caps"] = dict(step.options.memory or {})

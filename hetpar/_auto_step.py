@@ -310,6 +310,9 @@ class AutoStep:
             step.clock.observe(start, out, step)  # waits for the results at first
         if step.first_call.total_s is None:
             step.first_call.ran(start, running)
+            step.compiled_once = True
+            with step.first_call.after("collectives"):
+                step.predicted()  # a whole step's, with what its executable moves
         return out
 
     def _call_nnx_direct(self, args: tuple):

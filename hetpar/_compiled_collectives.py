@@ -8,8 +8,18 @@ partitioner decides what moves op by op. On the zoo's 5.04B transformer over
 two H200s the compiled step's all-gathers and reduce-scatters moved about
 3.7 GB a GPU where the model counts each GPU's 10 GB shard three times, and
 the step ran in 109 ms, shorter than the modelled collectives alone
-(experiments/results/fit_h200x2, runs 45-47). `step.report()` shows both
-(`step["collectives"]`) so that a prediction can be read against what runs.
+(experiments/results/fit_h200x2, runs 45-47). Its collectives' bytes at the
+ring's bandwidth (no latency charged, nothing hidden) are what the step took
+beyond its compute on three models over two H200s: 80.0 ms of 271.4 for the
+6.74B Llama-style model (the compiled bytes 18.4 GB a GPU), 43.2 of 140.1 for
+the Hugging Face 2.9B Llama (9.25 GB), the planner's compute being 191.3 and
+97.3 ms (those two models' bytes read from their compiles for two virtual
+CPUs, whose partitioning moved the zoo model's 3.9 GB against the GPU's 3.7);
+15-16 ms against 24-32 ms for the zoo model (1.09-1.17x its step so
+predicted, against 0.71-0.75x by the model). So once the whole step is compiled
+(at its first call, or before it where it is near full), its prediction
+takes the compiled collectives in place of the planner's model (`repriced`),
+and `step.report()` shows both (`step["collectives"]`).
 
 The HLO text prints each collective's result, not its operands: the bytes a
 member sends or receives follow from the result by the op (`RING_SHARE`).
@@ -68,38 +78,67 @@ def hlo_collectives(text: str, n: int) -> dict[str, dict[str, float]]:
     return {op: v for op, v in out.items() if v["count"]}
 
 
-def ring_seconds(collectives: Mapping[str, Mapping[str, float]], bandwidth: float,
-                 latency: float) -> float:
-    """Seconds the collectives take on a ring of `bandwidth` bytes/s and
-    `latency` s a collective, one after another, none hidden behind compute."""
-    return sum(v["ring_bytes"] / bandwidth + v["count"] * latency for v in collectives.values())
+def ring_seconds(collectives: Mapping[str, Mapping[str, float]], bandwidth: float) -> float:
+    """Seconds the collectives' bytes take at a ring of `bandwidth` bytes/s, one
+    after another, none hidden behind compute and no latency charged per
+    collective: priced so, the compiled steps of three models over two H200s
+    came out at their measured steps less their compute (module docstring)."""
+    return sum(v["ring_bytes"] for v in collectives.values()) / bandwidth
+
+
+def compiled_collectives(step) -> tuple[dict, float] | None:
+    """(`hlo_collectives` of the executable a whole step over several devices
+    in one process runs, its group's ring bandwidth), read once and kept on
+    the step; None for other plans, or before the step is compiled."""
+    cached = getattr(step, "_collectives_read", None)
+    if cached is not None:
+        return cached or None
+    runner, shapes = getattr(step, "_replicated", None), getattr(step, "_replicated_shapes", None)
+    plan, table = step.plan, step.table
+    if (runner is None or shapes is None or runner.size < 2 or plan is None or table is None
+            or not set(plan.replicas) <= {d.name for d in table.devices}):
+        step._collectives_read = ()
+        return None
+    from hetpar.planner._arrays import Arrays
+    from hetpar.planner._evaluate import ring_of
+
+    arr = Arrays(table)
+    bandwidth, _ = ring_of(arr, [arr.dindex[d] for d in plan.replicas])
+    step._collectives_read = (hlo_collectives(runner.executable(shapes).as_text(), runner.size),
+                              bandwidth)
+    return step._collectives_read
+
+
+def repriced(step, predicted):
+    """`predicted` (a whole step's `Predicted`) with its collectives priced as
+    its compiled executable moves them (`ring_seconds`) in place of the
+    planner's model; cost and energy scaled with the step. None where the
+    step has no compiled collectives to read (`compiled_collectives`)."""
+    import dataclasses
+
+    read = compiled_collectives(step)
+    if read is None or predicted is None:
+        return None
+    seconds = ring_seconds(*read)
+    step_s = max(predicted.step_time_s - predicted.transfer_s, 0.0) + seconds
+    scale = step_s / predicted.step_time_s if predicted.step_time_s > 0 else 1.0
+    return dataclasses.replace(predicted, step_time_s=step_s, transfer_s=seconds,
+                               cost_usd_per_step=predicted.cost_usd_per_step * scale,
+                               energy_j_per_step=predicted.energy_j_per_step * scale)
 
 
 def collectives_summary(step) -> dict | None:
     """For `step.report()` (`step["collectives"]`): a whole step run over
-    several devices in one process, its collectives as the planner priced
-    them beside what its compiled executable does. None for other plans.
-
-    `planned_s` is what the prediction adds for collectives (fsdp's after
-    `FSDP_HIDDEN`); `compiled` is `hlo_collectives` of the executable the
-    step runs, and `compiled_s` those at the group's ring (the calibration's
-    timing of its collectives, else its slowest link), none hidden."""
-    runner, shapes = getattr(step, "_replicated", None), getattr(step, "_replicated_shapes", None)
-    if runner is None or shapes is None or runner.size < 2:
+    several devices in one process, its collectives as the planner's model
+    priced them (`planned_s`, fsdp's after `FSDP_HIDDEN`; `planned_step_s`,
+    the planner's whole step) beside what its compiled executable moves
+    (`compiled`, by op) and those at the group's ring (`compiled_s`), which
+    the step's prediction takes. None for other plans."""
+    read = compiled_collectives(step)
+    if read is None:
         return None
-    compiled = hlo_collectives(runner.executable(shapes).as_text(), runner.size)
-    out: dict = {"compiled": compiled}
-    predicted = step.predicted()
-    if predicted is not None:
-        out["planned_s"] = float(predicted.transfer_s)
-    table, replicas = step.table, list(step.plan.replicas) if step.plan is not None else []
-    if table is not None and replicas and all(d in {x.name for x in table.devices}
-                                              for d in replicas):
-        from hetpar.planner._arrays import Arrays
-        from hetpar.planner._evaluate import ring_of
-
-        arr = Arrays(table)
-        bandwidth, latency = ring_of(arr, [arr.dindex[d] for d in replicas])
-        out["ring"] = {"bandwidth_bytes_per_s": bandwidth, "latency_s": latency}
-        out["compiled_s"] = ring_seconds(compiled, bandwidth, latency)
-    return out
+    compiled, bandwidth = read
+    planned = step.plan.predicted
+    return {"compiled": compiled, "compiled_s": ring_seconds(compiled, bandwidth),
+            "ring_bandwidth_bytes_per_s": bandwidth,
+            "planned_s": float(planned.transfer_s), "planned_step_s": float(planned.step_time_s)}

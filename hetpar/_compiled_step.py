@@ -78,7 +78,15 @@ class CompiledStep:
       plan: the planner's Plan (None when given as a dict).
       assignment: layer -> device name.
       stages: the StageGraph (None on the one-device fast path).
+      compiled_once: whether its first call ran (its executables are compiled).
     """
+
+    # A whole step's argument shapes as its first call lowers them, and its
+    # prediction with the compiled collectives (None: not yet priced; False:
+    # nothing to price): hetpar/_compiled_collectives.py.
+    _replicated_shapes = None
+    _repriced = None
+    compiled_once = False
 
     def __init__(self, fn: Callable, args: tuple, options: Options,
                  workers: Workers | None = None):
@@ -178,9 +186,6 @@ class CompiledStep:
         self.stages: StageGraph | None = None
         self._out_tree = self.graph.program.out_tree
         self._replicated = None
-        # The whole step's argument shapes as its first call lowers them (for
-        # `_compiled_collectives.collectives_summary`, after that call).
-        self._replicated_shapes = None
         self._replicated_known = None
         self._executor = None
         self._checked_steps = 0  # calls whose results were waited for (`ready`)
@@ -450,7 +455,13 @@ class CompiledStep:
         the plans it makes.
         """
         if self.plan is not None:
-            return self.plan.predicted
+            # A whole step over several devices, once compiled: its collectives
+            # as the executable moves them (hetpar/_compiled_collectives.py).
+            if self._repriced is None and self.compiled_once:
+                from hetpar._compiled_collectives import repriced
+
+                self._repriced = repriced(self, self.plan.predicted) or False
+            return self._repriced or self.plan.predicted
         if self._given_prediction is None:
             from hetpar.planner import evaluate, evaluate_replayed
 

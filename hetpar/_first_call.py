@@ -60,6 +60,19 @@ class FirstCall:
         self.seconds["run"] = self.seconds.get("run", 0.0) + now - running
         self.total_s = self.before_s + now - start
 
+    @contextlib.contextmanager
+    def after(self, name: str):
+        """A part of the first call after its run (reading what the compiled
+        step moves), counted into `total_s` and as phase `name`."""
+        now = time.perf_counter()
+        try:
+            yield
+        finally:
+            took = time.perf_counter() - now
+            self.seconds[name] = self.seconds.get(name, 0.0) + took
+            if self.total_s is not None:
+                self.total_s += took
+
     def absorb(self, earlier: FirstCall) -> None:
         """Adds the phases of a step built before this one for the same call (a
         plan whose compiled stages did not fit, planned again)."""

@@ -43,10 +43,10 @@ def test_the_ring_share_grows_with_the_group():
     assert hlo_collectives(HLO, 4)["all-gather"]["ring_bytes"] == 2 * 64 * 64 * 4 * 0.75
 
 
-def test_ring_seconds_are_bytes_over_bandwidth_plus_a_latency_each():
+def test_ring_seconds_are_the_bytes_over_the_bandwidth():
     got = {"all-gather": {"count": 2, "ring_bytes": 1e9}, "all-reduce": {"count": 3,
                                                                           "ring_bytes": 5e8}}
-    assert ring_seconds(got, 1e11, 1e-4) == pytest.approx(1.5e9 / 1e11 + 5 * 1e-4)
+    assert ring_seconds(got, 1e11) == pytest.approx(1.5e9 / 1e11)
 
 
 def _param_bytes(tree) -> int:
@@ -74,7 +74,14 @@ def test_the_report_sets_the_compiled_collectives_beside_the_planned(data_parall
         assert "all-reduce" in compiled or "reduce-scatter" in compiled
     assert got["planned_s"] > 0
     assert got["compiled_s"] == pytest.approx(ring_seconds(
-        compiled, got["ring"]["bandwidth_bytes_per_s"], got["ring"]["latency_s"]))
+        compiled, got["ring_bandwidth_bytes_per_s"]))
+    # The step's prediction takes the compiled collectives in place of the
+    # planner's; the plan keeps the planner's own.
+    summary = step.report().step
+    assert summary["predicted_s"] == pytest.approx(
+        got["planned_step_s"] - got["planned_s"] + got["compiled_s"])
+    assert step.plan.predicted.step_time_s == pytest.approx(got["planned_step_s"])
+    assert summary["first_call"]["phases"]["collectives"] >= 0
 
 
 def test_a_plan_on_one_device_reports_no_collectives():
