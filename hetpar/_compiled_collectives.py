@@ -16,10 +16,10 @@ the Hugging Face 2.9B Llama (9.25 GB), the planner's compute being 191.3 and
 97.3 ms (those two models' bytes read from their compiles for two virtual
 CPUs, whose partitioning moved the zoo model's 3.9 GB against the GPU's 3.7);
 15-16 ms against 24-32 ms for the zoo model (1.09-1.17x its step so
-predicted, against 0.71-0.75x by the model). So once the whole step is compiled
-(at its first call, or before it where it is near full), its prediction
-takes the compiled collectives in place of the planner's model (`repriced`),
-and `step.report()` shows both (`step["collectives"]`).
+predicted, against 0.71-0.75x by the model). So once a sharded step (zero1, fsdp) has
+compiled at its first call, its prediction takes the compiled collectives in
+place of the planner's model (`repriced`), and `step.report()` shows both
+(`step["collectives"]`, for replicated steps too).
 
 The HLO text prints each collective's result, not its operands: the bytes a
 member sends or receives follow from the result by the op (`RING_SHARE`).
@@ -31,15 +31,13 @@ import re
 from collections.abc import Mapping
 
 import numpy as np
+from absl import logging
 
 OPS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
-                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
-                "c64": 8, "c128": 16}
-# `%name = TYPE op(` or `op-start(`: TYPE is an array or a tuple of arrays.
-_LINE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(OPS) + r")(-start)?\(")
-_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+# `%name = TYPE op(` or `op-start(` (TYPE: an array, or a tuple, perhaps nested).
+_LINE = re.compile(r"=\s*(.+?)\s+(" + "|".join(OPS) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b([a-z]+)(\d+)[a-z0-9]*\[([\d,]*)\]")
 
 
 def ring_share(op: str, n: int) -> float:
@@ -53,16 +51,45 @@ def ring_share(op: str, n: int) -> float:
             "collective-permute": 1.0}[op]
 
 
-def _result_bytes(type_text: str, op: str, started: bool) -> float:
-    arrays = [_DTYPE_BYTES.get(dtype, 4) * float(np.prod([int(d) for d in dims.split(",") if d]))
-              for dtype, dims in _ARRAY.findall(type_text)]
-    if not arrays:
-        return 0.0
-    if started and op == "all-gather":  # (operands..., results...)
-        return sum(arrays[len(arrays) // 2:])
-    if started and op == "collective-permute":  # (operand, result, contexts...)
-        return arrays[1] if len(arrays) > 1 else arrays[0]
-    return sum(arrays)
+def _array_bytes(type_text: str) -> float:
+    """Bytes of every array a type names, by its element type's width
+    (f32, bf16, s4, f8e4m3fn, c64, ...); `pred` is a byte."""
+    total = 0.0
+    for _kind, bits, dims in _ARRAY.findall(type_text.replace("pred[", "u8[")):
+        width = int(bits) / 8
+        total += width * float(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
+def _elements(type_text: str) -> list[str]:
+    """The top-level elements of a tuple type (`((a, b), c)` -> ["(a, b)", "c"]);
+    [type_text] for an array."""
+    t = type_text.strip()
+    if not t.startswith("("):
+        return [t]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(t):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+            if depth == 0:
+                out.append(t[start:i])
+                break
+        elif ch == "," and depth == 1:
+            out.append(t[start:i])
+            start = i + 1
+    return [e.strip() for e in out]
+
+
+def _result_bytes(type_text: str, started: bool) -> float:
+    """Bytes of a collective's result: its whole type for a synchronous op; for
+    an async start, whose type is (operands, result, contexts...), its
+    second element."""
+    parts = _elements(type_text)
+    if started and len(parts) > 1:
+        return _array_bytes(parts[1])
+    return _array_bytes(type_text)
 
 
 def hlo_collectives(text: str, n: int) -> dict[str, dict[str, float]]:
@@ -72,10 +99,21 @@ def hlo_collectives(text: str, n: int) -> dict[str, dict[str, float]]:
     bytes each member sends over a ring for them (`ring_share`). Async pairs
     are counted by their start."""
     out = {op: {"count": 0, "ring_bytes": 0.0} for op in OPS}
-    for type_text, op, started in _LINE.findall(text):
+    for line in text.splitlines():
+        m = _LINE.search(line)
+        if m is None:
+            continue
+        type_text, op, started = m.groups()
         out[op]["count"] += 1
-        out[op]["ring_bytes"] += _result_bytes(type_text, op, bool(started)) * ring_share(op, n)
+        out[op]["ring_bytes"] += _result_bytes(type_text, bool(started)) * ring_share(op, n)
     return {op: v for op, v in out.items() if v["count"]}
+
+
+def in_loops(text: str) -> bool:
+    """Whether a compiled HLO text has a `while` loop: a collective in its body
+    runs once per trip, which `hlo_collectives` (counting lines) does not
+    know (a `lax.scan` over layers, gradient accumulation)."""
+    return re.search(r"\swhile\(", text) is not None
 
 
 def ring_seconds(collectives: Mapping[str, Mapping[str, float]], bandwidth: float) -> float:
@@ -86,40 +124,51 @@ def ring_seconds(collectives: Mapping[str, Mapping[str, float]], bandwidth: floa
     return sum(v["ring_bytes"] for v in collectives.values()) / bandwidth
 
 
-def compiled_collectives(step) -> tuple[dict, float] | None:
+def compiled_collectives(step) -> tuple[dict, float, bool] | None:
     """(`hlo_collectives` of the executable a whole step over several devices
-    in one process runs, its group's ring bandwidth), read once and kept on
-    the step; None for other plans, or before the step is compiled."""
+    in one process runs, its group's ring bandwidth, whether the program
+    loops: `in_loops`), read once its first call compiled it and kept on the
+    step; None for other plans, before that call, or where the executable
+    cannot be read (a backend without HLO text: the step's results stand)."""
     cached = getattr(step, "_collectives_read", None)
     if cached is not None:
         return cached or None
+    if not step.compiled_once:  # reading it now would compile it (report() before a call)
+        return None
     runner, shapes = getattr(step, "_replicated", None), getattr(step, "_replicated_shapes", None)
     plan, table = step.plan, step.table
+    step._collectives_read = ()
     if (runner is None or shapes is None or runner.size < 2 or plan is None or table is None
             or not set(plan.replicas) <= {d.name for d in table.devices}):
-        step._collectives_read = ()
         return None
     from hetpar.planner._arrays import Arrays
     from hetpar.planner._evaluate import ring_of
 
     arr = Arrays(table)
     bandwidth, _ = ring_of(arr, [arr.dindex[d] for d in plan.replicas])
-    step._collectives_read = (hlo_collectives(runner.executable(shapes).as_text(), runner.size),
-                              bandwidth)
+    try:  # jit's cache serves the executable its first call compiled
+        text = runner.executable(shapes).as_text()
+    except Exception as e:  # noqa: BLE001 - the prediction keeps the planner's figure
+        logging.info("hetpar: the compiled step's collectives could not be read (%s)", e)
+        return None
+    step._collectives_read = (hlo_collectives(text, runner.size), bandwidth, in_loops(text))
     return step._collectives_read
 
 
 def repriced(step, predicted):
     """`predicted` (a whole step's `Predicted`) with its collectives priced as
     its compiled executable moves them (`ring_seconds`) in place of the
-    planner's model; cost and energy scaled with the step. None where the
-    step has no compiled collectives to read (`compiled_collectives`)."""
+    planner's model; cost and energy scaled with the step. Sharded state
+    only (zero1, fsdp): a replicated step's all-reduce is the model's own
+    (and what the calibration fits its compute to, timing that step whole).
+    None where there is nothing to price: another plan, collectives in a
+    loop (`in_loops`: counted once, run once a trip), nothing read."""
     import dataclasses
 
     read = compiled_collectives(step)
-    if read is None or predicted is None:
+    if read is None or predicted is None or not step.plan.sharding or read[2]:
         return None
-    seconds = ring_seconds(*read)
+    seconds = ring_seconds(read[0], read[1])
     step_s = max(predicted.step_time_s - predicted.transfer_s, 0.0) + seconds
     scale = step_s / predicted.step_time_s if predicted.step_time_s > 0 else 1.0
     return dataclasses.replace(predicted, step_time_s=step_s, transfer_s=seconds,
@@ -132,13 +181,14 @@ def collectives_summary(step) -> dict | None:
     several devices in one process, its collectives as the planner's model
     priced them (`planned_s`, fsdp's after `FSDP_HIDDEN`; `planned_step_s`,
     the planner's whole step) beside what its compiled executable moves
-    (`compiled`, by op) and those at the group's ring (`compiled_s`), which
-    the step's prediction takes. None for other plans."""
+    (`compiled`, by op; `in_loops`) and those at the group's ring
+    (`compiled_s`), which a sharded step's prediction takes (`repriced`).
+    None for other plans, or before the step's first call."""
     read = compiled_collectives(step)
     if read is None:
         return None
-    compiled, bandwidth = read
+    compiled, bandwidth, loops = read
     planned = step.plan.predicted
     return {"compiled": compiled, "compiled_s": ring_seconds(compiled, bandwidth),
-            "ring_bandwidth_bytes_per_s": bandwidth,
+            "in_loops": loops, "ring_bandwidth_bytes_per_s": bandwidth,
             "planned_s": float(planned.transfer_s), "planned_step_s": float(planned.step_time_s)}

@@ -6,7 +6,7 @@ import pytest
 
 import hetpar
 from hetpar import zoo
-from hetpar._compiled_collectives import hlo_collectives, ring_seconds, ring_share
+from hetpar._compiled_collectives import hlo_collectives, in_loops, ring_seconds, ring_share
 
 TWO = ["cpu:0", "cpu:1"]
 
@@ -37,6 +37,31 @@ def test_collectives_are_read_from_their_results_by_the_op():
     assert "collective-permute" not in got
 
 
+ASYNC = """
+  %rss = ((f32[64,64]{1,0}), f32[32,64]{1,0}) reduce-scatter-start(%x), dimensions={0}
+  %rsd = f32[32,64]{1,0} reduce-scatter-done(%rss)
+  %cps = ((f32[4], f32[8]), (f32[4], f32[8]), u32[], u32[]) collective-permute-start(%a, %b)
+  %a2a = ((s4[64]{0}), f8e4m3fn[64]{0}) all-to-all-start(%q)
+  %tok = pred[16]{0} all-reduce(%m), to_apply=%or
+"""
+
+
+def test_an_async_start_is_read_by_its_result_whatever_the_nesting():
+    """XLA prints an async start as (operands, result, contexts...): the result
+    is its second element, a tuple itself for a combined op. Element widths
+    come from the type (s4 half a byte, f8 one, pred one)."""
+    got = hlo_collectives(ASYNC, 2)
+    assert got["reduce-scatter"] == {"count": 1, "ring_bytes": 32 * 64 * 4}
+    assert got["collective-permute"] == {"count": 1, "ring_bytes": (4 + 8) * 4}
+    assert got["all-to-all"] == {"count": 1, "ring_bytes": 64 * 1 / 2}
+    assert got["all-reduce"] == {"count": 1, "ring_bytes": 16}
+
+
+def test_a_while_loop_is_seen():
+    assert not in_loops(HLO)
+    assert in_loops(HLO + "  %w = (s32[], f32[8]{0}) while(%t), condition=%c, body=%b\n")
+
+
 def test_the_ring_share_grows_with_the_group():
     assert ring_share("all-gather", 4) == 0.75 and ring_share("reduce-scatter", 4) == 3.0
     assert ring_share("all-reduce", 4) == 1.5
@@ -57,31 +82,81 @@ def _param_bytes(tree) -> int:
 def test_the_report_sets_the_compiled_collectives_beside_the_planned(data_parallel):
     """Real compiles over two virtual CPUs: data parallel all-reduces every
     gradient once (XLA may reduce a tied weight's two parts apart, so up to
-    twice its bytes); fsdp gathers parameters. Both priced at the ring the
-    plan was priced with."""
+    twice its bytes); fsdp gathers parameters. A sharded step's prediction
+    takes the compiled collectives; a replicated one keeps the planner's
+    (its all-reduce is what the calibration fits the compute to)."""
     w = zoo.get("transformer", small=True, batch=4)
     args = w.example_args()
     step = hetpar.auto(w.train_step, devices=TWO, data_parallel=data_parallel)
     step(*args)
-    got = step.report().step["collectives"]
+    summary = step.report().step
+    got = summary["collectives"]
     grads = _param_bytes(args[0])
     compiled = got["compiled"]
+    assert got["compiled_s"] == pytest.approx(ring_seconds(
+        compiled, got["ring_bandwidth_bytes_per_s"]))
+    assert got["planned_s"] > 0 and not got["in_loops"]
+    assert step.plan.predicted.step_time_s == pytest.approx(got["planned_step_s"])
+    assert summary["first_call"]["phases"]["collectives"] >= 0
     if data_parallel == "always":
         assert set(compiled) == {"all-reduce"}
         assert grads <= compiled["all-reduce"]["ring_bytes"] <= 2 * grads
+        assert summary["predicted_s"] == pytest.approx(got["planned_step_s"])
     else:
         assert compiled["all-gather"]["count"] > 0
         assert "all-reduce" in compiled or "reduce-scatter" in compiled
-    assert got["planned_s"] > 0
-    assert got["compiled_s"] == pytest.approx(ring_seconds(
-        compiled, got["ring_bandwidth_bytes_per_s"]))
-    # The step's prediction takes the compiled collectives in place of the
-    # planner's; the plan keeps the planner's own.
+        assert summary["predicted_s"] == pytest.approx(
+            got["planned_step_s"] - got["planned_s"] + got["compiled_s"])
+
+
+def _scanned_step():
+    """A plain-JAX step whose layers run under `lax.scan`, as users write deep
+    stacks: under fsdp its collectives sit in the loop's body."""
+    import jax.numpy as jnp
+    import optax
+
+    opt = optax.adam(1e-3)
+
+    def step(params, opt_state, batch):
+        def loss(p):
+            def layer(h, w):
+                return jnp.tanh(h @ w), None
+
+            h, _ = jax.lax.scan(layer, batch, p["w"])
+            return (h ** 2).mean()
+
+        val, g = jax.value_and_grad(loss)(params)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, val
+
+    params = {"w": jnp.ones((6, 16, 16)) * 0.05}
+    return step, (params, opt.init(params), jnp.ones((8, 16)))
+
+
+def test_collectives_in_a_loop_leave_the_planners_prediction():
+    step_fn, args = _scanned_step()
+    step = hetpar.auto(step_fn, devices=TWO, data_parallel="fsdp")
+    step(*args)
     summary = step.report().step
-    assert summary["predicted_s"] == pytest.approx(
-        got["planned_step_s"] - got["planned_s"] + got["compiled_s"])
-    assert step.plan.predicted.step_time_s == pytest.approx(got["planned_step_s"])
-    assert summary["first_call"]["phases"]["collectives"] >= 0
+    assert summary["collectives"]["in_loops"]
+    assert summary["predicted_s"] == pytest.approx(step.plan.predicted.step_time_s)
+
+
+def test_a_step_whose_collectives_cannot_be_read_keeps_its_results(monkeypatch):
+    from hetpar.runtime._replicated import Replicated
+
+    def broken(self, shapes):
+        raise NotImplementedError("no HLO text on this backend")
+
+    monkeypatch.setattr(Replicated, "executable", broken)
+    w = zoo.get("mlp", small=True, batch=4)
+    args = w.example_args()
+    step = hetpar.auto(w.train_step, devices=TWO, data_parallel="fsdp")
+    out = step(*args)
+    assert len(out) == 3  # the step's results came back
+    summary = step.report().step
+    assert "collectives" not in summary
+    assert summary["predicted_s"] == pytest.approx(step.plan.predicted.step_time_s)
 
 
 def test_a_plan_on_one_device_reports_no_collectives():
