@@ -135,6 +135,13 @@ def compiled_collectives(step) -> tuple[dict, float, bool] | None:
         return cached or None
     if not step.compiled_once:  # reading it now would compile it (report() before a call)
         return None
+    import jax
+
+    if getattr(jax.config, "jax_enable_pgle", False):
+        # Under profile-guided compilation the call's executable is keyed apart
+        # from `lower()`'s: reading it would compile the step again.
+        step._collectives_read = ()
+        return None
     runner, shapes = getattr(step, "_replicated", None), getattr(step, "_replicated_shapes", None)
     plan, table = step.plan, step.table
     step._collectives_read = ()
