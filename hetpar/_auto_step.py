@@ -312,7 +312,7 @@ class AutoStep:
             step.first_call.ran(start, running)
             step.compiled_once = True
             with step.first_call.after("collectives"):
-                step.predicted()  # a whole step's, with what its executable moves
+                step.predicted()  # a sharded step's reads what its executable moves
         return out
 
     def _call_nnx_direct(self, args: tuple):

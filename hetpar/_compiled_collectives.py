@@ -172,8 +172,10 @@ def repriced(step, predicted):
     loop (`in_loops`: counted once, run once a trip), nothing read."""
     import dataclasses
 
+    if predicted is None or step.plan is None or not step.plan.sharding:
+        return None  # (checked first: a replicated step's HLO is read for its report alone)
     read = compiled_collectives(step)
-    if read is None or predicted is None or not step.plan.sharding or read[2]:
+    if read is None or read[2]:
         return None
     seconds = ring_seconds(read[0], read[1])
     step_s = max(predicted.step_time_s - predicted.transfer_s, 0.0) + seconds

@@ -81,11 +81,10 @@ class CompiledStep:
       compiled_once: whether its first call ran (its executables are compiled).
     """
 
-    # A whole step's argument shapes as its first call lowers them, and its
-    # prediction with the compiled collectives (None: not yet priced; False:
-    # nothing to price): hetpar/_compiled_collectives.py.
+    # A whole step's argument shapes as its first call lowers them, and what
+    # its executable moves once read (hetpar/_compiled_collectives.py).
     _replicated_shapes = None
-    _repriced = None
+    _collectives_read = None
     compiled_once = False
 
     def __init__(self, fn: Callable, args: tuple, options: Options,
@@ -455,13 +454,11 @@ class CompiledStep:
         the plans it makes.
         """
         if self.plan is not None:
-            # A whole step over several devices, once compiled: its collectives
-            # as the executable moves them (hetpar/_compiled_collectives.py).
-            if self._repriced is None and self.compiled_once:
-                from hetpar._compiled_collectives import repriced
+            # A sharded step, once compiled: its collectives as its executable
+            # moves them (hetpar/_compiled_collectives.py).
+            from hetpar._compiled_collectives import repriced
 
-                self._repriced = repriced(self, self.plan.predicted) or False
-            return self._repriced or self.plan.predicted
+            return repriced(self, self.plan.predicted) or self.plan.predicted
         if self._given_prediction is None:
             from hetpar.planner import evaluate, evaluate_replayed
 
