@@ -174,6 +174,16 @@ def test_sharded_state_over_two_gpus_equals_jit(stage):
         step = hetpar.auto(w.train_step, devices=["gpu:0", "gpu:1"], data_parallel=stage)
         check_steps(w.train_step, step, args)
     assert step.lower(*args).plan.sharding == stage
+    # The collectives read from the GPU's compiled HLO (NCCL's async forms),
+    # and the prediction re-priced on them.
+    summary = step.report().step
+    got = summary["collectives"]
+    assert got is not None and not got["in_loops"]
+    assert sum(op["ring_bytes"] for op in got["compiled"].values()) > 0
+    if stage == "fsdp":
+        assert got["compiled"]["all-gather"]["count"] > 0
+    assert summary["predicted_s"] == pytest.approx(
+        got["planned_step_s"] - got["planned_s"] + got["compiled_s"])
 
 
 def test_the_first_call_over_two_gpus_times_their_collectives(monkeypatch, tmp_path):
