@@ -220,15 +220,18 @@ class CompiledStep:
                 fn = self._static.pure_step
             self._replicated = _whole_step(
                 fn, [self.devices[d] for d in replicas], args, self._batch_argnums, self.plan,
-                self.graph, donate_argnums=() if self._static else self._donated)
-            if self._static is None and not multi:
+                self.graph, donate_argnums=self._donated)
+            if not multi:
+                # (`args` are the traced leaves alone where the step has static
+                # ones, as the runner takes them: an Equinox model's.)
                 self._replicated_shapes = self._replicated.shapes(args)
+            if self._static is None and not multi:
                 # Later calls with these leaves' shapes and dtypes go straight
                 # to its jit (`call_known`): the full path's checks of GPT-2's
                 # 446 leaves cost more than a batch-16 step's GPU time.
                 self._replicated_known = fast_signature(args)
             used = list(replicas)
-            if not multi and self._static is None and worth_compiling(self, replicas):
+            if not multi and worth_compiling(self, replicas):
                 # Compiled now (jit's cache serves the first call), its
                 # per-device memory checked before anything runs.
                 with self.first_call.phase("compile"):

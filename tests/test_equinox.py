@@ -420,3 +420,60 @@ def test_gpt_on_one_device_equals_filter_jit():
     out = train(hetpar.auto(gpt_step, devices="cpu:0"), *args)
     assert_close(out, train(eqx.filter_jit(gpt_step), *args))
     assert out[0].blocks[0].attention.dropout.inference is False  # static, given back
+
+
+CHAIN = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+
+
+def chained_gpt_step(model, opt_state, tokens, labels):
+    """`gpt_step` with the optimizer large models train with: clip, then AdamW."""
+    def loss(model):
+        logits = jax.vmap(model)(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    loss_value, grads = eqx.filter_value_and_grad(loss)(model)
+    updates, opt_state = CHAIN.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, loss_value
+
+
+@pytest.mark.slow  # compiles the GPT over two devices twice: ~10 s on 2 cores
+@pytest.mark.parametrize("stage", ["fsdp", "zero1"])
+def test_gpt_with_sharded_state_over_two_devices_equals_filter_jit(stage, monkeypatch):
+    """An Equinox model's state split over two devices (its batch split too,
+    GSPMD inserting the collectives): the model comes back whole, its static
+    leaves as given, and equals `eqx.filter_jit`'s. As for a step without
+    static leaves, its executable's memory is checked before it runs and its
+    collectives are read for the report."""
+    from hetpar import _memory_check
+
+    monkeypatch.setattr(_memory_check, "CHECK_FROM", 0.0)  # checked whatever the prediction
+    model = GPT(jax.random.key(0), width=16)
+    tokens = jax.random.randint(jax.random.key(1), (4, 5), 0, 16)
+    args = (model, CHAIN.init(eqx.filter(model, eqx.is_array)), tokens, jnp.roll(tokens, -1, 1))
+    step = hetpar.auto(chained_gpt_step, devices=["cpu:0", "cpu:1"], data_parallel=stage,
+                       batch_argnums=(2, 3))
+    out = train(step, *args)
+    assert step.lower(*args).plan.sharding == stage
+    assert_close(out, train(eqx.filter_jit(chained_gpt_step), *args))
+    assert out[0].blocks[0].attention.dropout.inference is False
+    report = step.report().step
+    assert all(m["compiled"] for m in report["memory"].values())
+    assert report["collectives"]["compiled"]["all-gather" if stage == "fsdp" else "all-reduce"]
+
+
+@pytest.mark.slow  # compiles the GPT over two devices: ~5 s on 2 cores
+def test_gpt_data_parallel_donates_the_model_and_optimizer_state():
+    """`donate_argnums` on a data-parallel Equinox step, as `eqx.filter_jit(donate=...)`
+    has it: the state passed is given up (its arrays deleted) and the steps
+    equal `eqx.filter_jit`'s on a fresh copy."""
+    def args():
+        model = GPT(jax.random.key(0), width=16)
+        tokens = jax.random.randint(jax.random.key(1), (4, 5), 0, 16)
+        return model, CHAIN.init(eqx.filter(model, eqx.is_array)), tokens, jnp.roll(tokens, -1, 1)
+
+    given = args()
+    step = hetpar.auto(chained_gpt_step, devices=["cpu:0", "cpu:1"], data_parallel="always",
+                       batch_argnums=(2, 3), donate_argnums=(0, 1))
+    out = train(step, *given)
+    assert all(x.is_deleted() for x in jax.tree.leaves(eqx.filter(given[:2], eqx.is_array)))
+    assert_close(out, train(eqx.filter_jit(chained_gpt_step), *args()))

@@ -269,3 +269,17 @@ def test_haiku_split_plan_and_microbatches_equal_jit():
     mb_update = haiku_step(net, tx, hetpar.value_and_grad)
     step = hetpar.auto(mb_update, microbatches=2, plan=half_plan(mb_update, args))
     check_equals_jit(step, update, args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["fsdp", "zero1"])
+def test_haiku_with_sharded_state_over_two_devices_equals_jit(stage):
+    """A Haiku step with clipped AdamW, its state split over two devices:
+    each step equals `jax.jit`'s on the state hetpar returned."""
+    net = haiku_net()
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    update = haiku_step(net, tx, jax.value_and_grad)
+    args = haiku_args(net, tx)
+    step = hetpar.auto(update, devices=["cpu:0", "cpu:1"], data_parallel=stage)
+    check_equals_jit(step, update, args)
+    assert step.lower(*args).plan.sharding == stage
