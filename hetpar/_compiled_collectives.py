@@ -21,6 +21,17 @@ compiled at its first call, its prediction takes the compiled collectives in
 place of the planner's model (`repriced`), and `step.report()` shows both
 (`step["collectives"]`, for replicated steps too).
 
+Run on the GPUs (run 48, the bytes now read from the GPUs' own compiles):
+1.04x for the 6.74B model (269.5 ms measured, 259.3 predicted) and 1.08x for
+the HF 2.9B (138.5, 127.7), but 1.20x for the zoo model (112.9, 93.7). The
+zoo model's step alone has 98 all-reduces, of 8 kB each (its biases' and
+norms' gradients; the Llama models have one, of the loss); at the ring's
+latency as the calibration timed it on that machine (109 us) they come to
+10.7 ms, and its step to 104.4 ms (1.08x), where the other two move by less
+than 0.1 ms. So each all-reduce is charged the ring's latency; the
+all-gathers and reduce-scatters (hundreds, 5-30 MB each) are not: charged
+it, the 6.74B model's step would be predicted 0.84x.
+
 The HLO text prints each collective's result, not its operands: the bytes a
 member sends or receives follow from the result by the op (`RING_SHARE`).
 """
@@ -29,6 +40,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 from absl import logging
@@ -116,20 +128,40 @@ def in_loops(text: str) -> bool:
     return re.search(r"\swhile\(", text) is not None
 
 
-def ring_seconds(collectives: Mapping[str, Mapping[str, float]], bandwidth: float) -> float:
-    """Seconds the collectives' bytes take at a ring of `bandwidth` bytes/s, one
-    after another, none hidden behind compute and no latency charged per
-    collective: priced so, the compiled steps of three models over two H200s
-    came out at their measured steps less their compute (module docstring)."""
-    return sum(v["ring_bytes"] for v in collectives.values()) / bandwidth
+def ring_seconds(collectives: Mapping[str, Mapping[str, float]], bandwidth: float,
+                 latency: float = 0.0) -> float:
+    """Seconds the collectives take at a ring of `bandwidth` bytes/s and
+    `latency` s a step: their bytes one after another, none hidden behind
+    compute, and the latency once per all-reduce only (module docstring:
+    a sharded step's all-gathers and reduce-scatters run ahead of the
+    layers that need them, its all-reduces of leaves of a few kB do not)."""
+    reduces = collectives.get("all-reduce", {}).get("count", 0)
+    return sum(v["ring_bytes"] for v in collectives.values()) / bandwidth + latency * reduces
 
 
-def compiled_collectives(step) -> tuple[dict, float, bool] | None:
-    """(`hlo_collectives` of the executable a whole step over several devices
-    in one process runs, its group's ring bandwidth, whether the program
-    loops: `in_loops`), read once its first call compiled it and kept on the
-    step; None for other plans, before that call, or where the executable
-    cannot be read (a backend without HLO text: the step's results stand)."""
+class Read(NamedTuple):
+    """What `compiled_collectives` read: `hlo_collectives` of the executable,
+    its group's ring (`bandwidth` bytes/s, `latency` s a ring step, as the
+    calibration timed it or the spec sheets give it) and whether the
+    program loops (`in_loops`)."""
+
+    by_op: dict
+    bandwidth: float
+    latency: float
+    in_loops: bool
+
+    @property
+    def seconds(self) -> float:
+        """The collectives at the ring (`ring_seconds`)."""
+        return ring_seconds(self.by_op, self.bandwidth, self.latency)
+
+
+def compiled_collectives(step) -> Read | None:
+    """The collectives of the executable a whole step over several devices in
+    one process runs (`Read`), read once its first call compiled it and kept
+    on the step; None for other plans, before that call, or where the
+    executable cannot be read (a backend without HLO text: the step's
+    results stand)."""
     cached = getattr(step, "_collectives_read", None)
     if cached is not None:
         return cached or None
@@ -152,13 +184,14 @@ def compiled_collectives(step) -> tuple[dict, float, bool] | None:
     from hetpar.planner._evaluate import ring_of
 
     arr = Arrays(table)
-    bandwidth, _ = ring_of(arr, [arr.dindex[d] for d in plan.replicas])
+    bandwidth, latency = ring_of(arr, [arr.dindex[d] for d in plan.replicas])
     try:  # jit's cache serves the executable its first call compiled
         text = runner.executable(shapes).as_text()
     except Exception as e:  # noqa: BLE001 - the prediction keeps the planner's figure
         logging.info("hetpar: the compiled step's collectives could not be read (%s)", e)
         return None
-    step._collectives_read = (hlo_collectives(text, runner.size), bandwidth, in_loops(text))
+    step._collectives_read = Read(hlo_collectives(text, runner.size), float(bandwidth),
+                                  float(latency), in_loops(text))
     return step._collectives_read
 
 
@@ -175,9 +208,9 @@ def repriced(step, predicted):
     if predicted is None or step.plan is None or not step.plan.sharding:
         return None  # (checked first: a replicated step's HLO is read for its report alone)
     read = compiled_collectives(step)
-    if read is None or read[2]:
+    if read is None or read.in_loops:
         return None
-    seconds = ring_seconds(read[0], read[1])
+    seconds = read.seconds
     step_s = max(predicted.step_time_s - predicted.transfer_s, 0.0) + seconds
     scale = step_s / predicted.step_time_s if predicted.step_time_s > 0 else 1.0
     return dataclasses.replace(predicted, step_time_s=step_s, transfer_s=seconds,
@@ -196,8 +229,7 @@ def collectives_summary(step) -> dict | None:
     read = compiled_collectives(step)
     if read is None:
         return None
-    compiled, bandwidth, loops = read
     planned = step.plan.predicted
-    return {"compiled": compiled, "compiled_s": ring_seconds(compiled, bandwidth),
-            "in_loops": loops, "ring_bandwidth_bytes_per_s": bandwidth,
+    return {"compiled": read.by_op, "compiled_s": read.seconds, "in_loops": read.in_loops,
+            "ring_bandwidth_bytes_per_s": read.bandwidth, "ring_latency_s": read.latency,
             "planned_s": float(planned.transfer_s), "planned_step_s": float(planned.step_time_s)}

@@ -68,10 +68,13 @@ def test_the_ring_share_grows_with_the_group():
     assert hlo_collectives(HLO, 4)["all-gather"]["ring_bytes"] == 2 * 64 * 64 * 4 * 0.75
 
 
-def test_ring_seconds_are_the_bytes_over_the_bandwidth():
+def test_ring_seconds_are_the_bytes_over_the_bandwidth_and_a_latency_per_all_reduce():
     got = {"all-gather": {"count": 2, "ring_bytes": 1e9}, "all-reduce": {"count": 3,
                                                                           "ring_bytes": 5e8}}
     assert ring_seconds(got, 1e11) == pytest.approx(1.5e9 / 1e11)
+    assert ring_seconds(got, 1e11, 1e-4) == pytest.approx(1.5e9 / 1e11 + 3e-4)
+    del got["all-reduce"]
+    assert ring_seconds(got, 1e11, 1e-4) == pytest.approx(1e9 / 1e11)
 
 
 def _param_bytes(tree) -> int:
@@ -94,7 +97,8 @@ def test_the_report_sets_the_compiled_collectives_beside_the_planned(data_parall
     grads = _param_bytes(args[0])
     compiled = got["compiled"]
     assert got["compiled_s"] == pytest.approx(ring_seconds(
-        compiled, got["ring_bandwidth_bytes_per_s"]))
+        compiled, got["ring_bandwidth_bytes_per_s"], got["ring_latency_s"]))
+    assert got["ring_latency_s"] > 0
     assert got["planned_s"] > 0 and not got["in_loops"]
     assert step.plan.predicted.step_time_s == pytest.approx(got["planned_step_s"])
     assert summary["first_call"]["phases"]["collectives"] >= 0
