@@ -379,14 +379,21 @@ class GPT(eqx.Module):
         return jax.vmap(self.head)(jax.vmap(self.norm)(x))
 
 
-def gpt_step(model, opt_state, tokens, labels):
-    def loss(model):
-        logits = jax.vmap(model)(tokens)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+def gpt_step_with(tx):
+    """The GPT's training step under the optimizer `tx`."""
+    def gpt_step(model, opt_state, tokens, labels):
+        def loss(model):
+            logits = jax.vmap(model)(tokens)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
-    loss_value, grads = eqx.filter_value_and_grad(loss)(model)
-    updates, opt_state = TX.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state, loss_value
+        loss_value, grads = eqx.filter_value_and_grad(loss)(model)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss_value
+
+    return gpt_step
+
+
+gpt_step = gpt_step_with(TX)
 
 
 def gpt_args():
@@ -422,18 +429,9 @@ def test_gpt_on_one_device_equals_filter_jit():
     assert out[0].blocks[0].attention.dropout.inference is False  # static, given back
 
 
+# The optimizer large models train with: clip, then AdamW.
 CHAIN = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
-
-
-def chained_gpt_step(model, opt_state, tokens, labels):
-    """`gpt_step` with the optimizer large models train with: clip, then AdamW."""
-    def loss(model):
-        logits = jax.vmap(model)(tokens)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-    loss_value, grads = eqx.filter_value_and_grad(loss)(model)
-    updates, opt_state = CHAIN.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state, loss_value
+chained_gpt_step = gpt_step_with(CHAIN)
 
 
 @pytest.mark.slow  # compiles the GPT over two devices twice: ~10 s on 2 cores
