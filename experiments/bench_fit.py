@@ -159,10 +159,23 @@ def _sample_stacks(every_s: float) -> None:
                     if re.search(r"/(hetpar|cost_models|passes)/", f.filename)]
             inner = stack[-1]
             print(f"{(time.time() - start) * 1e3:8.0f} ms hetpar-stack: "
-                  f"{' > '.join(ours[-8:])} | {os.path.basename(inner.filename)}:{inner.name}",
-                  file=sys.stderr, flush=True)
+                  f"{' > '.join(ours[-8:])} | {os.path.basename(inner.filename)}:{inner.name}"
+                  f" {_host_rss()}", file=sys.stderr, flush=True)
 
     threading.Thread(target=sample, daemon=True).start()
+
+
+def _host_rss() -> str:
+    """"host RSS 81.2 GB (high-water 83.0 GB)": the process's resident memory
+    (`/proc/self/status`), what the OS kills a process for, where the planner
+    counts only the CPU device's and memory places' arrays."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+        gb = {k: int(v.split()[0]) * 1024 / 1e9 for k, v in kb.items()}
+        return f"host RSS {gb['VmRSS']:.1f} GB (high-water {gb['VmHWM']:.1f} GB)"
+    except (OSError, KeyError, ValueError):
+        return ""
 
 
 def run_cell(args) -> dict:
@@ -242,6 +255,7 @@ def run_cell(args) -> dict:
                 params, opt_state, batch = step.place(params, opt_state, batch)
                 # Calibrated, planned, compiled and placed:
                 out["held_after_place"] = _held(gpu)
+                out["host_after_place"] = _host_rss()
                 p, o, loss = step(params, opt_state, batch)
                 float(loss)
                 out["first_call_s"] = time.perf_counter() - t0
@@ -257,10 +271,12 @@ def run_cell(args) -> dict:
                 # the largest (run 24: 2.41 GB before every later step of the
                 # 0.54B plan, whose state homed there is 0.79 GB).
                 out["held_after_first_call"] = {**_held(gpu), "holders": _holders(gpu, 4)}
+                out["host_after_first_call"] = _host_rss()
                 out["step_memory_gb"] = []  # [in use before, high-water mark after]
                 times, loss = _median_step(step, state, batch, args.steps,
                                            out["step_memory_gb"], gpu)
                 out["held_after_steps"] = {**_held(gpu), "holders": _holders(gpu, 4)}
+                out["host_after_steps"] = _host_rss()
             out["warnings"] = [f"{type(w.message).__name__}: {str(w.message)[:300]}"
                                for w in caught if "Memory" in type(w.message).__name__]
             plan = step.plan

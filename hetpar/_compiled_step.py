@@ -311,7 +311,21 @@ class CompiledStep:
         if self._calibration_args is not None:
             self.predicted()  # a step nothing planned is costed now, while the arguments are here
             self._calibration_args = None
-        logging.info("hetpar: %d layers on %s", len(self.graph), used)
+        logging.info("hetpar: %d layers on %s%s", len(self.graph), used, self._peaks_line())
+
+    def _peaks_line(self) -> str:
+        """" (peak memory: gpu:0 39.7 GB planned, 36.5 GB compiled, ...)" for
+        the plan's devices, the line telling where the first call goes: what
+        the plan was checked at before it runs."""
+        from hetpar.core import nbytes
+
+        predicted = self.plan.predicted if self.plan is not None else None
+        planned = (predicted.peak_memory_bytes or predicted.memory_bytes or {}) if predicted else {}
+        compiled = self.compiled_memory[0] if self.compiled_memory else {}
+        parts = [f"{d} {nbytes(planned[d])} planned"
+                 + (f", {nbytes(compiled[d])} compiled" if compiled.get(d) else "")
+                 for d in planned if planned[d]]
+        return f" (peak memory: {'; '.join(parts)})" if parts else ""
 
     def _check_across_processes(self) -> None:
         """A layer plan under several processes: each process runs its devices'
