@@ -28,7 +28,12 @@ from absl import logging
 from hetpar._first_call import FirstCall
 from hetpar._grad import microbatched
 from hetpar._host_memory import warn_without_huge_pages
-from hetpar._memory_check import compiled_peaks, group_peaks, worth_compiling
+from hetpar._memory_check import (
+    compiled_peaks,
+    group_peaks,
+    with_host_staging,
+    worth_compiling,
+)
 from hetpar._options import FORCED, Options, check_present
 from hetpar._place import place
 from hetpar._recovery import CHECKED_STEPS, ready
@@ -300,7 +305,7 @@ class CompiledStep:
                 if told:
                     tell(f"hetpar: compiled in {time.perf_counter() - start:.1f} s")
             with self.first_call.phase("memory check"):
-                self.compiled_memory = compiled_peaks(self._executor)
+                self.compiled_memory = with_host_staging(self, compiled_peaks(self._executor))
         if multi:
             self._check_across_processes()
         if self._executor is not None:

@@ -488,6 +488,28 @@ def predicted_peaks(step, given: bool = False) -> Mapping[str, float]:
     return predicted.peak_memory_bytes or predicted.memory_bytes or {}
 
 
+def with_host_staging(step, compiled: tuple[dict, dict]) -> tuple[dict, dict]:
+    """`compiled` (`compiled_peaks`) with what the runtime's pinned staging
+    holds on each CPU device's host (`planner._arrays.staging_bytes`: the
+    parameters it feeds an accelerator, once more) added: memory no
+    executable's analysis shows."""
+    from hetpar.core import nbytes
+    from hetpar.planner._arrays import Arrays, staging_bytes
+
+    peaks, where = compiled
+    if step.table is None or not peaks:
+        return compiled
+    arr = Arrays(step.table)
+    staged = staging_bytes(arr, arr.placed(step.placements))
+    peaks, where = dict(peaks), dict(where)
+    for j in np.nonzero(staged)[0]:
+        d = arr.devices[j]
+        if d in peaks:
+            peaks[d] += float(staged[j])
+            where[d] = f"{where[d]} + {nbytes(staged[j])} of parameters staged for the accelerators"
+    return peaks, where
+
+
 def misfits(step, limits: Mapping[str, float] | None = None) -> list[Misfit]:
     """The devices whose compiled peak (`step.compiled_memory`) exceeds the
     capacity the plan used less its margin (`margin_of`), worst first; then, where the CPU

@@ -591,3 +591,24 @@ def test_a_replan_gives_the_twin_of_a_gpu_over_the_same_cap():
     step = _two_gpu_step({"gpu:0": 45e9, "gpu:2": 1e9}, {"gpu:0": 41.2e9, "gpu:2": 75e9})
     caps = _memory_check.replan_caps(step, _memory_check.misfits(step))
     assert caps["gpu:2"] <= 0 < caps["gpu:0"]
+
+
+def test_the_compiled_host_figure_adds_the_parameters_staged_for_the_gpu():
+    """No executable's memory analysis shows the pinned staging that takes a
+    host-updated layer's parameters from the CPU device to the GPU each step
+    (the pool the GPU's client keeps): the compiled check adds it to the
+    CPU device's figure, as the planner counts it (`staging_bytes`)."""
+    from hetpar._memory_check import with_host_staging
+    from hetpar.core import Placement
+
+    from .test_offload_planner import PARAM, table
+
+    t = table(blocks=2, cpu_compute=False)
+    placements = {**dict.fromkeys(t.layer_names, Placement("gpu:0")),
+                  "b1": Placement("gpu:0", "cpu:0", "cpu:0", params="cpu:0")}
+    step = types.SimpleNamespace(table=t, placements=placements)
+    peaks, where = with_host_staging(step, ({"gpu:0": 1e9, "cpu:0": 2e9},
+                                            {"gpu:0": "stage 1", "cpu:0": "stage 2"}))
+    assert peaks == {"gpu:0": 1e9, "cpu:0": pytest.approx(2e9 + PARAM)}
+    assert where["cpu:0"].startswith("stage 2 + ") and "staged" in where["cpu:0"]
+    assert where["gpu:0"] == "stage 1"

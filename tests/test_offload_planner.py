@@ -24,6 +24,7 @@ from hetpar.planner import (
     simulate,
     violations,
 )
+from hetpar.planner._solve import with_donation
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
@@ -189,14 +190,15 @@ def test_state_that_does_not_fit_the_host_names_the_host_and_bytes():
     # (old and new optimizer state) and costs the host 4 GB, but its old and
     # new state visit for the update: 2 GB each, five at most in flight (two
     # blocks' 8, three or more 10). The host way (ZeRO-Offload) leaves 5 GB
-    # (its new parameters too) and costs the host 7 GB (state and parameters
-    # x2, and the gradient). Streaming two or more costs the GPU at least
-    # 2 x 3 + 4 x 2 + 8 = 22 GB; one: 3 + 5 x 2 + 4 = 17 GB (host 39 GB);
-    # none: one block resident and five the host way, 7 + 10 = 17 GB: the
-    # smallest host footprint, 5 x 7 = 35 GB.
-    assert "35 GB" in msg and "holds 5 GB" in msg
+    # (its new parameters too) and costs the host 8 GB (state and parameters
+    # x2, the gradient, and the parameters in the runtime's pinned staging).
+    # Streaming two or more costs the GPU at least 2 x 3 + 4 x 2 + 8 = 22 GB;
+    # one: 3 + 5 x 2 + 4 = 17 GB (host 4 + 4 x 8 = 36 GB, with a resident
+    # block over the GPU's 20 GB); none: one block resident and five the
+    # host way, 7 + 10 = 17 GB: the smallest host footprint, 5 x 8 = 40 GB.
+    assert "40 GB" in msg and "holds 5 GB" in msg
     assert "5 layers' offloaded state: parameters and optimizer state x2" in msg
-    assert "gradients of its 5 updates" in msg
+    assert "gradients of its 5 updates and their parameters staged" in msg
 
 
 def test_a_cap_no_plan_meets_names_the_smallest_footprint():
@@ -236,7 +238,9 @@ def test_streamed_state_moves_both_ways():
                                               rel=1e-6)
     assert replay.step_time_s > base.step_time_s
     held = evaluate(t, streamed).peak_memory_bytes
-    assert held["cpu:0"] == pytest.approx(2 * (PARAM + OPT))
+    # Its state and parameters, old and new, and the parameters once more in
+    # the pinned staging that takes them from the CPU device to the GPU.
+    assert held["cpu:0"] == pytest.approx(2 * (PARAM + OPT) + PARAM)
     # Its old and new optimizer state and new parameters (apart: they default
     # to the state) leave the GPU, but both states visit for the update; each
     # block's activations and gradient count once (`Arrays.overlap`).
@@ -297,9 +301,9 @@ def test_offload_ilp_memory_rows_are_held_bytes():
     _assert_ilp_rows_are_held_bytes(base, base, "streamed", streamed, Placement("gpu:0"))
 
 
-def _assert_ilp_rows_are_held_bytes(base, priced, way, away, here):
+def _assert_ilp_rows_are_held_bytes(base, priced, way, away, here, device="gpu:0"):
     """For every choice of which layers of `base` go `away` (offload option
-    `way`) and which stay `here`, the offload ILP on `priced` (with the GPU
+    `way`) and which stay `here`, the offload ILP on `priced` (with `device`
     capped at what `held_bytes` says the choice holds there) is feasible, and
     infeasible 0.1% under it."""
     import itertools
@@ -310,12 +314,14 @@ def _assert_ilp_rows_are_held_bytes(base, priced, way, away, here):
 
     names = base.layer_names
     arr = Arrays(base)
-    gpu = arr.dindex["gpu:0"]
+    j = arr.dindex[device]
     for combo in itertools.product((False, True), repeat=len(names)):
         placed = {n: away if s else here for n, s in zip(names, combo)}
-        need = float(held_bytes(arr, arr.placed(placed))[gpu])
+        need = float(held_bytes(arr, arr.placed(placed))[j])
+        if need <= 0:
+            continue
         for cap, fits in ((need, True), (need * 0.999, False)):
-            capped = Arrays(with_memory(priced, {"gpu:0": cap}))
+            capped = Arrays(with_memory(priced, {device: cap}))
             m, y, _ = _model(capped, dict.fromkeys(names, "gpu:0"), 1,
                              slack=[False] * len(arr.devices))
             for o, v in y.items():
@@ -427,6 +433,22 @@ def test_offload_ilp_memory_rows_are_held_bytes_for_host_updates(recomputed):
     here = Placement("gpu:0", activations="remat" if recomputed else "keep")
     priced = _remat_table(base, Arrays(base)) if recomputed else base
     _assert_ilp_rows_are_held_bytes(base, priced, "host", host, here)
+
+
+def test_the_host_holds_a_host_updated_layers_parameters_twice():
+    """Updated on the host, a layer computed on the GPU costs the host its
+    optimizer state, its gradient and its parameters twice: where they live,
+    and in the runtime's pinned staging that takes them to the GPU each step
+    (a 6.74B plan counted once was killed by the OS at 130 GB of 134;
+    `staging_bytes`). The ILP's host rows say the same as `held_bytes`."""
+    base = with_donation(table(blocks=3, cpu_compute=False))
+    host = Placement("gpu:0", "cpu:0", "cpu:0", params="cpu:0")
+    arr = Arrays(base)
+    held = held_bytes(arr, arr.placed({**dict.fromkeys(base.layer_names, Placement("gpu:0")),
+                                       "b1": host}))
+    assert held[arr.dindex["cpu:0"]] == pytest.approx(OPT + 3 * PARAM)
+    _assert_ilp_rows_are_held_bytes(base, base, "host", host, Placement("gpu:0"),
+                                    device="cpu:0")
 
 
 def test_the_alternatives_solved_side_by_side_give_the_plan_solved_in_turn(monkeypatch):

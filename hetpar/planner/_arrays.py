@@ -553,7 +553,8 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
     - Where its optimizer state lives: `Arrays.state_copies` x the state
       (without donation old and new coexist: 2; donated, 1), plus its
       gradient when the update runs there. Where its parameters live, when
-      not on the compute device: `state_copies` x the parameters. Streaming only the state
+      not on the compute device: `state_copies` x the parameters, and on a
+      CPU device feeding an accelerator once more (`staging_bytes`). Streaming only the state
       (parameters resident, JAX's host offload) halves neither copy but
       leaves the host the optimizer state alone.
 
@@ -583,6 +584,7 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
     home = copies * o + np.where(placed.host_update, p, 0.0)
     np.add.at(out, s[state_apart], home[state_apart])
     np.add.at(out, w[params_apart], copies * p[params_apart])
+    out += staging_bytes(arr, placed)
     # While the step runs: the streamed state in flight, beside the largest
     # working set of a layer (its recomputation's where it recomputes them):
     # a streamed layer's backward runs with its state arrived and the next's
@@ -595,6 +597,29 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
     working = np.zeros(len(out))
     np.maximum.at(working, c, np.where(placed.remat, arr.ws_remat, arr.ws))
     return out + in_flight + working
+
+
+def staging_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
+    """[D] what the runtime's pinned staging holds, on the host, for the
+    parameters that live on a CPU device and compute on an accelerator
+    (updated on the host): their bytes once more, on that CPU device.
+
+    Each step copies such parameters from the CPU device's memory, which
+    the accelerator cannot reach, through pinned buffers that the
+    accelerator's client keeps in a pool it never returns. A 6.74B
+    Llama-style plan that updated 24 layers' state on an H200 host's CPU
+    was planned at 113 GB there and compiled at 105 GB. It reached 130 GB
+    of the host's 134 GB in its first step, when the OS killed it: 92 GB
+    anonymous and 38 GB pinned (shared) memory. The pinned memory was the
+    gradients on their way to the update (19.4 GB, counted) and as much
+    again, those layers' parameters (fit_h200, run 50). The gradients
+    going the other way alias their pinned buffers and count once."""
+    p = np.nan_to_num(arr.param)
+    on_accelerator = ~arr.cpu[placed.compute] & ~arr.place[placed.compute]
+    staged = placed.params_apart & arr.cpu[placed.params] & on_accelerator
+    out = np.zeros(len(arr.devices))
+    np.add.at(out, placed.params[staged], p[staged])
+    return out
 
 
 def ram_bytes(arr: Arrays, held: np.ndarray) -> np.ndarray:

@@ -276,7 +276,8 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
                          f"x{arr.state_copies}, and {nbytes(held[j])} of it on {d}), {holds}")
         elif arr.cpu[j]:
             ups = sum(o.state == j and o.way == "host" for o in chosen.values())
-            grads = f", and the gradients of its {ups} updates" if ups else ""
+            grads = (f", and the gradients of its {ups} updates and their parameters "
+                     "staged for the accelerator" if ups else "")
             params = sum(o.state == j and o.params == j for o in chosen.values())
             kept = ("parameters and optimizer state" if params == n else "optimizer state"
                     if not params else f"optimizer state, and {params} of them parameters,")
@@ -374,7 +375,9 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         # never more than the layer holds there (`held_bytes` floors it at 0)
         leaves = min(leaves, float(mem[o.layer, o.compute]))
         use[o.compute].append((v, -leaves / _GB))
-        host = copies * opt + ((copies + 1) * p[o.layer] if o.way == "host" else 0.0)
+        # The host way: its parameters and its gradient there, and its
+        # parameters once more in the runtime's pinned staging (`staging_bytes`).
+        host = copies * opt + ((copies + 2) * p[o.layer] if o.way == "host" else 0.0)
         use[o.state].append((v, host / _GB))
         if o.way == "streamed":
             streams.setdefault(o.compute, []).append((v, opt / _GB))
