@@ -26,11 +26,13 @@ Run on the GPUs (run 48, the bytes now read from the GPUs' own compiles):
 the HF 2.9B (138.5, 127.7), but 1.20x for the zoo model (112.9, 93.7). The
 zoo model's step alone has 98 all-reduces, of 8 kB each (its biases' and
 norms' gradients; the Llama models have one, of the loss); at the ring's
-latency as the calibration timed it on that machine (109 us) they come to
-10.7 ms, and its step to 104.4 ms (1.08x), where the other two move by less
-than 0.1 ms. So each all-reduce is charged the ring's latency; the
-all-gathers and reduce-scatters (hundreds, 5-30 MB each) are not: charged
-it, the 6.74B model's step would be predicted 0.84x.
+latency as the calibration timed it on that machine (109 us), each the
+ring's 2 (n - 1) steps, they come to 21.4 ms, and its step to 115.1 ms
+(0.98x), where the other two move by less than 0.2 ms. So each all-reduce
+is charged its ring steps' latency; the all-gathers and reduce-scatters
+(hundreds, 5-30 MB each) are not: charged one step each, the 6.74B model's
+step would be predicted 0.84x. (Fitted on two GPUs: the 2 (n - 1) is the
+ring model's, not measured at more.)
 
 The HLO text prints each collective's result, not its operands: the bytes a
 member sends or receives follow from the result by the op (`RING_SHARE`).
@@ -129,14 +131,16 @@ def in_loops(text: str) -> bool:
 
 
 def ring_seconds(collectives: Mapping[str, Mapping[str, float]], bandwidth: float,
-                 latency: float = 0.0) -> float:
-    """Seconds the collectives take at a ring of `bandwidth` bytes/s and
-    `latency` s a step: their bytes one after another, none hidden behind
-    compute, and the latency once per all-reduce only (module docstring:
-    a sharded step's all-gathers and reduce-scatters run ahead of the
-    layers that need them, its all-reduces of leaves of a few kB do not)."""
+                 latency: float = 0.0, n: int = 2) -> float:
+    """Seconds the collectives take over a ring of `n` members at `bandwidth`
+    bytes/s and `latency` s a ring step: their bytes one after another, none
+    hidden behind compute, and each all-reduce's 2 (n - 1) ring steps'
+    latency, as `core.ring_allreduce_s` has it (module docstring: a sharded
+    step's all-gathers and reduce-scatters run ahead of the layers that need
+    them; its all-reduces of leaves of a few kB do not)."""
     reduces = collectives.get("all-reduce", {}).get("count", 0)
-    return sum(v["ring_bytes"] for v in collectives.values()) / bandwidth + latency * reduces
+    steps = 2 * (n - 1) * reduces
+    return sum(v["ring_bytes"] for v in collectives.values()) / bandwidth + latency * steps
 
 
 class Read(NamedTuple):
@@ -149,11 +153,12 @@ class Read(NamedTuple):
     bandwidth: float
     latency: float
     in_loops: bool
+    members: int = 2
 
     @property
     def seconds(self) -> float:
         """The collectives at the ring (`ring_seconds`)."""
-        return ring_seconds(self.by_op, self.bandwidth, self.latency)
+        return ring_seconds(self.by_op, self.bandwidth, self.latency, self.members)
 
 
 def compiled_collectives(step) -> Read | None:
@@ -191,7 +196,7 @@ def compiled_collectives(step) -> Read | None:
         logging.info("hetpar: the compiled step's collectives could not be read (%s)", e)
         return None
     step._collectives_read = Read(hlo_collectives(text, runner.size), float(bandwidth),
-                                  float(latency), in_loops(text))
+                                  float(latency), in_loops(text), runner.size)
     return step._collectives_read
 
 

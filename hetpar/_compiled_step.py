@@ -327,9 +327,13 @@ class CompiledStep:
         predicted = self.plan.predicted if self.plan is not None else None
         planned = (predicted.peak_memory_bytes or predicted.memory_bytes or {}) if predicted else {}
         compiled = self.compiled_memory[0] if self.compiled_memory else {}
-        parts = [f"{d} {nbytes(planned[d])} planned"
-                 + (f", {nbytes(compiled[d])} compiled" if compiled.get(d) else "")
-                 for d in planned if planned[d]]
+        parts = []
+        # (a group plan's planned figures are by group, its compiled ones by member)
+        for d in [*planned, *(d for d in compiled if d not in planned)]:
+            said = [f"{nbytes(planned[d])} planned"] if planned.get(d) else []
+            said += [f"{nbytes(compiled[d])} compiled"] if compiled.get(d) else []
+            if said:
+                parts.append(f"{d} {', '.join(said)}")
         return f" (peak memory: {'; '.join(parts)})" if parts else ""
 
     def _check_across_processes(self) -> None:

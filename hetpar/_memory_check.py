@@ -50,8 +50,11 @@ A plan given, or a step with one device to run on, runs with a warning.
 
 Not checked: a step under several processes (each process's executables
 are its own: they run with the warning, or unchecked for data parallel
-across processes) and a one-device or data-parallel step with static leaves
-in data parallel.
+across processes).
+
+A CPU device's compiled figure gets what no executable's analysis shows:
+the parameters it feeds an accelerator each step, which pass through the
+accelerator client's pinned staging pool (`with_host_staging`).
 """
 
 from __future__ import annotations
@@ -488,25 +491,32 @@ def predicted_peaks(step, given: bool = False) -> Mapping[str, float]:
     return predicted.peak_memory_bytes or predicted.memory_bytes or {}
 
 
-def with_host_staging(step, compiled: tuple[dict, dict]) -> tuple[dict, dict]:
-    """`compiled` (`compiled_peaks`) with what the runtime's pinned staging
-    holds on each CPU device's host (`planner._arrays.staging_bytes`: the
-    parameters it feeds an accelerator, once more) added: memory no
-    executable's analysis shows."""
-    from hetpar.core import nbytes
-    from hetpar.planner._arrays import Arrays, staging_bytes
+def staged_bytes(step) -> dict[str, float]:
+    """{CPU device: bytes} the accelerators' pinned staging holds on the host
+    for the step's parameters that live on a CPU device and compute on an
+    accelerator (the planner's `staging_bytes`, from the step's layers and
+    placements, so a plan given as a dict is counted too)."""
+    out: dict[str, float] = {}
+    for name, pl in step.placements.items():
+        home, kind = memory_place(pl.params)
+        dev, compute = step.devices.get(home), step.devices.get(pl.compute)
+        if (kind is None and home != pl.compute and dev is not None and compute is not None
+                and dev.platform == "cpu" and compute.platform != "cpu"):
+            out[home] = out.get(home, 0.0) + float(step.graph[name].param_bytes or 0)
+    return out
 
+
+def with_host_staging(step, compiled: tuple[dict, dict]) -> tuple[dict, dict]:
+    """`compiled` (`compiled_peaks`) with the parameters the step's CPU
+    devices feed accelerators added to their figures (`staged_bytes`)."""
     peaks, where = compiled
-    if step.table is None or not peaks:
+    staged = {d: b for d, b in staged_bytes(step).items() if d in peaks and b > 0}
+    if not staged:
         return compiled
-    arr = Arrays(step.table)
-    staged = staging_bytes(arr, arr.placed(step.placements))
     peaks, where = dict(peaks), dict(where)
-    for j in np.nonzero(staged)[0]:
-        d = arr.devices[j]
-        if d in peaks:
-            peaks[d] += float(staged[j])
-            where[d] = f"{where[d]} + {nbytes(staged[j])} of parameters staged for the accelerators"
+    for d, b in staged.items():
+        peaks[d] += b
+        where[d] = f"{where[d]} + {nbytes(b)} of parameters staged for the accelerators"
     return peaks, where
 
 

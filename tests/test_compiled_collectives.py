@@ -72,7 +72,9 @@ def test_ring_seconds_are_the_bytes_over_the_bandwidth_and_a_latency_per_all_red
     got = {"all-gather": {"count": 2, "ring_bytes": 1e9}, "all-reduce": {"count": 3,
                                                                           "ring_bytes": 5e8}}
     assert ring_seconds(got, 1e11) == pytest.approx(1.5e9 / 1e11)
-    assert ring_seconds(got, 1e11, 1e-4) == pytest.approx(1.5e9 / 1e11 + 3e-4)
+    # each all-reduce: a ring of 2 (n - 1) steps, each paying the latency
+    assert ring_seconds(got, 1e11, 1e-4) == pytest.approx(1.5e9 / 1e11 + 3 * 2 * 1e-4)
+    assert ring_seconds(got, 1e11, 1e-4, n=4) == pytest.approx(1.5e9 / 1e11 + 3 * 6 * 1e-4)
     del got["all-reduce"]
     assert ring_seconds(got, 1e11, 1e-4) == pytest.approx(1e9 / 1e11)
 

@@ -596,19 +596,54 @@ def test_a_replan_gives_the_twin_of_a_gpu_over_the_same_cap():
 def test_the_compiled_host_figure_adds_the_parameters_staged_for_the_gpu():
     """No executable's memory analysis shows the pinned staging that takes a
     host-updated layer's parameters from the CPU device to the GPU each step
-    (the pool the GPU's client keeps): the compiled check adds it to the
-    CPU device's figure, as the planner counts it (`staging_bytes`)."""
-    from hetpar._memory_check import with_host_staging
+    (the pool the GPU's client keeps): the compiled check adds them to the
+    CPU device's figure, as the planner counts them (`staging_bytes`), for
+    a plan given as a dict too (from the step's layers and devices)."""
+    from hetpar._memory_check import staged_bytes, with_host_staging
     from hetpar.core import Placement
 
-    from .test_offload_planner import PARAM, table
-
-    t = table(blocks=2, cpu_compute=False)
-    placements = {**dict.fromkeys(t.layer_names, Placement("gpu:0")),
-                  "b1": Placement("gpu:0", "cpu:0", "cpu:0", params="cpu:0")}
-    step = types.SimpleNamespace(table=t, placements=placements)
+    ns = types.SimpleNamespace
+    step = ns(devices={"gpu:0": ns(platform="gpu"), "cpu:0": ns(platform="cpu")},
+              graph={"a": ns(param_bytes=4e9), "b": ns(param_bytes=3e9),
+                     "c": ns(param_bytes=2e9), "d": ns(param_bytes=None)},
+              placements={"a": Placement("gpu:0", "cpu:0", "cpu:0", params="cpu:0"),
+                          "b": Placement("gpu:0"),
+                          "c": Placement("gpu:0", "gpu:0:pinned_host", "gpu:0"),
+                          "d": Placement("cpu:0")})
+    assert staged_bytes(step) == {"cpu:0": 4e9}  # only a's: c streams from a memory place
     peaks, where = with_host_staging(step, ({"gpu:0": 1e9, "cpu:0": 2e9},
                                             {"gpu:0": "stage 1", "cpu:0": "stage 2"}))
-    assert peaks == {"gpu:0": 1e9, "cpu:0": pytest.approx(2e9 + PARAM)}
+    assert peaks == {"gpu:0": 1e9, "cpu:0": 6e9}
     assert where["cpu:0"].startswith("stage 2 + ") and "staged" in where["cpu:0"]
     assert where["gpu:0"] == "stage 1"
+
+
+def test_a_split_plans_compiled_check_takes_the_staged_parameters(monkeypatch):
+    """The compiled check a split plan gets before it runs goes through
+    `with_host_staging` (here two CPU devices, which stage nothing: the
+    staging is set by hand), and the progress line names both figures."""
+    step, args = _mlp_step()
+    layers = hetpar.trace(step, *args).layers
+    plan = {n: f"cpu:{k % 2}" for k, n in enumerate(layers)}
+    plain = hetpar.auto(step, plan=plan).lower(*args).compiled_memory[0]["cpu:0"]
+    monkeypatch.setattr(_memory_check, "staged_bytes", lambda step: {"cpu:0": 1e9})
+    staged = hetpar.auto(step, plan=plan).lower(*args)
+    assert staged.compiled_memory[0]["cpu:0"] == pytest.approx(plain + 1e9)
+    assert "staged" in staged.compiled_memory[1]["cpu:0"]
+    assert re.search(r"cpu:0 [\d.]+ [kMG]?B compiled", staged._peaks_line())
+
+
+def test_the_progress_line_sets_planned_beside_compiled_peaks():
+    from hetpar._compiled_step import CompiledStep
+
+    ns = types.SimpleNamespace
+    line = CompiledStep._peaks_line
+    plan = ns(predicted=ns(peak_memory_bytes={"gpu:0": 39.6e9, "cpu:0": 113e9},
+                           memory_bytes=None))
+    assert line(ns(plan=plan, compiled_memory=({"gpu:0": 39.2e9, "cpu:0": 105e9}, {}))) == (
+        " (peak memory: gpu:0 39.6 GB planned, 39.2 GB compiled; "
+        "cpu:0 113 GB planned, 105 GB compiled)")
+    groups = ns(predicted=ns(peak_memory_bytes={"cpu:0+cpu:1": 4e4}, memory_bytes=None))
+    assert line(ns(plan=groups, compiled_memory=({"cpu:0": 3e4, "cpu:1": 3e4}, {}))) == (
+        " (peak memory: cpu:0+cpu:1 40 kB planned; cpu:0 30 kB compiled; cpu:1 30 kB compiled)")
+    assert line(ns(plan=None, compiled_memory=None)) == ""

@@ -441,14 +441,16 @@ def test_the_host_holds_a_host_updated_layers_parameters_twice():
     and in the runtime's pinned staging that takes them to the GPU each step
     (a 6.74B plan counted once was killed by the OS at 130 GB of 134;
     `staging_bytes`). The ILP's host rows say the same as `held_bytes`."""
-    base = with_donation(table(blocks=3, cpu_compute=False))
     host = Placement("gpu:0", "cpu:0", "cpu:0", params="cpu:0")
-    arr = Arrays(base)
-    held = held_bytes(arr, arr.placed({**dict.fromkeys(base.layer_names, Placement("gpu:0")),
-                                       "b1": host}))
-    assert held[arr.dindex["cpu:0"]] == pytest.approx(OPT + 3 * PARAM)
-    _assert_ilp_rows_are_held_bytes(base, base, "host", host, Placement("gpu:0"),
-                                    device="cpu:0")
+    for base, copies in ((with_donation(table(blocks=3, cpu_compute=False)), 1),
+                         (table(blocks=3, cpu_compute=False), 2)):
+        arr = Arrays(base)
+        held = held_bytes(arr, arr.placed({**dict.fromkeys(base.layer_names, Placement("gpu:0")),
+                                           "b1": host}))
+        # state and parameters (old and new without donation), the gradient, the staging
+        assert held[arr.dindex["cpu:0"]] == pytest.approx(copies * (OPT + PARAM) + 2 * PARAM)
+        _assert_ilp_rows_are_held_bytes(base, base, "host", host, Placement("gpu:0"),
+                                        device="cpu:0")
 
 
 def test_the_alternatives_solved_side_by_side_give_the_plan_solved_in_turn(monkeypatch):

@@ -602,7 +602,9 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
 def staging_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
     """[D] what the runtime's pinned staging holds, on the host, for the
     parameters that live on a CPU device and compute on an accelerator
-    (updated on the host): their bytes once more, on that CPU device.
+    (the host way, or streamed with its parameters there): their bytes once
+    more, on that CPU device. (Measured on the host way; the runtime copies
+    the others the same way.)
 
     Each step copies such parameters from the CPU device's memory, which
     the accelerator cannot reach, through pinned buffers that the

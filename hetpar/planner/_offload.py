@@ -30,8 +30,9 @@ optimizer state), plus, streamed, the optimizer state in flight for the
 updates (`streamed_in_flight`: old and new of each, at most five states, in
 the largest; `_add_in_flight` linearises it); its host holds
 `Arrays.state_copies` x its optimizer state (2, old and new; 1 where the step
-donates its state), plus, host way, as many copies of its parameters and its
-gradient. A memory place and its host's CPU device draw on one RAM: their
+donates its state), plus, host way, as many copies of its parameters, its
+gradient, and its parameters once more in the runtime's pinned staging
+(`staging_bytes`). A memory place and its host's CPU device draw on one RAM: their
 sum is capped by the CPU device's memory too.
 
 Time: the replay overlaps transfers with compute, which no linear form
@@ -272,8 +273,9 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
         elif arr.cpu[j] and sharing and ram[j] > held[j]:
             names = " + ".join(arr.devices[k] for k in sharing)
             parts.append(f"the state does not fit host memory: {d} and {names} share it and "
-                         f"would need at least {nbytes(ram[j])} (offloaded optimizer state "
-                         f"x{arr.state_copies}, and {nbytes(held[j])} of it on {d}), {holds}")
+                         f"would need at least {nbytes(ram[j])} (offloaded state "
+                         f"x{arr.state_copies} with what the host updates and stages, and "
+                         f"{nbytes(held[j])} of it on {d}), {holds}")
         elif arr.cpu[j]:
             ups = sum(o.state == j and o.way == "host" for o in chosen.values())
             grads = (f", and the gradients of its {ups} updates and their parameters "
