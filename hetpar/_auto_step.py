@@ -198,7 +198,7 @@ class AutoStep:
                 memory[d] = min(c, memory.get(d, c))
             self.options = dataclasses.replace(self.options, memory=memory)
             try:
-                again = CompiledStep(fn, args, self.options, self._workers)
+                again = CompiledStep(fn, args, self.options, self._workers, before=step)
             except InfeasibleError as e:
                 raise does_not_fit(worst, tries=tries, why=e, cap=cap, closest=closest) from e
             again.first_call.absorb(step.first_call)

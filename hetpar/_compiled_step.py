@@ -93,7 +93,7 @@ class CompiledStep:
     compiled_once = False
 
     def __init__(self, fn: Callable, args: tuple, options: Options,
-                 workers: Workers | None = None):
+                 workers: Workers | None = None, before: CompiledStep | None = None):
         if options.batch_argnums is None:
             # Found once, here, for every path below (a share per process, the
             # replicas' split, microbatches): a batch of two arguments, `x` and
@@ -159,7 +159,13 @@ class CompiledStep:
         self.table = None
         self.plan = None
         self._given_prediction = None
-        self._whole_steps: dict = {}  # the calibration's whole-step timings, while planning
+        # The calibration's whole-step timings, while planning, and what the
+        # planning rounds timed (`solve_placements`): a replan of the same
+        # step (`before`, after its compiled check) starts from them rather
+        # than timing its way there again.
+        self._whole_steps: dict = dict(before._whole_steps) if before is not None else {}
+        self._timed = before._timed if before is not None else frozenset()
+        self._timed_steps = before._timed_steps if before is not None else frozenset()
         self._one_device_jits: dict = {}  # device -> the step's jit there (`_one_device_jit`)
         self._jit_peaks: dict = {}  # device -> its one-device jit's compiled peak (`jit_memory`)
         self._fits_compiled: dict = {}  # device name -> whether the whole step fits it compiled

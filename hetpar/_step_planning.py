@@ -550,7 +550,9 @@ def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str
         return dict(compiled.plan.placements)
     if len(devices) == 1:
         return dict.fromkeys(compiled.graph.layers, devices[0])
-    compiled.table = cost_table_for(compiled, devices, options)
+    # (A replan starts from what the step's last plan timed.)
+    timed, steps = compiled._timed, compiled._timed_steps
+    compiled.table = cost_table_for(compiled, devices, options, timed=timed, steps=steps)
     m = options.microbatches
 
     def planned():
@@ -572,8 +574,6 @@ def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str
     # A plan that spends most of its step on such a device also has the
     # whole step timed there, as the fastest device has: its layers timed
     # alone summed to 1.2x the step (GPT-2, batch 16, an H100 host's CPU).
-    timed: frozenset[tuple[str, str]] = frozenset()
-    steps: frozenset[str] = frozenset()
     for _ in range(3):  # each round times what the last plan used; few rounds move
         used = _untimed_used(compiled.plan, compiled.table) - timed
         # The layers the plan computes there first: timed, they mostly move
@@ -594,6 +594,7 @@ def solve_placements(compiled, options: Options, devices: list[str]) -> dict[str
                          ", ".join(sorted(busy)))
         timed |= used
         steps |= busy
+        compiled._timed, compiled._timed_steps = timed, steps
         compiled.table = cost_table_for(compiled, devices, options, timed=timed, steps=steps)
         compiled.plan = planned()
     else:

@@ -647,3 +647,32 @@ def test_the_progress_line_sets_planned_beside_compiled_peaks():
     assert line(ns(plan=groups, compiled_memory=({"cpu:0": 3e4, "cpu:1": 3e4}, {}))) == (
         " (peak memory: cpu:0+cpu:1 40 kB planned; cpu:0 30 kB compiled; cpu:1 30 kB compiled)")
     assert line(ns(plan=None, compiled_memory=None)) == ""
+
+
+def test_a_replan_starts_from_what_the_last_plan_timed(monkeypatch):
+    """A plan the compiled check sends back is planned again from the layers
+    and whole steps its planning rounds had timed (`solve_placements`), not
+    from nothing: on a 5.04B model at 45 GB of an H200 each replan timed
+    the host's layers round by round again (fit_h200, run 49)."""
+    from hetpar import _step_planning
+    from hetpar._compiled_step import CompiledStep
+    from hetpar._options import Options
+
+    step, args = _mlp_step()
+    seen = []
+    real = _step_planning.cost_table_for
+
+    def recording(compiled, devices, options, graph=None, timed=frozenset(),
+                  steps=frozenset()):
+        seen.append((timed, steps))
+        return real(compiled, devices, options, graph, timed=timed, steps=steps)
+
+    monkeypatch.setattr(_step_planning, "cost_table_for", recording)
+    options = Options(devices=("cpu:0", "cpu:1"), profile="spec", data_parallel=False)
+    before = types.SimpleNamespace(_timed=frozenset({("dense_0", "cpu:1")}),
+                                   _timed_steps=frozenset({"cpu"}), _whole_steps={"x": 1.0})
+    again = CompiledStep(step, args, options, before=before)
+    assert seen[0] == (before._timed, before._timed_steps)
+    assert again._whole_steps == {"x": 1.0} and again._timed == before._timed
+    CompiledStep(step, args, options)
+    assert seen[-1] == (frozenset(), frozenset())
