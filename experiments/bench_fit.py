@@ -296,6 +296,10 @@ def run_cell(args) -> dict:
             out["memory_gb"] = {d: {k: (None if v is None else v / 1e9) for k, v in m.items()}
                                 for d, m in summary["memory"].items()}
             out["first_call"] = summary["first_call"]
+            # The host's RAM: its CPU devices and memory places summed, beside
+            # the process's resident peak (run 50 was killed by the OS).
+            out["host_memory_gb"] = {k: (v / 1e9 if isinstance(v, float) else v)
+                                     for k, v in (summary.get("host_memory") or {}).items()}
             # A whole step over several GPUs: the collectives the planner priced
             # beside those its compiled executable moves, which its prediction
             # takes (run 47: the zoo's fsdp moved 3.7 GB a GPU where the model

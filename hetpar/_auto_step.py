@@ -389,15 +389,17 @@ class AutoStep:
         step beside the measured one (`step` in the report: the median of
         `StepClock.STEPS` steps after `SETTLE` more than the compiling one; a
         warning when they differ by more than 25%), each device's memory
-        predicted, compiled and measured (`step["memory"]`,
-        hetpar/_memory_check.py), where the first call's time went
+        predicted, compiled and measured (`step["memory"]`, and the host's RAM
+        its CPU devices and memory places share beside the process's resident
+        peak, `step["host_memory"]`: hetpar/_memory_check.py), where the first
+        call's time went
         (`step["first_call"]`, hetpar/_first_call.py) and, for a whole step
         over several devices, its collectives as planned and as compiled
         (`step["collectives"]`, hetpar/_compiled_collectives.py)."""
         import dataclasses as dc
 
         from hetpar._compiled_collectives import collectives_summary
-        from hetpar._memory_check import memory_summary
+        from hetpar._memory_check import host_memory_summary, memory_summary
         from hetpar._report import report_graph
 
         step = self._need_last()
@@ -408,7 +410,9 @@ class AutoStep:
                       "placement": replicas or step.placements[r["name"]].to_json(),
                       **({"sharding": sharding} if sharding else {}), **r}
                      for r in rep.rows)
-        summary = {**step.clock.summary(step), "memory": memory_summary(step),
+        memory = memory_summary(step)
+        summary = {**step.clock.summary(step), "memory": memory,
+                   "host_memory": host_memory_summary(memory, step),
                    "first_call": step.first_call.summary(), "hint": microbatch_hint(step)}
         collectives = collectives_summary(step)
         if collectives is not None:

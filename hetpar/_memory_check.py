@@ -719,6 +719,39 @@ def memory_summary(step) -> dict:
     return out
 
 
+def host_memory_summary(memory: dict, step) -> dict | None:
+    """For `step.report()` (`step["host_memory"]`): the host's RAM, which the
+    step's CPU devices and memory places share and which the OS kills the
+    process for overdrawing (fit_h200, run 50: planned at 113 GB on a 134 GB
+    host, killed at 130). Their `memory` figures (`memory_summary`) summed,
+    beside the process's resident high-water mark (`process_rss_peak`: the
+    process's, not the step's alone) and the RAM the OS gives. None where
+    the step has no CPU device or memory place."""
+    host = [d for d in memory if on_host(step, d)]
+    if not host:
+        return None
+
+    def total(field):
+        got = [memory[d].get(field) for d in host]
+        return None if any(v is None for v in got) else float(sum(got))
+
+    return {"devices": host, "predicted": total("predicted"), "compiled": total("compiled"),
+            "measured": process_rss_peak(), "capacity": host_ram()}
+
+
+def process_rss_peak() -> float | None:
+    """This process's resident memory high-water mark in bytes (`VmHWM`,
+    Linux), None where the OS does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def allocator_peak(step, name: str) -> float | None:
     """The allocator's `peak_bytes_in_use` on device (or memory place) `name`'s
     device, None where the backend keeps no statistics (CPU)."""

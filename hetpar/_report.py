@@ -153,6 +153,8 @@ def step_line(step: dict) -> str:
                  else f"; measured / predicted {m / p:.2f}")
     if step.get("memory"):
         text += "\n" + memory_lines(step["memory"])
+        if step.get("host_memory"):
+            text += "\n" + host_memory_line(step["host_memory"])
     if step.get("first_call"):
         text += "\n" + first_call_line(step["first_call"])
     if step.get("warning"):
@@ -181,6 +183,19 @@ def memory_lines(memory: dict) -> str:
                      + (f" (planned under {b(m['planned_under'])}: the memory check's replan)"
                         if m.get("planned_under") is not None else ""))
     return "\n".join(lines)
+
+
+def host_memory_line(host: dict) -> str:
+    """The host's RAM, shared by the CPU devices and memory places: their
+    figures summed, and the process's resident peak."""
+    from hetpar.core import nbytes
+
+    def b(v):
+        return "?" if v is None else nbytes(v)
+
+    return (f"  host RAM ({' + '.join(host['devices'])}): {b(host.get('predicted'))} / "
+            f"{b(host.get('compiled'))} / {b(host.get('measured'))} (the process's resident "
+            f"peak), of {b(host.get('capacity'))}")
 
 
 def first_call_line(first: dict) -> str:

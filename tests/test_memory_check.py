@@ -676,3 +676,21 @@ def test_a_replan_starts_from_what_the_last_plan_timed(monkeypatch):
     assert again._whole_steps == {"x": 1.0} and again._timed == before._timed
     CompiledStep(step, args, options)
     assert seen[-1] == (frozenset(), frozenset())
+
+
+def test_the_report_sums_the_hosts_devices_beside_the_process_resident_peak():
+    """The CPU devices (and memory places) draw on one RAM, which the OS
+    kills the process for overdrawing: the report sums their figures and
+    sets the process's resident high-water mark beside them."""
+    step, args = _mlp_step()
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], plan=_split_plan(step, args),
+                       profile=None)
+    auto(*args)
+    summary = auto.report().step
+    memory, host = summary["memory"], summary["host_memory"]
+    assert host["devices"] == ["cpu:0", "cpu:1"]
+    assert host["predicted"] == pytest.approx(sum(memory[d]["predicted"] for d in memory))
+    assert host["compiled"] == pytest.approx(sum(memory[d]["compiled"] for d in memory))
+    assert host["measured"] > host["compiled"]  # the whole process: Python, XLA, the arrays
+    assert host["capacity"] > host["measured"]
+    assert "host RAM (cpu:0 + cpu:1)" in str(auto.report())
