@@ -246,7 +246,7 @@ class CompiledStep:
                 # Compiled now (jit's cache serves the first call), its
                 # per-device memory checked before anything runs.
                 with self.first_call.phase("compile"):
-                    peak = self._replicated.memory_peak(args)
+                    peak = self._replicated.memory_peak(self._replicated_shapes)
                 if peak is not None:
                     self.compiled_memory = (dict.fromkeys(replicas, peak),
                                             dict.fromkeys(replicas, "the step's executable, "

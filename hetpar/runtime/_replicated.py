@@ -209,14 +209,14 @@ class Replicated:
         one the first call runs, from jit's cache once that call compiled it."""
         return self._jit.lower(*shapes).compile()
 
-    def memory_peak(self, args: tuple) -> float | None:
+    def memory_peak(self, shapes: tuple) -> float | None:
         """The step's executable's peak bytes on each replica (XLA's memory
-        analysis of the partitioned program, `executable_peak`), compiled on
-        `args` laid out as `_placed` lays them out: the executable the first
-        call runs (jit's cache serves it). None where the backend gives no
-        analysis. One process only."""
+        analysis of the partitioned program, `executable_peak`), compiled for
+        `shapes` (`self.shapes(args)`, the arguments as `_placed` lays them
+        out): the executable the first call runs (jit's cache serves it).
+        None where the backend gives no analysis. One process only."""
         try:
-            m = self.executable(self.shapes(args)).memory_analysis()
+            m = self.executable(shapes).memory_analysis()
         except Exception:  # noqa: BLE001 - no analysis on this backend (the call reports errors)
             return None
         return executable_peak(m)
