@@ -128,14 +128,21 @@ def live_capacity(device) -> tuple[float | None, str]:
     not the card's: JAX takes 75% of a GPU by default (a 143 GB H200 gives
     112.6 GB), and `XLA_PYTHON_CLIENT_MEM_FRACTION` sets it; a plan sized to
     the spec sheet's 141 GB ran out of memory mid-step. A CPU's is the host's
-    RAM (sysconf), which every CPU device of the host shares.
+    RAM that this process's arrays may use (`host_room`), which every CPU
+    device and memory place of the host shares.
     """
     if device.platform == "cpu":
         try:
             total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError, AttributeError):
             return None, ""
-        return float(total), f"host RAM from sysconf on this machine ({total / 1e9:.1f} GB)"
+        room = host_room(float(total))
+        if room >= total:
+            return float(total), f"host RAM from sysconf on this machine ({total / 1e9:.1f} GB)"
+        return room, (f"host RAM for arrays on this machine ({room / 1e9:.1f} GB of its "
+                      f"{total / 1e9:.1f} GB from sysconf: what the OS has available and "
+                      "this process's host arrays, less what other processes and this "
+                      "one hold beside them)")
     try:
         import jax
 
@@ -149,6 +156,53 @@ def live_capacity(device) -> tuple[float | None, str]:
         return limit, (f"JAX allocator bytes_limit on this machine ({limit / 1e9:.1f} GB; "
                        "XLA_PYTHON_CLIENT_MEM_FRACTION sets it)")
     return None, ""
+
+
+def host_room(total: float) -> float:
+    """Bytes of the host's RAM (`total`) that this process's arrays may
+    hold: what the OS has available (`MemAvailable`) and what its JAX arrays
+    in host memory hold already, never over `total`. The rest is other
+    processes' and this one's own (Python, the libraries, compiled code,
+    malloc's free lists), which a plan cannot use. On an H200 host of 134 GB
+    a 6.74B plan checked at 115 GB of host arrays was killed by the OS at
+    134 GB: the process held ~9 GB beside its arrays before the step
+    (fit_h200, run 51). `total` where the OS does not say (not Linux)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: v for k, v in (line.split(":", 1) for line in f)}
+        available = float(info["MemAvailable"].split()[0]) * 1024
+        with open("/proc/self/statm") as f:
+            rss = float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, KeyError, ValueError, IndexError):
+        return total
+    return room_for_arrays(total, available, rss, host_array_bytes())
+
+
+def room_for_arrays(total: float, available: float, rss: float, arrays: float) -> float:
+    """What arrays may hold of `total` bytes of RAM: what is `available` and
+    what the arrays hold already (at most the process's resident `rss`)."""
+    return min(total, available + min(arrays, rss))
+
+
+def host_array_bytes() -> float:
+    """Bytes of this process's live JAX arrays in host memory: on CPU
+    devices, or in an accelerator's host memory kinds (`pinned_host`)."""
+    import sys
+
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return 0.0
+    total = 0.0
+    for x in jax.live_arrays():
+        try:
+            kind = x.sharding.memory_kind
+            on_host = kind in ("pinned_host", "unpinned_host") or all(
+                d.platform == "cpu" for d in x.sharding.device_set)
+            if on_host and not x.is_deleted():
+                total += float(x.nbytes)
+        except Exception:  # noqa: BLE001 - an array deleted meanwhile
+            continue
+    return total
 
 
 def host_cores() -> int:

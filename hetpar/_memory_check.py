@@ -60,6 +60,7 @@ accelerator client's pinned staging pool (`with_host_staging`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections import Counter
 from collections.abc import Mapping
 
@@ -413,8 +414,9 @@ def _place_peaks(executor, last_read: dict, donated: set) -> dict[str, tuple[flo
 
 
 def host_ram() -> float | None:
-    """The host's RAM, from the OS (`live_capacity` of a CPU device): what
-    every CPU device and memory place of this process shares."""
+    """The host's RAM this process's arrays may use, from the OS
+    (`live_capacity` of a CPU device, `cost_models._devices.host_room`):
+    what every CPU device and memory place of this process shares."""
     import jax
 
     from hetpar.cost_models import live_capacity
@@ -736,7 +738,17 @@ def host_memory_summary(memory: dict, step) -> dict | None:
         return None if any(v is None for v in got) else float(sum(got))
 
     return {"devices": host, "predicted": total("predicted"), "compiled": total("compiled"),
-            "measured": process_rss_peak(), "capacity": host_ram()}
+            "measured": process_rss_peak(), "capacity": host_total(),
+            "for_arrays": host_ram()}
+
+
+def host_total() -> float | None:
+    """The host's RAM from sysconf, None where the OS does not say: what
+    the process's resident peak (`process_rss_peak`) answers to."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def process_rss_peak() -> float | None:

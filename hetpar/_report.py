@@ -195,7 +195,9 @@ def host_memory_line(host: dict) -> str:
 
     return (f"  host RAM ({' + '.join(host['devices'])}): {b(host.get('predicted'))} / "
             f"{b(host.get('compiled'))} / {b(host.get('measured'))} (the process's resident "
-            f"peak), of {b(host.get('capacity'))}")
+            f"peak), of {b(host.get('capacity'))}"
+            + (f" ({b(host['for_arrays'])} of it for arrays now)"
+               if host.get("for_arrays") is not None else ""))
 
 
 def first_call_line(first: dict) -> str:

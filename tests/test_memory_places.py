@@ -553,3 +553,66 @@ def test_the_two_h200_table_streams_on_both_gpus_as_it_measured():
     assert p.predicted.step_time_s == pytest.approx(1.375, rel=0.15)
     assert max(p.predicted.peak_memory_bytes[g] for g in ("gpu:0", "gpu:1")) \
         == pytest.approx(39.0e9, rel=0.10)
+
+
+# -- fetched: parameters in the place too ------------------------------------------
+
+FETCHED = Placement("gpu:0", PLACE, "gpu:0", params=PLACE)
+
+
+def test_weights_fetched_from_the_place_when_even_streaming_does_not_fit(monkeypatch):
+    """A GPU that cannot hold every block's weights and gradient beside the
+    streamed state computes there anyway with the weights fetched from the
+    place for each read (the forward; the backward with its update), never
+    kept: 6 blocks streamed hold 28 GB, fetched 21 GB. Without the way, the
+    same cap puts blocks' updates or compute on the CPU."""
+    t = table(cpu_compute=True)
+    p = plan(t, memory={"gpu:0": 24 * GB}, activations=False)
+    assert set(p.assignment.values()) == {"gpu:0"}
+    fetched = [n for n, pl in p.offloaded.items() if pl == FETCHED]
+    assert len(fetched) >= 5, p.offloaded
+    assert p.predicted.peak_memory_bytes["gpu:0"] <= 24 * GB
+    assert violations(with_cap(t, 24), p.placements) == []
+    # held_bytes: a fetched block holds its gradient alone (1 GB); in flight
+    # the largest state and weights, five at most (3 GB each).
+    arr = Arrays(t)
+    every = {n: FETCHED for n in t.layer_names}
+    held = dict(zip(arr.devices, held_bytes(arr, arr.placed(every)), strict=True))
+    assert held["gpu:0"] == pytest.approx(6 * (HELD_ONE - 2 * (OPT + PARAM)) + 5 * (OPT + PARAM))
+    assert held[PLACE] == pytest.approx(6 * 2 * (OPT + PARAM))
+    # The replay moves the weights in twice (forward; backward with the
+    # update), the state in once, and the new weights and state back.
+    resident = {n: Placement("gpu:0") for n in t.layer_names}
+    base = simulate(t, resident).transfer_s
+    one = {**resident, "b2": FETCHED}
+    assert simulate(t, one).transfer_s == pytest.approx(
+        base + 4 * LAT + (3 * PARAM + 2 * OPT) / PLACE_BW, rel=1e-9)
+    # Its one-line description says the parameters travel too.
+    assert "with their parameters" in _offload.describe(arr, every, 1.0)
+    # Without the way, the same cap updates blocks on the CPU (0.3 s each)
+    # or computes them there (5 s).
+    real = _offload.options
+    monkeypatch.setattr(_offload, "options", lambda *a, **k: [
+        o for o in real(*a, **k) if o.way != "fetched"])
+    without = plan(t, memory={"gpu:0": 24 * GB}, activations=False)
+    assert "cpu:0" in {*without.assignment.values(), *without.update_assignment.values()}
+    assert without.predicted.step_time_s > 2 * p.predicted.step_time_s
+
+
+def with_cap(t: CostTable, gpu_gb: float) -> CostTable:
+    from hetpar.planner._solve import with_memory
+    return with_memory(t, {"gpu:0": gpu_gb * GB})
+
+
+def test_offload_ilp_memory_rows_are_held_bytes_for_fetched_weights():
+    """The ILP's rows agree with `held_bytes` for every choice of which
+    blocks are fetched from the place (weights in flight, not held)."""
+    from .test_offload_planner import _assert_ilp_rows_are_held_bytes
+
+    base = table(blocks=3, cpu_compute=False)
+    base = dataclasses.replace(base, layers=tuple(  # unequal blocks
+        dataclasses.replace(layer, param_bytes=(k + 1) * 0.5 * GB, opt_state_bytes=(k + 1) * GB,
+                            memory_bytes={d: 4 * (k + 1) * 0.5 * GB + ACT
+                                          for d in layer.memory_bytes})
+        for k, layer in enumerate(base.layers)))
+    _assert_ilp_rows_are_held_bytes(base, base, "fetched", FETCHED, Placement("gpu:0"))

@@ -518,3 +518,47 @@ def test_two_accelerators_each_streaming_its_layers_state_equal_jit():
     kinds = {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(new_opt)
              if isinstance(x, jax.Array) and x.ndim > 0}
     assert "pinned_host" in kinds
+
+
+# Fetched: parameters and optimizer state both in the memory place, the
+# update on the compute device (ZeRO-Infinity's parameter offload).
+FETCHED = {**PINNED, "params": "cpu:0:pinned_host"}
+
+
+def test_fetched_weights_move_for_each_read_and_are_never_kept():
+    """Weights homed in a memory place come in for every stage that reads
+    them (the forward, the backward with its update), prefetched as streamed state is, and
+    are never cached on the device for the step: cached, a 6.74B model's
+    27 GB of weights would sit beside its activations until the step ends.
+    The step still equals jit's, and the new parameters go home."""
+    w = zoo.get("mlp", small=True)
+    args = tuple(w.example_args())
+    graph = hetpar.trace(w.train_step, *args)
+    step = hetpar.auto(w.train_step, plan={layer: FETCHED for layer in graph.layers})
+    new_params, new_opt, _ = check_steps(w.train_step, step, args)
+    assert _memory_kinds(new_params) == {"pinned_host"}
+    ex = step._last._executor
+    roles = dict(zip(ex._invars, ex.stages.graph.input_roles))
+    weights = {v for v, r in roles.items() if r == "param"}
+    assert weights and not any(v in weights for v, _ in ex._cache_inputs)
+    readers = {v: [st.index for st in ex.stages.stages if v in st.inputs] for v in weights}
+    # The forward, and the backward with the update (one stage, one batch).
+    assert {len(r) for r in readers.values()} == {2}, readers
+    for v, stages in readers.items():
+        for i in stages:  # streamed: the stage before it brings them ahead
+            assert v in ex._streamed[i], (v, i)
+    # In a step, each weight moves in once per reader.
+    placed = step.place(*args)
+    jax.block_until_ready(step(*placed))
+    moved_in, real = [], ex.transfer.move_many
+
+    def logged(xs, dst):
+        if getattr(dst, "memory_kind", None) != "pinned_host":
+            moved_in.extend(id(x) for x in xs)
+        return real(xs, dst)
+
+    ex.transfer.move_many = logged
+    jax.block_until_ready(step(*placed))
+    leaves = dict(zip(ex._invars, jax.tree_util.tree_leaves(placed)))
+    counts = {v: moved_in.count(id(leaves[v])) for v in weights}
+    assert counts == {v: len(r) for v, r in readers.items()}, counts

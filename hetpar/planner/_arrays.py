@@ -525,6 +525,13 @@ class Placed:
         """[L] whether the layer's update runs on its compute device with something apart."""
         return self.apart & (self.update == self.compute)
 
+    def fetched(self, place: np.ndarray) -> np.ndarray:
+        """[L] whether the layer is fetched: updated on its compute device with
+        its parameters in a memory place (`place`: [D] bool), whose weights
+        the runtime moves in for each read and never keeps
+        (`runtime.Executor._cache_inputs`)."""
+        return self.streamed & self.params_apart & np.asarray(place)[self.params]
+
     @property
     def any_apart(self) -> bool:
         """Whether the step needs the replay: state apart, or activations recomputed."""
@@ -549,7 +556,10 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
       during its update, old and new: n streamed layers add
       `streamed_in_flight(n)` x the largest such state (2 for one; at most
       STREAMED_IN_FLIGHT, the runtime's bounded prefetch), beside the
-      largest working set.
+      largest working set. Fetched (`Placed.fetched`: its parameters in a
+      memory place too, moved in for each read and never kept), its
+      weights are not held through the step either: they count in flight,
+      with its state (state plus weights in the largest).
     - Where its optimizer state lives: `Arrays.state_copies` x the state
       (without donation old and new coexist: 2; donated, 1), plus its
       gradient when the update runs there. Where its parameters live, when
@@ -576,8 +586,10 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
     # Apart, the old (and without donation the new) optimizer state leave the
     # device, and the new parameters when they live elsewhere too.
     copies = arr.state_copies
+    fetched = placed.fetched(arr.place)
     away = (np.where(state_apart, copies * o, 0.0)
             + np.where(params_apart, (copies - 1) * p, 0.0)
+            + np.where(fetched, p, 0.0)  # its weight copy: in flight only
             # recomputed: not kept (nor overlapping its gradient)
             + np.where(placed.remat, arr.act - arr.overlap_at(microbatches), 0.0))
     np.add.at(out, c, np.maximum(mem_c - away, 0.0))
@@ -591,9 +603,10 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
     # arriving.
     visiting = placed.streamed & state_apart
     in_flight = np.zeros(len(out))
+    moving = o + np.where(fetched, p, 0.0)
     for j in np.unique(c[visiting]):
         mine = visiting & (c == j)
-        in_flight[j] = streamed_in_flight(mine.sum()) * float(o[mine].max())
+        in_flight[j] = streamed_in_flight(mine.sum()) * float(moving[mine].max())
     working = np.zeros(len(out))
     np.maximum.at(working, c, np.where(placed.remat, arr.ws_remat, arr.ws))
     return out + in_flight + working

@@ -18,6 +18,15 @@ computing on an accelerator has three ways to hold its state (`Placement`):
   copies between the GPU and its pinned host memory run ~50 GB/s each way,
   between the GPU and the CPU device ~7 GB/s: the same host RAM, reached
   faster through the place.
+- fetched: parameters and optimizer state both in the accelerator's memory
+  place, update on the accelerator (ZeRO-Infinity's parameter offload, per
+  layer): the weights come in for each read (each microbatch's forward and
+  backward, and the update) and leave again, so the accelerator holds only
+  those in flight; the state comes in for the update and the new
+  parameters and state go back. What lets a model whose weights,
+  gradients and activations together exceed the GPU compute on it: a
+  6.74B Llama-style model at 45 GB of an H200 otherwise computes 15 of its
+  35 layers on the host CPU.
 
 The search is one small ILP (pulp) over layer x compute device x way, built
 on the placement ILP's variables (`_ilp`: x[l, d] and the edges' marginal
@@ -26,7 +35,8 @@ z): a binary y per offload option, at most x[l, c] of them per layer.
 Memory (`hetpar.planner._arrays.held_bytes`, linear but for one max): a
 resident layer holds its `memory_bytes`; an offloaded layer holds on its
 compute device its weights, gradient and activations (memory_bytes less its
-optimizer state), plus, streamed, the optimizer state in flight for the
+optimizer state; fetched, less its weights too), plus, streamed or fetched,
+the optimizer state (and fetched, the weights) in flight for the
 updates (`streamed_in_flight`: old and new of each, at most five states, in
 the largest; `_add_in_flight` linearises it); its host holds
 `Arrays.state_copies` x its optimizer state (2, old and new; 1 where the step
@@ -39,8 +49,10 @@ Time: the replay overlaps transfers with compute, which no linear form
 captures; the ILP minimises T under lower bounds of the replayed step:
 
 - the chain: layer times (less the update a host runs) + crossing edges;
-- each link direction host -> accelerator: the weights (host way) and
-  streamed states it carries (copies start at the step's start);
+- each link direction host -> accelerator: the weights (host way: once;
+  fetched: once per stage reading them, the forward and the backward with
+  its update, or each microbatch's and the update) and streamed states
+  it carries (copies start at the step's start);
 - accelerator -> host: the forward share of the accelerator's work (no
   gradient leaves before the backward) + the gradients and new streamed
   states;
@@ -74,7 +86,7 @@ from hetpar.planner._arrays import (
     streamed_in_flight,
 )
 
-WAYS = ("resident", "host", "streamed")
+WAYS = ("resident", "host", "streamed", "fetched")
 #: The baselines' names in plans.
 ZERO_OFFLOAD = "zero_offload"
 JAX_OFFLOAD = "jax_offload"
@@ -93,7 +105,7 @@ class Option:
     layer: int
     compute: int
     state: int
-    way: str  # "host" or "streamed" (resident is x without any y)
+    way: str  # "host", "streamed" or "fetched" (resident is x without any y)
 
     @property
     def update(self) -> int:
@@ -102,8 +114,9 @@ class Option:
     @property
     def params(self) -> int:
         """Where its parameters live: with the state on the host that updates
-        them, else on the compute device (only the optimizer state streams)."""
-        return self.state if self.way == "host" else self.compute
+        them or in the memory place they are fetched from, else on the
+        compute device (only the optimizer state streams)."""
+        return self.state if self.way in ("host", "fetched") else self.compute
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,8 +172,9 @@ def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Optio
     A layer may offload from an accelerator it may run on (or the one
     `compute` gives) when its parameter bytes are known and it has optimizer
     state to move. Streamed, to its accelerator's memory place, or to a
-    CPU device where the accelerator has none; the host way, to a CPU
-    device with its update's time there.
+    CPU device where the accelerator has none; fetched, parameters and
+    state both to a memory place; the host way, to a CPU device with its
+    update's time there.
 
     Why not stream from a CPU device beside a memory place: they are the
     same host RAM, but the runtime reaches the CPU device by `device_put`
@@ -179,6 +193,8 @@ def options(arr: Arrays, compute: Mapping[str, str] | None = None) -> list[Optio
             for h in homes(arr, c):
                 if not (has_place and arr.cpu[h]):
                     out.append(Option(i, int(c), int(h), "streamed"))
+                if arr.place[h] and np.nan_to_num(arr.param[i]) > 0:
+                    out.append(Option(i, int(c), int(h), "fetched"))
                 if arr.cpu[h] and np.isfinite(arr.upd[i, h]):
                     out.append(Option(i, int(c), int(h), "host"))
     return out
@@ -267,8 +283,10 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
         n = sum(o.state == j for o in chosen.values())
         sharing = [k for k in np.nonzero((arr.ram == j) & arr.place)[0] if held[k] > 0]
         if arr.place[j]:
+            params = sum(o.state == j and o.params == j for o in chosen.values())
+            kept = f", {params} of them with their parameters" if params else ""
             parts.append(f"the state does not fit host memory: {d} would need at least "
-                         f"{nbytes(held[j])} ({n} layers' optimizer state "
+                         f"{nbytes(held[j])} ({n} layers' optimizer state{kept} "
                          f"x{arr.state_copies}), {holds}")
         elif arr.cpu[j] and sharing and ram[j] > held[j]:
             names = " + ".join(arr.devices[k] for k in sharing)
@@ -371,18 +389,22 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
     for o, v in y.items():
         opt = float(arr.opt[o.layer, o.compute])
         # The old (and without donation the new) optimizer state leave the
-        # device (`held_bytes`), and the new parameters where the host updates them.
+        # device (`held_bytes`), and the new parameters where the host
+        # updates them; fetched, the weights too (only those in flight stay).
         copies = arr.state_copies
-        leaves = copies * opt + ((copies - 1) * p[o.layer] if o.way == "host" else 0.0)
+        kept_weights = {"host": copies - 1, "fetched": copies}.get(o.way, 0)
+        leaves = copies * opt + kept_weights * p[o.layer]
         # never more than the layer holds there (`held_bytes` floors it at 0)
         leaves = min(leaves, float(mem[o.layer, o.compute]))
         use[o.compute].append((v, -leaves / _GB))
         # The host way: its parameters and its gradient there, and its
-        # parameters once more in the runtime's pinned staging (`staging_bytes`).
-        host = copies * opt + ((copies + 2) * p[o.layer] if o.way == "host" else 0.0)
-        use[o.state].append((v, host / _GB))
-        if o.way == "streamed":
-            streams.setdefault(o.compute, []).append((v, opt / _GB))
+        # parameters once more in the runtime's pinned staging
+        # (`staging_bytes`); fetched, its parameters beside the state.
+        there = {"host": copies + 2, "fetched": copies}.get(o.way, 0)
+        use[o.state].append((v, (copies * opt + there * p[o.layer]) / _GB))
+        if o.way != "host":  # in flight: the state, and fetched, the weights
+            visiting = opt + (p[o.layer] if o.way == "fetched" else 0.0)
+            streams.setdefault(o.compute, []).append((v, visiting / _GB))
     slacks, held_once = {}, {}
     for j in range(D):
         terms = list(use[j])
@@ -449,6 +471,12 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
             v_, t_ = move(c, h, p[i])
             links.setdefault(bus_out, []).append((v_, M * t_))
             host_work.setdefault(h, []).append((v, float(arr.upd[i, h]) / scale))
+        elif o.way == "fetched":  # weights in per read; new weights and state back
+            # (one batch: the update shares its backward's stage and copy,
+            # unless it waits for other layers' gradients, which the replay counts)
+            reads = 2 if M == 1 else 2 * M + 1
+            links.setdefault(bus_in, []).append(move(h, c, reads * p[i] + opt))
+            links.setdefault(bus_out, []).append(move(c, h, p[i] + opt))
         else:  # parameters stay on c: only the optimizer state goes and comes back
             links.setdefault(bus_in, []).append(move(h, c, opt))
             links.setdefault(bus_out, []).append(move(c, h, opt))
@@ -505,13 +533,14 @@ def _solve(m, y: Mapping[Option, pulp.LpVariable], step, solver: str,
 def variants(arr: Arrays, placements: Mapping[str, Placement]
              ) -> list[tuple[str, dict[str, Placement]]]:
     """The same offloaded layers with every update on the host, every one streamed,
-    or every one streamed from its compute device's memory place.
+    every one streamed from its compute device's memory place, or every one
+    fetched from there (parameters too).
 
     The ILP's time is a linear bound; the replay, which overlaps the
     transfers with compute, may prefer another way for all of them.
     """
     out = []
-    for way in ("host", "streamed", "pinned"):
+    for way in ("host", "streamed", "pinned", "fetched"):
         changed, new = False, dict(placements)
         for n, p in placements.items():
             if not p.offloaded:
@@ -529,7 +558,8 @@ def variants(arr: Arrays, placements: Mapping[str, Placement]
                 home = next(iter(places(arr, c)), None)
                 if home is None:
                     continue
-                q = Placement(p.compute, arr.devices[home], p.compute, params=p.compute)
+                weights = arr.devices[home] if way == "fetched" else p.compute
+                q = Placement(p.compute, arr.devices[home], p.compute, params=weights)
             if q != p:
                 new[n], changed = q, True
         if changed:
@@ -618,9 +648,13 @@ def describe(arr: Arrays, placements: Mapping[str, Placement], step_s: float) ->
     if not apart:
         return "no state offloaded"
     host = sum(p.update != p.compute for _, p in apart)
+    fetched = sum(p.update == p.compute and p.params != p.compute for _, p in apart)
     states = sorted({p.state for _, p in apart})
-    moved = sum(float(np.nan_to_num(arr.param[arr.lindex[n]])) for n, p in apart
-                if p.params != p.compute)
+    # The host way moves its weights in once a step; fetched, once a read
+    # (forward, backward, update).
+    moved = sum((1 if p.update != p.compute else 3) * float(np.nan_to_num(arr.param[arr.lindex[n]]))
+                for n, p in apart if p.params != p.compute)
+    with_params = f", {fetched} with their parameters" if fetched else ""
     return (f"{len(apart)} layers' state on {', '.join(states)} ({host} updated there, "
-            f"{len(apart) - host} streamed to their compute device); weights in each step "
-            f"{nbytes(moved)}; step {seconds(step_s)}")
+            f"{len(apart) - host} streamed to their compute device{with_params}); weights "
+            f"in each step {nbytes(moved)}; step {seconds(step_s)}")

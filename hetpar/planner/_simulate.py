@@ -46,7 +46,9 @@ state on a host CPU device or a memory place) runs as the runtime runs it:
   start, after the weights, in stage order) for the update there, and the
   new state goes back after it; its new parameters go back too only when
   they live off the compute device (with its parameters resident, as JAX's
-  host offload keeps them, no weights move at all). The host is a CPU
+  host offload keeps them, no weights move at all). Fetched (its
+  parameters in a memory place too), its weights come in for each stage
+  that reads them: every microbatch's forward and backward, and the update. The host is a CPU
   device or a memory place (`gpu:0:pinned_host`), each over its own link;
 - copies to and from a memory place queue on one bus with its host CPU
   device's copies (one PCIe link each way carries both);
@@ -198,6 +200,9 @@ class _Items:
         another device, copied from the step's start.
       state_out: {item: [(destination device, bytes)]}: state it sends
         back once done.
+      weights_in: {item: [(source device, bytes, layer)]}: a fetched
+        layer's weights it reads, copied in once per stage that reads them
+        (its backward and its update in one stage read one copy).
     """
 
     keys: list
@@ -208,6 +213,8 @@ class _Items:
     compute: np.ndarray
     state_in: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
     state_out: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
+    weights_in: dict[int, list[tuple[str, float, int]]] = dataclasses.field(
+        default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -253,6 +260,7 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, compute_mb: np.n
     pos = np.empty(L, dtype=int)
     pos[arr.order] = np.arange(L)
     apart = np.zeros(L, bool) if placed is None else placed.apart
+    fetched = np.zeros(L, bool) if placed is None else placed.fetched(arr.place)
     remat = np.zeros(L, bool) if placed is None else placed.remat
     own = apart | remat  # cut into stages of their own, as the split pass does
     split_keys = bool(own.any())
@@ -302,6 +310,7 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, compute_mb: np.n
                 _add(xbytes, (bwd(u, m), bwd(v, m)), arr.bwd[k] / M)
     state_in: dict[int, list[tuple[str, float]]] = {}
     state_out: dict[int, list[tuple[str, float]]] = {}
+    weights_in: dict[int, list[tuple[str, float, int]]] = {}
     # An update that reads other layers' backward waits for it (the table's
     # `update_reads`: under a global-norm clip, every gradient): on an H200
     # a plan's host CPU ran its layers' updates after the whole backward,
@@ -325,7 +334,10 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, compute_mb: np.n
         keys[item] = key(dev, None, "main" if M == 1 else "post", i)
         dur[item] = float(np.nan_to_num(arr.upd[i, where]))
         layer_of[item] = i
-        if w != c:
+        if fetched[i]:  # the weights for each read: every forward and backward, the update
+            for read in (*(fwd(i, m) for m in range(M)), *(bwd(i, m) for m in range(M)), item):
+                weights_in.setdefault(read, []).append((w, p, i))
+        elif w != c:
             state_in.setdefault(fwd(i, 0), []).append((w, p))  # the weights, once a step
         for m in range(M):
             deps[item].add(bwd(i, m))
@@ -338,7 +350,7 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, compute_mb: np.n
             if s != c:
                 state_in.setdefault(item, []).append((s, o))
             state_out.setdefault(item, []).extend(back.items())
-    return _Items(keys, dur, layer_of, deps, xbytes, compute, state_in, state_out)
+    return _Items(keys, dur, layer_of, deps, xbytes, compute, state_in, state_out, weights_in)
 
 
 def _stages(items: _Items, schedule: str) -> _Stages:
@@ -362,6 +374,12 @@ def _stages(items: _Items, schedule: str) -> _Stages:
     for src, dst in ((items.state_in, state_in), (items.state_out, state_out)):
         for i, copies in src.items():
             dst.setdefault(int(stage_of[i]), []).extend(copies)
+    fetched: dict[tuple[int, int], tuple[str, float]] = {}  # (stage, layer): one copy
+    for i, copies in items.weights_in.items():
+        for w, b, layer in copies:
+            fetched[int(stage_of[i]), layer] = (w, b)
+    for (s, _), copy in sorted(fetched.items()):
+        state_in.setdefault(s, []).append(copy)
     return _Stages(cut, skeys, sdeps, sbytes, sdur, per_device, realised, state_in, state_out)
 
 

@@ -198,11 +198,15 @@ class Executor:
                 if v in self._is_input:
                     per_device[v, st.device] = per_device.get((v, st.device), 0) + 1
         # Never state streamed from a memory place: cached, every layer's
-        # optimizer state would stay on the device until the step ends.
-        # (Parameters kept there are read by every microbatch: cached, they move once.)
+        # optimizer state, and every layer's weights where its parameters
+        # live there too, would stay on the device until the step ends: a
+        # 6.74B model's 27 GB of weights beside its activations, where the
+        # plan (`planner._arrays.held_bytes`, way "fetched") counts only
+        # those in flight. Such weights move for each read instead (the
+        # forward, the backward, the update), as ZeRO-Infinity moves them.
         roles = stages.graph.input_roles
         placed = {v for v, d, role in zip(self._invars, stages.input_devices, roles)
-                  if memory_place(d)[1] is not None and role == "opt_state"}
+                  if memory_place(d)[1] is not None and role in ("param", "opt_state")}
         self._cache_inputs = {k for k, n in per_device.items() if n > 1 and k[0] not in placed}
         self._offload_out, self._offload_vars = self._activations_offloaded(stages)
         # What a streaming stage's state copy brings ahead: its streamed
