@@ -82,6 +82,27 @@ def test_the_host_gives_arrays_what_is_available_and_what_they_hold():
     assert 0 < _room() <= _host_ram()
 
 
+def test_host_arrays_are_counted_where_the_default_backend_is_an_accelerator(monkeypatch):
+    """`jax.live_arrays()` lists the default backend's arrays alone: on a GPU
+    host the state built on the CPU device went uncounted, and a 6.74B
+    model's host was planned with 52 GB of its 134 (fit_h200, run 52)."""
+    from hetpar.cost_models._devices import host_array_bytes
+
+    x = jax.device_put(np.ones((1 << 20,), np.float32), jax.devices("cpu")[0])
+    real = jax.live_arrays
+
+    def as_on_a_gpu_host(platform=None):
+        if platform is None:  # the default backend: the GPU's arrays, not these
+            return []
+        if platform == "cuda":
+            return []
+        return real(platform)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "cuda")
+    monkeypatch.setattr(jax, "live_arrays", as_on_a_gpu_host)
+    assert host_array_bytes() >= x.nbytes
+
+
 def test_live_capacity_reads_the_allocator_limit_of_an_accelerator():
     class FakeGpu:  # the one field of jax.Device that differs on a GPU host
         platform, process_index = "gpu", jax.process_index()
