@@ -187,18 +187,17 @@ def test_state_that_does_not_fit_the_host_names_the_host_and_bytes():
     msg = str(e.value)
     assert "does not fit host memory" in msg and "cpu:0" in msg
     # 42 GB held on a 20 GB GPU (7 GB a block). Streamed, a block leaves 4 GB
-    # (old and new optimizer state) and costs the host 4 GB, but its old and
-    # new state visit for the update: 2 GB each, five at most in flight (two
-    # blocks' 8, three or more 10). The host way (ZeRO-Offload) leaves 5 GB
-    # (its new parameters too) and costs the host 8 GB (state and parameters
-    # x2, the gradient, and the parameters in the runtime's pinned staging).
-    # Streaming two or more costs the GPU at least 2 x 3 + 4 x 2 + 8 = 22 GB;
-    # one: 3 + 5 x 2 + 4 = 17 GB (host 4 + 4 x 8 = 36 GB, with a resident
-    # block over the GPU's 20 GB); none: one block resident and five the
-    # host way, 7 + 10 = 17 GB: the smallest host footprint, 5 x 8 = 40 GB.
-    assert "40 GB" in msg and "holds 5 GB" in msg
-    assert "5 layers' offloaded state: parameters and optimizer state x2" in msg
-    assert "gradients of its 5 updates and their parameters staged" in msg
+    # (old and new optimizer state) and costs the host 4 GB, but its state
+    # visits for the update: 2 GB, once (the copy in takes the new state),
+    # three at most in flight. The host way (ZeRO-Offload) leaves 5 GB (its
+    # new parameters too) and costs the host 8 GB (state and parameters x2,
+    # the gradient, and the parameters in the runtime's pinned staging).
+    # The smallest host footprint: one block resident, one streamed, four
+    # the host way: the GPU 7 + 3 + 4 x 2 + 2 = 20 GB, the host 4 + 4 x 8 =
+    # 36 GB (none streamed: 5 x 8 = 40 GB; two streamed need 22 GB of GPU).
+    assert "36 GB" in msg and "holds 5 GB" in msg
+    assert ("5 layers' offloaded state: optimizer state, and 4 of them parameters, x2" in msg)
+    assert "gradients of its 4 updates and their parameters staged" in msg
 
 
 def test_a_cap_no_plan_meets_names_the_smallest_footprint():
@@ -242,9 +241,10 @@ def test_streamed_state_moves_both_ways():
     # the pinned staging that takes them from the CPU device to the GPU.
     assert held["cpu:0"] == pytest.approx(2 * (PARAM + OPT) + PARAM)
     # Its old and new optimizer state and new parameters (apart: they default
-    # to the state) leave the GPU, but both states visit for the update; each
-    # block's activations and gradient count once (`Arrays.overlap`).
-    assert held["gpu:0"] == pytest.approx(6 * (HELD - ACT) - 2 * OPT - PARAM + 2 * OPT)
+    # to the state) leave the GPU, but its state visits for the update, once
+    # (the copy in takes the new state); each block's activations and
+    # gradient count once (`Arrays.overlap`).
+    assert held["gpu:0"] == pytest.approx(6 * (HELD - ACT) - 2 * OPT - PARAM + OPT)
 
 
 def test_pipelined_plans_offload_and_replay():

@@ -37,7 +37,7 @@ resident layer holds its `memory_bytes`; an offloaded layer holds on its
 compute device its weights, gradient and activations (memory_bytes less its
 optimizer state; fetched, less its weights too), plus, streamed or fetched,
 the optimizer state (and fetched, the weights) in flight for the
-updates (`streamed_in_flight`: old and new of each, at most five states, in
+updates (`streamed_in_flight`: one of each, its copy donated, at most three, in
 the largest; `_add_in_flight` linearises it); its host holds
 `Arrays.state_copies` x its optimizer state (2, old and new; 1 where the step
 donates its state), plus, host way, as many copies of its parameters, its
@@ -68,7 +68,6 @@ footprint found (`diagnose`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Mapping
 
@@ -339,7 +338,7 @@ def _add_in_flight(prob, s, streamed: list, tag: str) -> None:
     n, big = len(streamed), max(opt for _, opt in streamed)
     count = [(v, 1.0) for v, _ in streamed]
     bounds = [(streamed_in_flight(1), None)]
-    for k in range(2, math.ceil(STREAMED_IN_FLIGHT / 2) + 1):
+    for k in range(2, STREAMED_IN_FLIGHT + 1):
         if n >= k and streamed_in_flight(k) > bounds[-1][0]:
             z = prob.add_variable(f"n{tag}_{k}", cat=pulp.LpBinary)
             prob.addConstraint(_ilp._affine(count + [(z, -float(n))]) <= k - 1, f"n{tag}_{k}")

@@ -142,6 +142,37 @@ class Executor:
             raise HetparError("donate_argnums: a plan over several processes does not donate "
                               "yet; drop donate_argnums", api="hetpar.auto(donate_argnums=())")
         self.donated = tuple(sorted(set(donate)))
+        # Stages that read state kept away from their device: an offloaded
+        # layer's parameters or optimizer state (streamed state).
+        homes = {d for p in stages.placements.values() if p.offloaded
+                 for d in (p.params, p.state) if d != p.compute}
+        home_of = {v: d for v, d in zip(self._invars, stages.input_devices) if d in homes}
+        streamed = [tuple(v for v in st.inputs if home_of.get(v, st.device) != st.device)
+                    for st in stages.stages]
+        self._streams = [bool(vs) for vs in streamed]
+        # Step inputs read by several stages of one device move there once a
+        # step (a weight read by a layer's forward and backward); the rest
+        # (optimizer state streamed to its update) move per read and are freed after.
+        per_device: dict = {}
+        for st in stages.stages:
+            for v in st.inputs:
+                if v in self._is_input:
+                    per_device[v, st.device] = per_device.get((v, st.device), 0) + 1
+        # Never state streamed from a memory place: cached, every layer's
+        # optimizer state, and every layer's weights where its parameters
+        # live there too, would stay on the device until the step ends: a
+        # 6.74B model's 27 GB of weights beside its activations, where the
+        # plan (`planner._arrays.held_bytes`, way "fetched") counts only
+        # those in flight. Such weights move for each read instead (the
+        # forward, the backward, the update), as ZeRO-Infinity moves them.
+        roles = stages.graph.input_roles
+        placed = {v for v, d, role in zip(self._invars, stages.input_devices, roles)
+                  if memory_place(d)[1] is not None and role in ("param", "opt_state")}
+        self._cache_inputs = {k for k, n in per_device.items() if n > 1 and k[0] not in placed}
+        # What a streaming stage's state copy brings ahead: its streamed
+        # inputs, less those moved once a step and cached.
+        self._streamed = [tuple(v for v in vs if (v, st.device) not in self._cache_inputs)
+                          for vs, st in zip(streamed, stages.stages)]
         self._donate, self._free_at = self._donation(stages)
         self.compiled = self._compile_all(stages.stages)
         self._input_devices = [self.target(d) for d in stages.input_devices]
@@ -154,14 +185,6 @@ class Executor:
         self._send_home = {v: self.target(d) for v, d in zip(self._outvars, wanted)
                            if d is not None and isinstance(v, jcore.Var)
                            and memory_place(d)[1] is not None}
-        # Stages that read state kept away from their device: an offloaded
-        # layer's parameters or optimizer state (streamed state).
-        homes = {d for p in stages.placements.values() if p.offloaded
-                 for d in (p.params, p.state) if d != p.compute}
-        home_of = {v: d for v, d in zip(self._invars, stages.input_devices) if d in homes}
-        streamed = [tuple(v for v in st.inputs if home_of.get(v, st.device) != st.device)
-                    for st in stages.stages]
-        self._streams = [bool(vs) for vs in streamed]
         # Per streaming stage, the next one on its device: its state's copy in
         # is issued before this stage's copy out (see _Run._stage).
         self._next_stream: dict[int, int] = {}
@@ -189,30 +212,7 @@ class Executor:
                     readers[v] = readers.get(v, 0) + 1
         kept = set(self._outvars) | self._is_input
         self._readers = {v: n for v, n in readers.items() if v not in kept}
-        # Step inputs read by several stages of one device move there once a
-        # step (a weight read by a layer's forward and backward); the rest
-        # (optimizer state streamed to its update) move per read and are freed after.
-        per_device: dict = {}
-        for st in stages.stages:
-            for v in st.inputs:
-                if v in self._is_input:
-                    per_device[v, st.device] = per_device.get((v, st.device), 0) + 1
-        # Never state streamed from a memory place: cached, every layer's
-        # optimizer state, and every layer's weights where its parameters
-        # live there too, would stay on the device until the step ends: a
-        # 6.74B model's 27 GB of weights beside its activations, where the
-        # plan (`planner._arrays.held_bytes`, way "fetched") counts only
-        # those in flight. Such weights move for each read instead (the
-        # forward, the backward, the update), as ZeRO-Infinity moves them.
-        roles = stages.graph.input_roles
-        placed = {v for v, d, role in zip(self._invars, stages.input_devices, roles)
-                  if memory_place(d)[1] is not None and role in ("param", "opt_state")}
-        self._cache_inputs = {k for k, n in per_device.items() if n > 1 and k[0] not in placed}
         self._offload_out, self._offload_vars = self._activations_offloaded(stages)
-        # What a streaming stage's state copy brings ahead: its streamed
-        # inputs, less those moved once a step and cached.
-        self._streamed = [tuple(v for v in vs if (v, st.device) not in self._cache_inputs)
-                          for vs, st in zip(streamed, stages.stages)]
         self.last_events: list[StageEvent] = []
         # Timelines: record_events times each stage to its end (which
         # serialises the step); watch_events has threads wait for each
@@ -237,9 +237,10 @@ class Executor:
         orders the donation after their reads. Inputs the step returns as
         they are are never given up.
         """
-        donate: list = [[] for _ in stages.stages]
+        self._donated_copies = [tuple(self._copies_donated(st)) for st in stages.stages]
+        donate: list = [list(d) for d in self._donated_copies]
         if not self.donated:
-            return [()] * len(donate), {}
+            return [tuple(d) for d in donate], {}
         home = dict(zip(self._invars, stages.input_devices))
         wanted = {self._invars[i] for i in self.donated} - set(self._outvars)
         readers: dict = {}
@@ -253,10 +254,27 @@ class Executor:
             last = [r for r in rs if all(before[r] >> o & 1 for o in rs if o != r)]
             st = stages.stages[last[0]] if last else None
             if st is not None and st.device == home[v] and st.inputs.count(v) == 1:
-                donate[st.index].append(st.inputs.index(v))
+                if st.inputs.index(v) not in donate[st.index]:
+                    donate[st.index].append(st.inputs.index(v))
             else:
                 free_at[v] = len(rs)
         return [tuple(sorted(d)) for d in donate], free_at
+
+    def _copies_donated(self, st: Stage) -> list[int]:
+        """The positions of `st`'s streamed inputs (`_streamed`: state or
+        weights moved in for this stage alone) that its executable takes
+        donated, on an accelerator: the copy is the runtime's own, and
+        donated, the new state is written into it (the update's outputs
+        alias its inputs), so a streaming stage holds its state once, not
+        old and new (`planner._arrays.streamed_in_flight`). (A copy that
+        turns out to be the value itself, already on the device, is copied
+        first: `_Run.inputs_on`.) Not on a CPU device, where a copy out of
+        pinned host memory may alias its source."""
+        dev = self.devices.get(st.device)
+        if dev is None or dev.platform == "cpu" or st.device not in self.local:
+            return []
+        mine = set(self._streamed[st.index])
+        return [k for k, v in enumerate(st.inputs) if v in mine and st.inputs.count(v) == 1]
 
     def _process_of(self, name: str) -> int:
         """The process owning a device (or memory place) name."""

@@ -127,6 +127,11 @@ class _Run:
             args[k] = y
             if (st.inputs[k], name) in self.ex._cache_inputs:
                 moved[st.inputs[k], name] = y
+        for k in self.ex._donated_copies[st.index]:
+            # Donated as the runtime's own copy: one that is the value itself
+            # (already on the device, as a caller may pass it) is copied first.
+            if args[k] is self.env.get(st.inputs[k]):
+                args[k] = jax.device_put(args[k], dev, may_alias=False)
         if self.watchers:
             copied = [y for k, y in zip(todo, fresh) if y is not self.env.get(st.inputs[k])]
             self.watch("copy in", st, name, copied)
