@@ -323,6 +323,34 @@ class CompiledStep:
             self.predicted()  # a step nothing planned is costed now, while the arguments are here
             self._calibration_args = None
         logging.info("hetpar: %d layers on %s%s", len(self.graph), used, self._peaks_line())
+        hint = self._pinned_pool_hint()
+        if hint:
+            logging.warning("hetpar: %s", hint)
+
+    def _pinned_pool_hint(self) -> str | None:
+        """What to do where a GPU's pinned host memory place is planned full at
+        XLA's pinned pool (`cost_models._resolve.pinned_pool_bytes`) with host
+        RAM to spare: the state the pool could not take is updated on, or
+        computed by, the host CPU instead."""
+        from hetpar.core import nbytes
+        from hetpar.cost_models._resolve import pinned_pool_bytes
+
+        predicted = self.plan.predicted if self.plan is not None else None
+        if predicted is None or self.table is None:
+            return None
+        peaks = predicted.peak_memory_bytes or predicted.memory_bytes or {}
+        pool = pinned_pool_bytes()
+        caps = {d.name: d.memory_bytes for d in self.table.devices}
+        full = [d for d, b in peaks.items() if memory_place(d)[1] == "pinned_host"
+                and self.devices.get(memory_place(d)[0]) is not None
+                and self.devices[memory_place(d)[0]].platform == "gpu"
+                and abs(caps.get(d, 0) - pool) < 1 and b > 0.95 * pool]
+        if not full:
+            return None
+        return (f"{', '.join(full)} planned full at XLA's pinned host memory pool "
+                f"({nbytes(pool)}); with host RAM to spare, set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB "
+                "(GiB) before JAX starts so that more state streams from there instead of "
+                "the host CPU")
 
     def _peaks_line(self) -> str:
         """" (peak memory: gpu:0 39.7 GB planned, 36.5 GB compiled, ...)" for

@@ -363,3 +363,40 @@ def test_data_parallel_with_donate_argnums_equals_jit():
     inputs = _copy((out[0], out[1], args[2]))
     out = auto(out[0], out[1], args[2])
     oracle.assert_equals_jit(out, step, inputs)
+
+
+def test_a_gpus_memory_place_holds_what_xlas_pinned_pool_allows(monkeypatch):
+    """XLA's GPU client keeps pinned host memory in a pool of its own, 64 GiB
+    unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise: a plan keeping
+    a 6.74B model's 77 GB of state there failed placing it (fit_h200, run 53)."""
+    from cost_models._resolve import pinned_pool_bytes
+
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    assert pinned_pool_bytes() == 64 * 2**30
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "120")
+    assert pinned_pool_bytes() == 120 * 2**30
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "lots")
+    assert pinned_pool_bytes() == 64 * 2**30
+
+
+def test_a_plan_full_at_the_pinned_pool_says_how_to_raise_it(monkeypatch):
+    import types
+
+    from hetpar._compiled_step import CompiledStep
+    from hetpar.planner import Device, Predicted
+
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    pool = 64 * 2**30
+    gpu = types.SimpleNamespace(platform="gpu")
+    table = types.SimpleNamespace(devices=(Device("gpu:0", "h200", 45e9),
+                                           Device("gpu:0:pinned_host", "pinned_host", pool)))
+
+    def step(place_gb):
+        predicted = Predicted(1.0, 0.0, 0.0, {}, peak_memory_bytes={
+            "gpu:0": 40e9, "gpu:0:pinned_host": place_gb * 1e9})
+        return types.SimpleNamespace(plan=types.SimpleNamespace(predicted=predicted),
+                                     table=table, devices={"gpu:0": gpu})
+
+    hint = CompiledStep._pinned_pool_hint(step(68.0))
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in hint and "gpu:0:pinned_host" in hint
+    assert CompiledStep._pinned_pool_hint(step(30.0)) is None
