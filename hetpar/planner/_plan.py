@@ -537,8 +537,11 @@ def _offload_line(placements: Mapping[str, Placement], p: Predicted) -> str:
     apart = [pl for pl in placements.values() if pl.offloaded]
     host = sum(pl.update == pl.state != pl.compute for pl in apart)
     resident = sum(pl.update == pl.compute and pl.params == pl.compute for pl in apart)
+    fetched = sum(pl.update == pl.compute != pl.params for pl in apart)
     states = ", ".join(sorted({pl.state for pl in apart}))
-    kept = f", {resident} of them keeping their parameters there" if resident else ""
+    kept = f", {resident} of them keeping their parameters on it" if resident else ""
+    kept += (f", {fetched} of them fetching their weights from their state's home for each "
+             "stage that reads them" if fetched else "")
     return (f"state apart: {len(apart)} of {len(placements)} layers keep their state on "
             f"{states} ({host} updated there, {len(apart) - host} streamed to their compute "
             f"device for the update{kept}); the step time replays their transfers "
