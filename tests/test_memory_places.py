@@ -593,8 +593,9 @@ def test_weights_fetched_from_the_place_when_even_streaming_does_not_fit(monkeyp
     one = {**resident, "b2": FETCHED}
     assert simulate(t, one).transfer_s == pytest.approx(
         base + 4 * LAT + (3 * PARAM + 2 * OPT) / PLACE_BW, rel=1e-9)
-    # Its one-line description says the parameters travel too.
+    # Its one-line description and the plan's summary say the weights travel too.
     assert "with their parameters" in _offload.describe(arr, every, 1.0)
+    assert "fetching their weights from their state's home" in p.summary(with_cap(t, 20))
     # Without the way, the same cap updates blocks on the CPU (0.3 s each)
     # or computes them there (5 s).
     real = _offload.options
