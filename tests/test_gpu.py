@@ -72,24 +72,33 @@ def test_offload_plan_on_gpu_equals_jit(update):
         "offloaded state must come back to the host"
 
 
-def test_state_in_gpu_pinned_host_memory_equals_jit():
+@pytest.mark.parametrize("params", ["gpu:0", "gpu:0:pinned_host"])
+def test_state_in_gpu_pinned_host_memory_equals_jit(params):
     # JAX's host offload, per layer: optimizer state in gpu:0's pinned host
-    # memory between steps, parameters on gpu:0, each update on gpu:0 with
-    # its state streamed in and the new state sent back (issue 15).
+    # memory between steps, parameters on gpu:0 (or there too: fetched, the
+    # weights moved in for each stage that reads them), each update on
+    # gpu:0 with its state streamed in and the new state sent back (issue
+    # 15). The copies in are donated to the new state (`_copies_donated`):
+    # the state kept in the place survives every step.
     w = zoo.get("transformer", small=True, learning_rate=1e-4)
     args = w.example_args()
     layers = hetpar.trace(w.train_step, *args).layers
-    plan = {n: {"compute": "gpu:0", "params": "gpu:0", "state": "gpu:0:pinned_host",
+    plan = {n: {"compute": "gpu:0", "params": params, "state": "gpu:0:pinned_host",
                 "update": "gpu:0"} for n in layers}
     with jax.default_matmul_precision("highest"):
         step = hetpar.auto(w.train_step, plan=plan)
         args = step.place(*args)
         check_steps(w.train_step, step, args, rtol=5e-4)
+    assert any(step._last._executor._donated_copies)
+    for x in jax.tree_util.tree_leaves(args[:2]):
+        assert not x.is_deleted()
     new_params, new_opt_state, _ = step(*args)
     kinds = {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(new_opt_state)
              if isinstance(x, jax.Array) and x.size > 1}
     assert kinds == {"pinned_host"}, kinds
-    assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(new_params)} == {"device"}
+    want = "device" if params == "gpu:0" else "pinned_host"
+    assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(new_params)
+            if isinstance(x, jax.Array) and x.size > 1} == {want}
 
 
 def test_recomputed_layers_on_one_gpu_run_as_one_executable_that_holds_less():
