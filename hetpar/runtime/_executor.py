@@ -273,8 +273,7 @@ class Executor:
         dev = self.devices.get(st.device)
         if dev is None or dev.platform == "cpu" or st.device not in self.local:
             return []
-        mine = set(self._streamed[st.index])
-        return [k for k, v in enumerate(st.inputs) if v in mine and st.inputs.count(v) == 1]
+        return _reusable(st, set(self._streamed[st.index]))
 
     def _process_of(self, name: str) -> int:
         """The process owning a device (or memory place) name."""
@@ -578,6 +577,24 @@ class Executor:
         if isinstance(v, jcore.Literal):
             return np.asarray(v.val)
         return env[v]
+
+
+def _reusable(st: Stage, copies: set) -> list[int]:
+    """The positions of `st`'s inputs among `copies` that an output of the
+    same shape and type can be written into (XLA aliases donated inputs so):
+    a streamed state's, not a forward's fetched weights, which no output
+    reuses (donated, JAX warns that they were not usable)."""
+    outputs: dict = {}
+    for v in st.outputs:
+        key = (tuple(v.aval.shape), v.aval.dtype)
+        outputs[key] = outputs.get(key, 0) + 1
+    out = []
+    for k, v in enumerate(st.inputs):
+        key = (tuple(v.aval.shape), v.aval.dtype)
+        if v in copies and st.inputs.count(v) == 1 and outputs.get(key, 0) > 0:
+            outputs[key] -= 1
+            out.append(k)
+    return out
 
 
 def _dispatched_before(stages: StageGraph) -> list[int]:
