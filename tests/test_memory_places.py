@@ -596,6 +596,7 @@ def test_weights_fetched_from_the_place_when_even_streaming_does_not_fit(monkeyp
     # Its one-line description and the plan's summary say the weights travel too.
     assert "with their parameters" in _offload.describe(arr, every, 1.0)
     assert "fetching their weights from their state's home" in p.summary(with_cap(t, 20))
+    assert "fetched: weights in" in p.explain(with_cap(t, 20))
     # Without the way, the same cap updates blocks on the CPU (0.3 s each)
     # or computes them there (5 s).
     real = _offload.options

@@ -577,6 +577,11 @@ def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
     elif w == c:
         cost = (f"update on {pl.compute} with the optimizer state streamed, parameters "
                 f"resident: optimizer state in {move(s, c, o)}, new state out {move(c, s, o)}")
+    elif arr.place[w]:
+        cost = (f"fetched: weights in {move(w, c, p)} for each stage that reads them (the "
+                f"forward, the backward with the update), never kept on {pl.compute}; "
+                f"optimizer state in {move(s, c, o)}, new parameters and state out "
+                f"{move(c, s, p + o) if w == s else move(c, s, o) + ' + ' + move(c, w, p)}")
     else:
         cost = (f"update on {pl.compute} with the state streamed: weights in {move(w, c, p)} "
                 f"overlapped, optimizer state in {move(s, c, o)}, new parameters and state "
