@@ -14,6 +14,7 @@ import jax
 
 from hetpar.core import HetparError, memory_place
 from hetpar.passes import Stage
+from hetpar.runtime._transfer import copied_apart
 
 if TYPE_CHECKING:
     from hetpar.runtime._executor import Executor
@@ -50,6 +51,11 @@ class StageEvent:
     start_s: float
     end_s: float
     what: str = "compute"
+
+
+def _deleted(x) -> bool:
+    """Whether `x` is a JAX array whose buffers were deleted (donated)."""
+    return isinstance(x, jax.Array) and x.is_deleted()
 
 
 class _Run:
@@ -96,10 +102,18 @@ class _Run:
         issued = time.perf_counter()
 
         def wait():
+            # A stage takes its streamed copies donated (`_copies_donated`):
+            # once it was dispatched they are deleted, and waiting on them
+            # would raise. Its compute is timed without them; a copy in
+            # donated before this thread saw it goes unrecorded.
+            ready = [x for x in after if not _deleted(x)]
+            live = [x for x in arrays if not _deleted(x)]
+            if not live:
+                return
             try:
-                jax.block_until_ready(after)
-                deps = time.perf_counter() if after else issued
-                jax.block_until_ready(arrays)
+                jax.block_until_ready(ready)
+                deps = time.perf_counter() if ready else issued
+                jax.block_until_ready(live)
             except Exception:  # noqa: BLE001 - the step reports failures itself
                 return
             end = time.perf_counter()
@@ -128,9 +142,11 @@ class _Run:
             if (st.inputs[k], name) in self.ex._cache_inputs:
                 moved[st.inputs[k], name] = y
         for k in self.ex._donated_copies[st.index]:
-            # Donated as the runtime's own copy: one that is the value itself
-            # (already on the device, as a caller may pass it) is copied first.
-            if args[k] is self.env.get(st.inputs[k]):
+            # Donated as the runtime's own copy: one that shares the value's
+            # own buffer (a put may hand it back: already on the device) is
+            # copied first, or the donation would delete the value.
+            home = self.env.get(st.inputs[k])
+            if args[k] is home or not copied_apart(home, args[k]):
                 args[k] = jax.device_put(args[k], dev, may_alias=False)
         if self.watchers:
             copied = [y for k, y in zip(todo, fresh) if y is not self.env.get(st.inputs[k])]
