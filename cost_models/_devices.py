@@ -201,17 +201,23 @@ def host_array_bytes() -> float:
             arrays.update((id(x), x) for x in jax.live_arrays(platform))
         except RuntimeError:  # no such backend here
             continue
-    total = 0.0
+    # Each buffer once: two arrays may share one (a put that found the
+    # value in place), and an array over several CPU devices holds a
+    # buffer on each (this process's shards only).
+    seen: dict = {}
     for x in arrays.values():
         try:
+            if x.is_deleted():
+                continue
             kind = x.sharding.memory_kind
-            on_host = kind in ("pinned_host", "unpinned_host") or all(
-                d.platform == "cpu" for d in x.sharding.device_set)
-            if on_host and not x.is_deleted():
-                total += float(x.nbytes)
+            host_kind = kind in ("pinned_host", "unpinned_host")
+            for shard in x.addressable_shards:
+                if host_kind or shard.device.platform == "cpu":
+                    key = (shard.device, shard.data.unsafe_buffer_pointer())
+                    seen[key] = float(shard.data.nbytes)
         except Exception:  # noqa: BLE001 - an array deleted meanwhile
             continue
-    return total
+    return float(sum(seen.values()))
 
 
 def host_cores() -> int:

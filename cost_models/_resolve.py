@@ -437,7 +437,12 @@ def memory_places(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
         if jd is not None and (jd.platform == "cpu" or not has_pinned_host(jd)):
             continue  # no pinned host memory behind it (or a CPU standing in for a GPU)
         if jd is not None and jd.platform == "gpu":
-            memory = min(memory, pinned_pool_bytes())
+            # One pool per process (XLA's GPU client makes one pinned host
+            # allocator): its GPUs' places share it, an equal part each.
+            sharing = sum(1 for e in devs if e.name in wanted and e.jax_device is not None
+                          and e.jax_device.platform == "gpu"
+                          and e.jax_device.process_index == jd.process_index)
+            memory = min(memory, pinned_pool_bytes() / max(sharing, 1))
         to_place = _staged(d, profiles, cpu_names, sizes, outbound=True)
         from_place = _staged(d, profiles, cpu_names, sizes, outbound=False)
         if to_place is None or from_place is None or memory <= 0:
@@ -452,6 +457,7 @@ def memory_places(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
 #: says otherwise (read when the client starts): a plan streaming a 6.74B
 #: model's 77 GB of state from `gpu:0:pinned_host` failed placing it,
 #: "Out of host memory ... with allocator xla_gpu_host_bfc" (fit_h200, run 53).
+#: The client makes one such allocator: a process's GPUs share the pool.
 PINNED_POOL_GIB = 64
 
 

@@ -341,10 +341,16 @@ class CompiledStep:
         peaks = predicted.peak_memory_bytes or predicted.memory_bytes or {}
         pool = pinned_pool_bytes()
         caps = {d.name: d.memory_bytes for d in self.table.devices}
+        from hetpar._memory_check import host_ram
+
+        ram = host_ram() or 0.0
+        # (a process's GPUs share the pool: each place has its part; a place
+        # capped by the host's RAM itself gains nothing from a larger pool)
         full = [d for d, b in peaks.items() if memory_place(d)[1] == "pinned_host"
+                and ram > 1.05 * caps.get(d, float("inf"))
                 and self.devices.get(memory_place(d)[0]) is not None
                 and self.devices[memory_place(d)[0]].platform == "gpu"
-                and abs(caps.get(d, 0) - pool) < 1 and b > 0.95 * pool]
+                and 0 < caps.get(d, 0) <= pool + 1 and b > 0.95 * caps[d]]
         if not full:
             return None
         return (f"{', '.join(full)} planned full at XLA's pinned host memory pool "

@@ -75,10 +75,23 @@ def test_the_host_gives_arrays_what_is_available_and_what_they_hold():
     # Arrays counted at most at what is resident (not yet touched pages).
     assert room_for_arrays(134 * GB, 40 * GB, 10 * GB, 81 * GB) == 50 * GB
     assert room_for_arrays(134 * GB, 134 * GB, 10 * GB, 10 * GB) == 134 * GB
+    import gc
+
+    gc.collect()
     before = host_array_bytes()
     x = jax.device_put(np.ones((1 << 20,), np.float32), jax.devices("cpu")[0])
-    assert host_array_bytes() - before >= x.nbytes
-    del x
+    assert host_array_bytes() - before == x.nbytes
+    # Each buffer once: an array over the same buffer adds nothing, one
+    # replicated over two CPU devices holds two, a deleted one none.
+    same = jax.device_put(x, jax.devices("cpu")[0])
+    assert host_array_bytes() - before == x.nbytes
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:2]), ("d",))
+    both = jax.device_put(np.ones((1 << 18,), np.float32),
+                          jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    assert host_array_bytes() - before == x.nbytes + 2 * both.nbytes
+    both.delete()
+    assert host_array_bytes() - before == x.nbytes
+    del x, same
     assert 0 < _room() <= _host_ram()
 
 
@@ -397,6 +410,12 @@ def test_a_plan_full_at_the_pinned_pool_says_how_to_raise_it(monkeypatch):
         return types.SimpleNamespace(plan=types.SimpleNamespace(predicted=predicted),
                                      table=table, devices={"gpu:0": gpu})
 
+    from hetpar import _memory_check
+
+    monkeypatch.setattr(_memory_check, "host_ram", lambda: 134e9)
     hint = CompiledStep._pinned_pool_hint(step(68.0))
     assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in hint and "gpu:0:pinned_host" in hint
     assert CompiledStep._pinned_pool_hint(step(30.0)) is None
+    # A host with no RAM beyond the pool gains nothing from a larger one.
+    monkeypatch.setattr(_memory_check, "host_ram", lambda: 70e9)
+    assert CompiledStep._pinned_pool_hint(step(68.0)) is None

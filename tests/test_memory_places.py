@@ -624,3 +624,25 @@ def test_offload_ilp_memory_rows_are_held_bytes_for_fetched_weights():
                                           for d in layer.memory_bytes})
         for k, layer in enumerate(base.layers)))
     _assert_ilp_rows_are_held_bytes(base, base, "fetched", FETCHED, Placement("gpu:0"))
+
+
+def test_weights_in_flight_count_per_streaming_stage():
+    """In flight on the GPU: a streaming stage's state and weights, per
+    stage, not per layer: with two microbatches a fetched layer's weights
+    come in for each one's forward and backward (two in flight where one
+    batch has one). And a layer whose parameters alone live in the place
+    (its state on the GPU) has its weights in flight too."""
+    t = table()
+    arr = Arrays(t)
+    gpu = arr.dindex["gpu:0"]
+    resident = {n: Placement("gpu:0") for n in t.layer_names}
+    one = {**resident, "b2": FETCHED}
+    overlap = 6 * min(ACT, PARAM)  # pipelined, activations and gradients both count
+    held1 = held_bytes(arr, arr.placed(one), 1)[gpu]
+    held2 = held_bytes(arr, arr.placed(one), 2)[gpu]
+    assert held2 - held1 == pytest.approx(overlap + (OPT + PARAM))
+    weights_only = {**resident, "b2": Placement("gpu:0", "gpu:0", "gpu:0", params=PLACE)}
+    base = held_bytes(arr, arr.placed(resident))[gpu]
+    # its weights (old and new: nothing donated) leave; one copy is in flight
+    assert held_bytes(arr, arr.placed(weights_only))[gpu] == pytest.approx(
+        base - 2 * PARAM + PARAM)

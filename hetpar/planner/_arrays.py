@@ -605,12 +605,16 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
     # working set of a layer (its recomputation's where it recomputes them):
     # a streamed layer's backward runs with its state arrived and the next's
     # arriving.
-    visiting = placed.streamed & state_apart
+    visiting = placed.streamed & (state_apart | fetched)
     in_flight = np.zeros(len(out))
-    moving = o + np.where(fetched, p, 0.0)
+    moving = np.where(state_apart, o, 0.0) + np.where(fetched, p, 0.0)
+    # Streaming stages, not layers: with microbatches a fetched layer's
+    # weights come in for each microbatch's forward and backward, and those
+    # of one layer follow each other on its device.
+    stages = np.where(fetched, max(int(microbatches), 1), 1)
     for j in np.unique(c[visiting]):
         mine = visiting & (c == j)
-        in_flight[j] = streamed_in_flight(mine.sum()) * float(moving[mine].max())
+        in_flight[j] = streamed_in_flight(stages[mine].sum()) * float(moving[mine].max())
     working = np.zeros(len(out))
     np.maximum.at(working, c, np.where(placed.remat, arr.ws_remat, arr.ws))
     return out + in_flight + working

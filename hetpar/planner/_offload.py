@@ -330,13 +330,14 @@ def _placed(arr: Arrays, compute: np.ndarray, chosen: Mapping[int, Option]) -> P
 
 def _add_in_flight(prob, s, streamed: list, tag: str) -> None:
     """s >= `streamed_in_flight(n)` x the largest optimizer state of the chosen
-    streamed options [(y, state GB)] (`held_bytes`), n = how many are chosen:
-    a binary per count k up to where the bound stops rising says n >= k, each
-    relaxing its bound when off."""
+    streamed options [(y, state GB, streaming stages)] (`held_bytes`), n =
+    their streaming stages: a binary per count k up to where the bound stops
+    rising says n >= k, each relaxing its bound when off."""
     if not streamed:
         return
-    n, big = len(streamed), max(opt for _, opt in streamed)
-    count = [(v, 1.0) for v, _ in streamed]
+    n, big = sum(k for _, _, k in streamed), max(opt for _, opt, _ in streamed)
+    count = [(v, float(k)) for v, _, k in streamed]
+    streamed = [(v, opt) for v, opt, _ in streamed]
     bounds = [(streamed_in_flight(1), None)]
     for k in range(2, STREAMED_IN_FLIGHT + 1):
         if n >= k and streamed_in_flight(k) > bounds[-1][0]:
@@ -403,7 +404,9 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         use[o.state].append((v, (copies * opt + there * p[o.layer]) / _GB))
         if o.way != "host":  # in flight: the state, and fetched, the weights
             visiting = opt + (p[o.layer] if o.way == "fetched" else 0.0)
-            streams.setdefault(o.compute, []).append((v, visiting / _GB))
+            # (streaming stages: a fetched layer's each microbatch, `held_bytes`)
+            stages = M if o.way == "fetched" else 1
+            streams.setdefault(o.compute, []).append((v, visiting / _GB, stages))
     slacks, held_once = {}, {}
     for j in range(D):
         terms = list(use[j])
