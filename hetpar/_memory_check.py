@@ -146,8 +146,8 @@ class Misfit:
         if self.host:
             return (f"the compiled stages need {nbytes(self.compiled_bytes)} of the host's RAM "
                     f"at their peaks ({self.stage}), over the {nbytes(self.usable_bytes)} it may "
-                    f"give ({nbytes(self.capacity_bytes)} from the OS less a {self.margin:.1%} "
-                    "margin)")
+                    f"give ({nbytes(self.capacity_bytes)} for arrays, from the OS, less a "
+                    f"{self.margin:.1%} margin)")
         kept = (f"{nbytes(self.usable_bytes / (1 - self.margin))} less a {self.margin:.1%} "
                 "margin" if self.usable_bytes < self.capacity_bytes else
                 f"its cap; the device's own capacity less a {self.margin:.1%} margin is more")

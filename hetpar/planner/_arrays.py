@@ -559,8 +559,7 @@ def held_bytes(arr: Arrays, placed: Placed, microbatches: int = 1) -> np.ndarray
       during its update (its copy donated, the new state written into it):
       n streamed layers add `streamed_in_flight(n)` x the largest such
       state (1 for one; at most STREAMED_IN_FLIGHT, the runtime's bounded
-      prefetch), beside the
-      largest working set. Fetched (`Placed.fetched`: its parameters in a
+      prefetch), beside the largest working set. Fetched (`Placed.fetched`: its parameters in a
       memory place too, moved in for each read and never kept), its
       weights are not held through the step either: they count in flight,
       with its state (state plus weights in the largest).

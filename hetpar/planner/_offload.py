@@ -652,9 +652,11 @@ def describe(arr: Arrays, placements: Mapping[str, Placement], step_s: float) ->
     host = sum(p.update != p.compute for _, p in apart)
     fetched = sum(p.update == p.compute and p.params != p.compute for _, p in apart)
     states = sorted({p.state for _, p in apart})
-    # The host way moves its weights in once a step; fetched, once a read
-    # (forward, backward, update).
-    moved = sum((1 if p.update != p.compute else 3) * float(np.nan_to_num(arr.param[arr.lindex[n]]))
+    # Weights kept on a CPU device move in once a step; fetched from a
+    # memory place, once per stage that reads them (the forward, the
+    # backward with the update: one batch).
+    moved = sum((2 if arr.place[arr.dindex[p.params]] else 1)
+                * float(np.nan_to_num(arr.param[arr.lindex[n]]))
                 for n, p in apart if p.params != p.compute)
     with_params = f", {fetched} with their parameters" if fetched else ""
     return (f"{len(apart)} layers' state on {', '.join(states)} ({host} updated there, "

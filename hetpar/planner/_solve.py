@@ -415,8 +415,8 @@ def with_memory(table: CostTable, memory: Mapping[str, float]) -> CostTable:
     elsewhere) may be given more memory than its figure as well as less: a
     plan for a DGX host with 2 TB of RAM. A present device, whose capacity
     the table read off this machine (`meta["present_capacity"]`: JAX's
-    allocator limit, the host's RAM), may only be capped: it cannot be given
-    memory it does not have.
+    allocator limit, the host's RAM its arrays may use), may only be
+    capped: it cannot be given memory it does not have.
 
     Raises:
       PlanError: a key that names no device or kind of the table (a comma
@@ -449,9 +449,11 @@ def with_memory(table: CostTable, memory: Mapping[str, float]) -> CostTable:
         if have is not None and want > have * (1 + 1e-9):
             raise PlanError(
                 f"memory[{key!r}] gives {dev.name} {want / 1e9:.3g} GB, but it is present here "
-                f"and holds {have / 1e9:.3g} GB (JAX's allocator limit for an accelerator, "
-                "the host's RAM for a CPU): a present device cannot be given memory it does "
-                "not have. Cap it lower, or plan for a larger card by its kind (e.g. 'h200')")
+                f"and holds {have / 1e9:.3g} GB (JAX's allocator limit for an accelerator; "
+                "for a CPU the host's RAM this process's arrays may use: what the OS has "
+                "available and what they hold): a present device cannot be given memory it "
+                "does not have. Cap it lower, or plan for a larger card by its kind (e.g. "
+                "'h200')")
         devices.append(dataclasses.replace(dev, memory_bytes=want))
     return dataclasses.replace(table, devices=tuple(devices),
                                meta={**table.meta, "memory_caps": dict(memory)})

@@ -13,10 +13,13 @@ executors may share.
 Failures: an exception inside a stage stops the step and surfaces as a
 `StageError` naming the stage's layers and device (for accelerator stages
 whose error only shows when their results are read: as JAX's own error, as
-with `jax.jit`). Unless the step donates them (`donate`), no input buffer is
-donated, so the caller's parameters and optimizer state are never left
-half-updated or deleted (the price: the old and new state coexist in memory
-during a step, as with `jax.jit` without `donate_argnums`).
+with `jax.jit`). Unless the step donates them (`donate`), none of the
+caller's buffers is donated, so the caller's parameters and optimizer state
+are never left half-updated or deleted (the price: the old and new state
+coexist in memory during a step, as with `jax.jit` without
+`donate_argnums`). The runtime's own copies are another matter: on an
+accelerator a stage takes the state (and fetched weights) copied in for it
+alone donated and writes its new state into it (`_copies_donated`).
 
 Donation (`donate`, from `hetpar.auto(..., donate_argnums=...)`): a donated
 input is given up by its last reader. Where one stage reads it on its own
@@ -173,6 +176,8 @@ class Executor:
         # inputs, less those moved once a step and cached.
         self._streamed = [tuple(v for v in vs if (v, st.device) not in self._cache_inputs)
                           for vs, st in zip(streamed, stages.stages)]
+        # Per stage, the positions of its streamed copies it takes donated.
+        self._donated_copies = [tuple(self._copies_donated(st)) for st in stages.stages]
         self._donate, self._free_at = self._donation(stages)
         self.compiled = self._compile_all(stages.stages)
         self._input_devices = [self.target(d) for d in stages.input_devices]
@@ -230,14 +235,14 @@ class Executor:
         """Where each donated input is given up (module docstring).
 
         Returns per stage the positions of its inputs its executable takes
-        donated, and {var: readers} for the donated inputs deleted once that
-        many reading stages were dispatched instead. A stage takes an input
+        donated (its streamed copies, `_donated_copies`, among them), and
+        {var: readers} for the donated inputs deleted once that many reading
+        stages were dispatched instead. A stage takes an input
         donated where it reads it on the input's own device and every other
         reader was dispatched before it (`_dispatched_before`): JAX then
         orders the donation after their reads. Inputs the step returns as
         they are are never given up.
         """
-        self._donated_copies = [tuple(self._copies_donated(st)) for st in stages.stages]
         donate: list = [list(d) for d in self._donated_copies]
         if not self.donated:
             return [tuple(d) for d in donate], {}
