@@ -340,16 +340,22 @@ def within_split_margin(table, accelerators):
     use there: a plan filling the whole capacity was always planned again,
     a compile of every stage later (a 2.9B Hugging Face Llama at 45 GB of an
     H200: planned at 45.0 GB, replayed compiled at 41.1 GB, over the 39.6 GB
-    the check allows; experiments/results/fit_h200, run 20). CPU devices
-    share the host's RAM, checked apart (`host_misfit`). A `memory=` cap is
-    the caller's (or the check's own replanning cap) and stands as given."""
+    the check allows; experiments/results/fit_h200, run 20). Their memory
+    places too (`gpu:0:pinned_host`), which the check holds to the same
+    margin: a 6.74B plan filling XLA's pinned pool would be planned again
+    for its place alone. CPU devices share the host's RAM, checked apart
+    (`host_misfit`). A `memory=` cap is the caller's (or the check's own
+    replanning cap) and stands as given."""
     from hetpar._memory_check import SPLIT_MARGIN
 
     if not accelerators:
         return table
+    kept = set(accelerators) | {d.name for d in table.devices
+                                if memory_place(d.name)[1] is not None
+                                and memory_place(d.name)[0] in accelerators}
     return dataclasses.replace(table, devices=tuple(
         dataclasses.replace(d, memory_bytes=d.memory_bytes * (1 - SPLIT_MARGIN))
-        if d.name in accelerators else d for d in table.devices))
+        if d.name in kept else d for d in table.devices))
 
 
 def _roomy(table, name: str):

@@ -468,9 +468,9 @@ def test_a_replanned_plan_far_slower_is_said_so():
 
 
 def test_split_plans_are_planned_within_the_margin_the_check_keeps():
-    """The planner plans a present accelerator to its capacity less
-    SPLIT_MARGIN (what the compiled check lets a split plan use there); the
-    CPU keeps the host's RAM; a memory= cap (the caller's, or the check's own
+    """The planner plans a present accelerator (and its memory place) to its
+    capacity less SPLIT_MARGIN (what the compiled check lets a split plan
+    use there); the CPU keeps the host's RAM; a memory= cap (the caller's, or the check's own
     replanning cap) stands as given; the plan found fits the smaller figure."""
     from hetpar import cost_models
     from hetpar._step_planning import within_split_margin
@@ -485,6 +485,10 @@ def test_split_plans_are_planned_within_the_margin_the_check_keeps():
     assert narrowed.device("h100:0").memory_bytes == pytest.approx(
         (1 - SPLIT_MARGIN) * gpu.memory_bytes)
     assert narrowed.device("cpu:0").memory_bytes == cpu.memory_bytes
+    # Its memory place too, which the check holds to the same margin.
+    place = table.device("h100:0:pinned_host")
+    assert narrowed.device("h100:0:pinned_host").memory_bytes == pytest.approx(
+        (1 - SPLIT_MARGIN) * place.memory_bytes)
     assert narrowed.fingerprint() == table.fingerprint()  # the same step and devices
     assert with_memory(narrowed, {"h100:0": 0.95 * gpu.memory_bytes}).device(
         "h100:0").memory_bytes == 0.95 * gpu.memory_bytes
