@@ -26,6 +26,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 
@@ -635,25 +636,39 @@ def main(argv=None):
                     cmd += ["--timeline", os.path.join(
                         args.timeline, f"table_{model}_{fraction}_{mode}.json")]
                 t = time.perf_counter()
+                # The cell's stderr goes to a file as it runs, and the results
+                # file names the cell before it starts: a cell whose process
+                # is killed from outside (run 54: a 6.74B cell past the call's
+                # own limit, whose teardown of 80 GB of pinned memory outlived
+                # it) still leaves what it was doing.
+                log = _cell_log(args.out, model, fraction, mode)
+                if args.out:
+                    _write(args.out, [*cells, {
+                        "model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
+                        "error": f"did not finish (its stderr: {log})"}])
                 try:
-                    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                          timeout=args.timeout)
+                    with open(log, "w") as errf:
+                        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE,
+                                              stderr=errf, text=True, timeout=args.timeout)
+                    with open(log) as f:
+                        stderr = f.read()
                     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("CELL ")]
                     cell = json.loads(lines[-1][5:]) if lines else {
                         "model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
-                        "error": f"exit {proc.returncode}: " + proc.stderr.strip()[-400:]}
+                        "error": f"exit {proc.returncode}: " + stderr.strip()[-400:]}
                     # hetpar's progress lines and warnings, without the
                     # allocator's per-chunk dumps.
-                    err = proc.stderr.splitlines()
+                    err = stderr.splitlines()
                     cell["hetpar_lines"] = _progress(err)
                     cell["stderr_tail"] = "\n".join(
                         ln for ln in err if " ms hetpar" not in ln and "bfc_allocator" not in ln
                         and "InUse at" not in ln and "Chunk at" not in ln
                         and "Free at" not in ln)[-3000:]
-                except subprocess.TimeoutExpired as e:
+                except subprocess.TimeoutExpired:
                     # What the cell was doing: hetpar's progress lines and the
                     # where its main thread was (--stacks) are on its stderr.
-                    err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+                    with open(log) as f:
+                        err = f.read()
                     cell = {"model": model, "fraction": fraction, "mode": mode, "limit_gb": 0,
                             "error": f"timed out after {args.timeout:.0f} s",
                             "hetpar_lines": _progress(err.splitlines()),
@@ -662,14 +677,24 @@ def main(argv=None):
                 cells.append(cell)
                 print(_row(cell), flush=True)
                 if args.out:
-                    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-                    with open(args.out, "w") as f:
-                        json.dump(cells, f, indent=1)
+                    _write(args.out, cells)
     print("\n| model | GPU memory | run | step ms | predicted ms | measured/predicted "
           "| GPU peak GB | predicted peak GB | measured/predicted peak | first call s | plan |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for cell in cells:
         print(_row(cell))
+
+
+def _cell_log(out: str | None, model: str, fraction: str, mode: str) -> str:
+    """Where a cell's stderr goes while it runs: beside the results file."""
+    base = os.path.splitext(out)[0] if out else os.path.join(tempfile.gettempdir(), "bench_fit")
+    return f"{base}.{model}_{fraction}_{mode}.stderr"
+
+
+def _write(out: str, cells: list) -> None:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(cells, f, indent=1)
 
 
 if __name__ == "__main__":
