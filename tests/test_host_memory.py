@@ -248,3 +248,32 @@ def test_kept_freed_memory_spares_a_cpu_update_its_page_faults():
         faults[mode] = int(out.stdout.split()[-1])
     assert faults["default"] > 10_000, faults  # 40 MB or more of fresh pages a call
     assert faults["kept"] < faults["default"] / 10, faults
+
+
+def test_the_pinned_pool_may_grow_to_the_hosts_ram(monkeypatch):
+    """XLA's pinned host pool (64 GiB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
+    says otherwise) held back a 6.74B model's fetched state on a 125 GiB
+    host: `import hetpar` lets it grow to the RAM, where the user set
+    nothing and JAX's clients have not started (it is read then)."""
+    from hetpar import _host_memory
+
+    monkeypatch.setattr(_host_memory.os, "sysconf",
+                        lambda name: 4096 if name == "SC_PAGE_SIZE" else (125 << 30) // 4096)
+    monkeypatch.setattr(_host_memory, "_backends_started", lambda: False)
+    var = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+    env: dict = {}
+    assert _host_memory.widen_pinned_pool(env) and env == {var: "125"}
+    mine = {var: "32"}  # the user's stands
+    assert not _host_memory.widen_pinned_pool(mine) and mine[var] == "32"
+    monkeypatch.setattr(_host_memory, "_backends_started", lambda: True)  # too late: read already
+    late: dict = {}
+    assert not _host_memory.widen_pinned_pool(late) and late == {}
+
+
+def test_jax_backends_started_is_read_from_jax():
+    import jax
+
+    from hetpar._host_memory import _backends_started
+
+    jax.devices()
+    assert _backends_started()
