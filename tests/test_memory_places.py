@@ -651,3 +651,15 @@ def test_weights_in_flight_count_per_streaming_stage():
     # its weights (old and new: nothing donated) leave; one copy is in flight
     assert held_bytes(arr, arr.placed(weights_only))[gpu] == pytest.approx(
         base - 2 * PARAM + PARAM)
+
+
+def test_a_full_memory_place_names_xlas_pinned_pool():
+    """Where the state does not fit a GPU's pinned host memory itself, the
+    error says that XLA's pinned pool holds it too, and how to widen it."""
+    t = table(gpu_gb=20, cpu_compute=False)
+    t = dataclasses.replace(t, layers=tuple(
+        dataclasses.replace(la, update_s={"gpu:0": 0.008}) for la in t.layers))
+    with pytest.raises(InfeasibleError) as e:
+        plan(t, memory={PLACE: 5 * GB})
+    msg = str(e.value)
+    assert PLACE in msg and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in msg, msg

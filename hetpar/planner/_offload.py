@@ -274,6 +274,13 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
     held = held_bytes(arr, _placed(arr, compute, chosen), microbatches)
     ram = ram_bytes(arr, held)
     parts = []
+    # A place over its own cap (XLA's pinned pool, under its host's RAM)
+    # overflows into the slack it shares with its host's CPU device: name it
+    # apart from the RAM, which may have room.
+    for k in np.nonzero(arr.place)[0]:
+        j = int(arr.ram[k])
+        if j != k and j in over and held[k] > arr.cap[k] * (1 + 1e-6) and ram[j] <= arr.cap[j]:
+            over[int(k)], over[j] = over[j], 0.0
     for j in sorted(over, key=lambda j: -over[j]):
         if over[j] <= arr.cap[j] * 1e-6:
             continue
@@ -286,7 +293,9 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
             kept = f", {params} of them with their parameters" if params else ""
             parts.append(f"the state does not fit host memory: {d} would need at least "
                          f"{nbytes(held[j])} ({n} layers' optimizer state{kept} "
-                         f"x{arr.state_copies}), {holds}")
+                         f"x{arr.state_copies}), {holds} (a GPU's pinned host memory "
+                         "is held to XLA's pool too: XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB, in "
+                         "GiB, set before JAX starts)")
         elif arr.cpu[j] and sharing and ram[j] > held[j]:
             names = " + ".join(arr.devices[k] for k in sharing)
             parts.append(f"the state does not fit host memory: {d} and {names} share it and "
