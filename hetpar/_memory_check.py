@@ -475,7 +475,15 @@ def capacities(step, devices, capped: bool = True,
     for d in devices:
         cap = known.get(d)
         if cap is None:
-            cap = live_capacity(step.devices[memory_place(d)[0]])[0]
+            device, kind = memory_place(d)
+            if kind is None:
+                cap = live_capacity(step.devices[device])[0]
+            else:  # a memory place: the host's RAM, and a GPU's within XLA's pinned pool
+                from hetpar.cost_models._resolve import pinned_pool_bytes
+
+                cap = host_ram()
+                if cap is not None and step.devices[device].platform == "gpu":
+                    cap = min(cap, pinned_pool_bytes())
             if cap is not None and d in memory:
                 cap = min(cap, float(memory[d]))
         if cap:

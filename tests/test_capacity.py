@@ -419,3 +419,20 @@ def test_a_plan_full_at_the_pinned_pool_says_how_to_raise_it(monkeypatch):
     # A host with no RAM beyond the pool gains nothing from a larger one.
     monkeypatch.setattr(_memory_check, "host_ram", lambda: 70e9)
     assert CompiledStep._pinned_pool_hint(step(68.0)) is None
+
+
+def test_a_memory_place_without_a_table_figure_holds_the_hosts_ram(monkeypatch):
+    """A plan given without a cost table: a GPU's pinned host memory holds
+    the host's RAM within XLA's pinned pool, not the GPU's allocator limit."""
+    import types
+
+    from hetpar import _memory_check
+
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
+    monkeypatch.setattr(_memory_check, "host_ram", lambda: 134e9)
+    gpu = types.SimpleNamespace(platform="gpu", process_index=jax.process_index(),
+                                memory_stats=lambda: {"bytes_limit": 45e9})
+    step = types.SimpleNamespace(options=types.SimpleNamespace(memory=None), table=None,
+                                 devices={"gpu:0": gpu})
+    caps = _memory_check.capacities(step, ["gpu:0", "gpu:0:pinned_host"])
+    assert caps == {"gpu:0": 45e9, "gpu:0:pinned_host": 64 * 2**30}
