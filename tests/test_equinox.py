@@ -478,3 +478,21 @@ def test_gpt_data_parallel_donates_the_model_and_optimizer_state(stage):
     if stage == "always":
         assert all(x.is_deleted() for x in jax.tree.leaves(eqx.filter(given[:2], eqx.is_array)))
     assert_close(out, train(eqx.filter_jit(chained_gpt_step), *args()))
+
+
+def test_mlp_with_weights_fetched_from_pinned_host_memory_equals_filter_jit():
+    """Equinox's MLP with every layer's parameters and Adam state in cpu:0's
+    pinned host memory, its weights fetched for each stage that reads them
+    (the fetched offload way): the same as `eqx.filter_jit`, the static
+    leaves (activations) kept."""
+    model, opt_state = fresh_mlp()
+    data = mlp_data()
+    layers = hetpar.trace(mlp_step, model, opt_state, *data).layers
+    place = "cpu:0:pinned_host"
+    fetched = {"compute": "cpu:0", "params": place, "state": place, "update": "cpu:0"}
+    step = hetpar.auto(mlp_step, plan=dict.fromkeys(layers, fetched))
+    out = train(step, model, opt_state, *data)
+    assert_close(out, train(eqx.filter_jit(mlp_step), model, opt_state, *data))
+    assert out[0].activation is jax.nn.relu
+    assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(eqx.filter(
+        out[0], eqx.is_array))} == {"pinned_host"}

@@ -283,3 +283,26 @@ def test_haiku_with_sharded_state_over_two_devices_equals_jit(stage):
     step = hetpar.auto(update, devices=["cpu:0", "cpu:1"], data_parallel=stage)
     check_equals_jit(step, update, args)
     assert step.lower(*args).plan.sharding == stage
+
+
+def test_haiku_clipped_adamw_with_weights_fetched_equals_jit():
+    """A Haiku MLP trained with optax.chain(clip_by_global_norm, adamw), its
+    parameters and state in cpu:0's pinned host memory and its weights
+    fetched for each stage that reads them: under the global-norm clip each
+    update waits for every gradient, so a layer's weights come in a third
+    time for it. Equal to jit's step."""
+    net = haiku_net()
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+    update = haiku_step(net, tx, jax.value_and_grad)
+    args = haiku_args(net, tx)
+    layers = hetpar.trace(update, *args).layers
+    place = "cpu:0:pinned_host"
+    fetched = {"compute": "cpu:0", "params": place, "state": place, "update": "cpu:0"}
+    step = hetpar.auto(update, plan=dict.fromkeys(layers, fetched))
+    check_equals_jit(step, update, args)
+    ex = step._last._executor
+    roles = dict(zip(ex._invars, ex.stages.graph.input_roles))
+    reads = [sum(v in st.inputs for st in ex.stages.stages)
+             for v, r in roles.items() if r == "param"]
+    assert max(reads) == 3
+    assert not any(roles.get(v) == "param" for v, _ in ex._cache_inputs)
