@@ -68,13 +68,13 @@ profile), so a table rebuilt for a plan's devices has the same names.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from absl import logging
 
+from hetpar._host_memory import pinned_pool_bytes
 from hetpar.core import CostTable, Link, ProfileError, memory_place
 from hetpar.core._graph import curve_rate
 from hetpar.cost_models._devices import (
@@ -450,24 +450,6 @@ def memory_places(devs: Sequence[ResolvedDevice], profiles: ProfileSet,
             continue
         out.append(MemoryPlace(wanted[d.name], d, memory, host, to_place, from_place))
     return out
-
-
-#: XLA's GPU client keeps pinned host memory in a pool of its own (the
-#: `xla_gpu_host_bfc` allocator), 64 GiB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
-#: says otherwise (read when the client starts): a plan streaming a 6.74B
-#: model's 77 GB of state from `gpu:0:pinned_host` failed placing it,
-#: "Out of host memory ... with allocator xla_gpu_host_bfc" (fit_h200, run 53).
-#: The client makes one such allocator: a process's GPUs share the pool.
-PINNED_POOL_GIB = 64
-
-
-def pinned_pool_bytes() -> float:
-    """What a GPU's pinned host memory place may hold in this process."""
-    try:
-        gib = float(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", PINNED_POOL_GIB))
-    except ValueError:
-        gib = PINNED_POOL_GIB
-    return gib * (1 << 30)
 
 
 def _staged(acc: ResolvedDevice, profiles: ProfileSet, cpu_names: Sequence[str],

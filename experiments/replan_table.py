@@ -10,9 +10,10 @@ Prints the plan's ways (compute, state, update, parameters: how many layers
 each), its predicted step and peaks, and the offload search's report. The
 tables were measured on the cards their READMEs name; the plan is made here,
 on no GPU. `--keep` restricts a table to some of its devices (a two-GPU
-table planned for one GPU); `--memory DEVICE=GB` caps as `hetpar plan
---memory` does, past a present device's figure too (the table's own
-machine is not this one); `--without WAY` drops one offload way
+table planned for one GPU); `--memory DEVICE=GB` sets a device's (or a
+kind's) memory as `hetpar plan --memory` does, past a present device's
+figure too (the table's own machine is not this one); `--without WAY`
+drops one offload way
 ("fetched", "streamed", "host") from the search.
 """
 
@@ -41,12 +42,13 @@ def restricted(table, keep: set):
 
 
 def capped(table, memory: dict):
-    """`table` with device memories set as given (bytes), its present
-    capacities forgotten: this is not the machine that measured it."""
+    """`table` with devices' memory set as given (`with_memory`: by name or
+    kind), its present capacities forgotten: this is not the machine that
+    measured it, so a cap may also raise them."""
+    from hetpar.planner._solve import with_memory
+
     meta = {k: v for k, v in table.meta.items() if k != "present_capacity"}
-    return dataclasses.replace(table, meta=meta, devices=tuple(
-        dataclasses.replace(d, memory_bytes=memory.get(d.name, d.memory_bytes))
-        for d in table.devices))
+    return with_memory(dataclasses.replace(table, meta=meta), memory)
 
 
 def main(argv=None) -> None:
@@ -60,6 +62,7 @@ def main(argv=None) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
 
+    from hetpar.core import HetparError
     from hetpar.planner import CostTable, _offload, plan
 
     table = CostTable.load(args.table)
@@ -68,13 +71,19 @@ def main(argv=None) -> None:
     memory = {}
     for item in args.memory:
         name, _, gb = item.partition("=")
-        memory[name] = float(gb) * 1e9
-    table = capped(table, memory)
+        try:
+            memory[name] = float(gb) * 1e9
+        except ValueError:
+            p.error(f"--memory {item!r}: give DEVICE=GB, e.g. gpu:0=39.6")
     if args.without:
         real = _offload.options
         _offload.options = lambda *a, **k: [o for o in real(*a, **k) if o.way not in args.without]
     t0 = time.perf_counter()
-    result = plan(table, donate=args.donate)
+    try:
+        table = capped(table, memory)
+        result = plan(table, donate=args.donate)
+    except HetparError as e:  # a bad cap, an unknown device, nothing fits
+        p.exit(1, f"replan_table.py: {e}\n")
     ways = collections.Counter(
         (pl.compute, pl.state, pl.update, pl.params, pl.activations)
         for pl in result.placements.values())

@@ -27,7 +27,7 @@ from absl import logging
 
 from hetpar._first_call import FirstCall
 from hetpar._grad import microbatched
-from hetpar._host_memory import warn_without_huge_pages
+from hetpar._host_memory import PINNED_POOL_VAR, pinned_pool_bytes, warn_without_huge_pages
 from hetpar._memory_check import (
     compiled_peaks,
     group_peaks,
@@ -329,11 +329,10 @@ class CompiledStep:
 
     def _pinned_pool_hint(self) -> str | None:
         """What to do where a GPU's pinned host memory place is planned full at
-        XLA's pinned pool (`cost_models._resolve.pinned_pool_bytes`) with host
+        XLA's pinned pool (`_host_memory.pinned_pool_bytes`) with host
         RAM to spare: the state the pool could not take is updated on, or
         computed by, the host CPU instead."""
         from hetpar.core import nbytes
-        from hetpar.cost_models._resolve import pinned_pool_bytes
 
         predicted = self.plan.predicted if self.plan is not None else None
         if predicted is None or self.table is None:
@@ -354,7 +353,7 @@ class CompiledStep:
         if not full:
             return None
         return (f"{', '.join(full)} planned full at XLA's pinned host memory pool "
-                f"({nbytes(pool)}); with host RAM to spare, set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB "
+                f"({nbytes(pool)}); with host RAM to spare, set {PINNED_POOL_VAR} "
                 "(GiB) before JAX starts so that more state streams from there instead of "
                 "the host CPU")
 

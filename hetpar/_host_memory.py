@@ -184,13 +184,26 @@ def warn_without_huge_pages(platforms: Iterable[str], env: Mapping[str, str] | N
 
 
 #: XLA's GPU client keeps pinned host memory (JAX's `pinned_host` memory
-#: kind, where offload plans keep state) in a pool of 64 GiB unless this
-#: variable says otherwise, read when the client starts; the pool grows as
-#: used. A 6.74B Llama-style model at 45 GB of an H200 keeps 78 GB of state
-#: there when it fetches its weights: within 64 GiB it must update layers
-#: on the host CPU instead (21.5 s a step planned, against 3.4 s; fit_h200,
-#: run 53 and after).
+#: kind, where offload plans keep state) in a pool of its own (the
+#: `xla_gpu_host_bfc` allocator, one per client: a process's GPUs share it)
+#: of PINNED_POOL_GIB unless this variable says otherwise, read when the
+#: client starts; the pool grows as used. A plan keeping a 6.74B model's
+#: 77.7 GB of state there failed placing it, "Out of host memory ... with
+#: allocator xla_gpu_host_bfc" (fit_h200, run 53); within 64 GiB the model
+#: at 45 GB of an H200 must update layers on the host CPU instead (21.5 s a
+#: step planned, against 3.4 s with the pool at the host's RAM).
 PINNED_POOL_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+PINNED_POOL_GIB = 64
+
+
+def pinned_pool_bytes(env: Mapping[str, str] = os.environ) -> float:
+    """What XLA's pinned host pool may hold in this process (the planner caps
+    a GPU's memory place at its share: `cost_models._resolve.memory_places`)."""
+    try:
+        gib = float(env.get(PINNED_POOL_VAR, PINNED_POOL_GIB))
+    except ValueError:
+        gib = PINNED_POOL_GIB
+    return gib * (1 << 30)
 
 
 def widen_pinned_pool(env: dict | None = None) -> bool:
@@ -198,7 +211,7 @@ def widen_pinned_pool(env: dict | None = None) -> bool:
     PINNED_POOL_VAR to the RAM in GiB where the user has not set it and no
     JAX backend has started yet (`import hetpar` before JAX's first use);
     the planner caps each memory place at what the pool then allows
-    (`cost_models._resolve.pinned_pool_bytes`). Returns whether it set it."""
+    (`pinned_pool_bytes`). Returns whether it set it."""
     env = os.environ if env is None else env
     if PINNED_POOL_VAR in env or _backends_started():
         return False
@@ -207,7 +220,7 @@ def widen_pinned_pool(env: dict | None = None) -> bool:
     except (ValueError, OSError, AttributeError):
         return False
     gib = int(ram // (1 << 30))
-    if gib <= 64:  # no wider than the default
+    if gib <= PINNED_POOL_GIB:  # no wider than the default
         return False
     env[PINNED_POOL_VAR] = str(gib)
     return True

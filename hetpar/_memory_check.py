@@ -66,6 +66,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from hetpar._host_memory import pinned_pool_bytes
 from hetpar.core import InfeasibleError, memory_place, nbytes, seconds
 
 #: Capacity kept back from what the plan may use: the allocator's own
@@ -479,8 +480,6 @@ def capacities(step, devices, capped: bool = True,
             if kind is None:
                 cap = live_capacity(step.devices[device])[0]
             else:  # a memory place: the host's RAM, and a GPU's within XLA's pinned pool
-                from hetpar.cost_models._resolve import pinned_pool_bytes
-
                 cap = host_ram()
                 if cap is not None and step.devices[device].platform == "gpu":
                     cap = min(cap, pinned_pool_bytes())

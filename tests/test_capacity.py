@@ -382,7 +382,7 @@ def test_a_gpus_memory_place_holds_what_xlas_pinned_pool_allows(monkeypatch):
     """XLA's GPU client keeps pinned host memory in a pool of its own, 64 GiB
     unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says otherwise: a plan keeping
     a 6.74B model's 77 GB of state there failed placing it (fit_h200, run 53)."""
-    from cost_models._resolve import pinned_pool_bytes
+    from hetpar._host_memory import pinned_pool_bytes
 
     monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", raising=False)
     assert pinned_pool_bytes() == 64 * 2**30
