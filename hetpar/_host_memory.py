@@ -41,6 +41,8 @@ import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
+from hetpar.core import pinned_pool_reserved  # noqa: F401 (the pool, in one place with its limit)
+
 TUNABLE = "glibc.malloc.hugetlb=1"
 # The sub-commands that compute layers on a host CPU (timing them, or running a plan).
 COMPUTING_COMMANDS = frozenset({"run", "profile", "costs"})
@@ -187,13 +189,18 @@ def warn_without_huge_pages(platforms: Iterable[str], env: Mapping[str, str] | N
 #: kind, where offload plans keep state) in a pool of its own (the
 #: `xla_gpu_host_bfc` allocator, one per client: a process's GPUs share it)
 #: of PINNED_POOL_GIB unless this variable says otherwise, read when the
-#: client starts; the pool grows as used. A plan keeping a 6.74B model's
-#: 77.7 GB of state there failed placing it, "Out of host memory ... with
-#: allocator xla_gpu_host_bfc" (fit_h200, run 53); within 64 GiB the model
-#: at 45 GB of an H200 must update layers on the host CPU instead (21.5 s a
-#: step planned, against 3.4 s with the pool at the host's RAM).
+#: client starts. A plan keeping a 6.74B model's 77.7 GB of state there
+#: failed placing it, "Out of host memory ... with allocator
+#: xla_gpu_host_bfc" (fit_h200, run 53); within 64 GiB the model at 45 GB of
+#: an H200 must update layers on the host CPU instead (21.5 s a step
+#: planned, against 3.4 s fetching its weights from a wider pool).
 PINNED_POOL_VAR = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 PINNED_POOL_GIB = 64
+#: The share of the host's RAM `import hetpar` widens the pool to: the rest
+#: is for the process itself (~9 GB on an H200 host beside its arrays,
+#: run 51), arrays on CPU devices, and the caller's arrays still on the
+#: host while they move into the pool.
+PINNED_POOL_RAM_SHARE = 0.75
 
 
 def pinned_pool_bytes(env: Mapping[str, str] = os.environ) -> float:
@@ -206,20 +213,23 @@ def pinned_pool_bytes(env: Mapping[str, str] = os.environ) -> float:
     return gib * (1 << 30)
 
 
-def widen_pinned_pool(env: dict | None = None) -> bool:
-    """Lets XLA's pinned host pool grow to the host's RAM: sets
-    PINNED_POOL_VAR to the RAM in GiB where the user has not set it and no
-    JAX backend has started yet (`import hetpar` before JAX's first use);
-    the planner caps each memory place at what the pool then allows
-    (`pinned_pool_bytes`). Returns whether it set it."""
+def widen_pinned_pool(env: dict | None = None, ram: float | None = None) -> bool:
+    """Lets XLA's pinned host pool grow to PINNED_POOL_RAM_SHARE of the
+    host's RAM (`ram` bytes; the OS's figure by default): sets
+    PINNED_POOL_VAR where the user has not set it and no JAX backend has
+    started yet (`import hetpar` before JAX's first use); the planner caps
+    each memory place at what the pool then allows (`pinned_pool_bytes`),
+    and counts the pool's regions on the host (`pinned_pool_reserved`).
+    Returns whether it set it."""
     env = os.environ if env is None else env
     if PINNED_POOL_VAR in env or _backends_started():
         return False
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return False
-    gib = int(ram // (1 << 30))
+    if ram is None:
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return False
+    gib = int(ram * PINNED_POOL_RAM_SHARE // (1 << 30))
     if gib <= PINNED_POOL_GIB:  # no wider than the default
         return False
     env[PINNED_POOL_VAR] = str(gib)

@@ -67,7 +67,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from hetpar._host_memory import pinned_pool_bytes
-from hetpar.core import InfeasibleError, memory_place, nbytes, seconds
+from hetpar.core import InfeasibleError, memory_place, nbytes, pinned_pool_reserved, seconds
 
 #: Capacity kept back from what the plan may use: the allocator's own
 #: rounding and fragmentation (XLA's BFC allocator rounds every buffer up to
@@ -568,24 +568,37 @@ def usable_capacities(step, devices, limits: Mapping[str, float] | None = None
 
 def host_misfit(step, peaks: Mapping[str, float], predicted: Mapping[str, float]
                 ) -> Misfit | None:
-    """The host's RAM overdrawn: where two or more of the step's CPU devices
-    and memory places (`on_host`) draw on it, the sum of their compiled peaks
-    against the OS's figure (`host_ram`) less `MARGIN`. (Their peaks may
-    fall at different times: the sum is an upper bound.) The misfit names
-    the largest of them, which a plan again gets capped."""
+    """The host's RAM overdrawn: what the step's CPU devices and memory
+    places (`on_host`) draw on it, the sum of their compiled peaks with the
+    places' as the regions XLA's pinned pool holds to serve them
+    (`host_draws`), against the OS's figure (`host_ram`) less `MARGIN`.
+    (Their peaks may fall at different times: the sum is an upper bound.)
+    Checked where two or more draw on it, or a place alone draws more than
+    it holds. The misfit names the largest of them, which a plan again gets
+    capped."""
     shared = {d: p for d, p in peaks.items() if on_host(step, d)}
-    ram = host_ram() if len(shared) > 1 else None
-    if not ram:
-        return None
-    total = sum(shared.values())
-    if total <= (1 - MARGIN) * ram:
+    drawn, pool = host_draws(shared)
+    ram = host_ram() if len(shared) > 1 or drawn > sum(shared.values()) else None
+    if not ram or drawn <= (1 - MARGIN) * ram:
         return None
     largest = max(shared, key=shared.get)
     parts = " + ".join(f"{d} {nbytes(p)}" for d, p in sorted(shared.items(), key=lambda x: -x[1]))
+    if pool:
+        parts += f" (XLA's pinned pool holding {nbytes(pool)} for its places)"
     # Capped again below what it holds now (compiled), or was predicted to.
     own = min(shared[largest], predicted.get(largest) or float("inf"))
-    return Misfit(largest, total, ram, (1 - MARGIN) * ram, own,
+    return Misfit(largest, drawn, ram, (1 - MARGIN) * ram, own,
                   f"host RAM, shared: {parts}", host=True)
+
+
+def host_draws(shared: Mapping[str, float]) -> tuple[float, float]:
+    """(bytes of the host's RAM that `shared` {CPU device or memory place:
+    peak} draws, of which XLA's pinned pool): the memory places of one
+    process share one pool, which holds its regions to serve them
+    (`pinned_pool_reserved`, up to `pinned_pool_bytes`)."""
+    served = sum(p for d, p in shared.items() if memory_place(d)[1] is not None)
+    pool = pinned_pool_reserved(served, pinned_pool_bytes())
+    return sum(p for d, p in shared.items() if memory_place(d)[1] is None) + pool, pool
 
 
 def replan_cap(misfit: Misfit) -> float:

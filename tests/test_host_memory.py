@@ -250,11 +250,13 @@ def test_kept_freed_memory_spares_a_cpu_update_its_page_faults():
     assert faults["kept"] < faults["default"] / 10, faults
 
 
-def test_the_pinned_pool_may_grow_to_the_hosts_ram(monkeypatch):
+def test_the_pinned_pool_may_grow_to_most_of_the_hosts_ram(monkeypatch):
     """XLA's pinned host pool (64 GiB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB
     says otherwise) held back a 6.74B model's fetched state on a 125 GiB
-    host: `import hetpar` lets it grow to the RAM, where the user set
-    nothing and JAX's clients have not started (it is read then)."""
+    host: `import hetpar` lets it grow to three quarters of the RAM (the
+    rest for the process and the arrays on its CPU devices: grown to the
+    whole RAM, the pool's last region ran the host out, run 56), where the
+    user set nothing and JAX's clients have not started (it is read then)."""
     from hetpar import _host_memory
 
     monkeypatch.setattr(_host_memory.os, "sysconf",
@@ -262,12 +264,34 @@ def test_the_pinned_pool_may_grow_to_the_hosts_ram(monkeypatch):
     monkeypatch.setattr(_host_memory, "_backends_started", lambda: False)
     var = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
     env: dict = {}
-    assert _host_memory.widen_pinned_pool(env) and env == {var: "125"}
+    assert _host_memory.widen_pinned_pool(env) and env == {var: "93"}
+    small: dict = {}  # three quarters of 80 GiB is under the default: left alone
+    assert not _host_memory.widen_pinned_pool(small, ram=80 << 30) and small == {}
     mine = {var: "32"}  # the user's stands
     assert not _host_memory.widen_pinned_pool(mine) and mine[var] == "32"
     monkeypatch.setattr(_host_memory, "_backends_started", lambda: True)  # too late: read already
     late: dict = {}
     assert not _host_memory.widen_pinned_pool(late) and late == {}
+
+
+def test_the_pinned_pool_holds_its_regions_of_the_hosts_ram():
+    """The pool grows by doubling regions from 2 MiB, the last cut at its
+    limit: serving 77 GB under a 125 GiB limit it held 64 GiB and asked the
+    OS for 60.7 GiB more (run 56's log: "could not allocate pinned host of
+    size: 65194164224")."""
+    from hetpar.core import pinned_pool_reserved
+
+    GiB, MiB = float(1 << 30), float(1 << 20)
+    assert pinned_pool_reserved(0, 125 * GiB) == 0 == pinned_pool_reserved(-1.0, 1.0)
+    assert pinned_pool_reserved(1, 125 * GiB) == 2 * MiB
+    assert pinned_pool_reserved(3 * MiB, 125 * GiB) == 6 * MiB  # 2 + 4
+    full = 2 * MiB * (2 ** 15 - 1)  # 15 regions: just under 64 GiB
+    assert pinned_pool_reserved(full, 125 * GiB) == full
+    limit = 65194164224 + full  # run 56: the next region was what the limit left
+    assert pinned_pool_reserved(77.1e9, limit) == limit
+    assert pinned_pool_reserved(77.1e9, 93 * GiB) == 93 * GiB
+    for served in (5e6, 3e9, 40e9, 70e9):  # never more than twice what it serves
+        assert served <= pinned_pool_reserved(served, 1e15) < 2 * served + 2 * MiB
 
 
 def test_jax_backends_started_is_read_from_jax():

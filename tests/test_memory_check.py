@@ -698,3 +698,27 @@ def test_the_report_sums_the_hosts_devices_beside_the_process_resident_peak():
     assert host["measured"] > host["compiled"]  # the whole process: Python, XLA, the arrays
     assert host["capacity"] > host["measured"]
     assert "host RAM (cpu:0 + cpu:1)" in str(auto.report())
+
+
+def test_a_memory_place_draws_its_pinned_pools_regions_on_the_host(monkeypatch):
+    """XLA's pinned pool holds doubling regions of the host's RAM to serve a
+    GPU's memory place: serving 77 GB under a 125 GiB limit it asked the OS
+    for all 125 GiB, and the OS killed the process (fit_h200, run 56). The
+    check counts the regions, a place alone too; under a 93 GiB limit the
+    same place fits a 120 GB host."""
+    from types import SimpleNamespace as ns
+
+    from hetpar import _memory_check
+
+    step = ns(devices={"gpu:0": ns(platform="gpu"), "cpu:0": ns(platform="cpu")})
+    peaks = {"gpu:0": 39e9, "gpu:0:pinned_host": 77.1e9}
+    monkeypatch.setattr(_memory_check, "host_ram", lambda: 120e9)
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "125")
+    misfit = _memory_check.host_misfit(step, peaks, {})
+    assert misfit is not None and misfit.host and misfit.device == "gpu:0:pinned_host"
+    assert misfit.compiled_bytes == 125 * 2**30 and "pinned pool holding" in misfit.stage
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "93")
+    assert _memory_check.host_misfit(step, peaks, {}) is None
+    # Beside a CPU device's 20 GB, the 93 GiB pool does not fit either.
+    misfit = _memory_check.host_misfit(step, {**peaks, "cpu:0": 20e9}, {})
+    assert misfit is not None and misfit.compiled_bytes == 20e9 + 93 * 2**30

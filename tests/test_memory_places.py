@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from hetpar.core import InfeasibleError, Placement
+from hetpar.core import InfeasibleError, Placement, pinned_pool_reserved
 from hetpar.planner import (
     CostTable,
     Device,
@@ -134,7 +134,7 @@ def test_streamed_from_a_place_moves_only_the_optimizer_state():
 
 
 def test_held_bytes_with_places_and_shared_host_ram():
-    t = table(host_gb=12)
+    t = table(host_gb=12.6)
     arr = Arrays(t)
     resident = {n: Placement("gpu:0") for n in t.layer_names}
     two = {**resident, "b0": JAX_OFFLOAD, "b1": JAX_OFFLOAD}
@@ -149,15 +149,38 @@ def test_held_bytes_with_places_and_shared_host_ram():
     held = dict(zip(arr.devices, held_bytes(arr, arr.placed(four)), strict=True))
     assert held["gpu:0"] == pytest.approx(6 * HELD_ONE - 4 * 2 * OPT + 3 * OPT)
     assert violations(t, two) == []
-    # The place and the CPU device draw on one 12 GB RAM.
+    # The place and the CPU device draw on one 12.6 GB RAM: the place's 8 GB
+    # as the regions XLA's pinned pool holds to serve them (8 GiB, 8.59 GB).
     host = Placement("gpu:0", "cpu:0", "gpu:0", params="gpu:0")
     fits = {**two, "b2": host}  # 8 GB in the place + 4 GB on the CPU device
     assert violations(t, fits) == []
+    assert violations(table(host_gb=12.5), fits) != []  # 8 GB alone would fit
     over = {**fits, "b3": host}
     broken = violations(t, over)
     assert any("host memory exceeded" in b and PLACE in b for b in broken), broken
     bad = {**resident, "b0": Placement("gpu:0", "cpu:0", "cpu:0", params="gpu:0")}
     assert any("needs its parameters there too" in b for b in violations(t, bad))
+
+
+def test_the_planner_counts_the_pinned_pools_regions_on_the_host():
+    """XLA's pinned pool holds its doubling regions of the host's RAM, not
+    the arrays alone (run 56: the OS killed a plan that fit as arrays). On a
+    30 GB host beside a 20 GB GPU, two layers computing on the CPU device (14
+    GB) and four streaming from the place (16 GB of state) fit as arrays,
+    but the pool holds 16 GiB (17.2 GB) to serve them: the planner plans
+    otherwise, and what it plans fits with the regions counted."""
+    t = table(gpu_gb=20, host_gb=30)
+    p = plan(t, activations=False)
+    assert violations(t, p.placements) == []
+    arr = Arrays(t)
+    held = held_bytes(arr, arr.placed(p.placements))
+    place = arr.dindex[PLACE]
+    drawn = held[arr.dindex["cpu:0"]] + pinned_pool_reserved(held[place], arr.cap[place])
+    assert drawn <= 30 * GB
+    old = {**{f"b{i}": Placement("cpu:0") for i in range(2)},
+           **{f"b{i}": Placement("gpu:0", PLACE, "gpu:0", params="gpu:0") for i in range(2, 6)}}
+    assert sum(held_bytes(arr, arr.placed(old))[[arr.dindex["cpu:0"], place]]) <= 30 * GB
+    assert any("host memory exceeded" in v for v in violations(t, old))
 
 
 def test_jax_offload_baseline():

@@ -34,6 +34,7 @@ from hetpar.core._placement import (
     is_memory_place,
     memory_place,
     parse_placements,
+    pinned_pool_reserved,
 )
 from hetpar.core._schedule import (
     PHASE_RANK,
@@ -78,6 +79,7 @@ __all__ = [
     "nbytes",
     "is_memory_place",
     "memory_place",
+    "pinned_pool_reserved",
     "parse_placements",
     "ring_allgather_s",
     "ring_allreduce_s",

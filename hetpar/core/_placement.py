@@ -56,6 +56,31 @@ def memory_place(name: str) -> tuple[str, str | None]:
     return name, None
 
 
+#: A GPU's pinned host memory (XLA's `xla_gpu_host_bfc` pool, one per
+#: process) takes memory from the OS in regions as it grows: the first of
+#: this size, each next twice the last, the last cut to what the pool's
+#: limit leaves. What it holds of the host's RAM is the smallest sum of
+#: regions that covers what it serves, up to its limit
+#: (`pinned_pool_reserved`): up to twice the arrays it holds. With its
+#: limit at the host's whole RAM (125 GiB), a 6.74B plan keeping 77 GB there
+#: grew the pool past 64 GiB by a region of 60.7 GiB, and the OS killed the
+#: process (fit_h200, run 56).
+PINNED_POOL_FIRST_REGION = 2 << 20
+
+
+def pinned_pool_reserved(served: float, limit: float) -> float:
+    """Bytes of the host's RAM a pinned pool of `limit` bytes holds when it
+    serves `served` bytes: its regions (PINNED_POOL_FIRST_REGION, doubling)
+    up to the first sum that covers them, at most `limit`; 0 for nothing."""
+    if served <= 0:
+        return 0.0
+    total, region = 0.0, float(PINNED_POOL_FIRST_REGION)
+    while total < served and total < limit:
+        total += region
+        region *= 2
+    return float(min(total, limit))
+
+
 def is_memory_place(name: str) -> bool:
     """Whether `name` is a memory place (a device's other memory), not a device."""
     return memory_place(name)[1] is not None

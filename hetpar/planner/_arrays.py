@@ -25,6 +25,7 @@ from hetpar.core import (
     Placement,
     PlanError,
     is_memory_place,
+    pinned_pool_reserved,
 )
 
 MODES = ("sequential", "pipelined")
@@ -346,6 +347,13 @@ class Arrays:
         host = int(np.argmax(self.cpu)) if self.cpu.any() else None
         self.ram = np.array([host if self.place[j] and host is not None else j
                              for j in range(D)], dtype=int)
+        # What XLA's pinned pool behind a memory place may take of its host's
+        # RAM (`ram_bytes`): the place's capacity as read on this machine,
+        # before a margin or a cap for planning (`present_capacity`), else
+        # its capacity.
+        present = table.meta.get("present_capacity") or {}
+        self.pool = np.array([float(present.get(d.name, d.memory_bytes)) if self.place[j]
+                              else 0.0 for j, d in enumerate(table.devices)])
 
     def mem_at(self, microbatches: int) -> np.ndarray:
         """[L, D] what each layer holds on each device: `mem` for one batch,
@@ -646,7 +654,12 @@ def staging_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
 
 def ram_bytes(arr: Arrays, held: np.ndarray) -> np.ndarray:
     """[D] bytes drawn from each memory (`Arrays.ram`): a memory place's count with
-    its host CPU device's, 0 at the place itself."""
+    its host CPU device's, 0 at the place itself. A memory place draws
+    what XLA's pinned pool reserves to serve what it holds, its regions
+    (`pinned_pool_reserved`, at most its pool's limit, `Arrays.pool`: up to
+    twice its arrays), not the arrays alone."""
+    drawn = np.array([pinned_pool_reserved(h, arr.pool[j]) if arr.place[j] and arr.ram[j] != j
+                      else h for j, h in enumerate(held)], dtype=float)
     out = np.zeros(len(held))
-    np.add.at(out, arr.ram, held)
+    np.add.at(out, arr.ram, drawn)
     return out

@@ -362,6 +362,20 @@ def _add_in_flight(prob, s, streamed: list, tag: str) -> None:
                                f"fl{tag}_{copies}_{v.name}")
 
 
+def _pool_reserved(prob, arr: Arrays, k: int, held: list):
+    """A variable r >= what memory place k draws of its host's RAM, in GB:
+    XLA's pinned pool reserves regions up to twice what it serves, at most
+    its limit (`Arrays.pool`, `pinned_pool_reserved`, `ram_bytes`). r >= 2 x
+    held, or with the binary on, r >= the limit."""
+    cap = float(arr.pool[k]) / _GB
+    r = prob.add_variable(f"pool{k}", lowBound=0)
+    full = prob.add_variable(f"poolfull{k}", cat=pulp.LpBinary)
+    prob.addConstraint(_ilp._affine([(r, 1.0), (full, 2 * cap)] + [(v, -2 * c) for v, c in held])
+                       >= 0, f"pool{k}")
+    prob.addConstraint(_ilp._affine([(r, 1.0), (full, -cap)]) >= 0, f"poolcap{k}")
+    return r
+
+
 def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
            slack: np.ndarray | bool):
     """The offload ILP: (model, {Option: y}, T), or with `slack` ([D] bool: the
@@ -446,8 +460,10 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         sharing = np.nonzero((arr.ram == j) & arr.place)[0]
         if arr.place[j] or not any(use[k] for k in sharing):
             continue  # a place without a CPU device in the table has its own cap only
-        shared = [t for k in (j, *sharing) for t in use[k]]
-        shared += [(v, 1.0) for k in (j, *sharing) for v in held_once.get(k, [])]
+        shared = list(use[j]) + [(v, 1.0) for v in held_once.get(j, [])]
+        for k in sharing:
+            shared.append((_pool_reserved(prob, arr, k, use[k] + [
+                (v, 1.0) for v in held_once.get(k, [])]), 1.0))
         if elastic[j]:
             if j not in slacks:
                 slacks[j] = prob.add_variable(f"over{j}", lowBound=0)
