@@ -248,13 +248,21 @@ def _table_for(compiled, devices: list[str], options: Options, graph, budget,
     if calibrate and options.profile == "auto" and not again:
         table = cost_table(graph or compiled.graph, devices, profiles=profiles)
         alone = device_alone(table, devices, compiled.devices, options, compiled=compiled)
-        if alone is not None:
+        if alone is not None and whole_step_timable(compiled, table, alone):
             # The plan is `alone` whatever the layers' shares: timing each
             # layer there (a compile each) would change no placement. The
             # whole step is still timed, and the layers scaled to it.
             layers = False
             tell(f"hetpar: the step fits {alone} and every other device is over "
                   f"{budget.slower:.0f}x slower: timing the whole step only")
+        elif alone is not None:
+            # It fits donated, but a timed run keeps the caller's state
+            # beside its own, so the whole step is not timed there: without
+            # its layers' times the plan was the spec sheet's (a 2.9B HF
+            # Llama at 84 GB of an H200: 360.5 ms predicted, 179.1 run;
+            # fit_h200, run 59).
+            tell(f"hetpar: the step fits {alone} donated, but not beside the copy of its "
+                 "state a timed run needs: timing its layers")
     if layers or not calibrate:
         table = cost_table(graph or compiled.graph, devices, profiles=profiles,
                            measure=layers, budget=budget,
@@ -472,15 +480,24 @@ def calibrated(compiled, table, budget, runtime: bool = True):
     scaled = scale_to_timed_step(
         table, compiled.devices, whole, **(runtime_costs() if runtime else {}),
         time_replicas=replicas_once if dp else None, budget=budget,
-        fits=lambda name: _fits_alone(table, name, options.memory) or (
-            # the run is the compile `fits_compiled` checked (`shared_jit`)
-            not compiled._donated and compiled._fits_compiled.get(name, False)))
+        fits=lambda name: whole_step_timable(compiled, table, name))
     steps = [f"{d} {seconds(t)}" for d, t in (scaled.meta.get("step_s") or {}).items()]
     steps += [f"data parallel over {', '.join(pair.split())} {seconds(t)}"
               for pair, t in (scaled.meta.get("replicated_step_s") or {}).items()]
     logging.info("hetpar: calibrated to the whole step measured here: %s",
                  ", ".join(steps) or "none")
     return scaled
+
+
+def whole_step_timable(compiled, table, name: str) -> bool:
+    """Whether the calibration may time the whole step on device `name`:
+    the step fits there alone as the planner counts it without donation
+    (the timed run keeps the caller's arguments), or its one-device compile
+    fitted and is the run (`fits_compiled`: not with donation, whose
+    executable the timed run does not share)."""
+    return _fits_alone(table, name, compiled.options.memory) or (
+        # the run is the compile `fits_compiled` checked (`shared_jit`)
+        not compiled._donated and compiled._fits_compiled.get(name, False))
 
 
 def _fits_alone(table, name: str, memory=None) -> bool:
