@@ -75,9 +75,11 @@ def main(argv=None) -> None:
             memory[name] = float(gb) * 1e9
         except ValueError:
             p.error(f"--memory {item!r}: give DEVICE=GB, e.g. gpu:0=39.6")
-    if args.without:
-        real = _offload.options
+    if args.without:  # neither an option of the search nor a variant of its plan
+        real, every_way = _offload.options, _offload.variants
         _offload.options = lambda *a, **k: [o for o in real(*a, **k) if o.way not in args.without]
+        _offload.variants = lambda *a, **k: [
+            v for v in every_way(*a, **k) if v[0].removeprefix("all ") not in args.without]
     t0 = time.perf_counter()
     try:
         table = capped(table, memory)

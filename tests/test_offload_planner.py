@@ -187,17 +187,19 @@ def test_state_that_does_not_fit_the_host_names_the_host_and_bytes():
     msg = str(e.value)
     assert "does not fit host memory" in msg and "cpu:0" in msg
     # 42 GB held on a 20 GB GPU (7 GB a block). Streamed, a block leaves 4 GB
-    # (old and new optimizer state) and costs the host 4 GB, but its state
-    # visits for the update: 2 GB, once (the copy in takes the new state),
-    # three at most in flight. The host way (ZeRO-Offload) leaves 5 GB (its
-    # new parameters too) and costs the host 8 GB (state and parameters x2,
-    # the gradient, and the parameters in the runtime's pinned staging).
-    # The smallest host footprint: one block resident, one streamed, four
-    # the host way: the GPU 7 + 3 + 4 x 2 + 2 = 20 GB, the host 4 + 4 x 8 =
-    # 36 GB (none streamed: 5 x 8 = 40 GB; two streamed need 22 GB of GPU).
-    assert "36 GB" in msg and "holds 5 GB" in msg
-    assert ("5 layers' offloaded state: optimizer state, and 4 of them parameters, x2" in msg)
-    assert "gradients of its 4 updates and their parameters staged" in msg
+    # (old and new optimizer state) and 0.5 GB of its gradient (which lives
+    # in its backward only, `quick_gradients`) and costs the host 4 GB, but
+    # its state visits for the update: 2 GB, once (the copy in takes the new
+    # state), three at most in flight, and its gradient is the working set
+    # (1 GB). The host way (ZeRO-Offload) leaves 5 GB (its new parameters
+    # too) and costs the host 8 GB (state and parameters x2, the gradient,
+    # and the parameters in the runtime's pinned staging). The smallest
+    # host footprint: one block resident, five the host way: the GPU 7 + 5 x
+    # 2 = 17 GB, the host 5 x 8 = 40 GB (one streamed and four the host way
+    # need 7 + 2.5 + 4 x 2 + 2 + 1 = 20.5 GB of GPU).
+    assert "40 GB" in msg and "holds 5 GB" in msg
+    assert "5 layers' offloaded state: parameters and optimizer state x2" in msg
+    assert "gradients of its 5 updates and their parameters staged" in msg
 
 
 def test_a_cap_no_plan_meets_names_the_smallest_footprint():
@@ -243,8 +245,10 @@ def test_streamed_state_moves_both_ways():
     # Its old and new optimizer state and new parameters (apart: they default
     # to the state) leave the GPU, but its state visits for the update, once
     # (the copy in takes the new state); each block's activations and
-    # gradient count once (`Arrays.overlap`).
-    assert held["gpu:0"] == pytest.approx(6 * (HELD - ACT) - 2 * OPT - PARAM + OPT)
+    # gradient count once (`Arrays.overlap`), the streamed block's gradient
+    # only while its backward runs (the working set: `quick_gradients`).
+    assert held["gpu:0"] == pytest.approx(
+        6 * (HELD - ACT) - 2 * OPT - PARAM + OPT - (PARAM - ACT) + PARAM)
 
 
 def test_pipelined_plans_offload_and_replay():

@@ -80,6 +80,7 @@ from hetpar.planner._arrays import (
     STREAMED_IN_FLIGHT,
     Arrays,
     Placed,
+    gradient_beyond_activations,
     held_bytes,
     ram_bytes,
     streamed_in_flight,
@@ -409,6 +410,11 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         use[j].append((v, float(mem[i, j]) / _GB))
         if arr.ws[i] > 0:  # its working set, while it runs (`held_bytes`)
             transient.setdefault(j, []).append((v, float(arr.ws[i]) / _GB))
+    # One batch, an update waiting for no other layer's gradient: a streamed
+    # or fetched layer's gradient lives in its backward's stage only
+    # (`held_bytes`, `quick_gradients`).
+    quick = ~arr.waits if M == 1 else np.zeros(len(arr.layers), dtype=bool)
+    beyond = gradient_beyond_activations(arr)
     for o, v in y.items():
         opt = float(arr.opt[o.layer, o.compute])
         # The old (and without donation the new) optimizer state leave the
@@ -417,6 +423,10 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         copies = arr.state_copies
         kept_weights = {"host": copies - 1, "fetched": copies}.get(o.way, 0)
         leaves = copies * opt + kept_weights * p[o.layer]
+        if o.way != "host" and quick[o.layer]:  # its gradient, in its backward's stage only
+            leaves += float(beyond[o.layer])
+            transient.setdefault(o.compute, []).append(
+                (v, float(arr.ws[o.layer] + p[o.layer]) / _GB))
         # never more than the layer holds there (`held_bytes` floors it at 0)
         leaves = min(leaves, float(mem[o.layer, o.compute]))
         use[o.compute].append((v, -leaves / _GB))
