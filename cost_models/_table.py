@@ -55,6 +55,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hetpar._host_memory import pinned_pool_bytes
 from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
 from hetpar.cost_models._equation_model import matmul_equations, predict_layer
 from hetpar.cost_models._group_figures import with_stored
@@ -238,6 +239,13 @@ def cost_table(
                                      if d.jax_device is not None}
     info_meta["present_capacity"].update(
         {p.name: float(p.memory_bytes) for p in places if p.device.jax_device is not None})
+    # The limit of XLA's pinned pool behind each present GPU's place: its
+    # process's GPUs share it, and it draws doubling regions of the host's
+    # RAM up to it (`hetpar.core.pinned_pool_reserved`, `Arrays.pool`).
+    pooled = {p.name: pinned_pool_bytes() for p in places
+              if p.device.jax_device is not None and p.device.jax_device.platform == "gpu"}
+    if pooled:
+        info_meta["pinned_pool_bytes"] = pooled
     for place in places:
         info_meta["device_sources"][place.name] = {
             "origin": "memory place", "device": place.device.name,

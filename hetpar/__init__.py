@@ -24,7 +24,8 @@ from hetpar.core import (
 __version__ = "0.1.0"
 
 # Before JAX starts its GPU client, let XLA's pinned host pool (where offload
-# plans keep state) grow to the host's RAM, unless the user set its size.
+# plans keep state) grow to three quarters of the host's RAM, unless the user
+# set its size.
 from hetpar._host_memory import widen_pinned_pool as _widen_pinned_pool  # noqa: E402
 
 _widen_pinned_pool()

@@ -27,7 +27,12 @@ from absl import logging
 
 from hetpar._first_call import FirstCall
 from hetpar._grad import microbatched
-from hetpar._host_memory import PINNED_POOL_VAR, pinned_pool_bytes, warn_without_huge_pages
+from hetpar._host_memory import (
+    PINNED_POOL_RAM_SHARE,
+    PINNED_POOL_VAR,
+    pinned_pool_bytes,
+    warn_without_huge_pages,
+)
 from hetpar._memory_check import (
     compiled_peaks,
     group_peaks,
@@ -340,7 +345,7 @@ class CompiledStep:
         peaks = predicted.peak_memory_bytes or predicted.memory_bytes or {}
         pool = pinned_pool_bytes()
         caps = {d.name: d.memory_bytes for d in self.table.devices}
-        from hetpar._memory_check import host_ram
+        from hetpar._memory_check import host_ram, host_total
 
         ram = host_ram() or 0.0
         # (a process's GPUs share the pool: each place has its part; a place
@@ -350,11 +355,16 @@ class CompiledStep:
                 and self.devices.get(memory_place(d)[0]) is not None
                 and self.devices[memory_place(d)[0]].platform == "gpu"
                 and 0 < caps.get(d, 0) <= pool + 1 and b > 0.95 * caps[d]]
-        if not full:
+        # The pool holds up to twice what it serves (its doubling regions),
+        # so it is widened to a share of the RAM, never past it (run 56).
+        total = host_total() or 0.0
+        wider = int(PINNED_POOL_RAM_SHARE * total // (1 << 30))
+        if not full or wider * (1 << 30) <= 1.05 * pool:
             return None
         return (f"{', '.join(full)} planned full at XLA's pinned host memory pool "
-                f"({nbytes(pool)}); with host RAM to spare, set {PINNED_POOL_VAR} "
-                "(GiB) before JAX starts so that more state streams from there instead of "
+                f"({nbytes(pool)}); with host RAM to spare, set {PINNED_POOL_VAR}={wider} "
+                f"(GiB: {PINNED_POOL_RAM_SHARE:.0%} of the host's RAM, which `import hetpar` "
+                "before JAX starts sets) so that more state streams from there instead of "
                 "the host CPU")
 
     def _peaks_line(self) -> str:

@@ -41,8 +41,6 @@ import sys
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
-from hetpar.core import pinned_pool_reserved  # noqa: F401 (the pool, in one place with its limit)
-
 TUNABLE = "glibc.malloc.hugetlb=1"
 # The sub-commands that compute layers on a host CPU (timing them, or running a plan).
 COMPUTING_COMMANDS = frozenset({"run", "profile", "costs"})

@@ -42,7 +42,8 @@ cap included), or the device's own less a margin where that is less
 (`margin_of`: `MARGIN` for one executable, `SPLIT_MARGIN` for a split
 plan's replayed peak), and the CPU devices and memory places together with the host's
 RAM as the OS gives it (`host_misfit`: they share it, and the planner's
-table gives each of them the whole); `AutoStep` plans again with the
+table gives each of them the whole; a GPU's places as the regions XLA's
+pinned pool holds for them, `host_draws`); `AutoStep` plans again with the
 devices over capped by their excess, and their twins (accelerators of the
 same kind) with the same cap (`replan_caps`), at most `MAX_REPLANS` times,
 before anything runs, and gives up with one line (`InfeasibleError`) naming
@@ -596,7 +597,7 @@ def host_misfit(step, peaks: Mapping[str, float], predicted: Mapping[str, float]
     it holds. The misfit names the largest of them, which a plan again gets
     capped."""
     shared = {d: p for d, p in peaks.items() if on_host(step, d)}
-    drawn, pool = host_draws(shared)
+    drawn, pool = host_draws(step, shared)
     ram = host_ram() if len(shared) > 1 or drawn > sum(shared.values()) else None
     if not ram or drawn <= (1 - MARGIN) * ram:
         return None
@@ -610,14 +611,23 @@ def host_misfit(step, peaks: Mapping[str, float], predicted: Mapping[str, float]
                   f"host RAM, shared: {parts}", host=True)
 
 
-def host_draws(shared: Mapping[str, float]) -> tuple[float, float]:
+def host_draws(step, shared: Mapping[str, float]) -> tuple[float, float]:
     """(bytes of the host's RAM that `shared` {CPU device or memory place:
-    peak} draws, of which XLA's pinned pool): the memory places of one
-    process share one pool, which holds its regions to serve them
-    (`pinned_pool_reserved`, up to `pinned_pool_bytes`)."""
-    served = sum(p for d, p in shared.items() if memory_place(d)[1] is not None)
-    pool = pinned_pool_reserved(served, pinned_pool_bytes())
-    return sum(p for d, p in shared.items() if memory_place(d)[1] is None) + pool, pool
+    peak} draws, of which XLA's pinned pool): a process's GPU places share
+    one pool, which holds its regions to serve them
+    (`pinned_pool_reserved`, up to `pinned_pool_bytes`); other places (a
+    CPU device's own) draw their bytes."""
+    pooled = {d for d in shared if _gpu_place(step, d)}
+    served = sum(shared[d] for d in pooled)
+    pool = pinned_pool_reserved(served, pinned_pool_bytes()) if pooled else 0.0
+    return sum(p for d, p in shared.items() if d not in pooled) + pool, pool
+
+
+def _gpu_place(step, name: str) -> bool:
+    """Whether `name` is a memory place of one of the step's GPUs."""
+    device, kind = memory_place(name)
+    dev = step.devices.get(device) if kind is not None else None
+    return dev is not None and dev.platform == "gpu"
 
 
 def replan_cap(misfit: Misfit) -> float:
@@ -772,9 +782,9 @@ def host_memory_summary(memory: dict, step) -> dict | None:
     if not host:
         return None
 
-    def total(field):
-        got = [memory[d].get(field) for d in host]
-        return None if any(v is None for v in got) else float(sum(got))
+    def total(field):  # a GPU's places as the pinned pool draws for them (`host_draws`)
+        got = {d: memory[d].get(field) for d in host}
+        return None if any(v is None for v in got.values()) else host_draws(step, got)[0]
 
     return {"devices": host, "predicted": total("predicted"), "compiled": total("compiled"),
             "measured": process_rss_peak(), "capacity": host_total(),

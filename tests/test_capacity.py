@@ -413,9 +413,18 @@ def test_a_plan_full_at_the_pinned_pool_says_how_to_raise_it(monkeypatch):
     from hetpar import _memory_check
 
     monkeypatch.setattr(_memory_check, "host_ram", lambda: 134e9)
+    monkeypatch.setattr(_memory_check, "host_total", lambda: 125 * 2**30)
     hint = CompiledStep._pinned_pool_hint(step(68.0))
-    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in hint and "gpu:0:pinned_host" in hint
+    # three quarters of the RAM, as `import hetpar` sets it: the pool's
+    # regions hold up to twice what it serves (the whole RAM ran out, run 56)
+    assert "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB=93" in hint and "gpu:0:pinned_host" in hint
     assert CompiledStep._pinned_pool_hint(step(30.0)) is None
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "93")  # widened already
+    big = types.SimpleNamespace(devices=(Device("gpu:0", "h200", 45e9),
+                                         Device("gpu:0:pinned_host", "pinned_host", 93 * 2**30)))
+    assert CompiledStep._pinned_pool_hint(
+        types.SimpleNamespace(**{**vars(step(99.0)), "table": big})) is None
+    monkeypatch.delenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB")
     # A host with no RAM beyond the pool gains nothing from a larger one.
     monkeypatch.setattr(_memory_check, "host_ram", lambda: 70e9)
     assert CompiledStep._pinned_pool_hint(step(68.0)) is None

@@ -722,3 +722,5 @@ def test_a_memory_place_draws_its_pinned_pools_regions_on_the_host(monkeypatch):
     # Beside a CPU device's 20 GB, the 93 GiB pool does not fit either.
     misfit = _memory_check.host_misfit(step, {**peaks, "cpu:0": 20e9}, {})
     assert misfit is not None and misfit.compiled_bytes == 20e9 + 93 * 2**30
+    # A CPU device's own place has no such pool: its bytes.
+    assert _memory_check.host_draws(step, {"cpu:0:pinned_host": 77.1e9}) == (77.1e9, 0.0)

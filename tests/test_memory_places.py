@@ -10,6 +10,7 @@ the CPU device. JAX-free but for the cost-table tests (a small traced model).
 import dataclasses
 import functools
 
+import numpy as np
 import pytest
 
 from hetpar.core import InfeasibleError, Placement, pinned_pool_reserved
@@ -217,6 +218,74 @@ def test_a_gradient_updated_as_soon_as_it_is_made_is_held_only_in_its_backward()
     assert violations(with_cap(t, 26.5), p.placements) == []
 
 
+def test_one_pinned_pool_serves_a_process_s_places():
+    """XLA's GPU client keeps one pinned pool for its GPUs: their places draw
+    its regions for what they hold together (33 + 2 GB: 64 GiB, where apart
+    they would be 32 + 2 GiB), up to its limit as read on this machine
+    (`meta["pinned_pool_bytes"]`, not the place's capacity); a CPU device's
+    own place has no such pool."""
+    from hetpar.core import pinned_pool_reserved
+    from hetpar.planner._arrays import ram_bytes
+
+    GiB = float(1 << 30)
+    devices = (Device("cpu:0", "cpu", 120 * GB, 0.0, 270.0, 100.0),
+               Device("gpu:0", "h100", 80 * GB, 6.9, 700.0, 70.0),
+               Device("gpu:1", "h100", 80 * GB, 6.9, 700.0, 70.0),
+               Device("gpu:0:pinned_host", "pinned_host", 50 * GB),
+               Device("gpu:1:pinned_host", "pinned_host", 50 * GB),
+               Device("cpu:0:pinned_host", "pinned_host", 120 * GB))
+    layer = Layer("b0", time_s={"gpu:0": 0.02}, memory_bytes={"gpu:0": RESIDENT})
+    t = CostTable(devices, (), (layer,), ())
+    arr = Arrays(t)
+    held = np.zeros(len(arr.devices))
+    held[arr.dindex["gpu:0:pinned_host"]] = 33 * GB
+    held[arr.dindex["gpu:1:pinned_host"]] = 2 * GB
+    cpu = arr.dindex["cpu:0"]
+    assert ram_bytes(arr, held)[cpu] == 50 * GB  # the limit: the places' capacity here
+    limited = dataclasses.replace(t, meta={"pinned_pool_bytes": dict.fromkeys(
+        ["gpu:0:pinned_host", "gpu:1:pinned_host"], 93 * GiB)})
+    assert ram_bytes(Arrays(limited), held)[cpu] == 64 * GiB - 2 * 2**20  # 15 regions
+    assert ram_bytes(Arrays(limited), held)[cpu] > (
+        pinned_pool_reserved(33 * GB, 93 * GiB) + pinned_pool_reserved(2 * GB, 93 * GiB))
+    held[arr.dindex["cpu:0:pinned_host"]] = 7 * GB  # the CPU's own: its bytes
+    assert ram_bytes(Arrays(limited), held)[cpu] == 64 * GiB - 2 * 2**20 + 7 * GB
+
+
+def test_the_offload_ilp_counts_the_pinned_pools_regions_as_ram_bytes():
+    """For every choice of which blocks stream from the place, the offload
+    ILP with the host capped at what `ram_bytes` says the choice draws (the
+    pool's regions with what the CPU device holds) is feasible, and 0.1%
+    under it infeasible."""
+    import itertools
+
+    from hetpar.planner import _ilp
+    from hetpar.planner._arrays import ram_bytes
+    from hetpar.planner._offload import _model
+    from hetpar.planner._solve import with_memory
+
+    base = table(blocks=3, cpu_compute=False, host_gb=200)
+    base = dataclasses.replace(base, meta={"pinned_pool_bytes": {PLACE: 40 * GB}})
+    arr = Arrays(base)
+    host = arr.dindex["cpu:0"]
+    on_cpu = Placement("gpu:0", "cpu:0", "cpu:0")
+    for combo in itertools.product(("streamed", "host", "resident"), repeat=3):
+        ways = {"streamed": JAX_OFFLOAD, "host": on_cpu, "resident": Placement("gpu:0")}
+        placed = {n: ways[w] for n, w in zip(base.layer_names, combo)}
+        need = float(ram_bytes(arr, held_bytes(arr, arr.placed(placed)))[host])
+        if need <= 0 or "streamed" not in combo:
+            continue
+        for cap, fits in ((need, True), (need * 0.999, False)):
+            capped = Arrays(with_memory(base, {"cpu:0": cap}))
+            m, y, _ = _model(capped, dict.fromkeys(base.layer_names, "gpu:0"), 1,
+                             slack=[False] * len(arr.devices))
+            for o, v in y.items():
+                way = combo[o.layer]
+                m.prob.addConstraint(v == int(o.way == way and (
+                    way == "host" or arr.devices[o.state] == PLACE)))
+            status, _, _ = _ilp._run_solver(m.prob, "cbc", 10.0, 0.0)
+            assert (status in ("optimal", "feasible")) == fits, (combo, cap / GB, status)
+
+
 def test_jax_offload_baseline():
     t = table(gpu_gb=28)  # all six streamed from the place hold 28 GB
     placements, why = _offload.jax_offload(t)
@@ -371,12 +440,15 @@ def test_state_beyond_host_ram_names_the_smallest_footprint():
         plan(table(gpu_gb=20, host_gb=5, cpu_compute=False))
     msg = str(e.value)
     # 42 GB held on a 20 GB GPU (7 GB a block). Streamed from the place, a
-    # block holds 3 GB and its host 4 GB; fetched (its parameters there
-    # too), 1 GB and 6 GB; the state (and fetched, the weights) in flight,
-    # at most three (3 GB each with any fetched). Smallest: two streamed and
-    # four fetched, the GPU 6 + 4 + 9 = 19 GB, the host 8 + 24 = 32 GB of
-    # its 5 GB (three streamed and three fetched need 21 GB of GPU).
-    assert "does not fit host memory" in msg and "32 GB" in msg and "holds 5 GB" in msg
+    # block holds 2.5 GB and its host 4 GB; fetched (its parameters there
+    # too), 0.5 GB and 6 GB (its gradient lives in its backward only:
+    # `quick_gradients`); the state (and fetched, the weights) in flight,
+    # at most three (3 GB each with any fetched), and one gradient the
+    # working set (1 GB). Smallest: three streamed and three fetched, the
+    # GPU 7.5 + 1.5 + 9 + 1 = 19 GB, the host 12 + 18 = 30 GB of its 5 GB
+    # (four streamed and two fetched need 21 GB of GPU). The pool's regions
+    # are at most what it serves here: its limit is the place's 5 GB.
+    assert "does not fit host memory" in msg and "30 GB" in msg and "holds 5 GB" in msg
 
 
 # -- the cost table --------------------------------------------------------------

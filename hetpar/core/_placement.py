@@ -71,14 +71,18 @@ PINNED_POOL_FIRST_REGION = 2 << 20
 def pinned_pool_reserved(served: float, limit: float) -> float:
     """Bytes of the host's RAM a pinned pool of `limit` bytes holds when it
     serves `served` bytes: its regions (PINNED_POOL_FIRST_REGION, doubling)
-    up to the first sum that covers them, at most `limit`; 0 for nothing."""
+    up to the first sum that covers them, at most `limit` (and what it
+    serves, were that over the limit, for the planner's diagnoses); 0 for
+    nothing. A lower bound where one buffer is large: XLA's allocator also
+    doubles a region until it holds the buffer asked for, and a buffer
+    never spans two."""
     if served <= 0:
         return 0.0
     total, region = 0.0, float(PINNED_POOL_FIRST_REGION)
     while total < served and total < limit:
         total += region
         region *= 2
-    return float(min(total, limit))
+    return float(max(min(total, limit), served))
 
 
 def is_memory_place(name: str) -> bool:

@@ -25,6 +25,7 @@ from hetpar.core import (
     Placement,
     PlanError,
     is_memory_place,
+    memory_place,
     pinned_pool_reserved,
 )
 
@@ -352,13 +353,21 @@ class Arrays:
         host = int(np.argmax(self.cpu)) if self.cpu.any() else None
         self.ram = np.array([host if self.place[j] and host is not None else j
                              for j in range(D)], dtype=int)
-        # What XLA's pinned pool behind a memory place may take of its host's
-        # RAM (`ram_bytes`): the place's capacity as read on this machine,
-        # before a margin or a cap for planning (`present_capacity`), else
-        # its capacity.
+        # XLA's pinned pool behind the accelerators' memory places: one per
+        # process, shared by the places of one host CPU device (`ram`),
+        # drawing doubling regions of the host's RAM up to its limit
+        # (`ram_bytes`, `pinned_pool_reserved`). The limit as read on this
+        # machine (`meta["pinned_pool_bytes"]`), else, for a table of
+        # another, the place's capacity. A CPU device's place has no pool.
+        limits = table.meta.get("pinned_pool_bytes") or {}
         present = table.meta.get("present_capacity") or {}
-        self.pool = np.array([float(present.get(d.name, d.memory_bytes)) if self.place[j]
-                              else 0.0 for j, d in enumerate(table.devices)])
+        on_cpu = [memory_place(d.name)[0] in dindex and self.cpu[dindex[memory_place(d.name)[0]]]
+                  for d in table.devices]
+        self.pooled = np.array([self.place[j] and self.ram[j] != j and not on_cpu[j]
+                                for j in range(D)], dtype=bool)
+        self.pool = np.array([
+            float(limits.get(d.name, present.get(d.name, d.memory_bytes))) if self.pooled[j]
+            else 0.0 for j, d in enumerate(table.devices)])
 
     def mem_at(self, microbatches: int) -> np.ndarray:
         """[L, D] what each layer holds on each device: `mem` for one batch,
@@ -691,12 +700,13 @@ def staging_bytes(arr: Arrays, placed: Placed) -> np.ndarray:
 
 def ram_bytes(arr: Arrays, held: np.ndarray) -> np.ndarray:
     """[D] bytes drawn from each memory (`Arrays.ram`): a memory place's count with
-    its host CPU device's, 0 at the place itself. A memory place draws
-    what XLA's pinned pool reserves to serve what it holds, its regions
-    (`pinned_pool_reserved`, at most its pool's limit, `Arrays.pool`: up to
-    twice its arrays), not the arrays alone."""
-    drawn = np.array([pinned_pool_reserved(h, arr.pool[j]) if arr.place[j] and arr.ram[j] != j
-                      else h for j, h in enumerate(held)], dtype=float)
+    its host CPU device's, 0 at the place itself. An accelerator's places
+    draw what XLA's pinned pool (one per process, `Arrays.pooled`) holds to
+    serve them all, its regions (`pinned_pool_reserved`, at most the pool's
+    limit, `Arrays.pool`: up to twice their arrays), not the arrays alone."""
     out = np.zeros(len(held))
-    np.add.at(out, arr.ram, drawn)
+    np.add.at(out, arr.ram, np.where(arr.pooled, 0.0, held))
+    for j in np.unique(arr.ram[arr.pooled]):
+        pool = arr.pooled & (arr.ram == j)
+        out[j] += pinned_pool_reserved(float(held[pool].sum()), float(arr.pool[pool].max()))
     return out

@@ -101,8 +101,11 @@ def violations(table: CostTable, assignment: Mapping[str, Any], *, contiguous: b
         if ram[j] > arr.cap[j] * (1 + 1e-9) and used[j] <= arr.cap[j] * (1 + 1e-9):
             places = " + ".join(arr.devices[k] for k in np.nonzero(
                 (arr.ram == j) & arr.place & (used > 0))[0])
+            pool = arr.pooled & (arr.ram == j)
+            regions = (f" (XLA's pinned pool holding its regions for the "
+                       f"{nbytes(float(used[pool].sum()))} in {places})" if pool.any() else "")
             out.append(f"host memory exceeded: {arr.devices[j]} + {places} share it and need "
-                       f"{nbytes(ram[j])}, {arr.devices[j]} holds {nbytes(arr.cap[j])}")
+                       f"{nbytes(ram[j])}{regions}, {arr.devices[j]} holds {nbytes(arr.cap[j])}")
     for k, e in enumerate(table.edges):
         if not arr.pair_ok[k, a[arr.eu[k]], a[arr.ev[k]]]:
             out.append(f"edge {e.src} -> {e.dst} crosses {arr.devices[a[arr.eu[k]]]} -> "

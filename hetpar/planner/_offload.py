@@ -75,6 +75,7 @@ import numpy as np
 import pulp
 
 from hetpar.core import CostTable, InfeasibleError, Placement, nbytes, seconds
+from hetpar.core._placement import PINNED_POOL_FIRST_REGION
 from hetpar.planner import _ilp
 from hetpar.planner._arrays import (
     STREAMED_IN_FLIGHT,
@@ -299,10 +300,14 @@ def diagnose(arr: Arrays, *, solver: str = "cbc", time_limit: float | None = Non
                          "GiB, set before JAX starts)")
         elif arr.cpu[j] and sharing and ram[j] > held[j]:
             names = " + ".join(arr.devices[k] for k in sharing)
+            pooled = [k for k in sharing if arr.pooled[k]]
+            regions = (f"; XLA's pinned pool holding its regions for the "
+                       f"{nbytes(float(held[pooled].sum()))} in "
+                       f"{' + '.join(arr.devices[k] for k in pooled)}" if pooled else "")
             parts.append(f"the state does not fit host memory: {d} and {names} share it and "
                          f"would need at least {nbytes(ram[j])} (offloaded state "
                          f"x{arr.state_copies} with what the host updates and stages, and "
-                         f"{nbytes(held[j])} of it on {d}), {holds}")
+                         f"{nbytes(held[j])} of it on {d}{regions}), {holds}")
         elif arr.cpu[j]:
             ups = sum(o.state == j and o.way == "host" for o in chosen.values())
             grads = (f", and the gradients of its {ups} updates and their parameters "
@@ -363,17 +368,35 @@ def _add_in_flight(prob, s, streamed: list, tag: str) -> None:
                                f"fl{tag}_{copies}_{v.name}")
 
 
-def _pool_reserved(prob, arr: Arrays, k: int, held: list):
-    """A variable r >= what memory place k draws of its host's RAM, in GB:
-    XLA's pinned pool reserves regions up to twice what it serves, at most
-    its limit (`Arrays.pool`, `pinned_pool_reserved`, `ram_bytes`). r >= 2 x
-    held, or with the binary on, r >= the limit."""
-    cap = float(arr.pool[k]) / _GB
-    r = prob.add_variable(f"pool{k}", lowBound=0)
-    full = prob.add_variable(f"poolfull{k}", cat=pulp.LpBinary)
-    prob.addConstraint(_ilp._affine([(r, 1.0), (full, 2 * cap)] + [(v, -2 * c) for v, c in held])
-                       >= 0, f"pool{k}")
-    prob.addConstraint(_ilp._affine([(r, 1.0), (full, -cap)]) >= 0, f"poolcap{k}")
+def _pool_reserved(prob, arr: Arrays, j: int, held: list, limit: float):
+    """A variable r >= what XLA's pinned pool draws of host j's RAM, in GB,
+    to serve `held` (an affine list, GB) under its `limit` (bytes): the
+    smallest sum of its doubling regions that covers it, at most the limit
+    (`pinned_pool_reserved`, `ram_bytes`). A binary per region sum T above
+    1 GiB says held > T, and r >= the next sum (or the limit); below, r >=
+    twice what it serves."""
+    r = prob.add_variable(f"pool{j}", lowBound=0)
+    # what the pool could ever be asked to serve: a bound for the binaries
+    most = 2 * float(np.nansum(arr.table_mem.max(axis=1)) + 3 * np.nansum(arr.param)
+                     + np.nansum(arr.opt.max(axis=1, initial=0.0))) / _GB + limit / _GB
+    sums = [0.0]
+    while sums[-1] < limit:
+        sums.append(sums[-1] + PINNED_POOL_FIRST_REGION * 2 ** (len(sums) - 1))
+    first = next((n for n, t in enumerate(sums) if t >= 1 << 30), len(sums) - 1)
+    first = min(first, len(sums) - 2)
+    above = []
+    for n in range(first, len(sums) - 1):
+        b = prob.add_variable(f"pool{j}_{n}", cat=pulp.LpBinary)
+        above.append(b)
+        prob.addConstraint(_ilp._affine(held + [(b, -most)]) <= sums[n] / _GB, f"pool{j}_{n}")
+        prob.addConstraint(_ilp._affine([(r, 1.0), (b, -min(sums[n + 1], limit) / _GB)]) >= 0,
+                           f"poolr{j}_{n}")
+    # below the first sum counted: twice what it serves
+    low = [(r, 1.0)] + [(v, -2 * c) for v, c in held] + ([(above[0], 2 * most)] if above else [])
+    prob.addConstraint(_ilp._affine(low) >= 0, f"pool{j}")
+    # never less than it serves (over its limit only in the overflow model)
+    prob.addConstraint(_ilp._affine([(r, 1.0)] + [(v, -c) for v, c in held]) >= 0,
+                       f"poolheld{j}")
     return r
 
 
@@ -471,9 +494,13 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         if arr.place[j] or not any(use[k] for k in sharing):
             continue  # a place without a CPU device in the table has its own cap only
         shared = list(use[j]) + [(v, 1.0) for v in held_once.get(j, [])]
+        pooled = []  # one XLA pinned pool serves the accelerators' places
         for k in sharing:
-            shared.append((_pool_reserved(prob, arr, k, use[k] + [
-                (v, 1.0) for v in held_once.get(k, [])]), 1.0))
+            terms = use[k] + [(v, 1.0) for v in held_once.get(k, [])]
+            (pooled if arr.pooled[k] else shared).extend(terms)
+        if pooled:
+            limit = float(arr.pool[sharing[arr.pooled[sharing]]].max())
+            shared.append((_pool_reserved(prob, arr, j, pooled, limit), 1.0))
         if elastic[j]:
             if j not in slacks:
                 slacks[j] = prob.add_variable(f"over{j}", lowBound=0)

@@ -201,6 +201,7 @@ class _Run:
                     except Exception as e:  # noqa: BLE001 - an earlier stage failed
                         self.fail(earlier, e)
                         return
+                    del arrays  # (its first output would live until the next wait)
                 outs = self._stage(idx, st, name, dev)
                 # Waiting on the state sent home too: a device->host copy
                 # frees its device buffer only once done, and the copies
