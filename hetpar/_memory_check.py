@@ -288,9 +288,11 @@ def compiled_peaks(executor, walk: list | None = None
 
 
 def sent_home_bytes(executor, st) -> float:
-    """Bytes of stage `st`'s outputs the runtime sends to their home as they
-    are made (new state for a memory place: `Executor._send_home`)."""
-    return sum(_bytes(v) for v in st.outputs if v in executor._send_home)
+    """Bytes of stage `st`'s outputs the runtime sends away as they are made:
+    new state for a memory place (`Executor._send_home`), activations
+    offloaded to pinned host memory until the backward (`_offload_vars`)."""
+    offloaded = set(executor._offload_vars[st.index]) if executor._offload_out[st.index] else ()
+    return sum(_bytes(v) for v in st.outputs if v in executor._send_home or v in offloaded)
 
 
 def _member_bytes(aval, sharding) -> float:

@@ -140,17 +140,20 @@ def test_state_in_pinned_host_memory_equals_jit(model):
     assert "cpu:0" in str(step.report().to_json())
 
 
-def test_the_compiled_check_counts_new_state_on_its_way_home(monkeypatch):
-    """A stage's new state sent to its memory place keeps its device buffer
-    until the copy ends, and the worker waits for it only when it dispatches
-    the stage `prefetch` after (run 57: 3 GB over the compiled figure on an
-    H200 without it). The replay counts the stage before's beside each."""
+@pytest.mark.parametrize("sent", ["state", "activations"])
+def test_the_compiled_check_counts_new_state_on_its_way_home(monkeypatch, sent):
+    """A stage's new state sent to its memory place (or its activations
+    offloaded there until the backward) keeps its device buffer until the
+    copy ends, and the worker waits for it only when it dispatches the stage
+    `prefetch` after (run 57: 3 GB over the compiled figure on an H200
+    without it). The replay counts the stage before's beside each."""
     from hetpar import _memory_check
 
     w = zoo.get("mlp", small=True)
     args = tuple(w.example_args())
     graph = hetpar.trace(w.train_step, *args)
-    ex = hetpar.auto(w.train_step, plan={layer: PINNED for layer in graph.layers}
+    how = PINNED if sent == "state" else {"compute": "cpu:0", "activations": "offload"}
+    ex = hetpar.auto(w.train_step, plan={layer: how for layer in graph.layers}
                      ).lower(*args)._executor
     walk: list = []
     _memory_check.compiled_peaks(ex, walk)
@@ -158,8 +161,9 @@ def test_the_compiled_check_counts_new_state_on_its_way_home(monkeypatch):
     without: list = []
     _memory_check.compiled_peaks(ex, without)
     order = ex.stages.device_order["cpu:0"]
+    away = {v for vs in ex._offload_vars for v in vs}
     sent = [sum(v.aval.size * v.aval.dtype.itemsize for v in ex.stages.stages[i].outputs
-                if v in ex._send_home) for i in order]
+                if v in ex._send_home or v in away) for i in order]
     assert ex.prefetch == 2 and sum(sent[:-1]) > 0  # sent before the device's last stage
     during = {w["stage"]: w["during"] for w in walk}
     alone = {w["stage"]: w["during"] for w in without}

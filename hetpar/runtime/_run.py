@@ -209,8 +209,10 @@ class _Run:
                 # new optimizer state queued on an H100 without this).
                 # (One output names the execution's end; holding them all
                 # would keep what the next stages free alive.)
+                # (and the activations it offloads to pinned host memory)
+                away = set(ex._offload_vars[idx]) if ex._offload_out[idx] is not None else ()
                 in_flight.append((st, [*outs[:1], *(self.env[v] for v in st.outputs
-                                                    if v in ex._send_home)]))
+                                                    if v in ex._send_home or v in away)]))
             except Exception as e:  # noqa: BLE001 - re-raised by the caller with context
                 self.fail(st, e)
                 return
