@@ -255,6 +255,8 @@ def run_cell(args) -> dict:
                 warnings.simplefilter("always")
                 params, opt_state, batch = step.place(params, opt_state, batch)
                 # Calibrated, planned, compiled and placed:
+                if args.plan_out:
+                    _save_plan(step, args.plan_out)
                 out["held_after_place"] = _held(gpu)
                 out["host_after_place"] = _host_rss()
                 p, o, loss = step(params, opt_state, batch)
@@ -340,6 +342,21 @@ def run_cell(args) -> dict:
                 "gpu_peaks_gb": {a: ((g.memory_stats() or {}).get("peak_bytes_in_use") or 0)
                                  / 1e9 for a, g in zip(accs, gpus)}})
     return out
+
+
+def _save_plan(step, base: str) -> None:
+    """The plan's cost table and plan files, `base`.table.json and
+    `base`.plan.json, written once the step is placed: a cell that dies in
+    its first step still leaves them to plan again offline
+    (`experiments/replan_table.py`; run 62 timed out with neither)."""
+    compiled = step._last
+    try:
+        if compiled.table is not None:
+            compiled.table.save(f"{base}.table.json")
+        step.plan.save(f"{base}.plan.json")
+    except Exception as e:  # noqa: BLE001 - the cell's figures stand without them
+        print(f"bench_fit: the plan's files were not written: {type(e).__name__}: {e}",
+              file=sys.stderr)
 
 
 def _timelines(step, state, batch, where: str) -> dict:
@@ -602,6 +619,7 @@ def main(argv=None):
                    help="a directory: each hetpar cell with a split plan saves its cost "
                         "table there and adds one watched step and the planner's replay "
                         "of it to its results")
+    p.add_argument("--plan-out", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--fraction", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -635,6 +653,9 @@ def main(argv=None):
                 if args.timeline:
                     cmd += ["--timeline", os.path.join(
                         args.timeline, f"table_{model}_{fraction}_{mode}.json")]
+                if args.out and mode == "hetpar":
+                    cmd += ["--plan-out", os.path.splitext(_cell_log(
+                        args.out, model, fraction, mode))[0]]
                 t = time.perf_counter()
                 # The cell's stderr goes to a file as it runs, and the results
                 # file names the cell before it starts: a cell whose process
