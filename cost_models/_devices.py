@@ -166,7 +166,19 @@ def host_room(total: float) -> float:
     malloc's free lists), which a plan cannot use. On an H200 host of 134 GB
     a 6.74B plan checked at 115 GB of host arrays was killed by the OS at
     134 GB: the process held ~9 GB beside its arrays before the step
-    (fit_h200, run 51). `total` where the OS does not say (not Linux)."""
+    (fit_h200, run 51). XLA's pinned pool's spare regions count as the
+    arrays' too (`pool_spare`). `total` where the OS does not say (not Linux)."""
+    got = os_memory()
+    if got is None:
+        return total
+    available, rss = got
+    arrays, pinned = host_arrays()
+    return room_for_arrays(total, available, rss, arrays + pool_spare(pinned))
+
+
+def os_memory() -> tuple[float, float] | None:
+    """(the host's `MemAvailable`, this process's resident bytes) from the
+    OS, None where it does not say (not Linux)."""
     try:
         with open("/proc/meminfo") as f:
             info = {k: v for k, v in (line.split(":", 1) for line in f)}
@@ -174,8 +186,23 @@ def host_room(total: float) -> float:
         with open("/proc/self/statm") as f:
             rss = float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, KeyError, ValueError, IndexError):
-        return total
-    return room_for_arrays(total, available, rss, host_array_bytes())
+        return None
+    return available, rss
+
+
+def pool_spare(pinned: float, limit: float | None = None) -> float:
+    """What XLA's pinned pool holds beyond the `pinned` bytes of arrays in
+    it: the regions it grew to (`hetpar.core.pinned_pool_reserved`) stay
+    the process's (a pool gives nothing back), room for what a plan keeps
+    there again, which the OS counts neither available nor the arrays'
+    (a replan after a step ran). `limit`: the pool's (`pinned_pool_bytes`)."""
+    from hetpar._host_memory import pinned_pool_bytes
+    from hetpar.core import pinned_pool_reserved
+
+    if pinned <= 0:
+        return 0.0
+    limit = pinned_pool_bytes() if limit is None else limit
+    return max(pinned_pool_reserved(pinned, limit) - pinned, 0.0)
 
 
 def room_for_arrays(total: float, available: float, rss: float, arrays: float) -> float:
@@ -187,11 +214,17 @@ def room_for_arrays(total: float, available: float, rss: float, arrays: float) -
 def host_array_bytes() -> float:
     """Bytes of this process's live JAX arrays in host memory: on CPU
     devices, or in an accelerator's host memory kinds (`pinned_host`)."""
+    return host_arrays()[0]
+
+
+def host_arrays() -> tuple[float, float]:
+    """(`host_array_bytes`, the part of it in a GPU's host memory kinds:
+    XLA's pinned pool)."""
     import sys
 
     jax = sys.modules.get("jax")
     if jax is None:
-        return 0.0
+        return 0.0, 0.0
     # `live_arrays()` lists the default backend's alone: on a GPU host the
     # state built on the CPU device was missed, and the 6.74B model's host
     # was planned with 52 GB of its 134 (fit_h200, run 52).
@@ -214,10 +247,12 @@ def host_array_bytes() -> float:
             for shard in x.addressable_shards:
                 if host_kind or shard.device.platform == "cpu":
                     key = (shard.device, shard.data.unsafe_buffer_pointer())
-                    seen[key] = float(shard.data.nbytes)
+                    seen[key] = (float(shard.data.nbytes),
+                                 host_kind and shard.device.platform == "gpu")
         except Exception:  # noqa: BLE001 - an array deleted meanwhile
             continue
-    return float(sum(seen.values()))
+    return (float(sum(b for b, _ in seen.values())),
+            float(sum(b for b, pooled in seen.values() if pooled)))
 
 
 def host_cores() -> int:

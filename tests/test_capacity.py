@@ -95,6 +95,27 @@ def test_the_host_gives_arrays_what_is_available_and_what_they_hold():
     assert 0 < _room() <= _host_ram()
 
 
+def test_the_pinned_pools_spare_regions_are_the_processs_room(monkeypatch):
+    """XLA's pinned pool keeps the regions it grew to: holding 77.1 GB of
+    state in a pool of 93 GiB, its spare 22.8 GB are neither available to
+    the OS nor arrays, yet a plan may use them (counted as the pool's
+    regions, they would be counted twice: a replan after a step)."""
+    from hetpar.cost_models import _devices
+
+    GiB = float(1 << 30)
+    assert _devices.pool_spare(0.0, 93 * GiB) == 0.0
+    assert _devices.pool_spare(77.1e9, 93 * GiB) == pytest.approx(93 * GiB - 77.1e9)
+    assert _devices.pool_spare(3 * GiB, 93 * GiB) == 1 * GiB - 2 * 2**20  # 11 regions: 4 GiB - 2 MiB
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "93")
+    # 40 GB available, the process resident at 115 GB: the pool's 93 GiB
+    # (77.1 GB of arrays in it) and 15 GB of its own.
+    monkeypatch.setattr(_devices, "os_memory", lambda: (40e9, 115e9))
+    monkeypatch.setattr(_devices, "host_arrays", lambda: (77.1e9, 77.1e9))
+    assert _devices.host_room(134e9) == pytest.approx(40e9 + 93 * GiB)
+    monkeypatch.setattr(_devices, "host_arrays", lambda: (77.1e9, 0.0))  # on a CPU device
+    assert _devices.host_room(134e9) == pytest.approx(40e9 + 77.1e9)
+
+
 def test_host_arrays_are_counted_where_the_default_backend_is_an_accelerator(monkeypatch):
     """`jax.live_arrays()` lists the default backend's arrays alone: on a GPU
     host the state built on the CPU device went uncounted, and a 6.74B
