@@ -107,13 +107,13 @@ def test_the_pinned_pools_spare_regions_are_the_processs_room(monkeypatch):
     assert _devices.pool_spare(77.1e9, 93 * GiB) == pytest.approx(93 * GiB - 77.1e9)
     assert _devices.pool_spare(3 * GiB, 93 * GiB) == 1 * GiB - 2 * 2**20  # 11 regions: 4 GiB - 2 MiB
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "93")
-    # 40 GB available, the process resident at 115 GB: the pool's 93 GiB
-    # (77.1 GB of arrays in it) and 15 GB of its own.
-    monkeypatch.setattr(_devices, "os_memory", lambda: (40e9, 115e9))
+    # A 134 GB host, the process resident at 115 GB (the pool's 93 GiB with
+    # 77.1 GB of arrays in it, and 15 GB of its own), 19 GB available.
+    monkeypatch.setattr(_devices, "os_memory", lambda: (19e9, 115e9))
     monkeypatch.setattr(_devices, "host_arrays", lambda: (77.1e9, 77.1e9))
-    assert _devices.host_room(134e9) == pytest.approx(40e9 + 93 * GiB)
+    assert _devices.host_room(134e9) == pytest.approx(19e9 + 93 * GiB)
     monkeypatch.setattr(_devices, "host_arrays", lambda: (77.1e9, 0.0))  # on a CPU device
-    assert _devices.host_room(134e9) == pytest.approx(40e9 + 77.1e9)
+    assert _devices.host_room(134e9) == pytest.approx(19e9 + 77.1e9)
 
 
 def test_host_arrays_are_counted_where_the_default_backend_is_an_accelerator(monkeypatch):
