@@ -8,35 +8,14 @@ device's spec-sheet kind (`h100`, `cpu`), which picks its built-in profile.
 from __future__ import annotations
 
 import os
-import re
 
 from hetpar.core import ProfileError
-
-# `p1/cpu:0`, `p0/h100:1`, `p2/gpu:0:pinned_host`: a process, then a name of one process.
-_PROCESS_PREFIX = re.compile(r"^p(\d+)/(.+)$")
+from hetpar.core._placement import local_name, process_of  # noqa: F401 (names, in core)
 
 
 def device_name(device) -> str:
     """`platform:id` of a JAX device, e.g. `cpu:0`, `gpu:0`."""
     return f"{device.platform}:{device.id}"
-
-
-def process_of(name: str) -> int | None:
-    """The process a device name belongs to: `p1/cpu:0` -> 1, `p0/h100:0` -> 0.
-
-    None for a name without a process (`cpu:0`, `h100:0`: one process's
-    naming, or a what-if device placed on no process in particular). Works on
-    any name with the prefix (spec kinds, memory places), unlike
-    `hetpar._distributed.parse_device_name`, which takes only JAX names.
-    """
-    m = _PROCESS_PREFIX.match(name)
-    return int(m.group(1)) if m else None
-
-
-def local_name(name: str) -> str:
-    """`name` without its process: `p1/cpu:0` -> `cpu:0`; `cpu:0` as it is."""
-    m = _PROCESS_PREFIX.match(name)
-    return m.group(2) if m else name
 
 
 def global_device_name(device) -> str:
@@ -218,7 +197,7 @@ def host_array_bytes() -> float:
 
 
 def host_arrays() -> tuple[float, float]:
-    """(`host_array_bytes`, the part of it in a GPU's host memory kinds:
+    """(`host_array_bytes`, the part of it in a GPU's `pinned_host` memory:
     XLA's pinned pool)."""
     import sys
 
@@ -248,7 +227,7 @@ def host_arrays() -> tuple[float, float]:
                 if host_kind or shard.device.platform == "cpu":
                     key = (shard.device, shard.data.unsafe_buffer_pointer())
                     seen[key] = (float(shard.data.nbytes),
-                                 host_kind and shard.device.platform == "gpu")
+                                 kind == "pinned_host" and shard.device.platform == "gpu")
         except Exception:  # noqa: BLE001 - an array deleted meanwhile
             continue
     return (float(sum(b for b, _ in seen.values())),

@@ -56,7 +56,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from hetpar._host_memory import pinned_pool_bytes
-from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, seconds
+from hetpar.core import CostTable, Device, Edge, Layer, ProfileError, pinned_pool_reserved, seconds
+from hetpar.cost_models._devices import host_arrays
 from hetpar.cost_models._equation_model import matmul_equations, predict_layer
 from hetpar.cost_models._group_figures import with_stored
 from hetpar.cost_models._layer_timing import (
@@ -231,9 +232,10 @@ def cost_table(
         "device_sources": {d.name: {"origin": d.profile.origin, **dict(d.profile.sources)}
                            for d in devs},
     }
+    # Updates that wait for other layers' gradients (a global-norm clip);
+    # written when empty too: a table without it is taken to wait (`Arrays.waits`).
     reads = graph.update_reads()
-    if reads:  # updates that wait for other layers' gradients (a global-norm clip)
-        info_meta["update_reads"] = {n: r if r == "all" else list(r) for n, r in reads.items()}
+    info_meta["update_reads"] = {n: r if r == "all" else list(r) for n, r in reads.items()}
     # What a present device holds here (`as_present`): `memory=` may cap it, never raise it.
     info_meta["present_capacity"] = {d.name: float(d.profile.memory_bytes) for d in devs
                                      if d.jax_device is not None}
@@ -246,6 +248,11 @@ def cost_table(
               if p.device.jax_device is not None and p.device.jax_device.platform == "gpu"}
     if pooled:
         info_meta["pinned_pool_bytes"] = pooled
+        # The regions it holds already, which it keeps (a replan after a step).
+        pinned = host_arrays()[1]
+        if pinned > 0:
+            held = pinned_pool_reserved(pinned, pinned_pool_bytes())
+            info_meta["pinned_pool_regions"] = dict.fromkeys(pooled, held)
     for place in places:
         info_meta["device_sources"][place.name] = {
             "origin": "memory place", "device": place.device.name,

@@ -47,7 +47,10 @@ def capped(table, memory: dict):
     measured it, so a cap may also raise them."""
     from hetpar.planner._solve import with_memory
 
-    meta = {k: v for k, v in table.meta.items() if k != "present_capacity"}
+    # (and the pinned pool's limit and regions as read there: a place's
+    # memory as given stands for its pool's)
+    meta = {k: v for k, v in table.meta.items()
+            if k not in ("present_capacity", "pinned_pool_bytes", "pinned_pool_regions")}
     return with_memory(dataclasses.replace(table, meta=meta), memory)
 
 
@@ -78,8 +81,11 @@ def main(argv=None) -> None:
     if args.without:  # neither an option of the search nor a variant of its plan
         real, every_way = _offload.options, _offload.variants
         _offload.options = lambda *a, **k: [o for o in real(*a, **k) if o.way not in args.without]
+        # ("all pinned" streams from the place: the streamed way)
+        way = {"pinned": "streamed"}
         _offload.variants = lambda *a, **k: [
-            v for v in every_way(*a, **k) if v[0].removeprefix("all ") not in args.without]
+            v for v in every_way(*a, **k)
+            if way.get(v[0].removeprefix("all "), v[0].removeprefix("all ")) not in args.without]
     t0 = time.perf_counter()
     try:
         table = capped(table, memory)

@@ -626,10 +626,14 @@ def host_draws(step, shared: Mapping[str, float]) -> tuple[float, float]:
 
 
 def _gpu_place(step, name: str) -> bool:
-    """Whether `name` is a memory place of one of the step's GPUs."""
+    """Whether `name` is the pinned host memory of one of this process's GPUs
+    (its pool: one per process)."""
+    import jax
+
     device, kind = memory_place(name)
-    dev = step.devices.get(device) if kind is not None else None
-    return dev is not None and dev.platform == "gpu"
+    dev = step.devices.get(device) if kind == "pinned_host" else None
+    return (dev is not None and dev.platform == "gpu"
+            and getattr(dev, "process_index", jax.process_index()) == jax.process_index())
 
 
 def replan_cap(misfit: Misfit) -> float:

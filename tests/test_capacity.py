@@ -105,7 +105,7 @@ def test_the_pinned_pools_spare_regions_are_the_processs_room(monkeypatch):
     GiB = float(1 << 30)
     assert _devices.pool_spare(0.0, 93 * GiB) == 0.0
     assert _devices.pool_spare(77.1e9, 93 * GiB) == pytest.approx(93 * GiB - 77.1e9)
-    assert _devices.pool_spare(3 * GiB, 93 * GiB) == 1 * GiB - 2 * 2**20  # 11 regions: 4 GiB - 2 MiB
+    assert _devices.pool_spare(3 * GiB, 93 * GiB) == 1 * GiB - 2 * 2**20  # 4 GiB - 2 MiB
     monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "93")
     # A 134 GB host, the process resident at 115 GB (the pool's 93 GiB with
     # 77.1 GB of arrays in it, and 15 GB of its own), 19 GB available.

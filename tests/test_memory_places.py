@@ -64,7 +64,9 @@ def table(blocks: int = 6, *, gpu_gb: float = 100.0, host_gb: float = 200.0,
               param_bytes=PARAM, opt_state_bytes=OPT, update_s={"cpu:0": 0.3, "gpu:0": 0.008})
         for n in names)
     edges = tuple(Edge(u, v, 1e7, 1e7) for u, v in zip(names, names[1:], strict=False))
-    return CostTable(tuple(devices), tuple(links), layers, edges)
+    return CostTable(tuple(devices), tuple(links), layers, edges,
+                     # analysed: no update waits for another's gradient (no clip)
+                     meta={"update_reads": {}})
 
 
 JAX_OFFLOAD = Placement("gpu:0", PLACE, "gpu:0", params="gpu:0")
@@ -249,6 +251,46 @@ def test_one_pinned_pool_serves_a_process_s_places():
         pinned_pool_reserved(33 * GB, 93 * GiB) + pinned_pool_reserved(2 * GB, 93 * GiB))
     held[arr.dindex["cpu:0:pinned_host"]] = 7 * GB  # the CPU's own: its bytes
     assert ram_bytes(Arrays(limited), held)[cpu] == 64 * GiB - 2 * 2**20 + 7 * GB
+    # The regions the pool held when the table was read stay its own (a
+    # replan after a step): what it draws never falls under them.
+    kept = dataclasses.replace(limited, meta={**limited.meta, "pinned_pool_regions": dict.fromkeys(
+        ["gpu:0:pinned_host", "gpu:1:pinned_host"], 90 * GiB)})
+    assert ram_bytes(Arrays(kept), held)[cpu] == 90 * GiB + 7 * GB
+
+
+def test_each_process_s_places_draw_on_its_own_host_and_pool():
+    """Two processes, each a CPU device, a GPU and its place: each place
+    draws on its own process's host RAM, in its own pool (40 GB each: 64
+    GiB of regions each, not one pool's 64 GiB for 80 GB on the first host)."""
+    from hetpar.planner._arrays import ram_bytes
+
+    GiB = float(1 << 30)
+    devices = tuple(d for p in ("p0", "p1") for d in (
+        Device(f"{p}/cpu:0", "cpu", 120 * GB, 0.0, 270.0, 100.0),
+        Device(f"{p}/gpu:0", "h100", 80 * GB, 6.9, 700.0, 70.0),
+        Device(f"{p}/gpu:0:pinned_host", "pinned_host", 93 * GiB)))
+    layer = Layer("b0", time_s={"p0/gpu:0": 0.02}, memory_bytes={"p0/gpu:0": RESIDENT})
+    arr = Arrays(CostTable(devices, (), (layer,), ()))
+    assert arr.ram[arr.dindex["p1/gpu:0:pinned_host"]] == arr.dindex["p1/cpu:0"]
+    held = np.zeros(len(arr.devices))
+    held[arr.dindex["p0/gpu:0:pinned_host"]] = held[arr.dindex["p1/gpu:0:pinned_host"]] = 40 * GB
+    ram = ram_bytes(arr, held)
+    assert ram[arr.dindex["p0/cpu:0"]] == ram[arr.dindex["p1/cpu:0"]] == 64 * GiB - 2 * 2**20
+
+
+def test_a_table_that_does_not_say_whether_updates_wait_is_planned_as_if_they_did():
+    """`hetpar costs` writes `update_reads` (empty without a clip); a table
+    without it (written by hand, or before) holds every gradient through
+    the step, the safe side."""
+    t = table()
+    silent = dataclasses.replace(t, meta={})
+    clipped = dataclasses.replace(t, meta={"update_reads": dict.fromkeys(t.layer_names, "all")})
+    four = {**{n: Placement("gpu:0") for n in t.layer_names},
+            **{f"b{i}": JAX_OFFLOAD for i in range(4)}}
+    gpu = Arrays(t).dindex["gpu:0"]
+    held = {name: held_bytes(Arrays(x), Arrays(x).placed(four))[gpu]
+            for name, x in (("quick", t), ("silent", silent), ("clipped", clipped))}
+    assert held["silent"] == held["clipped"] > held["quick"]
 
 
 def test_the_offload_ilp_counts_the_pinned_pools_regions_as_ram_bytes():
@@ -256,6 +298,19 @@ def test_the_offload_ilp_counts_the_pinned_pools_regions_as_ram_bytes():
     ILP with the host capped at what `ram_bytes` says the choice draws (the
     pool's regions with what the CPU device holds) is feasible, and 0.1%
     under it infeasible."""
+    base = table(blocks=3, cpu_compute=False, host_gb=200)
+    base = dataclasses.replace(base, meta={**base.meta, "pinned_pool_bytes": {PLACE: 40 * GB}})
+    _assert_ilp_host_rows(base)
+    # Under 2 GiB too (the regions' sums from 64 MiB are exact): blocks of
+    # a tenth the size, 0.4-1.2 GB in the place.
+    small = dataclasses.replace(base, layers=tuple(dataclasses.replace(
+        la, param_bytes=la.param_bytes / 10, opt_state_bytes=la.opt_state_bytes / 10,
+        activation_bytes=la.activation_bytes / 10,
+        memory_bytes={d: b / 10 for d, b in la.memory_bytes.items()}) for la in base.layers))
+    _assert_ilp_host_rows(small)
+
+
+def _assert_ilp_host_rows(base):
     import itertools
 
     from hetpar.planner import _ilp
@@ -263,8 +318,6 @@ def test_the_offload_ilp_counts_the_pinned_pools_regions_as_ram_bytes():
     from hetpar.planner._offload import _model
     from hetpar.planner._solve import with_memory
 
-    base = table(blocks=3, cpu_compute=False, host_gb=200)
-    base = dataclasses.replace(base, meta={"pinned_pool_bytes": {PLACE: 40 * GB}})
     arr = Arrays(base)
     host = arr.dindex["cpu:0"]
     on_cpu = Placement("gpu:0", "cpu:0", "cpu:0")

@@ -51,7 +51,9 @@ def table(blocks: int = 6, *, gpu_gb: float = 100.0, host_gb: float = 200.0,
               opt_state_bytes=OPT, update_s={"cpu:0": 0.3, "gpu:0": 0.008})
         for n in names)
     edges = tuple(Edge(u, v, 1e7, 1e7) for u, v in zip(names, names[1:], strict=False))
-    return CostTable(devices, links, layers, edges)
+    return CostTable(devices, links, layers, edges,
+                     # analysed: no update waits for another's gradient (no clip)
+                     meta={"update_reads": {}})
 
 
 def _apart(p: Plan) -> set[str]:

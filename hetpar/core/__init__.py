@@ -32,9 +32,11 @@ from hetpar.core._placement import (
     MEMORY_KINDS,
     Placement,
     is_memory_place,
+    local_name,
     memory_place,
     parse_placements,
     pinned_pool_reserved,
+    process_of,
 )
 from hetpar.core._schedule import (
     PHASE_RANK,
@@ -80,6 +82,8 @@ __all__ = [
     "is_memory_place",
     "memory_place",
     "pinned_pool_reserved",
+    "local_name",
+    "process_of",
     "parse_placements",
     "ring_allgather_s",
     "ring_allreduce_s",

@@ -34,6 +34,7 @@ memory place.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,6 +55,28 @@ def memory_place(name: str) -> tuple[str, str | None]:
     if kind in MEMORY_KINDS and head:
         return head, kind
     return name, None
+
+
+# `p1/cpu:0`, `p0/h100:1`, `p2/gpu:0:pinned_host`: a process, then a name of one process.
+_PROCESS_PREFIX = re.compile(r"^p(\d+)/(.+)$")
+
+
+def process_of(name: str) -> int | None:
+    """The process a device name belongs to: `p1/cpu:0` -> 1, `p0/h100:0` -> 0.
+
+    None for a name without a process (`cpu:0`, `h100:0`: one process's
+    naming, or a what-if device placed on no process in particular). Works on
+    any name with the prefix (spec kinds, memory places), unlike
+    `hetpar._distributed.parse_device_name`, which takes only JAX names.
+    """
+    m = _PROCESS_PREFIX.match(name)
+    return int(m.group(1)) if m else None
+
+
+def local_name(name: str) -> str:
+    """`name` without its process: `p1/cpu:0` -> `cpu:0`; `cpu:0` as it is."""
+    m = _PROCESS_PREFIX.match(name)
+    return m.group(2) if m else name
 
 
 #: A GPU's pinned host memory (XLA's `xla_gpu_host_bfc` pool, one per

@@ -27,6 +27,7 @@ from hetpar.core import (
     is_memory_place,
     memory_place,
     pinned_pool_reserved,
+    process_of,
 )
 
 MODES = ("sequential", "pipelined")
@@ -83,7 +84,8 @@ class Predicted:
       closed_form_s: with `schedule`: the closed form's step time (the ILP's).
       peak_memory_bytes: the step's peak bytes on each device used, by
         `held_bytes`: with state offloaded, the compute device holds weight
-        copies, gradients and activations, the host the offloaded state.
+        copies, gradients (where they outlive their backward) and
+        activations, the host the offloaded state.
         None in plans written before it existed.
     """
 
@@ -217,8 +219,18 @@ class Arrays:
         or a name like `gpu:0:pinned_host`): offloaded state may live there,
         nothing computes there.
       ram: [D] the position whose memory each device draws on: a memory
-        place's host RAM is its table's first CPU device's (they share it),
-        every other device its own.
+        place's host RAM is its process's CPU device's (they share it; the
+        table's first CPU device's where none is of its process), every
+        other device its own.
+      pooled, pool, pool_floor: [D] whether a memory place is a GPU's pinned
+        host memory, served by its process's one XLA pinned pool; that
+        pool's limit (`meta["pinned_pool_bytes"]`, else the place's
+        capacity); and the regions it held when the table was read
+        (`meta["pinned_pool_regions"]`), which it keeps (`ram_bytes`).
+      waits: [L] whether a layer's update waits for other layers'
+        gradients (`meta["update_reads"]`: a global-norm clip; every layer
+        where the table does not say): its gradient lives until the whole
+        backward ran (`quick_gradients`).
       overhead: [D] seconds the runtime adds per stage on each device
         (`Device.stage_overhead_s`; 0 unless measured).
       step_scale: [D] the factor `scale_to_step` applied to each device's
@@ -297,8 +309,13 @@ class Arrays:
         # Whose update waits for other layers' gradients (the table's
         # `update_reads`: under a global-norm clip, every gradient): their
         # gradients live until the whole backward has run.
-        reads = table.meta.get("update_reads") or {}
-        self.waits = np.array([bool(reads.get(n)) for n in self.layers], dtype=bool)
+        # A table that does not say (written by hand, or before hetpar costs
+        # recorded it): every update waits, the safe side.
+        if "update_reads" in table.meta:
+            reads = table.meta.get("update_reads") or {}
+            self.waits = np.array([bool(reads.get(n)) for n in self.layers], dtype=bool)
+        else:
+            self.waits = np.ones(len(self.layers), dtype=bool)
         # Donation (`with_donation`): the runtime gives up the old state as
         # the new is made, so state needs one copy where it lives, not two.
         self.donated = bool(table.meta.get("donated"))
@@ -350,24 +367,34 @@ class Arrays:
                 self.upd[i, dindex[d]] = v
         self.cpu = np.array([d.kind == "cpu" for d in table.devices], dtype=bool)
         self.place = np.array([is_place(d) for d in table.devices], dtype=bool)
-        host = int(np.argmax(self.cpu)) if self.cpu.any() else None
-        self.ram = np.array([host if self.place[j] and host is not None else j
-                             for j in range(D)], dtype=int)
+        # A memory place draws on the RAM of its own process's CPU device (the
+        # first CPU device where none is of its process).
+        cpus = [j for j in range(D) if self.cpu[j]]
+        def host_of(j: int) -> int:
+            mine = [k for k in cpus if process_of(self.devices[k]) == process_of(self.devices[j])]
+            return (mine or cpus or [j])[0]
+        self.ram = np.array([host_of(j) if self.place[j] else j for j in range(D)], dtype=int)
         # XLA's pinned pool behind the accelerators' memory places: one per
         # process, shared by the places of one host CPU device (`ram`),
         # drawing doubling regions of the host's RAM up to its limit
         # (`ram_bytes`, `pinned_pool_reserved`). The limit as read on this
         # machine (`meta["pinned_pool_bytes"]`), else, for a table of
         # another, the place's capacity. A CPU device's place has no pool.
+        # (`meta["pinned_pool_regions"]`: what the pool held when the table
+        # was read, which it keeps: a replan after a step.)
         limits = table.meta.get("pinned_pool_bytes") or {}
         present = table.meta.get("present_capacity") or {}
+        held_now = table.meta.get("pinned_pool_regions") or {}
         on_cpu = [memory_place(d.name)[0] in dindex and self.cpu[dindex[memory_place(d.name)[0]]]
                   for d in table.devices]
-        self.pooled = np.array([self.place[j] and self.ram[j] != j and not on_cpu[j]
-                                for j in range(D)], dtype=bool)
+        self.pooled = np.array([
+            self.place[j] and self.ram[j] != j and not on_cpu[j]
+            and memory_place(self.devices[j])[1] == "pinned_host" for j in range(D)], dtype=bool)
         self.pool = np.array([
             float(limits.get(d.name, present.get(d.name, d.memory_bytes))) if self.pooled[j]
             else 0.0 for j, d in enumerate(table.devices)])
+        self.pool_floor = np.array([float(held_now.get(d.name, 0.0)) if self.pooled[j] else 0.0
+                                    for j, d in enumerate(table.devices)])
 
     def mem_at(self, microbatches: int) -> np.ndarray:
         """[L, D] what each layer holds on each device: `mem` for one batch,
@@ -708,5 +735,6 @@ def ram_bytes(arr: Arrays, held: np.ndarray) -> np.ndarray:
     np.add.at(out, arr.ram, np.where(arr.pooled, 0.0, held))
     for j in np.unique(arr.ram[arr.pooled]):
         pool = arr.pooled & (arr.ram == j)
-        out[j] += pinned_pool_reserved(float(held[pool].sum()), float(arr.pool[pool].max()))
+        out[j] += max(pinned_pool_reserved(float(held[pool].sum()), float(arr.pool[pool].max())),
+                      float(arr.pool_floor[pool].max()))
     return out

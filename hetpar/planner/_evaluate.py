@@ -102,8 +102,9 @@ def violations(table: CostTable, assignment: Mapping[str, Any], *, contiguous: b
             places = " + ".join(arr.devices[k] for k in np.nonzero(
                 (arr.ram == j) & arr.place & (used > 0))[0])
             pool = arr.pooled & (arr.ram == j)
+            pooled = " + ".join(arr.devices[k] for k in np.nonzero(pool & (used > 0))[0])
             regions = (f" (XLA's pinned pool holding its regions for the "
-                       f"{nbytes(float(used[pool].sum()))} in {places})" if pool.any() else "")
+                       f"{nbytes(float(used[pool].sum()))} in {pooled})" if pooled else "")
             out.append(f"host memory exceeded: {arr.devices[j]} + {places} share it and need "
                        f"{nbytes(ram[j])}{regions}, {arr.devices[j]} holds {nbytes(arr.cap[j])}")
     for k, e in enumerate(table.edges):

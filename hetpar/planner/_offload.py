@@ -35,7 +35,9 @@ z): a binary y per offload option, at most x[l, c] of them per layer.
 Memory (`hetpar.planner._arrays.held_bytes`, linear but for one max): a
 resident layer holds its `memory_bytes`; an offloaded layer holds on its
 compute device its weights, gradient and activations (memory_bytes less its
-optimizer state; fetched, less its weights too), plus, streamed or fetched,
+optimizer state; fetched, less its weights too; streamed or fetched with
+one batch and an update waiting for no other gradient, its gradient only
+in its backward's working set, `quick_gradients`), plus, streamed or fetched,
 the optimizer state (and fetched, the weights) in flight for the
 updates (`streamed_in_flight`: one of each, its copy donated, at most three, in
 the largest; `_add_in_flight` linearises it); its host holds
@@ -43,7 +45,9 @@ the largest; `_add_in_flight` linearises it); its host holds
 donates its state), plus, host way, as many copies of its parameters, its
 gradient, and its parameters once more in the runtime's pinned staging
 (`staging_bytes`). A memory place and its host's CPU device draw on one RAM: their
-sum is capped by the CPU device's memory too.
+sum is capped by the CPU device's memory too, a process's GPU places as the
+doubling regions their one XLA pinned pool holds for them (`_pool_reserved`,
+`ram_bytes`).
 
 Time: the replay overlaps transfers with compute, which no linear form
 captures; the ILP minimises T under lower bounds of the replayed step:
@@ -373,7 +377,7 @@ def _pool_reserved(prob, arr: Arrays, j: int, held: list, limit: float):
     to serve `held` (an affine list, GB) under its `limit` (bytes): the
     smallest sum of its doubling regions that covers it, at most the limit
     (`pinned_pool_reserved`, `ram_bytes`). A binary per region sum T above
-    1 GiB says held > T, and r >= the next sum (or the limit); below, r >=
+    64 MiB says held > T, and r >= the next sum (or the limit); below, r >=
     twice what it serves."""
     r = prob.add_variable(f"pool{j}", lowBound=0)
     # what the pool could ever be asked to serve: a bound for the binaries
@@ -382,7 +386,7 @@ def _pool_reserved(prob, arr: Arrays, j: int, held: list, limit: float):
     sums = [0.0]
     while sums[-1] < limit:
         sums.append(sums[-1] + PINNED_POOL_FIRST_REGION * 2 ** (len(sums) - 1))
-    first = next((n for n, t in enumerate(sums) if t >= 1 << 30), len(sums) - 1)
+    first = next((n for n, t in enumerate(sums) if t >= 1 << 26), len(sums) - 1)
     first = min(first, len(sums) - 2)
     above = []
     for n in range(first, len(sums) - 1):
@@ -394,9 +398,13 @@ def _pool_reserved(prob, arr: Arrays, j: int, held: list, limit: float):
     # below the first sum counted: twice what it serves
     low = [(r, 1.0)] + [(v, -2 * c) for v, c in held] + ([(above[0], 2 * most)] if above else [])
     prob.addConstraint(_ilp._affine(low) >= 0, f"pool{j}")
-    # never less than it serves (over its limit only in the overflow model)
+    # never less than it serves (over its limit only in the overflow model),
+    # nor than the regions it holds already (`Arrays.pool_floor`)
     prob.addConstraint(_ilp._affine([(r, 1.0)] + [(v, -c) for v, c in held]) >= 0,
                        f"poolheld{j}")
+    floor = float(arr.pool_floor[(arr.ram == j) & arr.pooled].max(initial=0.0))
+    if floor > 0:
+        prob.addConstraint(_ilp._affine([(r, 1.0)]) >= floor / _GB, f"poolfloor{j}")
     return r
 
 
