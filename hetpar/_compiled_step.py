@@ -383,6 +383,15 @@ class CompiledStep:
             said += [f"{nbytes(compiled[d])} compiled"] if compiled.get(d) else []
             if said:
                 parts.append(f"{d} {', '.join(said)}")
+        # What a GPU's places take of the host's RAM: XLA's pinned pool holds
+        # its regions for them, up to twice their arrays (run 56 was killed
+        # by the OS for it).
+        from hetpar._memory_check import host_draws
+
+        served = {d: b for d, b in (compiled or planned).items() if b and memory_place(d)[1]}
+        pool = host_draws(self, served)[1] if served else 0.0
+        if pool > 1.05 * sum(served.values()):
+            parts.append(f"XLA's pinned pool holding {nbytes(pool)} of the host's RAM for them")
         return f" (peak memory: {'; '.join(parts)})" if parts else ""
 
     def _check_across_processes(self) -> None:

@@ -653,6 +653,23 @@ def test_the_progress_line_sets_planned_beside_compiled_peaks():
     assert line(ns(plan=None, compiled_memory=None)) == ""
 
 
+def test_the_progress_line_says_what_the_pinned_pool_holds(monkeypatch):
+    """The 6.74B plan's 77 GB in pinned memory took 94 GiB of the host's RAM
+    (XLA's pool's regions: run 58's 112 GB of RSS); the line says so."""
+    import jax
+
+    from hetpar._compiled_step import CompiledStep
+
+    ns = types.SimpleNamespace
+    monkeypatch.setenv("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "93")
+    plan = ns(predicted=ns(peak_memory_bytes={"gpu:0": 39.6e9, "gpu:0:pinned_host": 77.1e9},
+                           memory_bytes=None))
+    step = ns(plan=plan, compiled_memory=({"gpu:0": 35.6e9, "gpu:0:pinned_host": 79.5e9}, {}),
+              devices={"gpu:0": ns(platform="gpu", process_index=jax.process_index())})
+    assert CompiledStep._peaks_line(step).endswith(
+        "; XLA's pinned pool holding 99.9 GB of the host's RAM for them)")
+
+
 def test_a_replan_starts_from_what_the_last_plan_timed(monkeypatch):
     """A plan the compiled check sends back is planned again from the layers
     and whole steps its planning rounds had timed (`solve_placements`), not
