@@ -29,6 +29,7 @@ from hetpar.planner._arrays import (
     OBJECTIVES,
     Arrays,
     Predicted,
+    gradient_beyond_activations,
     held_bytes,
 )
 from hetpar.planner._baselines import BaselineResult
@@ -559,6 +560,9 @@ def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
     o = float(np.nan_to_num(arr.opt[i, c]))
     p = float(np.nan_to_num(arr.param[i]))
     need = memory[c] + o
+    if s != c and pl.update == pl.compute and not arr.waits[i]:
+        # resident, its gradient would be held through the step again (`quick_gradients`)
+        need += float(gradient_beyond_activations(arr)[i])
 
     def move(a: int, b: int, n: float) -> str:
         return seconds(arr.link_s(a, b, n)) if arr.bw[a, b] > 0 else "-"
