@@ -589,7 +589,7 @@ def _row(cell: dict) -> str:
     return (f"| {cell['model']} | {cell['fraction']} ({cell['limit_gb']:.0f} GB"
             f"{f' x {gpus}' if gpus > 1 else ''}) | {mode} "
             f"| {ms(cell.get('median_s'))} | {ms(cell.get('predicted_s'))} | {step_ratio} "
-            f"| {measured or 0:.1f} | {pred_peak or 0:.1f} | {ratio} "
+            f"| {measured or 0:.1f} | {'' if pred_peak is None else f'{pred_peak:.1f}'} | {ratio} "
             f"| {cell.get('first_call_s') or 0:.1f} | {what[:160]} |")
 
 
