@@ -111,11 +111,12 @@ def live_capacity(device) -> tuple[float | None, str]:
     device and memory place of the host shares.
     """
     if device.platform == "cpu":
-        try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
+        from hetpar._host_memory import physical_ram
+
+        total = physical_ram()
+        if total is None:
             return None, ""
-        room = host_room(float(total))
+        room = host_room(total)
         if room >= total:
             return float(total), f"host RAM from sysconf on this machine ({total / 1e9:.1f} GB)"
         return room, (f"host RAM for arrays on this machine ({room / 1e9:.1f} GB of its "

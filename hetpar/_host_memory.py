@@ -211,6 +211,14 @@ def pinned_pool_bytes(env: Mapping[str, str] = os.environ) -> float:
     return gib * (1 << 30)
 
 
+def physical_ram() -> float | None:
+    """The host's RAM from sysconf, None where the OS does not say."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def widen_pinned_pool(env: dict | None = None, ram: float | None = None) -> bool:
     """Lets XLA's pinned host pool grow to PINNED_POOL_RAM_SHARE of the
     host's RAM (`ram` bytes; the OS's figure by default): sets
@@ -222,11 +230,9 @@ def widen_pinned_pool(env: dict | None = None, ram: float | None = None) -> bool
     env = os.environ if env is None else env
     if PINNED_POOL_VAR in env or _backends_started():
         return False
+    ram = physical_ram() if ram is None else ram
     if ram is None:
-        try:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return False
+        return False
     gib = int(ram * PINNED_POOL_RAM_SHARE // (1 << 30))
     if gib <= PINNED_POOL_GIB:  # no wider than the default
         return False

@@ -62,13 +62,12 @@ accelerator client's pinned staging pool (`with_host_staging`).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections import Counter
 from collections.abc import Mapping
 
 import numpy as np
 
-from hetpar._host_memory import pinned_pool_bytes
+from hetpar._host_memory import physical_ram, pinned_pool_bytes
 from hetpar.core import InfeasibleError, memory_place, nbytes, pinned_pool_reserved, seconds
 
 #: Capacity kept back from what the plan may use: the allocator's own
@@ -288,11 +287,10 @@ def compiled_peaks(executor, walk: list | None = None
 
 
 def sent_home_bytes(executor, st) -> float:
-    """Bytes of stage `st`'s outputs the runtime sends away as they are made:
-    new state for a memory place (`Executor._send_home`), activations
-    offloaded to pinned host memory until the backward (`_offload_vars`)."""
-    offloaded = set(executor._offload_vars[st.index]) if executor._offload_out[st.index] else ()
-    return sum(_bytes(v) for v in st.outputs if v in executor._send_home or v in offloaded)
+    """Bytes of stage `st`'s outputs the runtime sends away as they are made
+    (`Executor.sent_away`: new state for a memory place, activations
+    offloaded to pinned host memory until the backward)."""
+    return sum(_bytes(v) for v in executor.sent_away(st.index))
 
 
 def _member_bytes(aval, sharding) -> float:
@@ -798,12 +796,9 @@ def host_memory_summary(memory: dict, step) -> dict | None:
 
 
 def host_total() -> float | None:
-    """The host's RAM from sysconf, None where the OS does not say: what
+    """The host's RAM (`physical_ram`), None where the OS does not say: what
     the process's resident peak (`process_rss_peak`) answers to."""
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
+    return physical_ram()
 
 
 def process_rss_peak() -> float | None:

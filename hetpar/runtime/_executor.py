@@ -354,6 +354,16 @@ class Executor:
         self.network = Network()
         return out
 
+    def sent_away(self, idx: int) -> list:
+        """Stage `idx`'s outputs copied to a memory place as they are made: new
+        state sent home (`_send_home`) and activations offloaded until the
+        backward (`_offload_vars`). Their device buffers live until the
+        copies end: a worker waits for them (`_run`), and the compiled check
+        counts them meanwhile (`_memory_check.sent_home_bytes`)."""
+        offloaded = set(self._offload_vars[idx])
+        return [v for v in self.stages.stages[idx].outputs
+                if v in self._send_home or v in offloaded]
+
     def _activations_offloaded(self, stages: StageGraph) -> tuple[list, list]:
         """Per stage, the memory place its offloaded activations go to (or
         None) and which outputs: a stage of one layer planned with

@@ -203,16 +203,14 @@ class _Run:
                         return
                     del arrays  # (its first output would live until the next wait)
                 outs = self._stage(idx, st, name, dev)
-                # Waiting on the state sent home too: a device->host copy
-                # frees its device buffer only once done, and the copies
-                # back lag the compute (measured: ~28 GB of a 5B model's
-                # new optimizer state queued on an H100 without this).
-                # (One output names the execution's end; holding them all
-                # would keep what the next stages free alive.)
-                # (and the activations it offloads to pinned host memory)
-                away = set(ex._offload_vars[idx]) if ex._offload_out[idx] is not None else ()
-                in_flight.append((st, [*outs[:1], *(self.env[v] for v in st.outputs
-                                                    if v in ex._send_home or v in away)]))
+                # Waiting on what it sent away too (`Executor.sent_away`: new
+                # state, offloaded activations): a device->host copy frees
+                # its device buffer only once done, and the copies back lag
+                # the compute (measured: ~28 GB of a 5B model's new
+                # optimizer state queued on an H100 without this). (One
+                # output names the execution's end; holding them all would
+                # keep what the next stages free alive.)
+                in_flight.append((st, [*outs[:1], *(self.env[v] for v in ex.sent_away(idx))]))
             except Exception as e:  # noqa: BLE001 - re-raised by the caller with context
                 self.fail(st, e)
                 return
