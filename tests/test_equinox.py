@@ -496,3 +496,17 @@ def test_mlp_with_weights_fetched_from_pinned_host_memory_equals_filter_jit():
     assert out[0].activation is jax.nn.relu
     assert {x.sharding.memory_kind for x in jax.tree_util.tree_leaves(eqx.filter(
         out[0], eqx.is_array))} == {"pinned_host"}
+
+
+def test_an_equinox_step_without_a_clip_updates_each_layer_from_its_own_gradient():
+    """An Equinox MLP under plain adam (`eqx.filter_value_and_grad`,
+    `eqx.apply_updates`): no update waits for another layer's gradient, and
+    the cost table says so, so a streamed layer's gradient counts only in
+    its backward (`quick_gradients`)."""
+    from hetpar.cost_models import cost_table
+    from hetpar.planner import Arrays
+
+    model, opt_state = fresh_mlp()
+    graph = hetpar.trace(mlp_step, model, opt_state, *mlp_data())
+    table = cost_table(graph, ["cpu:0"])
+    assert table.meta["update_reads"] == {} and not Arrays(table).waits.any()

@@ -306,3 +306,30 @@ def test_haiku_clipped_adamw_with_weights_fetched_equals_jit():
              for v, r in roles.items() if r == "param"]
     assert max(reads) == 3
     assert not any(roles.get(v) == "param" for v, _ in ex._cache_inputs)
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_haiku_steps_say_which_updates_wait_for_every_gradient(clip):
+    """The planner holds a streamed layer's gradient only in its backward
+    where its update waits for no other (`quick_gradients`): it reads that
+    from the cost table's `update_reads`, which a Haiku step's optax chain
+    decides. Under clip_by_global_norm every update but the bottom layer's
+    waits; under plain adamw none does, and the table says so (empty)."""
+    from hetpar.cost_models import cost_table
+    from hetpar.planner import Arrays
+
+    net = haiku_net()
+    tx = (optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)) if clip
+          else optax.adamw(1e-3))
+    update = haiku_step(net, tx, jax.value_and_grad)
+    graph = hetpar.trace(update, *haiku_args(net, tx))
+    table = cost_table(graph, ["cpu:0"])
+    reads = table.meta["update_reads"]
+    waits = Arrays(table).waits
+    if clip:
+        # every layer with parameters but the bottom one, whose backward comes last
+        trained = [n for n in graph.layers if graph[n].param_bytes]
+        assert set(reads) == set(trained[1:]) and all(reads.values())
+        assert waits.sum() == len(reads)
+    else:
+        assert reads == {} and not waits.any()
