@@ -148,9 +148,9 @@ def scale_to_timed_step(table, present: Mapping[str, Any],
     devices' names joined with "+"): sharded state's all-gathers and
     reduce-scatters are priced on it, not on the copy links. With
     `place_links` (`place_links(names, jax_devices)`:
-    `hetpar.runtime.place_link_figures`, bytes/s each way), the links
-    between the present accelerators and their pinned host memory places
-    take the bandwidth measured with all of them copying both ways at once
+    `hetpar.runtime.place_link_figures`, each way), the links between the
+    present accelerators and their pinned host memory places take the
+    figures measured with all of them copying both ways at once
     (`meta["place_links"]`), as plans streaming state on them do.
 
     Returns:
@@ -311,9 +311,10 @@ def _with_collectives(table, present: Mapping[str, Any], collective):
 
 def _with_place_links(table, present: Mapping[str, Any], place_links):
     """`table` with the links between present accelerators and their pinned
-    host memory places at the bandwidth `place_links` measured over all of
-    them at once (each way; `meta["place_links"]`, by the accelerators'
-    names joined with "+"). Their latency stays. The table has one figure
+    host memory places at the figures `place_links` measured over all of
+    them at once (each way: bandwidth, a call's latency, each array's cost
+    by its size; `meta["place_links"]`, by the accelerators' names joined
+    with "+"). The table has one figure
     per link, not one per plan: a plan streaming on one of them alone is
     priced as if all streamed (on two H200s 31 GB/s each way where one
     alone copies 43), which errs slow where the other figure would err fast
@@ -321,10 +322,11 @@ def _with_place_links(table, present: Mapping[str, Any], place_links):
     owners = [n for n in place_owners(table) if n in present]
     if not owners:
         return table
-    bandwidth = place_links(owners, [present[n] for n in owners])
+    figures = place_links(owners, [present[n] for n in owners])
+    bandwidth = (figures or {}).get("bandwidth_bytes_per_s")
     if not bandwidth or not math.isfinite(bandwidth) or bandwidth <= 0:
         return table
-    return with_place_links(table, owners, bandwidth)
+    return with_place_links(table, owners, figures)
 
 
 def _copy_sizes(table, src_kind: str, dst_kind: str) -> list[float]:

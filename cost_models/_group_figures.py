@@ -9,7 +9,9 @@ link's profile holds them:
   H200s the ring ran 263 GB/s where a copy between the same GPUs ran 188;
 - the **place links** (`meta["place_links"]`): what each accelerator copies
   each way to and from its pinned host memory while every one of them does
-  the same (on two H200s 31 GB/s each way; one alone both ways, 43).
+  the same (on two H200s 31 GB/s each way; one alone both ways, 43): one
+  large array's bandwidth, a call's latency and what each array of a batch
+  adds by its size (`hetpar.runtime.place_link_figures`).
 
 The first call's calibration times both on the devices present
 (`_calibrate_table`). `hetpar profile` stores them in the profile file's
@@ -29,6 +31,9 @@ from hetpar.core import CostTable, ProfileError, memory_place
 #: The figures each kind of stored entry carries.
 FIELDS = {"collectives": ("bandwidth_bytes_per_s", "latency_s"),
           "place_links": ("bandwidth_bytes_per_s",)}
+#: Figures an entry may carry (older files have none): a place link's
+#: latency; its `curve` is checked apart.
+OPTIONAL = {"place_links": ("latency_s",)}
 
 
 def check_stored(meta: Mapping, where: str = "profile file") -> None:
@@ -43,13 +48,30 @@ def check_stored(meta: Mapping, where: str = "profile file") -> None:
                                f"to their figures, got {type(entries).__name__}; fix the entry "
                                "or measure again with `hetpar profile`")
         for group, figures in entries.items():
-            for f in fields:
+            def bad(what, v, key=key, group=group):
+                return ProfileError(
+                    f"{where}: meta.{key}[{group!r}] needs {what}, got {v!r}; fix the "
+                    "entry or measure again with `hetpar profile`")
+
+            for f in fields + OPTIONAL.get(key, ()):
                 v = figures.get(f) if isinstance(figures, Mapping) else None
-                if isinstance(v, bool) or not isinstance(v, (int, float)) \
-                        or not math.isfinite(v) or v < 0:
-                    raise ProfileError(
-                        f"{where}: meta.{key}[{group!r}] needs {f} as a number >= 0, got "
-                        f"{v!r}; fix the entry or measure again with `hetpar profile`")
+                if v is None and f not in fields:
+                    continue
+                if not _number(v):
+                    raise bad(f"{f} as a number >= 0", v)
+            curve = figures.get("curve") if key == "place_links" else None
+            if curve is not None and not (
+                    isinstance(curve, list) and all(
+                        isinstance(p, list) and len(p) == 2 and all(map(_number, p))
+                        for p in curve)
+                    and [p[0] for p in curve] == sorted(p[0] for p in curve)):
+                raise bad("curve as [[bytes, seconds], ...] numbers >= 0, bytes ascending",
+                          curve)
+
+
+def _number(v) -> bool:
+    return (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+            and v >= 0)
 
 
 def with_rings(table: CostTable, rings: Mapping[str, Mapping]) -> CostTable:
@@ -69,22 +91,33 @@ def place_owners(table: CostTable) -> list[str]:
                    if memory_place(d.name)[1] is not None})
 
 
-def with_place_links(table: CostTable, owners: Sequence[str], bandwidth: float) -> CostTable:
+def with_place_links(table: CostTable, owners: Sequence[str], figures: Mapping) -> CostTable:
     """`table` with the links between each of `owners` and its memory place
-    at `bandwidth` bytes/s each way (their latency stays), measured with all
-    of `owners` copying both ways at once (`meta["place_links"]`)."""
+    at `figures` (`hetpar.runtime.place_link_figures`: bandwidth_bytes_per_s
+    each way; latency_s and curve where measured, else the link keeps its
+    latency and prices by bandwidth), measured with all of `owners` copying
+    both ways at once (`meta["place_links"]`)."""
     owners = sorted(owners)
+    bandwidth = float(figures["bandwidth_bytes_per_s"])
+    curve = tuple((float(b), float(t)) for b, t in figures.get("curve") or ())
 
     def measured(k):
         src, dst = memory_place(k.src), memory_place(k.dst)
         between = (src[0] == dst[0] and src[0] in owners
                    and (src[1] is None) != (dst[1] is None))
-        return dataclasses.replace(k, bandwidth_bytes_per_s=float(bandwidth),
-                                   curve=()) if between else k
+        if not between:
+            return k
+        return dataclasses.replace(
+            k, bandwidth_bytes_per_s=bandwidth, curve=curve,
+            latency_s=float(figures.get("latency_s", k.latency_s)))
 
+    entry = {"bandwidth_bytes_per_s": bandwidth, "at_once": len(owners)}
+    if "latency_s" in figures:
+        entry["latency_s"] = float(figures["latency_s"])
+    if curve:
+        entry["curve"] = [list(p) for p in curve]
     return dataclasses.replace(table, links=tuple(measured(k) for k in table.links), meta={
-        **table.meta, "place_links": {"+".join(owners): {
-            "bandwidth_bytes_per_s": float(bandwidth), "at_once": len(owners)}}})
+        **table.meta, "place_links": {"+".join(owners): entry}})
 
 
 def with_stored(table: CostTable, stored: Mapping) -> CostTable:
@@ -101,5 +134,5 @@ def with_stored(table: CostTable, stored: Mapping) -> CostTable:
     owners = place_owners(table)
     links = (stored.get("place_links") or {}).get("+".join(owners)) if owners else None
     if links:
-        table = with_place_links(table, owners, float(links["bandwidth_bytes_per_s"]))
+        table = with_place_links(table, owners, links)
     return table

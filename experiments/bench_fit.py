@@ -506,8 +506,13 @@ def _held(gpu) -> dict:
             continue
     stats = gpu.memory_stats() or {}
     top = sorted(by_shape.items(), key=lambda kv: -kv[1])[:8]
+    # Every GPU's allocator, set against its live arrays above: on two H200s
+    # gpu:0 held 7 GB beyond its arrays where gpu:1 held none (run 61).
+    every = {f"gpu:{d.id}": ((d.memory_stats() or {}).get("bytes_in_use", 0) / 1e9)
+             for d in jax.local_devices() if d.platform == "gpu"}
     return {"in_use_gb": stats.get("bytes_in_use", 0) / 1e9,
             "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9,
+            "in_use_by_gpu_gb": every,
             "live_arrays_gb": total / 1e9, "live_by_place_gb": by_place,
             "top": [(k, v / 1e9) for k, v in top]}
 

@@ -221,4 +221,11 @@ def test_place_links_are_timed_with_every_gpu_copying_both_ways():
     gpus = jax.devices("gpu")
     one = place_link_figures(gpus[:1], nbytes=256 << 20)
     every = place_link_figures(gpus, nbytes=256 << 20)
-    assert 5e9 < every <= 1.1 * one < 200e9
+    bw = "bandwidth_bytes_per_s"
+    assert 5e9 < every[bw] <= 1.1 * one[bw] < 200e9
+    # Each array of a batch is priced by its size: seconds grow with it, and
+    # a small array costs more per byte than the large one.
+    sizes, secs = zip(*one["curve"])
+    assert list(sizes) == sorted(sizes) and list(secs) == sorted(secs) and secs[-1] > 0
+    assert secs[0] / sizes[0] > secs[-1] / sizes[-1]
+    assert 0 < one["latency_s"] < 0.01

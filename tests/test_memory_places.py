@@ -676,7 +676,7 @@ def test_place_links_take_the_bandwidth_measured_with_every_gpu_streaming_at_onc
 
     def measured(names, devs):
         asked.append((names, devs))
-        return 31e9
+        return {"bandwidth_bytes_per_s": 31e9}  # as a profile file before curves reads
 
     present = {"gpu:0": "jax gpu 0", "gpu:1": "jax gpu 1", "cpu:0": "jax cpu"}
     timed = _with_place_links(two, present, measured)
@@ -697,6 +697,18 @@ def test_place_links_take_the_bandwidth_measured_with_every_gpu_streaming_at_onc
     assert _with_place_links(two, {"cpu:0": "jax cpu"}, measured) is two
     assert _with_place_links(two, present, lambda names, devs: None) is two
 
+    # Measured as `place_link_figures` measures them now: a call's latency and
+    # what each array of a batch adds by its size, which the links take and
+    # the table's meta keeps.
+    curve = [[1e6, 1e-4], [64e6, 1.5e-3]]
+    batched = _with_place_links(two, present, lambda names, devs: {
+        "bandwidth_bytes_per_s": 31e9, "latency_s": 2e-5, "curve": curve})
+    assert batched.meta["place_links"]["gpu:0+gpu:1"] == {
+        "bandwidth_bytes_per_s": 31e9, "at_once": 2, "latency_s": 2e-5, "curve": curve}
+    k = batched.link("gpu:1:pinned_host", "gpu:1")
+    assert k.latency_s == 2e-5 and k.curve == ((1e6, 1e-4), (64e6, 1.5e-3))
+    assert batched.link("gpu:0", "cpu:0").curve == ()
+
 
 def test_place_link_figures_time_every_device_at_once():
     # A real timing (the CPU devices here have pinned host memory too); on
@@ -707,7 +719,12 @@ def test_place_link_figures_time_every_device_at_once():
 
     cpus = jax.devices("cpu")
     each_way = place_link_figures(cpus[:2], nbytes=1 << 20)
-    assert each_way is not None and each_way > 1e6
+    assert each_way is not None and each_way["bandwidth_bytes_per_s"] > 1e6
+    assert each_way["latency_s"] > 0
+    # Each array of a batch, by its size (256 kB, four a call; the whole
+    # 1 MiB alone), its seconds never falling as the size grows.
+    sizes, secs = zip(*each_way["curve"])
+    assert sizes == (256 << 10, 1 << 20) and secs[0] <= secs[1]
 
 
 @pytest.mark.slow  # one solve of the 35-layer, five-place ILP: ~35 s
@@ -854,3 +871,41 @@ def test_a_full_memory_place_names_xlas_pinned_pool():
         plan(t, memory={PLACE: 5 * GB})
     msg = str(e.value)
     assert PLACE in msg and "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" in msg, msg
+
+
+def test_a_state_copy_pays_each_of_its_arrays_on_the_place_links_curve():
+    # A layer's state moves as one call of a few dozen arrays, each adding a
+    # cost of its own: a 0.54B model's fetched plan (27 arrays a layer, 16-46
+    # MB) ran 1.15-1.17x its prediction priced as one array (fit_h200, runs
+    # 54 and 60). Each array here adds 0.2 ms and its bytes at 50 GB/s.
+    per_array = 2e-4
+    curve = ((1e6, per_array + 1e6 / PLACE_BW), (1e9, per_array + 1e9 / PLACE_BW))
+    leaves = (tuple(("param", (100,), PARAM / 10) for _ in range(10))
+              + tuple(("opt_state", (100,), OPT / 20) for _ in range(20)))
+    base = table()
+    curved = dataclasses.replace(base, links=tuple(
+        dataclasses.replace(k, curve=curve) if PLACE in (k.src, k.dst) else k
+        for k in base.links))
+    split = dataclasses.replace(curved, layers=tuple(
+        dataclasses.replace(la, state_leaves=leaves) for la in curved.layers))
+    for way, copies in ((JAX_OFFLOAD, 2 * 19),  # optimizer state in and out: 20 arrays each
+                        # weights in for the forward and for the backward with the
+                        # update (10 each), state in (20), new weights and state out (30);
+                        # the last block's forward and backward are one stage, one copy
+                        (FETCHED, 9 + 9 + 19 + 29 - 9 / 6)):
+        asg = {n: way for n in base.layer_names}
+        whole, each = simulate(curved, asg, 1), simulate(split, asg, 1)
+        assert each.transfer_s - whole.transfer_s == pytest.approx(6 * copies * per_array)
+        assert evaluate(split, asg).step_time_s > evaluate(curved, asg).step_time_s
+    # Without a curve (a spec sheet's bandwidth) the arrays change nothing.
+    plain = dataclasses.replace(base, layers=split.layers)
+    asg = {n: FETCHED for n in base.layer_names}
+    assert simulate(plain, asg, 1).transfer_s == pytest.approx(
+        simulate(base, asg, 1).transfer_s)
+    # The planner's search prices the copies the same way: it plans the same
+    # ways where each array costs, and its prediction is the replay's.
+    p = plan(split, memory={"gpu:0": 28 * GB}, activations=False)
+    assert p.predicted.step_time_s == pytest.approx(
+        evaluate(split, p.placements).step_time_s)
+    assert p.predicted.step_time_s > plan(curved, memory={"gpu:0": 28 * GB},
+                                          activations=False).predicted.step_time_s

@@ -225,14 +225,16 @@ def test_watched_timeline_shows_compute_and_copies_each_way(monkeypatch, donated
     ex.watch_events = False
     events = ex.last_events
     kinds = {e.what for e in events}
-    assert kinds == {"copy in", "compute", "copy out"}, kinds
+    # (A copy in donated before its watcher saw it goes unrecorded: under
+    # load, every one of them may.)
+    assert {"compute", "copy out"} <= kinds <= {"copy in", "compute", "copy out"}, kinds
     assert all(0 <= e.start_s <= e.end_s for e in events)
     # Every stage computed once; every streamed layer's state came in and went out.
     assert sorted(e.stage for e in events if e.what == "compute") == list(
         range(len(ex.stages.stages)))
     streaming = {i for i, s in enumerate(ex._streams) if s}
     assert {e.stage for e in events if e.what == "copy out"} == streaming
-    if donated:  # (a copy in donated before its watcher saw it goes unrecorded)
+    if donated:
         assert any(ex._donated_copies)
     else:
         assert streaming <= {e.stage for e in events if e.what == "copy in"}

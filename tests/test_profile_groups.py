@@ -14,7 +14,8 @@ from hetpar.cost_models import cost_table, load_profiles, save_profiles
 from hetpar.planner import evaluate_sharded
 
 RING = {"bandwidth_bytes_per_s": 263e9, "latency_s": 3e-5}  # two H200s' ring (fit_h200x2 run 30)
-PLACES = {"bandwidth_bytes_per_s": 31e9, "at_once": 2}  # both streaming at once (run 35)
+PLACES = {"bandwidth_bytes_per_s": 31e9, "at_once": 2,  # both streaming at once (run 35)
+          "latency_s": 2e-5, "curve": [[1048576.0, 1e-4], [536870912.0, 1.7e-2]]}
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,8 @@ def test_a_table_from_a_profile_takes_the_figures_measured_over_its_devices(grap
     assert table.meta["place_links"] == {"h200:0+h200:1": PLACES}
     places = _place_links(table)
     assert len(places) == 4 and set(places.values()) == {31e9}
+    assert {k.curve for k in table.links if (k.src, k.dst) in places} == {
+        ((1048576.0, 1e-4), (536870912.0, 1.7e-2))}
     spec_only = cost_table(graph, ["cpu", "h200", "h200"])
     assert "collectives" not in spec_only.meta
     assert set(_place_links(spec_only).values()) != {31e9}
@@ -67,6 +70,11 @@ def test_a_table_from_a_profile_takes_the_figures_measured_over_its_devices(grap
     ({"collectives": {"h200:0+h200:1": {"bandwidth": 1e9}}}, "needs bandwidth_bytes_per_s"),
     ({"place_links": {"h200:0+h200:1": {"bandwidth_bytes_per_s": "fast"}}}, "got 'fast'"),
     ({"collectives": ["h200:0+h200:1"]}, "must map device groups"),
+    ({"place_links": {"h200:0+h200:1": {"bandwidth_bytes_per_s": 3e10, "latency_s": -1}}},
+     "needs latency_s"),
+    ({"place_links": {"h200:0+h200:1": {"bandwidth_bytes_per_s": 3e10,
+                                        "curve": [[64e6, 1e-3], [1e6, 1e-4]]}}},
+     "bytes ascending"),
 ])
 def test_a_malformed_stored_figure_is_refused_when_the_file_is_read(tmp_path, meta, says):
     from hetpar.core import ProfileError

@@ -89,6 +89,7 @@ def _run(args) -> int:
 
 def _measure(args, links, process: int) -> int:
     from hetpar.cost_models import profile_devices, save_profiles, summary_table
+    from hetpar.runtime import place_line
 
     devices = [d.strip() for d in args.devices.split(",") if d.strip()] if args.devices else None
     fit = _fit_models(args.fit) if args.fit else None  # checked before anything is measured
@@ -115,8 +116,7 @@ def _measure(args, links, process: int) -> int:
         print(f"collectives over {group}: a ring step at "
               f"{ring['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, {ring['latency_s'] * 1e6:.0f} us")
     for group, place in (profiles.meta.get("place_links") or {}).items():
-        print(f"pinned host memory of {group}, all at once: "
-              f"{place['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s each way")
+        print(f"pinned host memory of {group}, all at once: {place_line(place)}")
     for name, prof in profiles.devices.items():
         if "layer_model" in prof.sources:  # what --fit chose for unmeasured layers
             print(f"{name}: per-equation layer model {prof.sources['layer_model']}")
@@ -175,8 +175,7 @@ def _measured_together(profiles, progress):
         each_way = timed(f"copies to and from the pinned host memory of {'+'.join(owners)}, "
                          "all at once", lambda: place_link_figures([mine[n] for n in owners]))
         if each_way:
-            meta["place_links"] = {"+".join(owners): {
-                "bandwidth_bytes_per_s": float(each_way), "at_once": len(owners)}}
+            meta["place_links"] = {"+".join(owners): {**each_way, "at_once": len(owners)}}
     return dataclasses.replace(profiles, meta=meta)
 
 

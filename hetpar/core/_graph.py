@@ -90,15 +90,24 @@ class Link:
     latency_s: float = 0.0
     curve: tuple[tuple[float, float], ...] = ()
 
-    def copy_s(self, nbytes: float) -> float:
-        """Seconds `nbytes` take over the link, beyond its latency."""
+    def copy_s(self, nbytes: float, leaves: Sequence[float] = ()) -> float:
+        """Seconds `nbytes` take over the link, beyond its latency.
+
+        With `leaves` (the bytes of the arrays the copy moves in one call,
+        scaled to sum to `nbytes`), each array is priced at its own size on
+        the curve: a curve point is what one more array of that size adds
+        to a call, and a layer's state is a few dozen arrays, not one.
+        """
         if not self.curve:
             return nbytes / self.bandwidth_bytes_per_s
-        return curve_s(self.curve, nbytes)
+        total = float(sum(leaves))
+        if total <= 0:
+            return curve_s(self.curve, nbytes)
+        return sum(curve_s(self.curve, b * nbytes / total) for b in leaves)
 
-    def seconds(self, nbytes: float) -> float:
-        """Seconds sending `nbytes` takes: latency and copy."""
-        return self.latency_s + self.copy_s(nbytes)
+    def seconds(self, nbytes: float, leaves: Sequence[float] = ()) -> float:
+        """Seconds sending `nbytes` (as `leaves`, see `copy_s`) takes: latency and copy."""
+        return self.latency_s + self.copy_s(nbytes, leaves)
 
 
 def curve_rate(curve, nbytes: float) -> float | None:

@@ -13,7 +13,7 @@ imports none of them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -201,6 +201,8 @@ class Arrays:
       eu, ev: [E] layer indices of each edge's ends.
       lat, bw: [D, D] link latency and bandwidth (bw 0: no link).
       links: {(i, j): Link}: `link_s` prices a copy by its curve where measured.
+      leaves: [L] {role: bytes of each state array}: a layer's state copies'
+        arrays (`state_leaves`), each priced at its size on a curve.
       pair_ok: [E, D, D] whether edge e's ends may sit on (a, b).
       act: [L] activation bytes saved per step.
       param: [L] parameter (= gradient) bytes; nan where unknown.
@@ -293,6 +295,10 @@ class Arrays:
             act[i] = np.nan if layer.activation_bytes is None else layer.activation_bytes
         self.param = np.array([np.nan if layer.param_bytes is None else layer.param_bytes
                                for layer in table.layers], dtype=float).reshape(L)
+        # The arrays a layer's state copies move, by role: a copy of a few
+        # dozen arrays pays each one's cost on a measured curve (`link_s`).
+        self.leaves = [{role: tuple(b for r, _, b in (layer.state_leaves or ()) if r == role)
+                        for role in ("param", "opt_state")} for layer in table.layers]
         out_bytes = np.bincount(self.eu, weights=self.fwd, minlength=L) if E else np.zeros(L)
         self.act = np.where(np.isnan(act), out_bytes, act)
         # What a layer's stage holds only while it runs (0: unknown).
@@ -499,10 +505,15 @@ class Arrays:
         """
         return self.t + (int(microbatches) - 1) * self.fixed
 
-    def link_s(self, i: int, j: int, nbytes: float) -> float:
+    def link_s(self, i: int, j: int, nbytes: float, leaves: Sequence[float] = ()) -> float:
         """Seconds sending `nbytes` over link i -> j takes (`Link.seconds`: its
-        measured curve where it has one)."""
-        return self.links[i, j].seconds(nbytes)
+        measured curve where it has one, each of `leaves` at its own size)."""
+        return self.links[i, j].seconds(nbytes, leaves)
+
+    def state_leaves(self, i: int, *roles: str) -> tuple[float, ...]:
+        """The bytes of layer i's state arrays of `roles` ("param",
+        "opt_state"): what one copy of them moves (() where unknown)."""
+        return tuple(b for r in roles for b in self.leaves[i][r])
 
     def edge_parts(self, microbatches: int) -> tuple[np.ndarray, np.ndarray]:
         """Per-microbatch transfer times of each edge for each placement (a, b).

@@ -533,30 +533,34 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         opt = float(arr.opt[i, c])
         bus_in, bus_out = (int(arr.ram[h]), c), (c, int(arr.ram[h]))
 
-        def move(a, b, nbytes, v=v):
-            return (v, arr.link_s(a, b, nbytes) / scale)
+        def move(a, b, nbytes, params=0, opt_state=False, v=v, i=i):
+            # The arrays the copy moves, each at its size on a measured curve
+            # (the replay sends each read's weights apart; the sum is the same).
+            leaves = (arr.state_leaves(i, "param") * params
+                      + (arr.state_leaves(i, "opt_state") if opt_state else ()))
+            return (v, arr.link_s(a, b, nbytes, leaves) / scale)
 
         if o.way == "host":
-            links.setdefault(bus_in, []).append(move(h, c, p[i]))  # the weights
+            links.setdefault(bus_in, []).append(move(h, c, p[i], 1))  # the weights
             u_here = min(float(np.nan_to_num(arr.upd[i, c])), float(arr.t[i, c]))
             chain.append((v, -u_here / scale))
-            v_, t_ = move(c, h, p[i])
+            v_, t_ = move(c, h, p[i], 1)
             links.setdefault(bus_out, []).append((v_, M * t_))
             host_work.setdefault(h, []).append((v, float(arr.upd[i, h]) / scale))
         elif o.way == "fetched":  # weights in per read; new weights and state back
             # (one batch: the update shares its backward's stage and copy,
             # unless it waits for other layers' gradients, which the replay counts)
             reads = 2 if M == 1 else 2 * M + 1
-            links.setdefault(bus_in, []).append(move(h, c, reads * p[i] + opt))
-            links.setdefault(bus_out, []).append(move(c, h, p[i] + opt))
+            links.setdefault(bus_in, []).append(move(h, c, reads * p[i] + opt, reads, True))
+            links.setdefault(bus_out, []).append(move(c, h, p[i] + opt, 1, True))
         else:  # parameters stay on c: only the optimizer state goes and comes back
-            links.setdefault(bus_in, []).append(move(h, c, opt))
-            links.setdefault(bus_out, []).append(move(c, h, opt))
+            links.setdefault(bus_in, []).append(move(h, c, opt, 0, True))
+            links.setdefault(bus_out, []).append(move(c, h, opt, 0, True))
             if arr.cpu[h] and places(arr, c):
                 # At equal figures prefer the memory place: a spec sheet gives both
                 # the bus's speed, but on an H100 host the CPU device's path
                 # measured ~7 GB/s against ~50 GB/s through pinned host memory.
-                slower.append(move(h, c, opt))
+                slower.append(move(h, c, opt, 0, True))
     step = prob.add_variable("T", lowBound=0)
     prob.addConstraint(_ilp._affine(chain + [(step, -1.0)]) <= 0, "chain")
     for (a, b), terms in links.items():

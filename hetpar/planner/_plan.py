@@ -564,8 +564,9 @@ def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
         # resident, its gradient would be held through the step again (`quick_gradients`)
         need += float(gradient_beyond_activations(arr)[i])
 
-    def move(a: int, b: int, n: float) -> str:
-        return seconds(arr.link_s(a, b, n)) if arr.bw[a, b] > 0 else "-"
+    def move(a: int, b: int, n: float, *roles: str) -> str:
+        return (seconds(arr.link_s(a, b, n, arr.state_leaves(i, *roles)))
+                if arr.bw[a, b] > 0 else "-")
 
     everyone = float(mem[compute == c, c].sum())
     why = (f"state on {pl.state}: {pl.compute} would need {nbytes(need)} with it resident "
@@ -574,22 +575,25 @@ def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
     if need <= arr.cap[c] * (1 + 1e-9):
         why += " (the room serves another layer's state or compute, or the plan was given)"
     w = arr.dindex[pl.params]
+    opt_in, opt_out = move(s, c, o, "opt_state"), move(c, s, o, "opt_state")
+    new_out = (move(c, s, p + o, "param", "opt_state") if w == s
+               else f"{opt_out} + {move(c, w, p, 'param')}")
     if pl.update == pl.state and s != c:
         cost = (f"host update {seconds(float(np.nan_to_num(arr.upd[i, s])))}, weights in "
-                f"{move(s, c, p)} overlapped with earlier layers' compute, gradient out "
-                f"{move(c, s, p)}")
+                f"{move(s, c, p, 'param')} overlapped with earlier layers' compute, "
+                f"gradient out {move(c, s, p, 'param')}")
     elif w == c:
         cost = (f"update on {pl.compute} with the optimizer state streamed, parameters "
-                f"resident: optimizer state in {move(s, c, o)}, new state out {move(c, s, o)}")
+                f"resident: optimizer state in {opt_in}, new state out {opt_out}")
     elif arr.place[w]:
-        cost = (f"fetched: weights in {move(w, c, p)} for each stage that reads them (the "
-                f"forward, the backward with the update), never kept on {pl.compute}; "
-                f"optimizer state in {move(s, c, o)}, new parameters and state out "
-                f"{move(c, s, p + o) if w == s else move(c, s, o) + ' + ' + move(c, w, p)}")
+        cost = (f"fetched: weights in {move(w, c, p, 'param')} for each stage that reads "
+                f"them (the forward, the backward with the update), never kept on "
+                f"{pl.compute}; optimizer state in {opt_in}, new parameters and state out "
+                f"{new_out}")
     else:
-        cost = (f"update on {pl.compute} with the state streamed: weights in {move(w, c, p)} "
-                f"overlapped, optimizer state in {move(s, c, o)}, new parameters and state "
-                f"out {move(c, s, p + o) if w == s else move(c, s, o) + ' + ' + move(c, w, p)}")
+        cost = (f"update on {pl.compute} with the state streamed: weights in "
+                f"{move(w, c, p, 'param')} overlapped, optimizer state in {opt_in}, new "
+                f"parameters and state out {new_out}")
     return f"{why}; {cost}"
 
 

@@ -196,13 +196,14 @@ class _Items:
       xbytes: {(consumer, producer): bytes} of the tensors between items.
       compute: [n] the part of `dur` that is the layer's forward or backward
         (no update): what a whole step fuses across layers (`_unfused_s`).
-      state_in: {item: [(source device, bytes)]}: state it reads from
-        another device, copied from the step's start.
-      state_out: {item: [(destination device, bytes)]}: state it sends
-        back once done.
-      weights_in: {item: [(source device, bytes, layer)]}: a fetched
-        layer's weights it reads, copied in once per stage that reads them
-        (its backward and its update in one stage read one copy).
+      state_in: {item: [(source device, bytes, leaves)]}: state it reads
+        from another device, copied from the step's start (`leaves`: the
+        bytes of the arrays the copy moves, `Arrays.state_leaves`).
+      state_out: {item: [(destination device, bytes, leaves)]}: state it
+        sends back once done.
+      weights_in: {item: [(source device, bytes, layer, leaves)]}: a
+        fetched layer's weights it reads, copied in once per stage that
+        reads them (its backward and its update in one stage read one copy).
     """
 
     keys: list
@@ -211,9 +212,9 @@ class _Items:
     deps: list[set[int]]
     xbytes: dict[tuple[int, int], float]
     compute: np.ndarray
-    state_in: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
-    state_out: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
-    weights_in: dict[int, list[tuple[str, float, int]]] = dataclasses.field(
+    state_in: dict[int, list[tuple]] = dataclasses.field(default_factory=dict)
+    state_out: dict[int, list[tuple]] = dataclasses.field(default_factory=dict)
+    weights_in: dict[int, list[tuple]] = dataclasses.field(
         default_factory=dict)
 
 
@@ -239,8 +240,8 @@ class _Stages:
     dur: np.ndarray
     per_device: Mapping[str, list[int]]
     schedule: str
-    state_in: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
-    state_out: dict[int, list[tuple[str, float]]] = dataclasses.field(default_factory=dict)
+    state_in: dict[int, list[tuple]] = dataclasses.field(default_factory=dict)
+    state_out: dict[int, list[tuple]] = dataclasses.field(default_factory=dict)
 
 
 def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, compute_mb: np.ndarray,
@@ -308,9 +309,9 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, compute_mb: np.n
             if arr.bwd[k] > 0:
                 deps[bwd(u, m)].add(bwd(v, m))
                 _add(xbytes, (bwd(u, m), bwd(v, m)), arr.bwd[k] / M)
-    state_in: dict[int, list[tuple[str, float]]] = {}
-    state_out: dict[int, list[tuple[str, float]]] = {}
-    weights_in: dict[int, list[tuple[str, float, int]]] = {}
+    state_in: dict[int, list[tuple]] = {}
+    state_out: dict[int, list[tuple]] = {}
+    weights_in: dict[int, list[tuple]] = {}
     # An update that reads other layers' backward waits for it (the table's
     # `update_reads`: under a global-norm clip, every gradient): on an H200
     # a plan's host CPU ran its layers' updates after the whole backward,
@@ -336,20 +337,21 @@ def _work_items(arr: Arrays, a: np.ndarray, per_mb: np.ndarray, compute_mb: np.n
         layer_of[item] = i
         if fetched[i]:  # the weights for each read: every forward and backward, the update
             for read in (*(fwd(i, m) for m in range(M)), *(bwd(i, m) for m in range(M)), item):
-                weights_in.setdefault(read, []).append((w, p, i))
-        elif w != c:
-            state_in.setdefault(fwd(i, 0), []).append((w, p))  # the weights, once a step
+                weights_in.setdefault(read, []).append((w, p, i, arr.state_leaves(i, "param")))
+        elif w != c:  # the weights, once a step
+            state_in.setdefault(fwd(i, 0), []).append((w, p, arr.state_leaves(i, "param")))
         for m in range(M):
             deps[item].add(bwd(i, m))
             if host:
                 xbytes[item, bwd(i, m)] = p  # each microbatch's gradient
         if not host:  # the update on c: what lives apart comes in and its new value back
-            back = {s: o} if s != c else {}
-            if w != c:
-                back[w] = back.get(w, 0.0) + p  # one copy when they live together
+            back = {s: (o, arr.state_leaves(i, "opt_state"))} if s != c else {}
+            if w != c:  # one copy when they live together
+                b, leaves = back.get(w, (0.0, ()))
+                back[w] = (b + p, leaves + arr.state_leaves(i, "param"))
             if s != c:
-                state_in.setdefault(item, []).append((s, o))
-            state_out.setdefault(item, []).extend(back.items())
+                state_in.setdefault(item, []).append((s, o, arr.state_leaves(i, "opt_state")))
+            state_out.setdefault(item, []).extend((d, b, lv) for d, (b, lv) in back.items())
     return _Items(keys, dur, layer_of, deps, xbytes, compute, state_in, state_out, weights_in)
 
 
@@ -369,15 +371,15 @@ def _stages(items: _Items, schedule: str) -> _Stages:
         if sc != sp and skeys[sc][0] != skeys[sp][0]:
             _add(sbytes, (sc, sp), b)
     sdur = np.array([items.dur[members].sum() for members in cut])
-    state_in: dict[int, list[tuple[str, float]]] = {}
-    state_out: dict[int, list[tuple[str, float]]] = {}
+    state_in: dict[int, list[tuple]] = {}
+    state_out: dict[int, list[tuple]] = {}
     for src, dst in ((items.state_in, state_in), (items.state_out, state_out)):
         for i, copies in src.items():
             dst.setdefault(int(stage_of[i]), []).extend(copies)
-    fetched: dict[tuple[int, int], tuple[str, float]] = {}  # (stage, layer): one copy
+    fetched: dict[tuple[int, int], tuple] = {}  # (stage, layer): one copy
     for i, copies in items.weights_in.items():
-        for w, b, layer in copies:
-            fetched[int(stage_of[i]), layer] = (w, b)
+        for w, b, layer, leaves in copies:
+            fetched[int(stage_of[i]), layer] = (w, b, leaves)
     for (s, _), copy in sorted(fetched.items()):
         state_in.setdefault(s, []).append(copy)
     return _Stages(cut, skeys, sdeps, sbytes, sdur, per_device, realised, state_in, state_out)
@@ -439,9 +441,9 @@ def _replay(st: _Stages, arr: Arrays, stats: dict | None = None
     stats.setdefault("last_s", 0.0)
     state_ready = np.zeros(S)
     for s in sorted(st.state_in):
-        for src, b in st.state_in[s]:
-            state_ready[s] = max(state_ready[s],
-                                 _send(arr, link_free, stats, src, st.keys[s][0], b, 0.0))
+        for src, b, leaves in st.state_in[s]:
+            state_ready[s] = max(state_ready[s], _send(arr, link_free, stats, src,
+                                                       st.keys[s][0], b, 0.0, leaves))
     heap: list[tuple[float, int, str]] = []
     queued: set[str] = set()
     placed = 0
@@ -466,9 +468,9 @@ def _replay(st: _Stages, arr: Arrays, stats: dict | None = None
         res_free[res_of[dev]] = end[s]
         head[dev] += 1
         placed += 1
-        for dst, b in st.state_out.get(s, ()):
-            stats["last_s"] = max(stats["last_s"],
-                                  _send(arr, link_free, stats, dev, dst, b, float(end[s])))
+        for dst, b, leaves in st.state_out.get(s, ()):
+            stats["last_s"] = max(stats["last_s"], _send(arr, link_free, stats, dev, dst, b,
+                                                         float(end[s]), leaves))
     if placed != S:  # cannot happen: the orders were checked to complete
         raise PlanError("internal error: the replayed schedule deadlocked")
     return start, end
@@ -479,8 +481,9 @@ def _add(d: dict, key, value: float) -> None:
 
 
 def _send(arr: Arrays, link_free: dict, stats: dict, src: str, dst: str, nbytes: float,
-          ready: float) -> float:
-    """Sends `nbytes` src -> dst once `ready` and the link is free; returns when it arrives."""
+          ready: float, leaves: tuple = ()) -> float:
+    """Sends `nbytes` (as arrays of `leaves` bytes) src -> dst once `ready` and
+    the link is free; returns when it arrives."""
     if src == dst:
         return ready
     i, j = arr.dindex[src], arr.dindex[dst]
@@ -489,7 +492,7 @@ def _send(arr: Arrays, link_free: dict, stats: dict, src: str, dst: str, nbytes:
     # A memory place's copies share the bus with its host CPU device's (`Arrays.ram`).
     bus = (int(arr.ram[i]), int(arr.ram[j]))
     go = max(ready, link_free.get(bus, 0.0))
-    took = arr.link_s(i, j, nbytes)
+    took = arr.link_s(i, j, nbytes, leaves)
     stats["transfer_s"] = stats.get("transfer_s", 0.0) + took
     link_free[bus] = go + took
     return go + took

@@ -2,7 +2,7 @@
 data-parallel replicas, sharded state (ZeRO-1, FSDP), pipelines of device groups."""
 
 from hetpar._host_memory import HostMemoryWarning
-from hetpar.runtime._collective_bench import place_link_figures, ring_figures
+from hetpar.runtime._collective_bench import place_line, place_link_figures, ring_figures
 from hetpar.runtime._executor import Executor, StageError, StageEvent
 from hetpar.runtime._groups import GroupRunner, output_roles
 from hetpar.runtime._memory import executable_peak
@@ -16,4 +16,5 @@ from hetpar.runtime._workers import Workers
 __all__ = ["STAGES", "Executor", "GroupRunner", "HostMemoryWarning", "Replicated", "Sharded",
            "StageError", "StageEvent", "TransferEngine", "Workers", "copied_apart", "crossing_s",
            "executable_peak", "gather", "link_bandwidth", "link_curve", "output_roles",
-           "place_link_figures", "ring_figures", "shard_axis", "stage_overhead_s"]
+           "place_line", "place_link_figures", "ring_figures", "shard_axis",
+           "stage_overhead_s"]

@@ -150,6 +150,7 @@ def _calibrated(table: CostTable, w: Workload, k: int,
     from hetpar.runtime import (
         crossing_s,
         link_curve,
+        place_line,
         place_link_figures,
         ring_figures,
         stage_overhead_s,
@@ -188,7 +189,7 @@ def _calibrated(table: CostTable, w: Workload, k: int,
             f"a ring step {r[0] / 1e9:.3g} GB/s, {seconds(r[1])}" if r else "unmeasured")))
     places = reported(guarded(place_link_figures, "host links"), lambda names, _, b: (
         f"copies to and from the pinned host memory of {'+'.join(names)} at once: " + (
-            f"{b / 1e9:.3g} GB/s each way" if b else "unmeasured")))
+            place_line(b) if b else "unmeasured")))
     # (Layers measured at batch / M too already have their own fixed parts.)
     scaled = cost_models.scale_to_timed_step(table, present, time_step, overhead, crossing,
                                              time_replicas=time_replicas, budget=budget,
