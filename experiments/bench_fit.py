@@ -254,7 +254,8 @@ def run_cell(args) -> dict:
     # (the first call's comparison: the same inputs on both sides).
     # (jit over several GPUs places its state sharded from the host: it need
     # not fit one GPU.)
-    on_host = (args.mode == "hetpar" and args.state == "host") or len(gpus) > 1
+    on_host = ((args.mode == "hetpar" and args.state == "host") or len(gpus) > 1
+               or args.mode == "jax_offload")
     out["state_on"] = "host" if on_host else "device"
     with jax.default_device(cpu if on_host else gpu):
         params, opt_state, batch = init(jax.random.key(0))
@@ -277,6 +278,13 @@ def run_cell(args) -> dict:
                 out["jit"] = "fsdp"
             else:
                 step = jax.jit(train_step, donate_argnums=donate)
+            p, o, loss = step(params, opt_state, batch)
+            float(loss)
+            out["first_call_s"] = time.perf_counter() - t0
+            times, loss = _median_step(step, [p, o], batch, args.steps)
+        elif args.mode == "jax_offload":
+            step, (params, opt_state, batch) = _jax_offload(
+                train_step, (params, opt_state, batch), gpu, donate)
             p, o, loss = step(params, opt_state, batch)
             float(loss)
             out["first_call_s"] = time.perf_counter() - t0
@@ -374,6 +382,28 @@ def run_cell(args) -> dict:
                 "gpu_peaks_gb": {a: ((g.memory_stats() or {}).get("peak_bytes_in_use") or 0)
                                  / 1e9 for a, g in zip(accs, gpus)}})
     return out
+
+
+def _jax_offload(train_step, state, gpu, donate):
+    """JAX's own host offload, written as its memory-kinds documentation
+    writes it: the optimizer state in the GPU's pinned host memory, moved to
+    the GPU inside the jitted step and its new value back; the parameters and
+    the batch on the GPU. What a user writes by hand where `jax.jit` alone
+    does not fit (bench_offload.py's `jax_offload_donated`)."""
+    import jax
+    from jax.sharding import SingleDeviceSharding
+
+    dev = SingleDeviceSharding(gpu)
+    host = SingleDeviceSharding(gpu, memory_kind="pinned_host")
+    params, opt_state, batch = state
+
+    def offloaded(params, opt_state, batch):
+        new_params, new_opt, loss = train_step(params, jax.device_put(opt_state, dev), batch)
+        return new_params, jax.device_put(new_opt, host), loss
+
+    placed = (jax.device_put(params, dev), jax.device_put(opt_state, host),
+              jax.device_put(batch, dev))
+    return jax.jit(offloaded, out_shardings=(dev, host, dev), donate_argnums=donate), placed
 
 
 def _save_plan(step, base: str) -> None:
@@ -634,7 +664,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--models", default="llama,zoo", help=", ".join(MODELS))
     p.add_argument("--fractions", default="0.1,0.3,default")
-    p.add_argument("--modes", default="hetpar,jit")
+    p.add_argument("--modes", default="hetpar,jit",
+                   help="hetpar, jit and jax_offload (JAX's host offload written by hand: "
+                        "optimizer state in pinned host memory, moved inside the step)")
     p.add_argument("--batch", type=int, default=None,
                    help="default: the model's own (MODELS)")
     p.add_argument("--steps", type=int, default=6)
