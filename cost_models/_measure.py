@@ -153,8 +153,10 @@ def measure_step(
     the step returns its state first (output i has the structure, shapes and
     dtypes of state argument i), each run takes the last one's outputs, as
     the loop does; the other arguments stay as given. Threading holds one
-    more copy of the state (the caller's, the last run's, the new one); where
-    it fails (out of memory) every run takes the same arguments. `measure`
+    more copy of the state where the caller's is on `device` (the caller's,
+    the last run's, the new one; elsewhere the copy put here is let go after
+    the first run); where it fails (out of memory) every run takes the same
+    arguments. `measure`
     times the same arguments with everything on the device: GPT-2 small at
     batch 16 ran 19.5 ms that way and 23.1 ms threaded with a host batch on
     an H100, which a user's loop measured (22.7 ms,
@@ -202,8 +204,6 @@ def measure_step(
             jax.tree_util.tree_map(lambda x: split if getattr(x, "ndim", 0) else state_place,
                                    a) if i in batch else state_place
             for i, a in enumerate(args)), out_shardings=state_place)
-    for i, x in zip(state_at, jax.device_put([args[i] for i in state_at], state_place)):
-        args[i] = x
     # JAX arrays of the batch committed elsewhere would not mix with the state:
     # moved once. Over replicas an uncommitted one (made with jnp on the
     # default device) stays: jit lays it out every call, as it does in the
@@ -217,15 +217,28 @@ def measure_step(
             return x
         return jax.device_put(x, split if getattr(x, "ndim", 0) else state_place)
 
-    for i in batch:
-        args[i] = jax.tree_util.tree_map(batch_leaf, args[i])
+    def placed(given: list) -> list:
+        out = list(given)
+        for i, x in zip(state_at, jax.device_put([out[i] for i in state_at], state_place)):
+            out[i] = x
+        for i in batch:
+            out[i] = jax.tree_util.tree_map(batch_leaf, out[i])
+        return out
+
+    # The caller's arguments are kept (and placed again should threading run
+    # out of memory), not the copy placed here: threaded, the first run's
+    # outputs replace it, and with the caller's state on the host the GPU
+    # then holds two states at once, not three (the HF 2.9B step's 35 GB
+    # state peaked at 106 GB while calibrating on a 113 GB H200, where the
+    # step itself peaks at 50: experiments/results/fit_h200, run 66).
+    caller = list(args)
+    args = placed(caller)
 
     def spec(tree):
         leaves, structure = jax.tree_util.tree_flatten(tree)
         return structure, [(getattr(x, "shape", None), getattr(x, "dtype", None),
                             getattr(x, "weak_type", None)) for x in leaves]
 
-    given = list(args)
     out = jax.block_until_ready(jitted(*args))  # compiles
     # Each state argument the step returns at its position (same structure,
     # shapes, dtypes and weak types: a loss is not a learning rate passed as a
@@ -257,7 +270,8 @@ def measure_step(
             raise
         # The caller's state, the last run's and the new outputs were live at
         # once; the same arguments every run hold one state less.
-        args[:], out = given, None
+        args[:], out = [], None
+        args[:] = placed(caller)
         return Timing.of(runs(max(1, warmup) - 1, []))
 
 
