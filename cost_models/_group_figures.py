@@ -54,19 +54,21 @@ def check_stored(meta: Mapping, where: str = "profile file") -> None:
                     "entry or measure again with `hetpar profile`")
 
             for f in fields + OPTIONAL.get(key, ()):
-                v = figures.get(f) if isinstance(figures, Mapping) else None
-                if v is None and f not in fields:
+                if f not in fields and not (isinstance(figures, Mapping) and f in figures):
                     continue
+                v = figures.get(f) if isinstance(figures, Mapping) else None
                 if not _number(v):
                     raise bad(f"{f} as a number >= 0", v)
-            curve = figures.get("curve") if key == "place_links" else None
-            if curve is not None and not (
-                    isinstance(curve, list) and all(
+            if key == "place_links" and "curve" in figures:
+                curve = figures["curve"]
+                points = curve if isinstance(curve, list) else []
+                if not (points and all(
                         isinstance(p, list) and len(p) == 2 and all(map(_number, p))
-                        for p in curve)
-                    and [p[0] for p in curve] == sorted(p[0] for p in curve)):
-                raise bad("curve as [[bytes, seconds], ...] numbers >= 0, bytes ascending",
-                          curve)
+                        for p in points)
+                        and all(b > a for a, b in zip([0.0] + [p[0] for p in points],
+                                                      [p[0] for p in points]))):
+                    raise bad("curve as [[bytes, seconds], ...]: numbers >= 0, bytes above 0 "
+                              "and rising", curve)
 
 
 def _number(v) -> bool:

@@ -253,6 +253,7 @@ def measure_step(
         for r in range(warm + k):
             for n, i in thread:  # the last run's state in, as the loop passes it
                 args[i] = out[n]
+            out = None  # (the last outputs, unless just passed in, go before the run)
             t0 = time.perf_counter()
             out = jax.block_until_ready(jitted(*args))
             if r >= warm:
@@ -268,11 +269,12 @@ def measure_step(
     except Exception:  # noqa: BLE001 - e.g. out of memory: threading holds one more state
         if not threaded:
             raise
-        # The caller's state, the last run's and the new outputs were live at
-        # once; the same arguments every run hold one state less.
-        args[:], out = [], None
-        args[:] = placed(caller)
-        return Timing.of(runs(max(1, warmup) - 1, []))
+    # The caller's state, the last run's and the new outputs were live at
+    # once; the same arguments every run hold one state less. (Out of the
+    # except block: its traceback held the failed run's inputs.)
+    args[:], out = [], None
+    args[:] = placed(caller)
+    return Timing.of(runs(max(1, warmup) - 1, []))
 
 
 def batch_share(args: Sequence[Any], batch_argnums: Sequence[int], parts: int) -> tuple | None:

@@ -721,10 +721,10 @@ def test_place_link_figures_time_every_device_at_once():
     each_way = place_link_figures(cpus[:2], nbytes=1 << 20)
     assert each_way is not None and each_way["bandwidth_bytes_per_s"] > 1e6
     assert each_way["latency_s"] > 0
-    # Each array of a batch, by its size (256 kB, four a call; the whole
-    # 1 MiB alone), its seconds never falling as the size grows.
+    # Each array of a batch, by its size (16 and 256 kB, 32 and four a
+    # call; the whole 1 MiB alone).
     sizes, secs = zip(*each_way["curve"])
-    assert sizes == (256 << 10, 1 << 20) and secs[0] <= secs[1]
+    assert sizes == (16 << 10, 256 << 10, 1 << 20) and secs[-1] > 0
 
 
 @pytest.mark.slow  # one solve of the 35-layer, five-place ILP: ~35 s
@@ -744,7 +744,7 @@ def test_the_two_h200_table_streams_on_both_gpus_as_it_measured(monkeypatch):
     path = (pathlib.Path(__file__).parent.parent / "experiments/results/fit_h200x2"
             / "run32_table_llama7b_default.json")
     table = _with_place_links(CostTable.load(path), {"gpu:0": 0, "gpu:1": 1},
-                              lambda names, devs: 31e9)
+                              lambda names, devs: {"bandwidth_bytes_per_s": 31e9})
     # That run's runtime held each streamed state old and new (its copies in
     # were not donated yet) and fetched no weights: planned and counted as
     # it ran (the fetched options also make the ILP slower to close, and its
@@ -902,8 +902,22 @@ def test_a_state_copy_pays_each_of_its_arrays_on_the_place_links_curve():
     asg = {n: FETCHED for n in base.layer_names}
     assert simulate(plain, asg, 1).transfer_s == pytest.approx(
         simulate(base, asg, 1).transfer_s)
-    # The planner's search prices the copies the same way: it plans the same
-    # ways where each array costs, and its prediction is the replay's.
+    # The planner's search prices the copies the same way: each streamed
+    # option's optimizer state in and out costs each of its arrays on the
+    # link's row, as the replay prices it.
+    arr = Arrays(split)
+    gpu, place = arr.dindex["gpu:0"], arr.dindex[PLACE]
+    m, y, _ = _offload._model(arr, dict.fromkeys(base.layer_names, "gpu:0"), 1,
+                              slack=np.zeros(len(arr.devices), bool))
+    bus = int(arr.ram[place])
+    rows = m.prob.constraints[f"link{bus}_{gpu}"], m.prob.constraints[f"link{gpu}_{bus}"]
+    streamed = [(o, v) for o, v in y.items() if o.way == "streamed" and o.state == place]
+    assert streamed
+    for o, v in streamed:
+        each = arr.link_s(place, gpu, OPT, arr.state_leaves(o.layer, "opt_state"))
+        assert each == pytest.approx(arr.link_s(place, gpu, OPT) + 19 * per_array)
+        for row in rows:
+            assert row[v] * m.scale == pytest.approx(each)
     p = plan(split, memory={"gpu:0": 28 * GB}, activations=False)
     assert p.predicted.step_time_s == pytest.approx(
         evaluate(split, p.placements).step_time_s)

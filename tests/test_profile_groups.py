@@ -66,6 +66,23 @@ def test_a_table_from_a_profile_takes_the_figures_measured_over_its_devices(grap
     assert _place_links(one) == _place_links(cost_table(graph, ["cpu", "h200"]))
 
 
+def test_a_profile_with_only_a_place_links_bandwidth_prices_as_before(graph, tmp_path):
+    # Files written before the batch curve was measured: the links take the
+    # bandwidth, keep their latency, and price a copy whole.
+    base = load_profiles()
+    old = {"bandwidth_bytes_per_s": 31e9, "at_once": 2}
+    path = tmp_path / "old.json"
+    save_profiles(path, dataclasses.replace(base, meta={**base.meta,
+                                                        "place_links": {"h200:0+h200:1": old}}))
+    table = cost_table(graph, ["cpu", "h200", "h200"], profiles=load_profiles(path))
+    spec = {(k.src, k.dst): k for k in cost_table(graph, ["cpu", "h200", "h200"]).links}
+    places = _place_links(table)
+    assert len(places) == 4 and set(places.values()) == {31e9}
+    for k in table.links:
+        if (k.src, k.dst) in places:
+            assert k.curve == () and k.latency_s == spec[k.src, k.dst].latency_s
+
+
 @pytest.mark.parametrize("meta, says", [
     ({"collectives": {"h200:0+h200:1": {"bandwidth": 1e9}}}, "needs bandwidth_bytes_per_s"),
     ({"place_links": {"h200:0+h200:1": {"bandwidth_bytes_per_s": "fast"}}}, "got 'fast'"),
@@ -74,7 +91,12 @@ def test_a_table_from_a_profile_takes_the_figures_measured_over_its_devices(grap
      "needs latency_s"),
     ({"place_links": {"h200:0+h200:1": {"bandwidth_bytes_per_s": 3e10,
                                         "curve": [[64e6, 1e-3], [1e6, 1e-4]]}}},
-     "bytes ascending"),
+     "bytes above 0 and rising"),
+    ({"place_links": {"h200:0+h200:1": {"bandwidth_bytes_per_s": 3e10,
+                                        "curve": [[0, 0.0], [1e6, 1e-4]]}}},
+     "bytes above 0 and rising"),
+    ({"place_links": {"h200:0+h200:1": {"bandwidth_bytes_per_s": 3e10, "latency_s": None}}},
+     "needs latency_s"),
 ])
 def test_a_malformed_stored_figure_is_refused_when_the_file_is_read(tmp_path, meta, says):
     from hetpar.core import ProfileError

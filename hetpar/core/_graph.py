@@ -95,15 +95,20 @@ class Link:
 
         With `leaves` (the bytes of the arrays the copy moves in one call,
         scaled to sum to `nbytes`), each array is priced at its own size on
-        the curve: a curve point is what one more array of that size adds
-        to a call, and a layer's state is a few dozen arrays, not one.
+        the curve, and never below its first point: a curve point is then
+        what one more array of that size adds to a call (a memory place's
+        link, `place_link_figures`), and a layer's state is a few dozen
+        arrays, not one; a small array still pays what the smallest one
+        measured did (mostly the array's own overhead, not its bytes).
         """
         if not self.curve:
             return nbytes / self.bandwidth_bytes_per_s
         total = float(sum(leaves))
         if total <= 0:
             return curve_s(self.curve, nbytes)
-        return sum(curve_s(self.curve, b * nbytes / total) for b in leaves)
+        least = self.curve[0][1]
+        return sum(max(curve_s(self.curve, b * nbytes / total), least) if b > 0 else 0.0
+                   for b in leaves)
 
     def seconds(self, nbytes: float, leaves: Sequence[float] = ()) -> float:
         """Seconds sending `nbytes` (as `leaves`, see `copy_s`) takes: latency and copy."""

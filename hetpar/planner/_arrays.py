@@ -507,7 +507,13 @@ class Arrays:
 
     def link_s(self, i: int, j: int, nbytes: float, leaves: Sequence[float] = ()) -> float:
         """Seconds sending `nbytes` over link i -> j takes (`Link.seconds`: its
-        measured curve where it has one, each of `leaves` at its own size)."""
+        measured curve where it has one). Between an accelerator and its
+        memory place, whose curve is what each array of a batched call adds
+        (`place_link_figures`), each of `leaves` is priced at its own size;
+        other links' curves were timed one copy at a time, and a copy there
+        is priced whole."""
+        if not (self.place[i] or self.place[j]):
+            leaves = ()
         return self.links[i, j].seconds(nbytes, leaves)
 
     def state_leaves(self, i: int, *roles: str) -> tuple[float, ...]:

@@ -535,7 +535,8 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
 
         def move(a, b, nbytes, params=0, opt_state=False, v=v, i=i):
             # The arrays the copy moves, each at its size on a measured curve
-            # (the replay sends each read's weights apart; the sum is the same).
+            # (the replay sends each read's weights apart, a latency each; the
+            # arrays' part is the same).
             leaves = (arr.state_leaves(i, "param") * params
                       + (arr.state_leaves(i, "opt_state") if opt_state else ()))
             return (v, arr.link_s(a, b, nbytes, leaves) / scale)
@@ -544,7 +545,7 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
             links.setdefault(bus_in, []).append(move(h, c, p[i], 1))  # the weights
             u_here = min(float(np.nan_to_num(arr.upd[i, c])), float(arr.t[i, c]))
             chain.append((v, -u_here / scale))
-            v_, t_ = move(c, h, p[i], 1)
+            v_, t_ = move(c, h, p[i])  # the gradient: an edge, whole, as the replay
             links.setdefault(bus_out, []).append((v_, M * t_))
             host_work.setdefault(h, []).append((v, float(arr.upd[i, h]) / scale))
         elif o.way == "fetched":  # weights in per read; new weights and state back

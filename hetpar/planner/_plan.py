@@ -581,7 +581,7 @@ def _why_apart(arr: Arrays, i: int, pl: Placement, memory: np.ndarray,
     if pl.update == pl.state and s != c:
         cost = (f"host update {seconds(float(np.nan_to_num(arr.upd[i, s])))}, weights in "
                 f"{move(s, c, p, 'param')} overlapped with earlier layers' compute, "
-                f"gradient out {move(c, s, p, 'param')}")
+                f"gradient out {move(c, s, p)}")
     elif w == c:
         cost = (f"update on {pl.compute} with the optimizer state streamed, parameters "
                 f"resident: optimizer state in {opt_in}, new state out {opt_out}")

@@ -114,7 +114,7 @@ PLACE_BYTES = 512 << 20
 #: of its own. Priced as one array, a 0.54B model's plan fetching its weights
 #: (27 arrays a layer, 16-46 MB) ran 1.15-1.17x its prediction on an H200
 #: (experiments/results/fit_h200, runs 54 and 60).
-PLACE_SIZES = (256 << 10, 4 << 20, 32 << 20, 128 << 20)
+PLACE_SIZES = (16 << 10, 256 << 10, 4 << 20, 32 << 20, 128 << 20)
 PLACE_BATCH = 32
 #: Bytes of the one array a call's own cost is timed with.
 _CALL_BYTES = 4 << 10
@@ -167,8 +167,9 @@ def place_link_figures(devices: Sequence[jax.Device], nbytes: int = PLACE_BYTES
     curve = []
     for size in [s for s in PLACE_SIZES if s < nbytes] + [nbytes]:
         k = max(1, min(PLACE_BATCH, nbytes // size))  # nbytes a call at most
-        t = whole if k == 1 else timed(size, k)
-        curve.append([float(size), max((t - call) / k, 0.0)])
+        t = whole if size == nbytes else timed(size, k)
+        if math.isfinite(t):  # (a size that could not be placed is left out)
+            curve.append([float(size), max((t - call) / k, 0.0)])
     return {"bandwidth_bytes_per_s": nbytes / whole, "latency_s": call,
             "curve": monotone(curve)}
 
