@@ -25,6 +25,7 @@ import numpy as np
 from hetpar.core import HetparError, nbytes
 from hetpar.passes import static_where
 from hetpar.runtime import TransferEngine, copied_apart
+from hetpar.runtime._replicated import misplaced
 
 #: Bytes of donated arrays copied before their originals are given up.
 CHUNK_BYTES = 1 << 30
@@ -49,12 +50,28 @@ def place(step, args: tuple) -> tuple:
     replicated, executor = step._replicated, step._executor
     if replicated is not None and replicated.multi_process and step._static is None:
         return replicated.global_args(args)
-    if executor is None and replicated is not None:
-        return args
+    if executor is None and replicated is not None and step._static is not None:
+        return args  # (its runner lays out the arguments without their static leaves)
     leaves, tree = jax.tree_util.tree_flatten(args)
     donated = (donated_leaves(args, step._donated)
                if step._donated and jax.process_count() == 1 else [])
-    if executor is None:  # one device: the transfer engine's puts (to the bare
+    if executor is None and replicated is not None:
+        # Replicas or sharded state: each leaf laid out as the step wants it
+        # (`Replicated._placed`'s rule: a batch jit can lay out stays), here
+        # rather than in the first call, a chunk at a time where donated. On
+        # two H200s the zoo 5.04B's fsdp state took 35 s to lay out, counted
+        # as the first step's run (experiments/results/fit_h200x2, run 67).
+        want = replicated.flat_leaf_shardings()
+        batch = [k in replicated.batch_argnums for k, a in enumerate(args)
+                 for _ in jax.tree_util.tree_leaves(a)]
+
+        def move(idx):
+            at = [i for i in idx if is_array(leaves[i])
+                  and misplaced(leaves[i], want[i], batch[i])]
+            put = dict(zip(at, jax.device_put([leaves[i] for i in at],
+                                              [want[i] for i in at]))) if at else {}
+            return [put.get(i, leaves[i]) for i in idx]
+    elif executor is None:  # one device: the transfer engine's puts (to the bare
         # device where it is a plain copy in: host -> GPU, 5-8 GB/s against
         # 1.1-1.4 to its sharding, experiments/results/links)
         engine = TransferEngine()

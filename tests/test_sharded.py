@@ -66,6 +66,31 @@ def test_fsdp_equals_jit_and_keeps_its_state_sharded(devices):
     assert rep._placed((*out[:-1], args[-1]), frozenset({0, 1}))[1] == []
 
 
+def test_place_lays_sharded_state_out_giving_up_the_donated_host_arrays(monkeypatch):
+    # place() lays each state leaf out as the step wants it (not the first
+    # call), a chunk at a time, deleting the donated arrays it copied: the
+    # host then holds one copy of a model built there.
+    from hetpar import _place
+
+    monkeypatch.setattr(_place, "CHUNK_BYTES", 1)  # every array its own chunk
+    w = zoo.get("mlp", small=True, batch=8)
+    host = jax.devices("cpu")[3]  # built apart from the replicas
+    args = tuple(jax.device_put(w.example_args(), host))
+    before = jax.tree.map(np.array, args)
+    step = hetpar.auto(w.train_step, devices=TWO, data_parallel="fsdp", donate_argnums=(0, 1))
+    placed = step.place(*args)
+    rep = step.lower(*placed)._replicated
+    assert rep._placed(placed)[1] == []  # the first call puts nothing more
+    for x in jax.tree.leaves(placed[:2]):
+        axis = shard_axis(x.shape, 2)
+        assert tuple(x.sharding.spec) == (() if axis is None else (*[None] * axis, "replica"))
+    assert all(x.is_deleted() for x in jax.tree.leaves(args[:2]))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(args[2]))  # the batch stays
+    for a, b in zip(jax.tree.leaves(placed[:2]), jax.tree.leaves(before[:2])):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    oracle.assert_equals_jit(step(*placed), w.train_step, before)
+
+
 def test_zero1_shards_the_optimizer_state_and_replicates_the_parameters():
     w = zoo.get("mlp", small=True, batch=8)
     args = w.example_args()
