@@ -137,7 +137,7 @@ def measure(
 def measure_step(
     fn: Callable, args: Sequence[Any], device, *, batch_argnums: Sequence[int] = (-1,),
     k: int = 20, warmup: int = 3, budget_s: float | None = None,
-    jitted: Callable | None = None,
+    jitted: Callable | None = None, donated: Sequence[int] = (),
 ) -> Timing:
     """Times `jax.jit(fn)` on `device` as a training loop runs it, compile time excluded.
 
@@ -173,8 +173,12 @@ def measure_step(
         this long (three at least), as for `measure`.
       jitted: on one device, `fn` already under `jax.jit` as the caller will
         run it later (the same executable then serves both: hetpar's
-        one-device step compiles once for its calibration and its run);
-        it must not donate its arguments.
+        one-device step compiles once for its calibration and its run).
+      donated: the argument positions `jitted` donates: each run takes a
+        copy of its own there (the caller's arrays are never given), the
+        last run's outputs where threaded, else a fresh copy put before the
+        run (outside its time). On the device the state then lives once
+        beside the caller's: the copy, its outputs written over it.
 
     Returns:
       The Timing of the runs.
@@ -217,9 +221,23 @@ def measure_step(
             return x
         return jax.device_put(x, split if getattr(x, "ndim", 0) else state_place)
 
-    def placed(given: list) -> list:
-        out = list(given)
-        for i, x in zip(state_at, jax.device_put([out[i] for i in state_at], state_place)):
+    donated = sorted({i % len(args) for i in donated}) if args else []
+
+    def put_state(at) -> dict:
+        """Caller's state arguments `at`, put on the device: where donated, as
+        copies of their own (a put may hand back the caller's own buffer,
+        which donating would give up)."""
+        plain = [i for i in at if i not in donated]
+        mine = [i for i in at if i in donated]
+        out = dict(zip(plain, jax.device_put([caller[i] for i in plain], state_place)))
+        if mine:
+            out.update(zip(mine, jax.device_put([caller[i] for i in mine], state_place,
+                                                 may_alias=False)))
+        return out
+
+    def placed() -> list:
+        out = list(caller)
+        for i, x in put_state(state_at).items():
             out[i] = x
         for i in batch:
             out[i] = jax.tree_util.tree_map(batch_leaf, out[i])
@@ -232,7 +250,12 @@ def measure_step(
     # state peaked at 106 GB while calibrating on a 113 GB H200, where the
     # step itself peaks at 50: experiments/results/fit_h200, run 66).
     caller = list(args)
-    args = placed(caller)
+    args = placed()
+
+    def placed_again(at: list) -> list:
+        for i, x in put_state(at).items():
+            args[i] = x
+        return [args[i] for i in at]
 
     def spec(tree):
         leaves, structure = jax.tree_util.tree_flatten(tree)
@@ -250,10 +273,13 @@ def measure_step(
     def runs(warm: int, thread: list) -> list[float]:
         nonlocal out
         samples = []
+        fresh = [i for i in donated if i not in {i for _, i in thread}]
         for r in range(warm + k):
             for n, i in thread:  # the last run's state in, as the loop passes it
                 args[i] = out[n]
             out = None  # (the last outputs, unless just passed in, go before the run)
+            if fresh:  # donated and not threaded: the last run gave its copy up
+                jax.block_until_ready(placed_again(fresh))
             t0 = time.perf_counter()
             out = jax.block_until_ready(jitted(*args))
             if r >= warm:
@@ -273,7 +299,7 @@ def measure_step(
     # once; the same arguments every run hold one state less. (Out of the
     # except block: its traceback held the failed run's inputs.)
     args[:], out = [], None
-    args[:] = placed(caller)
+    args[:] = placed()
     return Timing.of(runs(max(1, warmup) - 1, []))
 
 

@@ -38,7 +38,8 @@ def whole_step_s(step: Callable, args: tuple, dev, batch_argnums: Sequence[int] 
 
     def timed() -> dict:
         return {"median_s": measure_step(step, args, dev, batch_argnums=batch_argnums, k=most,
-                                         warmup=1, budget_s=budget_s, jitted=jitted).median_s}
+                                         warmup=1, budget_s=budget_s, jitted=jitted,
+                                         donated=getattr(jitted, "donated", ())).median_s}
 
     try:
         if key is None:

@@ -15,7 +15,7 @@ import pytest
 
 import hetpar
 from hetpar import cost_models, zoo
-from tests.oracle import check_steps_equal_jit
+from tests.oracle import assert_equals_jit, check_steps_equal_jit
 
 
 @pytest.fixture
@@ -103,20 +103,34 @@ def test_spec_sheets_when_asked(calibrating, monkeypatch, how):
     assert calibrating == []
 
 
-def test_a_donating_step_is_timed_apart_and_keeps_the_callers_state(calibrating):
-    # A donating jit would delete the caller's arrays while timing: the
-    # calibration times its own jit instead, and the run compiles its own.
+@pytest.mark.parametrize("where", ["device", "host"])
+def test_a_donating_step_is_timed_on_copies_of_its_own_and_compiles_once(calibrating, where,
+                                                                         caplog):
+    # The calibration times the very executable the run donates with, on
+    # copies of the state of its own (the caller's arrays are never given
+    # up, wherever they are), and the run compiles nothing more: before,
+    # a donating step compiled once for the timing and once for the run.
     w = zoo.get("mlp", small=True)
-    params, opt_state, batch = w.example_args()
+    args = w.example_args()
+    if where == "host":  # built apart from the device the step runs on
+        args = jax.device_put(args, jax.devices("cpu")[1])
+    params, opt_state, batch = args
     keep = jax.tree_util.tree_map(lambda x: x.copy(), (params, opt_state))
     step = hetpar.auto(w.train_step, devices=["cpu:0"], donate_argnums=(0, 1))
     compiled = step.lower(params, opt_state, batch)
-    assert compiled.shared_jit(compiled._device) is None
+    shared = compiled.shared_jit(compiled._device)
+    assert shared is not None and shared.donated == (0, 1)
     assert len(calibrating) == 1
     assert all(not x.is_deleted() for x in jax.tree_util.tree_leaves((params, opt_state)))
     for a, b in zip(jax.tree_util.tree_leaves(keep),
                     jax.tree_util.tree_leaves((params, opt_state))):
         np.testing.assert_array_equal(a, b)
+    placed = step.place(params, opt_state, batch)
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        out = step(*placed)
+    compiles = [r for r in caplog.records if "Compiling jit(train_step)" in r.getMessage()]
+    assert compiles == []  # the run took the calibration's executable
+    assert_equals_jit(out, w.train_step, (*keep, batch))
 
 
 def _table(cpu_slower=50.0, cap=1e12, gpus=1):
