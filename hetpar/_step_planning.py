@@ -492,9 +492,10 @@ def calibrated(compiled, table, budget, runtime: bool = True):
 def whole_step_timable(compiled, table, name: str) -> bool:
     """Whether the calibration may time the whole step on device `name`:
     the step fits there alone as the planner counts it without donation
-    (the timed run keeps the caller's arguments), or its one-device compile
-    fitted and is the run (`fits_compiled`: not with donation, whose
-    executable the timed run does not share)."""
+    (the timed run keeps the caller's arguments beside its own state), or
+    its one-device compile fitted and is the run (`fits_compiled`; not with
+    donation: the run then holds one state, the timed run the caller's
+    beside its own copy)."""
     return _fits_alone(table, name, compiled.options.memory) or (
         # the run is the compile `fits_compiled` checked (`shared_jit`)
         not compiled._donated and compiled._fits_compiled.get(name, False))
@@ -508,8 +509,8 @@ def _fits_alone(table, name: str, memory=None) -> bool:
     from hetpar.planner import violations
     from hetpar.planner._solve import with_memory
 
-    # memory= as the planner reads it; no donation: the calibration runs the
-    # step on the caller's arguments, which it keeps
+    # memory= as the planner reads it; no donation: the calibration keeps the
+    # caller's arguments beside the state it runs on
     capped = with_memory(table, memory) if memory else table
     return not violations(capped, dict.fromkeys(table.layer_names, name))
 

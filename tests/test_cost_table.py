@@ -809,3 +809,25 @@ def test_measure_step_holds_two_states_on_the_device_when_the_callers_is_elsewhe
     assert t.median_s > 0
     assert held and max(held) == 1, held  # never its own copy beside the last run's
     assert not w.is_deleted() and w.devices() == {host}
+
+
+def test_measure_step_times_a_donating_jit_on_copies_of_its_own():
+    # The executable the run donates with, timed on the caller's arrays,
+    # would give them up: each run takes a copy of its own, the last run's
+    # outputs where the step returns its state, else a fresh copy put
+    # before the run; a donated batch is refused.
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices("cpu")[0]
+    w, x = jax.device_put(jnp.ones((64, 64)), dev), jax.device_put(jnp.ones((8, 64)), dev)
+    threaded = jax.jit(lambda w, x: (w - 1e-3 * jnp.sum(x), jnp.sum(w)), donate_argnums=0)
+    returned_last = jax.jit(lambda w, x: (jnp.sum(w), w - 1e-3), donate_argnums=0)
+    for jitted in (threaded, returned_last):
+        t = cost_models.measure_step(None, (w, x), dev, k=3, warmup=1, jitted=jitted,
+                                     donated=(0,))
+        assert len(t.samples) == 3 and t.median_s > 0
+        assert not w.is_deleted() and not x.is_deleted()
+    with pytest.raises(ProfileError, match="donated batch"):
+        cost_models.measure_step(None, (w, x), dev, k=1, jitted=threaded, donated=(0, 1))
+    assert not x.is_deleted()

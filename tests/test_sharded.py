@@ -78,7 +78,19 @@ def test_place_lays_sharded_state_out_giving_up_the_donated_host_arrays(monkeypa
     args = tuple(jax.device_put(w.example_args(), host))
     before = jax.tree.map(np.array, args)
     step = hetpar.auto(w.train_step, devices=TWO, data_parallel="fsdp", donate_argnums=(0, 1))
+    step.lower(*args)
+    puts, real = [], jax.device_put
+
+    def counting(x, *a, **k):
+        puts.append(len(x) if isinstance(x, list) else 1)
+        return real(x, *a, **k)
+
+    monkeypatch.setattr(jax, "device_put", counting)
     placed = step.place(*args)
+    monkeypatch.setattr(jax, "device_put", real)
+    # The batch (committed to the host: jit would refuse it) in one put, then
+    # one put per chunk: here each donated array alone.
+    assert puts == [len(jax.tree.leaves(args[2]))] + [1] * len(jax.tree.leaves(args[:2]))
     rep = step.lower(*placed)._replicated
     assert rep._placed(placed)[1] == []  # the first call puts nothing more
     for x in jax.tree.leaves(placed[:2]):
@@ -89,6 +101,11 @@ def test_place_lays_sharded_state_out_giving_up_the_donated_host_arrays(monkeypa
     for a, b in zip(jax.tree.leaves(placed[:2]), jax.tree.leaves(before[:2])):
         np.testing.assert_array_equal(np.asarray(a), b)
     oracle.assert_equals_jit(step(*placed), w.train_step, before)
+    # Given up by that step, the placed state is refused before the jit over
+    # both devices, which crashed the process on it, on either path in.
+    for call in (rep, lambda *a: rep.call_placed_batch(a)):
+        with pytest.raises(RuntimeError, match="deleted"):
+            call(*placed)
 
 
 def test_zero1_shards_the_optimizer_state_and_replicates_the_parameters():

@@ -242,27 +242,35 @@ class Replicated:
         leaf was given up by an earlier step: passed to the jitted step
         over several devices, such an array crashed the process (jax 0.10,
         CPU devices: "Buffer has been deleted or donated", then a
-        segmentation fault). ~0.15 us a leaf."""
+        segmentation fault)."""
         for i in self._donated:
-            for x in jax.tree_util.tree_leaves(args[i]):
-                if isinstance(x, jax.Array) and x.is_deleted():
-                    raise RuntimeError(f"Array has been deleted with shape={x.shape}: donated "
-                                       "to an earlier step")
+            deleted_error(jax.tree_util.tree_leaves(args[i]))
 
-    def call_placed_batch(self, args: tuple):
+    def call_placed_batch(self, args: tuple, checked: bool = False):
         """Runs the step checking only the batch arguments and the state
         arguments that still needed a put at the second call, when the
         state passed is the first step's result (a constant passed afresh:
         a learning rate). A loop's other state is the last step's result,
         laid out as the step wants: checking every state leaf cost more
         than a small step's GPU time. A state leaf misplaced later still
-        runs, but jit compiles the step again for it."""
-        self._check_donated(args)
+        runs, but jit compiles the step again for it. `checked`: the caller
+        has checked that no leaf was deleted (`deleted_error`)."""
+        if not checked:
+            self._check_donated(args)
         if self._recheck is None:  # the call after the first: everything, once more
             args, moved = self._placed(args)
             self._recheck = self._nums | frozenset(moved)
             return self._jit(*args)
         return self._jit(*self._placed(args, self._recheck)[0])
+
+
+def deleted_error(leaves) -> None:
+    """Raises JAX's error for a deleted array among `leaves` (a donated
+    argument an earlier step gave up; see `Replicated._check_donated`)."""
+    for x in leaves:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            raise RuntimeError(f"Array has been deleted with shape={x.shape}: donated to an "
+                               "earlier step")
 
 
 def misplaced(x, sharding, batch: bool) -> bool:
