@@ -25,7 +25,7 @@ import numpy as np
 from hetpar.core import HetparError, nbytes
 from hetpar.passes import static_where
 from hetpar.runtime import TransferEngine, copied_apart
-from hetpar.runtime._replicated import misplaced
+from hetpar.runtime._replicated import host_view, misplaced
 
 #: Bytes of donated arrays copied before their originals are given up.
 CHUNK_BYTES = 1 << 30
@@ -68,7 +68,7 @@ def place(step, args: tuple) -> tuple:
         def move(idx):
             at = [i for i in idx if is_array(leaves[i])
                   and misplaced(leaves[i], want[i], batch[i])]
-            put = dict(zip(at, jax.device_put([leaves[i] for i in at],
+            put = dict(zip(at, jax.device_put([host_view(leaves[i], want[i]) for i in at],
                                               [want[i] for i in at]))) if at else {}
             return [put.get(i, leaves[i]) for i in idx]
     elif executor is None:  # one device: the transfer engine's puts (to the bare

@@ -139,7 +139,8 @@ class Replicated:
             batch = i in self._nums
             at = [j for j, (x, s) in enumerate(zip(leaves, want)) if misplaced(x, s, batch)]
             if at:
-                put = jax.device_put([leaves[j] for j in at], [want[j] for j in at])
+                put = jax.device_put([host_view(leaves[j], want[j]) for j in at],
+                                     [want[j] for j in at])
                 for j, y in zip(at, put):
                     leaves[j] = y
                 out = out or list(args)
@@ -262,6 +263,31 @@ class Replicated:
             self._recheck = self._nums | frozenset(moved)
             return self._jit(*args)
         return self._jit(*self._placed(args, self._recheck)[0])
+
+
+def host_view(x, sharding):
+    """What to hand `jax.device_put` to lay `x` out as `sharding` says: a
+    JAX array on a CPU device, going to other devices, as its NumPy view.
+
+    Put as it is, a single-device array is cut into its shards by a jitted
+    slice (`jax._src.array.shard_device_array`), which for an uncommitted
+    array (one made under `jax.default_device(cpu)`, as a host-built model
+    is) runs on the default device: the whole array went to the first GPU to
+    be cut there (on CPU devices the slice compiled for device 0 where the
+    array was on device 2). On two H200s the first GPU then kept 6.8 GB
+    beyond its arrays after laying out a 5.04B model's state
+    (experiments/results/fit_h200x2, run 67); on CPU devices the NumPy view
+    laid out 1-3 GB/s arrays at 15-100 GB/s. PRNG keys (no NumPy view) and
+    arrays already on a target device stay as they are."""
+    if not isinstance(x, jax.Array) or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+        return x
+    devices = x.devices()
+    if len(devices) != 1 or not x.is_fully_addressable:
+        return x
+    (device,) = devices
+    if device.platform != "cpu" or device in sharding.device_set:
+        return x
+    return np.asarray(x)
 
 
 def deleted_error(leaves) -> None:
