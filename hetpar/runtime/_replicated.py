@@ -274,11 +274,12 @@ def host_view(x, sharding):
     array (one made under `jax.default_device(cpu)`, as a host-built model
     is) runs on the default device: the whole array went to the first GPU to
     be cut there (on CPU devices the slice compiled for device 0 where the
-    array was on device 2). On two H200s the first GPU then kept 6.8 GB
-    beyond its arrays after laying out a 5.04B model's state
-    (experiments/results/fit_h200x2, run 67); on CPU devices the NumPy view
-    laid out 1-3 GB/s arrays at 15-100 GB/s. PRNG keys (no NumPy view) and
-    arrays already on a target device stay as they are."""
+    array was on device 2). On two H200s the first GPU grew faster than the
+    second while a 5.04B model's host-built state was laid out so, and kept
+    6.8 GB beyond its arrays (experiments/results/fit_h200x2, run 67: the
+    likely cause; not yet measured without it). On CPU devices the NumPy
+    view moved 15-100 GB/s where the array itself moved 1-3. PRNG keys (no
+    NumPy view) and arrays already on a target device stay as they are."""
     if not isinstance(x, jax.Array) or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
         return x
     devices = x.devices()
