@@ -90,7 +90,51 @@ def place(step, args: tuple) -> tuple:
             placed = executor.place_inputs(flat, only=[at[i] for i in idx if i in at])
             return [placed[at[i]] if i in at and is_array(leaves[i])
                     and placed[at[i]] is not None else leaves[i] for i in idx]
+
+        if not executor.multi_process:
+            warn_placing_growth(executor, flat, {at[i] for i in donated if i in at})
     return jax.tree_util.tree_unflatten(tree, place_donating(leaves, donated, move, tree))
+
+
+def warn_placing_growth(executor, flat: list, donated: set[int]) -> float | None:
+    """Warns (HostMemoryWarning) where placing would grow this process past
+    the host RAM the OS has available: the inputs bound for pinned host
+    memory grow XLA's pool by regions while the caller's host arrays not
+    yet copied are still there (`hetpar.core.placing_growth`). An OS that
+    runs out kills the process, and the caller's state with it: the 6.74B
+    model at 45 GB of an H200 rose to 122.8 GB of the host's 134 while
+    placing (fit_h200, run 58). Returns the growth (None: nothing bound
+    for pinned memory)."""
+    import warnings
+
+    from hetpar._host_memory import HostMemoryWarning, pinned_pool_bytes
+    from hetpar.core import pinned_pool_reserved, placing_growth
+    from hetpar.cost_models._devices import os_memory
+
+    served = from_host = already = 0.0
+    for i, (x, target) in enumerate(zip(flat, executor._input_devices)):
+        if getattr(target, "memory_kind", None) != "pinned_host" or not hasattr(x, "nbytes"):
+            continue
+        n = float(x.nbytes)
+        served += n
+        if getattr(getattr(x, "sharding", None), "memory_kind", None) == "pinned_host":
+            already += n
+        elif i in donated and isinstance(x, jax.Array) and all(
+                d.platform == "cpu" for d in x.devices()):
+            from_host += n
+    if served <= 0:
+        return None
+    limit = pinned_pool_bytes()
+    growth = placing_growth(served, from_host, limit, already)
+    got = os_memory()
+    if got is not None and growth > got[0]:
+        warnings.warn(HostMemoryWarning(
+            f"placing needs up to {nbytes(growth)} more of the host's RAM and the OS has "
+            f"{nbytes(got[0])} available: XLA's pinned pool grows by regions (to "
+            f"{nbytes(pinned_pool_reserved(served, limit))}) while the host arrays not yet "
+            "copied are still there, and an OS out of memory kills the process. Build the "
+            "state on the accelerator, or free host memory first"), stacklevel=4)
+    return growth
 
 
 def donated_leaves(args: tuple, donated: Sequence[int]) -> list[int]:

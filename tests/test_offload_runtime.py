@@ -672,3 +672,38 @@ def test_fetched_weights_with_microbatches_equal_jit():
     assert not any(v in weights for v, _ in ex._cache_inputs)
     reads = [sum(v in st.inputs for st in ex.stages.stages) for v in weights]
     assert max(reads) >= 4  # each microbatch's forward and backward read them
+
+
+def test_placing_warns_where_the_pinned_pool_would_outgrow_the_hosts_free_ram(monkeypatch):
+    # While place() copies host-built state into pinned memory, XLA's pool
+    # grows by regions beside the host arrays not yet copied: the 6.74B model
+    # at 45 GB of an H200 rose to 122.8 GB of the host's 134 (fit_h200, run
+    # 58). Where that growth passes what the OS has available, the caller
+    # hears it before anything moves; the state is placed all the same.
+    import warnings
+
+    from hetpar._host_memory import HostMemoryWarning
+    from hetpar.core import placing_growth
+    from hetpar.cost_models import _devices
+
+    GiB = 1 << 30
+    assert placing_growth(77.1e9, 77.1e9, 94 * GiB) == pytest.approx(32 * GiB)  # run 58
+    assert placing_growth(77.1e9, 0.0, 94 * GiB) == 94 * GiB  # the host arrays stay
+    assert placing_growth(1e9, 1e9, 94 * GiB, already=1e9) == 0.0  # the pool is there
+    assert placing_growth(0.0, 0.0, 94 * GiB) == 0.0
+
+    w = zoo.get("mlp", small=True)
+    graph = hetpar.trace(w.train_step, *w.example_args())
+    step = hetpar.auto(w.train_step, plan={layer: PINNED for layer in graph.layers},
+                       donate_argnums=(0, 1))
+    for available, warned in ((1.0, True), (1e15, False)):
+        args = tuple(w.example_args())
+        monkeypatch.setattr(_devices, "os_memory", lambda available=available: (available, 0.0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            placed = step.place(*args)
+        said = [str(c.message) for c in caught if issubclass(c.category, HostMemoryWarning)]
+        assert bool(said) == warned, said
+        if warned:
+            assert "placing needs up to" in said[0] and "more of the host's RAM" in said[0]
+        assert "pinned_host" in _memory_kinds(placed[1])

@@ -36,6 +36,7 @@ from hetpar.core._placement import (
     memory_place,
     parse_placements,
     pinned_pool_reserved,
+    placing_growth,
     process_of,
 )
 from hetpar.core._schedule import (
@@ -82,6 +83,7 @@ __all__ = [
     "is_memory_place",
     "memory_place",
     "pinned_pool_reserved",
+    "placing_growth",
     "local_name",
     "process_of",
     "parse_placements",
