@@ -24,7 +24,7 @@ import numpy as np
 
 from hetpar.core import HetparError, nbytes
 from hetpar.passes import static_where
-from hetpar.runtime import TransferEngine, copied_apart
+from hetpar.runtime import Executor, TransferEngine, copied_apart
 from hetpar.runtime._replicated import host_view, misplaced
 
 #: Bytes of donated arrays copied before their originals are given up.
@@ -91,7 +91,7 @@ def place(step, args: tuple) -> tuple:
             return [placed[at[i]] if i in at and is_array(leaves[i])
                     and placed[at[i]] is not None else leaves[i] for i in idx]
 
-        if not executor.multi_process:
+        if isinstance(executor, Executor) and not executor.multi_process:  # (not a group's)
             warn_placing_growth(executor, flat, {at[i] for i in donated if i in at})
     return jax.tree_util.tree_unflatten(tree, place_donating(leaves, donated, move, tree))
 
