@@ -918,6 +918,17 @@ def test_a_state_copy_pays_each_of_its_arrays_on_the_place_links_curve():
         assert each == pytest.approx(arr.link_s(place, gpu, OPT) + 19 * per_array)
         for row in rows:
             assert row[v] * m.scale == pytest.approx(each)
+    # A fetched option: its weights for each of its two reads and its
+    # optimizer state, three copies in (a latency each, as the replay sends
+    # them), its new weights and state in one copy out.
+    fetched = [(o, v) for o, v in y.items() if o.way == "fetched" and o.state == place]
+    assert fetched
+    for o, v in fetched:
+        params, opt = arr.state_leaves(o.layer, "param"), arr.state_leaves(o.layer, "opt_state")
+        into = 2 * arr.link_s(place, gpu, PARAM, params) + arr.link_s(place, gpu, OPT, opt)
+        out = arr.link_s(gpu, place, PARAM + OPT, params + opt)
+        assert rows[0][v] * m.scale == pytest.approx(into)
+        assert rows[1][v] * m.scale == pytest.approx(out)
     p = plan(split, memory={"gpu:0": 28 * GB}, activations=False)
     assert p.predicted.step_time_s == pytest.approx(
         evaluate(split, p.placements).step_time_s)

@@ -534,9 +534,8 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         bus_in, bus_out = (int(arr.ram[h]), c), (c, int(arr.ram[h]))
 
         def move(a, b, nbytes, params=0, opt_state=False, v=v, i=i):
-            # The arrays the copy moves, each at its size on a measured curve
-            # (the replay sends each read's weights apart, a latency each; the
-            # arrays' part is the same).
+            # One copy of the arrays it moves, each at its size on a measured
+            # curve, as the replay sends it.
             leaves = (arr.state_leaves(i, "param") * params
                       + (arr.state_leaves(i, "opt_state") if opt_state else ()))
             return (v, arr.link_s(a, b, nbytes, leaves) / scale)
@@ -551,8 +550,11 @@ def _model(arr: Arrays, compute: Mapping[str, str] | None, microbatches: int, *,
         elif o.way == "fetched":  # weights in per read; new weights and state back
             # (one batch: the update shares its backward's stage and copy,
             # unless it waits for other layers' gradients, which the replay counts)
+            # The replay sends each read's weights apart, and the optimizer
+            # state apart: a latency each.
             reads = 2 if M == 1 else 2 * M + 1
-            links.setdefault(bus_in, []).append(move(h, c, reads * p[i] + opt, reads, True))
+            weights, state = move(h, c, p[i], 1), move(h, c, opt, 0, True)
+            links.setdefault(bus_in, []).append((v, reads * weights[1] + state[1]))
             links.setdefault(bus_out, []).append(move(c, h, p[i] + opt, 1, True))
         else:  # parameters stay on c: only the optimizer state goes and comes back
             links.setdefault(bus_in, []).append(move(h, c, opt, 0, True))
