@@ -91,6 +91,19 @@ def local_name(name: str) -> str:
 PINNED_POOL_FIRST_REGION = 2 << 20
 
 
+def pinned_pool_regions(limit: float) -> list[float]:
+    """The bytes a pinned pool of `limit` bytes holds after each region it
+    adds: PINNED_POOL_FIRST_REGION, then each region twice the last, the
+    last cut at the limit (empty for no limit)."""
+    ends, region = [], float(PINNED_POOL_FIRST_REGION)
+    while not ends or ends[-1] < limit:
+        if limit <= 0:
+            return []
+        ends.append(min((ends[-1] if ends else 0.0) + region, limit))
+        region *= 2
+    return ends
+
+
 def pinned_pool_reserved(served: float, limit: float) -> float:
     """Bytes of the host's RAM a pinned pool of `limit` bytes holds when it
     serves `served` bytes: its regions (PINNED_POOL_FIRST_REGION, doubling)
@@ -101,11 +114,8 @@ def pinned_pool_reserved(served: float, limit: float) -> float:
     never spans two."""
     if served <= 0:
         return 0.0
-    total, region = 0.0, float(PINNED_POOL_FIRST_REGION)
-    while total < served and total < limit:
-        total += region
-        region *= 2
-    return float(max(min(total, limit), served))
+    covering = next((t for t in pinned_pool_regions(limit) if t >= served), limit)
+    return float(max(covering, served))
 
 
 def placing_growth(served: float, from_host: float, limit: float,
@@ -121,14 +131,14 @@ def placing_growth(served: float, from_host: float, limit: float,
     the process rose from about 92 GB (its 81 GB state and ~11 beside it)
     to 122.8 while placing (fit_h200, run 58)."""
     held = pinned_pool_reserved(already, limit)
-    growth, total, region = 0.0, 0.0, float(PINNED_POOL_FIRST_REGION)
-    while total < served and total < limit:
-        before, total = total, min(total + region, limit)
-        region *= 2
-        if total <= held:
-            continue
-        given_up = max(0.0, before - (served - from_host))
-        growth = max(growth, total - held - given_up)
+    ends = pinned_pool_regions(limit)
+    growth = 0.0
+    for before, total in zip([0.0, *ends], ends):
+        if before >= served:
+            break
+        if total > held:
+            given_up = max(0.0, before - (served - from_host))
+            growth = max(growth, total - held - given_up)
     return growth
 
 

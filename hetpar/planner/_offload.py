@@ -79,7 +79,7 @@ import numpy as np
 import pulp
 
 from hetpar.core import CostTable, InfeasibleError, Placement, nbytes, seconds
-from hetpar.core._placement import PINNED_POOL_FIRST_REGION
+from hetpar.core._placement import pinned_pool_regions
 from hetpar.planner import _ilp
 from hetpar.planner._arrays import (
     STREAMED_IN_FLIGHT,
@@ -383,9 +383,7 @@ def _pool_reserved(prob, arr: Arrays, j: int, held: list, limit: float):
     # what the pool could ever be asked to serve: a bound for the binaries
     most = 2 * float(np.nansum(arr.table_mem.max(axis=1)) + 3 * np.nansum(arr.param)
                      + np.nansum(arr.opt.max(axis=1, initial=0.0))) / _GB + limit / _GB
-    sums = [0.0]
-    while sums[-1] < limit:
-        sums.append(sums[-1] + PINNED_POOL_FIRST_REGION * 2 ** (len(sums) - 1))
+    sums = [0.0, *pinned_pool_regions(limit)]
     first = next((n for n, t in enumerate(sums) if t >= 1 << 26), len(sums) - 1)
     first = min(first, len(sums) - 2)
     above = []
