@@ -220,9 +220,11 @@ def test_place_links_are_timed_with_every_gpu_copying_both_ways():
 
     gpus = jax.devices("gpu")
     one = place_link_figures(gpus[:1], nbytes=256 << 20)
-    every = place_link_figures(gpus, nbytes=256 << 20)
     bw = "bandwidth_bytes_per_s"
-    assert 5e9 < every[bw] <= 1.1 * one[bw] < 200e9
+    assert 5e9 < one[bw] < 200e9
+    if len(gpus) > 1:  # (on one GPU "every" is "one" timed again: noise alone, run 69)
+        every = place_link_figures(gpus, nbytes=256 << 20)
+        assert 5e9 < every[bw] <= 1.1 * one[bw]
     # Each array of a batch is priced by its size: a small array costs more
     # per byte than the large one (on an H200: 16 kB ~80 us, 256 MiB at
     # ~44 GB/s), and every size was placed: the five batched sizes below the
