@@ -660,6 +660,12 @@ class CompiledStep:
         return leaves
 
     @property
+    def one_executable(self) -> bool:
+        """Whether a call runs one executable (one device, or a whole step over
+        several): its results are ready together on each device."""
+        return self._jit is not None or self._replicated is not None
+
+    @property
     def direct(self) -> bool:
         """Whether calls may go straight to its jit executable (`call_known`): a
         one-device plan, or data parallel in one process without static leaves."""
