@@ -173,15 +173,29 @@ def test_a_plan_on_one_device_reports_no_collectives():
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_the_ring_fit_takes_bandwidth_from_large_sizes_and_latency_from_a_small_one(n):
-    from hetpar.core import ring_allgather_s
-    from hetpar.runtime._collective_bench import ring_fit
+def test_the_ring_takes_bandwidth_from_large_sizes_and_latency_from_chained_allreduces(n):
+    from hetpar.core import ring_allgather_s, ring_allreduce_s
+    from hetpar.runtime._collective_bench import CHAIN, chain_latency, ring_bandwidth
 
     bw, lat, dispatch = 2.5e11, 2e-5, 4e-5
     sizes = (64 << 20, 512 << 20)
     big = tuple(ring_allgather_s(float(s), n, bw, lat) + dispatch for s in sizes)
-    tiny = (ring_allgather_s(float(64 << 10), n, bw, lat) + dispatch, dispatch)
-    assert ring_fit(n, sizes, big, 64 << 10, tiny) == (pytest.approx(bw), pytest.approx(lat))
-    # Noise of 0.2 ms on the small large size moves the latency no more.
-    noisy = (big[0] + 2e-4, big[1])
-    assert ring_fit(n, sizes, noisy, 64 << 10, tiny)[1] == pytest.approx(lat, rel=0.05)
+    assert ring_bandwidth(n, sizes, big) == pytest.approx(bw)
+    # A call's dispatch is in both chains' times, and each all-reduce of the
+    # longer one adds its ring steps' latency and its bytes, nothing else.
+    small = 64 << 10
+    one, many = (dispatch + k * ring_allreduce_s(float(small), n, bw, lat) for k in (1, CHAIN))
+    assert chain_latency(n, bw, small, (many - one) / (CHAIN - 1)) == pytest.approx(lat)
+    # Noise of 0.2 ms on a call moves a ring step's latency by 0.2 ms / 32 /
+    # its 2 (n - 1) steps, where a small call less a no-op's took it all.
+    noisy = (many + 2e-4 - one) / (CHAIN - 1)
+    assert chain_latency(n, bw, small, noisy) == pytest.approx(
+        lat + 2e-4 / (CHAIN - 1) / (2 * (n - 1)))
+    assert chain_latency(n, bw, small, 0.0) == 5e-6  # never below the floor
+
+
+def test_ring_figures_time_chained_allreduces_on_cpu_devices():
+    from hetpar.runtime import ring_figures
+
+    bandwidth, latency = ring_figures(jax.devices("cpu")[:2], sizes=(1 << 20, 16 << 20))
+    assert bandwidth > 0 and 5e-6 <= latency < 0.1

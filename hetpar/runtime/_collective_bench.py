@@ -10,10 +10,10 @@ reduce-scatter at 451 GB/s, where `jax.device_put` between the two measured
 
 `ring_figures(devices)` times both collectives over `devices` (jitted
 `shard_map`s, median of a few runs): the bandwidth from two large sizes, the
-latency from a small one, what dispatching a jitted call over the same
-arrays costs taken out (an in-step collective pays no dispatch). It returns
-the (bandwidth, latency) of the ring formula
-(`hetpar.core.ring_allgather_s`: n - 1 steps of bytes / n) that reproduces
+latency from what one more small all-reduce adds to a program of them
+chained (an in-step collective pays no call's dispatch). It returns the
+(bandwidth, latency) of the ring formulas (`hetpar.core.ring_allgather_s`:
+n - 1 steps of bytes / n; `ring_allreduce_s`: 2 (n - 1)) that reproduce
 them: what `planner.ring_of` prices a group's collectives with
 (`CostTable.meta["collectives"]`).
 """
@@ -32,12 +32,19 @@ from hetpar.runtime._overhead import _timed_s
 #: Gathered bytes the collectives are timed at: two sizes a line is fitted
 #: through (a layer's parameters: 2-800 MB in the models measured).
 SIZES = (64 << 20, 512 << 20)
-#: Gathered bytes the latency is timed at, apart: the intercept of the line
-#: through SIZES came out 62 us on one calibration of two H200s and 279 us on
-#: the next (experiments/results/fit_h200x2, runs 45 and 46), and a step runs
-#: hundreds of collectives (the zoo's 5.04B fsdp step: 254), so that
-#: intercept's noise was 4-70 ms of a ~110 ms step.
+#: Bytes each member all-reduces in the chain the latency is timed with:
+#: the intercept of the line through SIZES came out 62 us on one calibration
+#: of two H200s and 279 us on the next (experiments/results/fit_h200x2, runs
+#: 45 and 46), and a step runs hundreds of collectives (the zoo's 5.04B fsdp
+#: step: 342, 98 of them all-reduces of 8 kB, each charged its ring steps'
+#: latency), so that intercept's noise was 4-70 ms of a ~110 ms step.
 LATENCY_BYTES = 64 << 10
+#: All-reduces chained in one program, against one: the latency is what each
+#: adds. Timed instead as a small collective's call less a jitted no-op's,
+#: two figures of ~100 us each, the latency came out 7, 96, 219 and 47 us on
+#: four calibrations of two H200s (runs 61, 68, 70), and the same fsdp
+#: plan was predicted 94-131 ms.
+CHAIN = 33
 _RUNS = 5
 _LATENCY_RUNS = 21
 _FLOOR_S = 5e-6  # an in-step collective's latency is never below this
@@ -47,10 +54,11 @@ def ring_figures(devices: Sequence[jax.Device], sizes: tuple[int, int] = SIZES,
                  latency_bytes: int = LATENCY_BYTES) -> tuple[float, float] | None:
     """(bandwidth bytes/s, latency s) of one ring step over `devices`: the
     bandwidth from an all-gather and a reduce-scatter of `sizes` (gathered
-    bytes, two) timed there, the latency from the same of `latency_bytes`
-    (what is left of it once its bytes are priced at that bandwidth); None
-    for one device, or where the larger collective did not take longer than
-    the smaller."""
+    bytes, two) timed there, the latency from what each all-reduce of
+    `latency_bytes` a member adds to a program of `CHAIN` of them (what is
+    left of it once its bytes are priced at that bandwidth,
+    `chain_latency`); None for one device, or where the larger collective
+    did not take longer than the smaller."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     n = len(devices)
@@ -74,30 +82,46 @@ def ring_figures(devices: Sequence[jax.Device], sizes: tuple[int, int] = SIZES,
     gather = jitted(lambda x: jax.lax.all_gather(x, "ring", tiled=True), PartitionSpec())
     scatter = jitted(lambda x: jax.lax.psum_scatter(x, "ring", tiled=True),
                      PartitionSpec("ring"))
-    nothing = jitted(lambda x: x + 0, PartitionSpec("ring"))
-    def timed(size: int, runs: int) -> tuple[float, float]:
-        """(the two collectives' mean of medians, a jitted call's dispatch) at `size`."""
+
+    def timed(size: int, runs: int) -> float:
+        """The two collectives' mean of medians at `size`."""
         gathered = jax.device_put(jnp.zeros((max(size // 4 // n, 1) * n,), jnp.float32), split)
         # a reduce-scatter of `size` bytes: each member holds the whole before
         whole = jax.device_put(jnp.zeros((max(size // 4 // n, 1) * n * n,), jnp.float32), split)
-        dispatch = _timed_s(partial(nothing, gathered), runs)
-        return ((_timed_s(partial(gather, gathered), runs)
-                 + _timed_s(partial(scatter, whole), runs)) / 2, dispatch)
+        return (_timed_s(partial(gather, gathered), runs)
+                + _timed_s(partial(scatter, whole), runs)) / 2
 
-    (t_small, _), (t_big, _) = (timed(size, _RUNS) for size in sizes)
+    def chained(k: int) -> float:
+        """A call of `k` all-reduces of `latency_bytes` a member, each of the last's result."""
+        def op(x):
+            for _ in range(k):
+                x = jax.lax.psum(x, "ring") * (1.0 / n)
+            return x
+
+        local = jax.device_put(jnp.ones((max(latency_bytes // 4, 1) * n,), jnp.float32), split)
+        return _timed_s(partial(jitted(op, PartitionSpec("ring")), local), _LATENCY_RUNS)
+
+    t_small, t_big = (timed(size, _RUNS) for size in sizes)
     if t_big <= t_small:
         return None
-    return ring_fit(n, sizes, (t_small, t_big), latency_bytes,
-                    timed(latency_bytes, _LATENCY_RUNS))
+    bandwidth = ring_bandwidth(n, sizes, (t_small, t_big))
+    one = chained(1)
+    per_allreduce = (chained(CHAIN) - one) / (CHAIN - 1)
+    return bandwidth, chain_latency(n, bandwidth, latency_bytes, per_allreduce)
 
 
-def ring_fit(n: int, sizes: tuple[int, int], seconds: tuple[float, float],
-             latency_bytes: int, tiny: tuple[float, float]) -> tuple[float, float]:
-    """(bandwidth, latency) of the ring formula, a collective of S bytes over
-    n taking (n - 1) (latency + S / n / bandwidth): the bandwidth from the
-    two large sizes' `seconds`, the latency from the small one's (`tiny`:
-    its seconds and a jitted call's dispatch there, taken out)."""
+def ring_bandwidth(n: int, sizes: tuple[int, int], seconds: tuple[float, float]) -> float:
+    """The bandwidth of the ring formula, a collective of S bytes over n
+    taking (n - 1) (latency + S / n / bandwidth), from two sizes' `seconds`
+    (their difference: what the bytes take, no call's cost)."""
     per_byte = (seconds[1] - seconds[0]) / (sizes[1] - sizes[0])
-    bandwidth = (n - 1) / n / per_byte
-    latency = (tiny[0] - tiny[1] - latency_bytes * per_byte) / (n - 1)
-    return bandwidth, max(latency, _FLOOR_S)
+    return (n - 1) / n / per_byte
+
+
+def chain_latency(n: int, bandwidth: float, nbytes: int, per_allreduce: float) -> float:
+    """The latency of a ring step from what one more all-reduce of `nbytes` a
+    member added to a chain of them (`per_allreduce` s): 2 (n - 1) steps, each
+    its latency and nbytes / n at `bandwidth` (`core.ring_allreduce_s`),
+    never below `_FLOOR_S`."""
+    steps = 2 * (n - 1)
+    return max((per_allreduce - steps * nbytes / n / bandwidth) / steps, _FLOOR_S)
