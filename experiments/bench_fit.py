@@ -105,20 +105,31 @@ def _hf_llama(config: dict, batch: int, seq: int):
     return train_step, init, None
 
 
+#: Each step's seconds to its loss, beside `_median_step`'s to its whole
+#: state: waiting for every one of a step's results may itself cost (a step
+#: clock waiting for 1,700 of them cost an fsdp step over two H200s 10-15
+#: ms, fit_h200x2 run 71), where a loop that reads its loss waits for one.
+_TO_LOSS: list = []
+
+
 def _median_step(step, state, batch, steps, memory: list | None = None, gpu=None):
-    """Times `steps` steps; `memory`, a list, gets `gpu`'s bytes in use
-    before each step and its high-water mark after it (GB): whether a later
-    step holds more than the first (run 23's 0.54B cell ran out of memory
-    on its second step, the first having peaked 0.8 GB under the limit)."""
+    """Times `steps` steps to the whole new state (each step's time to its
+    loss alone goes to `_TO_LOSS`); `memory`, a list, gets `gpu`'s bytes in
+    use before each step and its high-water mark after it (GB): whether a
+    later step holds more than the first (run 23's 0.54B cell ran out of
+    memory on its second step, the first having peaked 0.8 GB under the
+    limit)."""
     import jax
 
     params, opt_state = state
     times = []
+    _TO_LOSS.clear()
     for _ in range(steps):
         before = (gpu.memory_stats() or {}) if gpu is not None else {}
         t = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, batch)
         float(loss)
+        _TO_LOSS.append(time.perf_counter() - t)
         jax.block_until_ready((params, opt_state))
         times.append(time.perf_counter() - t)
         if memory is not None and gpu is not None:
@@ -378,6 +389,8 @@ def run_cell(args) -> dict:
         return out
     stats = gpu.memory_stats() or {}
     out.update({"median_s": statistics.median(times[1:]), "times_s": times, "loss": loss,
+                "median_to_loss_s": statistics.median(_TO_LOSS[1:]) if len(_TO_LOSS) > 1
+                else None, "times_to_loss_s": list(_TO_LOSS),
                 "gpu_peak_gb": (stats.get("peak_bytes_in_use") or 0) / 1e9,
                 "gpu_peaks_gb": {a: ((g.memory_stats() or {}).get("peak_bytes_in_use") or 0)
                                  / 1e9 for a, g in zip(accs, gpus)}})

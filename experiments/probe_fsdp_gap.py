@@ -82,13 +82,16 @@ def main() -> None:
     inner = step._replicated._jit
     out["plan"] = {"sharding": step.plan.sharding, "replicas": list(step.plan.replicas)}
 
-    def timed(fn, state, batch):
+    to_loss = {"hand": [], "hetpar": [], "inner": []}  # each step to its loss alone
+
+    def timed(fn, state, batch, name):
         p, o = state
         ts = []
         for _ in range(a.steps):
             t = time.perf_counter()
             p, o, loss = fn(p, o, batch)
             float(loss)
+            to_loss[name].append(time.perf_counter() - t)
             jax.block_until_ready((p, o))
             ts.append(time.perf_counter() - t)
         return (p, o), ts
@@ -96,14 +99,15 @@ def main() -> None:
     state = {"hand": (hp, ho), "hetpar": (ap_, ao)}
     times = {"hand": [], "hetpar": [], "inner": []}
     for _ in range(a.rounds):
-        state["hand"], ts = timed(hand, state["hand"], hb)
+        state["hand"], ts = timed(hand, state["hand"], hb, "hand")
         times["hand"] += ts
-        state["hetpar"], ts = timed(auto, state["hetpar"], ab)
+        state["hetpar"], ts = timed(auto, state["hetpar"], ab, "hetpar")
         times["hetpar"] += ts
-        state["hetpar"], ts = timed(inner, state["hetpar"], ab)
+        state["hetpar"], ts = timed(inner, state["hetpar"], ab, "inner")
         times["inner"] += ts
     med = {k: statistics.median(v) for k, v in times.items()}
-    out.update({"times_s": times, "median_s": med,
+    out.update({"times_s": times, "median_s": med, "times_to_loss_s": to_loss,
+                "median_to_loss_s": {k: statistics.median(v) for k, v in to_loss.items()},
                 "hetpar_over_hand": med["hetpar"] / med["hand"],
                 "inner_over_hand": med["inner"] / med["hand"],
                 "hetpar_over_inner": med["hetpar"] / med["inner"]})
