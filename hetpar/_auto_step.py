@@ -287,27 +287,27 @@ class AutoStep:
                     direct.clock.observe(start, out, direct)
                 return out
         if self._nnx_direct is not None:
-            out = self._call_nnx_direct(args)
-            if out is not UNKNOWN:
+            result = self._call_nnx_direct(args)
+            if result is not UNKNOWN:
                 step = self._nnx_direct[0]
-                if not step.clock.done:
-                    step.clock.observe(start, out, step)
-                return out
+                if not step.clock.done:  # (the new state too: a step may return nothing)
+                    step.clock.observe(start, result, step)
+                return result[0]
         step, nnx_args = self._step_for(args)
         if step.peaks_before_run is None:  # the first call: planned, placed, not run
             step.peaks_before_run = {d: allocator_peak(step, d) for d in step.devices}
         running = time.perf_counter()
         if nnx_args is None:
-            out = step(*args)
+            out = results = step(*args)
             self._direct = step if step.direct else None
         else:
             self._direct = None
-            out, state = step(*nnx_args.pure_args)
+            out, state = results = step(*nnx_args.pure_args)
             nnx_args.update(state)
             fast = NnxFastCall.build(args, nnx_args, state) if step.direct else None
             self._nnx_direct = None if fast is None else (step, fast)
         if not step.clock.done:
-            step.clock.observe(start, out, step)  # waits for the results at first
+            step.clock.observe(start, results, step)  # waits for the results at first
         if step.first_call.total_s is None:
             step.first_call.ran(start, running)
             step.compiled_once = True
@@ -317,7 +317,8 @@ class AutoStep:
 
     def _call_nnx_direct(self, args: tuple):
         """The last NNX step, straight to its jit, on objects unchanged since
-        (`NnxFastCall`); `UNKNOWN` where they or the other arguments differ."""
+        (`NnxFastCall`): (its result, the objects' new state); `UNKNOWN` where
+        they or the other arguments differ."""
         step, fast = self._nnx_direct
         pure = fast.pure_args(args)
         if pure is None:
@@ -328,7 +329,7 @@ class AutoStep:
         out, state = result
         fast.update(state)
         self._last = step
-        return out
+        return out, state
 
     def _need_last(self) -> CompiledStep:
         if self._last is None:

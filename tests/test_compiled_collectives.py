@@ -195,7 +195,16 @@ def test_the_ring_takes_bandwidth_from_large_sizes_and_latency_from_chained_allr
 
 
 def test_ring_figures_time_chained_allreduces_on_cpu_devices():
+    from hetpar._compiled_collectives import hlo_collectives
     from hetpar.runtime import ring_figures
+    from hetpar.runtime._collective_bench import CHAIN, allreduce_chain
 
-    bandwidth, latency = ring_figures(jax.devices("cpu")[:2], sizes=(1 << 20, 16 << 20))
+    cpus = jax.devices("cpu")[:2]
+    bandwidth, latency = ring_figures(cpus, sizes=(1 << 20, 16 << 20))
     assert bandwidth > 0 and 5e-6 <= latency < 0.1
+    # XLA keeps every all-reduce of the chain (none combined or simplified
+    # away: the latency is what one more adds), and each sums its members.
+    program, arg = allreduce_chain(cpus, CHAIN, 64 << 10)
+    text = program.lower(arg).compile().as_text()
+    assert hlo_collectives(text, 2)["all-reduce"]["count"] == CHAIN
+    assert float(program(arg)[0]) == 2.0**CHAIN

@@ -128,3 +128,20 @@ def test_hand_assembled_stage_jaxprs_evaluate_as_the_step(args, microbatches):
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-7,
                                    err_msg=JAXPRS)
+
+
+def test_a_result_passed_through_a_jit_is_a_buffer_of_its_execution():
+    # The step clock waits for one result a device of a one-executable step
+    # (hetpar/_step_clock.py, one_per_device): that holds only while every
+    # result, an argument returned as it is included, is the execution's own,
+    # ready when it is.
+    a, b = jnp.ones(3), jnp.ones(3)
+    for jitted in (jax.jit(lambda x, y: (x, y + 1)),
+                   jax.jit(lambda x, y: (x, y + 1), donate_argnums=(0,))):
+        x = jnp.ones(3)  # (a fresh one: the second jit donates it)
+        out = jitted(x, b)
+        assert out[0] is not x, (
+            f"jax {jax.__version__} returns an argument passed through a jit as itself: "
+            "the step clock's one_per_device must wait for such results too")
+    out = jax.jit(lambda x, y: (x, y + 1))(a, b)
+    assert out[0].unsafe_buffer_pointer() != a.unsafe_buffer_pointer()

@@ -59,55 +59,69 @@ def ring_figures(devices: Sequence[jax.Device], sizes: tuple[int, int] = SIZES,
     left of it once its bytes are priced at that bandwidth,
     `chain_latency`); None for one device, or where the larger collective
     did not take longer than the smaller."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
     n = len(devices)
     if n < 2:
         return None
-    try:
-        from jax import shard_map
-    except ImportError:  # older jax
-        from jax.experimental.shard_map import shard_map
-    mesh = Mesh(np.array(list(devices)), ("ring",))
-    split = NamedSharding(mesh, PartitionSpec("ring"))
-
-    def jitted(op, out):
-        try:
-            return jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("ring"),
-                                     out_specs=out, check_vma=False))
-        except TypeError:  # jax before check_vma
-            return jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("ring"),
-                                     out_specs=out, check_rep=False))
-
-    gather = jitted(lambda x: jax.lax.all_gather(x, "ring", tiled=True), PartitionSpec())
-    scatter = jitted(lambda x: jax.lax.psum_scatter(x, "ring", tiled=True),
-                     PartitionSpec("ring"))
+    gather = _over(devices, lambda x: jax.lax.all_gather(x, "ring", tiled=True), whole=True)
+    scatter = _over(devices, lambda x: jax.lax.psum_scatter(x, "ring", tiled=True))
 
     def timed(size: int, runs: int) -> float:
         """The two collectives' mean of medians at `size`."""
-        gathered = jax.device_put(jnp.zeros((max(size // 4 // n, 1) * n,), jnp.float32), split)
+        gathered = _split(devices, max(size // 4 // n, 1) * n, 0.0)
         # a reduce-scatter of `size` bytes: each member holds the whole before
-        whole = jax.device_put(jnp.zeros((max(size // 4 // n, 1) * n * n,), jnp.float32), split)
+        whole = _split(devices, max(size // 4 // n, 1) * n * n, 0.0)
         return (_timed_s(partial(gather, gathered), runs)
                 + _timed_s(partial(scatter, whole), runs)) / 2
-
-    def chained(k: int) -> float:
-        """A call of `k` all-reduces of `latency_bytes` a member, each of the last's result."""
-        def op(x):
-            for _ in range(k):
-                x = jax.lax.psum(x, "ring") * (1.0 / n)
-            return x
-
-        local = jax.device_put(jnp.ones((max(latency_bytes // 4, 1) * n,), jnp.float32), split)
-        return _timed_s(partial(jitted(op, PartitionSpec("ring")), local), _LATENCY_RUNS)
 
     t_small, t_big = (timed(size, _RUNS) for size in sizes)
     if t_big <= t_small:
         return None
     bandwidth = ring_bandwidth(n, sizes, (t_small, t_big))
-    one = chained(1)
-    per_allreduce = (chained(CHAIN) - one) / (CHAIN - 1)
-    return bandwidth, chain_latency(n, bandwidth, latency_bytes, per_allreduce)
+    one, many = (_timed_s(partial(*allreduce_chain(devices, k, latency_bytes)), _LATENCY_RUNS)
+                 for k in (1, CHAIN))
+    return bandwidth, chain_latency(n, bandwidth, latency_bytes, (many - one) / (CHAIN - 1))
+
+
+def allreduce_chain(devices: Sequence[jax.Device], k: int, nbytes: int):
+    """(a jitted program of `k` all-reduces over `devices` of `nbytes` a
+    member, each of the last's result, its argument). Nothing else runs
+    between them (ones summed: 2^33 at most on two members, no overflow
+    below 16), so what one more adds is an all-reduce's in-step time."""
+    def op(x):
+        for _ in range(k):
+            x = jax.lax.psum(x, "ring")
+        return x
+
+    return (_over(devices, op),
+            _split(devices, max(nbytes // 4, 1) * len(devices), 1.0))
+
+
+def _over(devices, op, whole: bool = False):
+    """`op` jitted as a `shard_map` over `devices` (one axis, "ring"), its
+    argument split over them, its result split too, or whole."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    try:
+        from jax import shard_map
+    except ImportError:  # older jax
+        from jax.experimental.shard_map import shard_map
+    mesh = Mesh(np.array(list(devices)), ("ring",))
+    out = PartitionSpec() if whole else PartitionSpec("ring")
+    try:
+        return jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("ring"), out_specs=out,
+                                 check_vma=False))
+    except TypeError:  # jax before check_vma
+        return jax.jit(shard_map(op, mesh=mesh, in_specs=PartitionSpec("ring"), out_specs=out,
+                                 check_rep=False))
+
+
+def _split(devices, size: int, value: float):
+    """`size` float32s of `value`, split over `devices`."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(list(devices)), ("ring",))
+    return jax.device_put(jnp.full((size,), value, jnp.float32),
+                          NamedSharding(mesh, PartitionSpec("ring")))
 
 
 def ring_bandwidth(n: int, sizes: tuple[int, int], seconds: tuple[float, float]) -> float:
