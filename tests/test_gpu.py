@@ -260,3 +260,23 @@ def test_host_built_fsdp_state_lands_evenly_on_two_gpus():
     assert state > 1e9
     for h, s in zip(held, shards):
         assert h <= s + 0.05 * state, (held, shards)  # nothing left beside the shards
+
+
+def test_ring_latency_is_timed_from_chained_allreduces_over_two_gpus():
+    # Timed as a small collective's call less a jitted no-op's, a ring step's
+    # latency over two H200s came out 7-219 us on four calibrations (fit_h200x2,
+    # runs 61-70). The chain keeps every all-reduce on the GPUs too (NCCL's),
+    # and two timings give the figure each time.
+    _needs_gpus(2)
+    from hetpar._compiled_collectives import hlo_collectives
+    from hetpar.runtime import ring_figures
+    from hetpar.runtime._collective_bench import CHAIN, allreduce_chain
+
+    gpus = jax.devices("gpu")[:2]
+    program, arg = allreduce_chain(gpus, CHAIN, 64 << 10)
+    assert hlo_collectives(program.lower(arg).compile().as_text(), 2)["all-reduce"]["count"] \
+        == CHAIN
+    figures = [ring_figures(gpus) for _ in range(2)]
+    for bandwidth, latency in figures:
+        assert 5e10 < bandwidth < 2e12 and 5e-6 <= latency < 1e-3
+    print("ring (bandwidth, latency) twice:", figures)
