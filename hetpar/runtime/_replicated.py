@@ -276,9 +276,12 @@ def host_view(x, sharding):
     be cut there (on CPU devices the slice compiled for device 0 where the
     array was on device 2). On two H200s the first GPU grew faster than the
     second while a 5.04B model's host-built state was laid out so, and kept
-    6.8 GB beyond its arrays (experiments/results/fit_h200x2, run 67: the
-    likely cause; not yet measured without it). On CPU devices the NumPy
-    view moved 15-100 GB/s where the array itself moved 1-3. PRNG keys (no
+    6.8 GB beyond its arrays (experiments/results/fit_h200x2, run 67). Laid
+    out by `place()` through this, both GPUs held their shards alone (run
+    68: 30.26 GB each); a probe of eight 1 GB arrays put as they are left
+    nothing either, so which part removed it is not separated. On CPU
+    devices the NumPy view moved 15-100 GB/s where the array itself moved
+    1-3. PRNG keys (no
     NumPy view) and arrays already on a target device stay as they are."""
     if not isinstance(x, jax.Array) or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
         return x
