@@ -95,11 +95,12 @@ def pinned_pool_regions(limit: float) -> list[float]:
     """The bytes a pinned pool of `limit` bytes holds after each region it
     adds: PINNED_POOL_FIRST_REGION, then each region twice the last, the
     last cut at the limit (empty for no limit)."""
-    ends, region = [], float(PINNED_POOL_FIRST_REGION)
-    while not ends or ends[-1] < limit:
-        if limit <= 0:
-            return []
-        ends.append(min((ends[-1] if ends else 0.0) + region, limit))
+    if limit <= 0:
+        return []
+    ends, total, region = [], 0.0, float(PINNED_POOL_FIRST_REGION)
+    while total < limit:
+        total = min(total + region, limit)
+        ends.append(total)
         region *= 2
     return ends
 

@@ -281,8 +281,8 @@ def host_view(x, sharding):
     68: 30.26 GB each); a probe of eight 1 GB arrays put as they are left
     nothing either, so which part removed it is not separated. On CPU
     devices the NumPy view moved 15-100 GB/s where the array itself moved
-    1-3. PRNG keys (no
-    NumPy view) and arrays already on a target device stay as they are."""
+    1-3. PRNG keys (no NumPy view) and arrays already on a target device
+    stay as they are."""
     if not isinstance(x, jax.Array) or jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
         return x
     devices = x.devices()
