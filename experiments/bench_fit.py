@@ -112,9 +112,20 @@ def _hf_llama(config: dict, batch: int, seq: int):
 _TO_LOSS: list = []
 
 
-def _median_step(step, state, batch, steps, memory: list | None = None, gpu=None):
+#: The steps each cell runs after its first call and before the timed
+#: ones, in every mode (`--settle`), timed apart (`settle_times_s`):
+#: hetpar's `StepClock` waits in its calls 2-8 for the step's results
+#: (2 settling, 5 timed), which cost each of those calls 5-8 ms of a 50 ms
+#: fsdp step over two H200s (run 75, experiments/probe_clock.py), and runs
+#: 70-73 timed their ten steps mostly among them.
+_TO_SETTLE: list = []
+
+
+def _median_step(step, state, batch, steps, memory: list | None = None, gpu=None,
+                 settle: int = 0):
     """Times `steps` steps to the whole new state (each step's time to its
-    loss alone goes to `_TO_LOSS`); `memory`, a list, gets `gpu`'s bytes in
+    loss alone goes to `_TO_LOSS`) after `settle` steps timed apart
+    (`_TO_SETTLE`); `memory`, a list, gets `gpu`'s bytes in
     use before each step and its high-water mark after it (GB): whether a
     later step holds more than the first (run 23's 0.54B cell ran out of
     memory on its second step, the first having peaked 0.8 GB under the
@@ -122,6 +133,13 @@ def _median_step(step, state, batch, steps, memory: list | None = None, gpu=None
     import jax
 
     params, opt_state = state
+    _TO_SETTLE.clear()
+    for _ in range(settle):
+        t = time.perf_counter()
+        params, opt_state, loss = step(params, opt_state, batch)
+        float(loss)
+        jax.block_until_ready((params, opt_state))
+        _TO_SETTLE.append(time.perf_counter() - t)
     times = []
     _TO_LOSS.clear()
     for _ in range(steps):
@@ -292,14 +310,14 @@ def run_cell(args) -> dict:
             p, o, loss = step(params, opt_state, batch)
             float(loss)
             out["first_call_s"] = time.perf_counter() - t0
-            times, loss = _median_step(step, [p, o], batch, args.steps)
+            times, loss = _median_step(step, [p, o], batch, args.steps, settle=args.settle)
         elif args.mode == "jax_offload":
             step, (params, opt_state, batch) = _jax_offload(
                 train_step, (params, opt_state, batch), gpu, donate)
             p, o, loss = step(params, opt_state, batch)
             float(loss)
             out["first_call_s"] = time.perf_counter() - t0
-            times, loss = _median_step(step, [p, o], batch, args.steps)
+            times, loss = _median_step(step, [p, o], batch, args.steps, settle=args.settle)
         else:
             step = hetpar.auto(train_step, devices=[*accs, "cpu:0"], donate_argnums=donate)
             with warnings.catch_warnings(record=True) as caught:
@@ -328,7 +346,7 @@ def run_cell(args) -> dict:
                 out["host_after_first_call"] = _host_rss()
                 out["step_memory_gb"] = []  # [in use before, high-water mark after]
                 times, loss = _median_step(step, state, batch, args.steps,
-                                           out["step_memory_gb"], gpu)
+                                           out["step_memory_gb"], gpu, settle=args.settle)
                 out["held_after_steps"] = {**_held(gpu), "holders": _holders(gpu, 4)}
                 out["host_after_steps"] = _host_rss()
             out["warnings"] = [f"{type(w.message).__name__}: {str(w.message)[:300]}"
@@ -388,9 +406,13 @@ def run_cell(args) -> dict:
         out["at_error"] = _held(gpu)
         return out
     stats = gpu.memory_stats() or {}
-    out.update({"median_s": statistics.median(times[1:]), "times_s": times, "loss": loss,
-                "median_to_loss_s": statistics.median(_TO_LOSS[1:]) if len(_TO_LOSS) > 1
-                else None, "times_to_loss_s": list(_TO_LOSS),
+    # (Without settling steps the first timed step is left out, as before
+    # `--settle`: runs up to 73.)
+    skip = 0 if args.settle else 1
+    out.update({"median_s": statistics.median(times[skip:]), "times_s": times, "loss": loss,
+                "settle": args.settle, "settle_times_s": list(_TO_SETTLE),
+                "median_to_loss_s": statistics.median(_TO_LOSS[skip:])
+                if len(_TO_LOSS) > skip else None, "times_to_loss_s": list(_TO_LOSS),
                 "gpu_peak_gb": (stats.get("peak_bytes_in_use") or 0) / 1e9,
                 "gpu_peaks_gb": {a: ((g.memory_stats() or {}).get("peak_bytes_in_use") or 0)
                                  / 1e9 for a, g in zip(accs, gpus)}})
@@ -683,6 +705,10 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=None,
                    help="default: the model's own (MODELS)")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--settle", type=int, default=7,
+                   help="steps after the first call and before the timed ones, in every "
+                        "mode, timed apart (settle_times_s): hetpar's step clock waits for "
+                        "results in calls 2-8 (StepClock.SETTLE + STEPS)")
     p.add_argument("--gpus", type=int, default=1,
                    help="GPUs per cell: hetpar plans over them and the CPU; jit over "
                         "several is FSDP written by hand (experiments/_fsdp.py)")
@@ -729,7 +755,8 @@ def main(argv=None):
                 if fraction != "default":
                     env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = fraction
                 cmd = [sys.executable, __file__, "--model", model, "--fraction", fraction,
-                       "--mode", mode, "--steps", str(args.steps), "--gpus", str(args.gpus)]
+                       "--mode", mode, "--steps", str(args.steps), "--gpus", str(args.gpus),
+                       "--settle", str(args.settle)]
                 cmd += ["--batch", str(args.batch)] if args.batch else []
                 cmd += ["--tiny"] if args.tiny else []
                 cmd += ["--stacks", str(args.stacks)] if args.stacks else []

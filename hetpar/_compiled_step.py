@@ -666,6 +666,13 @@ class CompiledStep:
         return self._jit is not None or self._replicated is not None
 
     @property
+    def executable_devices(self) -> int | None:
+        """How many devices its one executable runs on (None: several stages)."""
+        if self._jit is not None:
+            return 1
+        return self._replicated.size if self._replicated is not None else None
+
+    @property
     def direct(self) -> bool:
         """Whether calls may go straight to its jit executable (`call_known`): a
         one-device plan, or data parallel in one process without static leaves."""

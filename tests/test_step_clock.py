@@ -117,3 +117,15 @@ def test_nnx_step_returning_nothing_waits_for_its_new_state(waits):
         assert auto(model, optimizer, X) is None
     assert waits and all(len(arrays) == 1 for arrays in waits)
     assert auto.measured_step_s > 0
+
+
+def test_one_per_device_with_the_device_count_stops_once_covered():
+    cpus = jax.devices("cpu")[:2]
+    mesh = jax.sharding.Mesh(np.array(cpus), ("d",))
+    P = jax.sharding.PartitionSpec
+    split = jax.device_put(jnp.zeros((4,)), jax.sharding.NamedSharding(mesh, P("d")))
+    on0 = jax.device_put(jnp.zeros(()), cpus[0])
+    on1 = jax.device_put(jnp.zeros(()), cpus[1])
+    assert one_per_device([split, on0, on1], 2) == [split]
+    assert one_per_device([on0, on0, split, on1], 2) == [on0, split]
+    assert one_per_device([on0, on1, split], 1) == [on0]
