@@ -740,13 +740,18 @@ def does_not_fit(misfit: Misfit, *, tries: int, why: Exception | None = None,
 def memory_summary(step) -> dict:
     """{device: {"predicted", "compiled", "measured", "capacity"}} in bytes (None
     where unknown), for `step.report()`: the planner's figure, the compiled
-    stages' peak (`compiled_peaks`; a one-device step's executable's own),
+    stages' peak (`compiled_peaks`; a one-device step's executable's own; a
+    data-parallel or sharded step's, per replica, once its first call ran),
     and JAX's allocator's `peak_bytes_in_use` where the backend keeps memory
     statistics (not on CPU; the process's peak on that device, not this
     step's alone). The capacity is what the compiled peak answers to (the
     device's, or the caller's cap); where a replan capped the planner below
     it (`replan_caps`), "planned_under" gives that cap."""
     peaks = dict((step.compiled_memory or ({}, {}))[0])
+    if not peaks and getattr(step, "_replicated", None) is not None:
+        each = step.replicated_memory()  # (checked before running only near capacity)
+        if each is not None:
+            peaks = dict.fromkeys(step.plan.replicas, float(each))
     one = step.jit_memory() if getattr(step, "_jit", None) is not None else None
     if one is not None:
         (device,) = {d for p in step.placements.values() for d in p.devices}

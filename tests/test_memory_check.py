@@ -741,3 +741,21 @@ def test_a_memory_place_draws_its_pinned_pools_regions_on_the_host(monkeypatch):
     assert misfit is not None and misfit.compiled_bytes == 20e9 + 93 * 2**30
     # A CPU device's own place has no such pool: its bytes.
     assert _memory_check.host_draws(step, {"cpu:0:pinned_host": 77.1e9}) == (77.1e9, 0.0)
+
+
+def test_a_sharded_step_far_below_capacity_reports_its_executables_memory_once_run():
+    # Not compiled ahead (`worth_compiling`: predicted under half of each
+    # device), its executable's own figure is read once the first call
+    # compiled it, and set beside the planner's (fit_h200x2 run 72: planned
+    # 42.1 GB a GPU, held 36.0).
+    step, args = _mlp_step()
+    auto = hetpar.auto(step, devices=["cpu:0", "cpu:1"], profile="spec", data_parallel="fsdp")
+    plan = auto.lower(*args)
+    assert plan.compiled_memory is None  # lower() compiled nothing
+    assert auto.report().step["memory"]["cpu:0"]["compiled"] is None
+    auto(*args)
+    memory = auto.report().step["memory"]
+    params = sum(x.nbytes for x in jax.tree_util.tree_leaves(args[0]))
+    for d in ("cpu:0", "cpu:1"):
+        assert memory[d]["compiled"] > params / 2  # at least its shard of the state
+    assert memory["cpu:0"]["compiled"] == memory["cpu:1"]["compiled"]
