@@ -365,7 +365,10 @@ def run_cell(args) -> dict:
             # Predicted, compiled (the check before the first step) and measured
             # per device, and where the first call's time went (step.report()).
             summary = step.report().step
-            out["memory_gb"] = {d: {k: (None if v is None else v / 1e9) for k, v in m.items()}
+            # (bytes to GB; a flag, `measured_before_step`, stays one: run 73
+            # recorded it as 1e-09)
+            out["memory_gb"] = {d: {k: (v if v is None or isinstance(v, bool) else v / 1e9)
+                                    for k, v in m.items()}
                                 for d, m in summary["memory"].items()}
             out["first_call"] = summary["first_call"]
             # The host's RAM: its CPU devices and memory places summed, beside
@@ -678,9 +681,12 @@ def _row(cell: dict) -> str:
     ratio = f"{measured / pred_peak:.2f}" if pred_peak and measured else ""
     # The check before the first step (the compiled stages replayed): the
     # memory model issue 41 asks to agree with the allocator.
-    compiled = ((cell.get("memory_gb") or {}).get(worst) or {}).get("compiled")
+    summary = (cell.get("memory_gb") or {}).get(worst) or {}
+    compiled = summary.get("compiled")
     if compiled and measured:
         ratio += f" (compiled {measured / compiled:.2f})"
+    if summary.get("measured_before_step"):  # the calibration's, not the step's (run 73)
+        ratio += ", reached before the first step"
     step_ratio = (f"{cell['median_s'] / cell['predicted_s']:.2f}"
                   if cell.get("predicted_s") and cell.get("median_s") else "")
     plan = cell.get("plan") or {}
