@@ -41,3 +41,19 @@ def hand_sharded_jit(step, args, devs, sharded: bool = True, donate_argnums=(0, 
     placed = jax.device_put(args, layout)
     return jax.jit(step, in_shardings=layout, out_shardings=out_layout,
                    donate_argnums=donate_argnums), placed
+
+
+def hetpar_fsdp(train_step, host_args, devs):
+    """`hetpar.auto(train_step, data_parallel="fsdp")` over `devs` as the
+    probes run it: `host_args` (state built on the host, consumed) placed,
+    the first call run. Returns (the step, its compiled plan, the jit its
+    call ends in, (params, opt_state, batch) after that call)."""
+    import hetpar
+
+    names = [f"{d.platform}:{d.id}" if d.platform == "cpu" else f"gpu:{d.id}" for d in devs]
+    auto = hetpar.auto(train_step, devices=names, data_parallel="fsdp", donate_argnums=(0, 1))
+    p, o, b = auto.place(*host_args)
+    p, o, loss = auto(p, o, b)
+    float(loss)
+    step = auto._direct or auto._last
+    return auto, step, step._replicated._jit, (p, o, b)

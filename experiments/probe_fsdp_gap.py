@@ -43,9 +43,8 @@ def main() -> None:
     a = ap.parse_args()
 
     import jax
-    from _fsdp import hand_sharded_jit
+    from _fsdp import hand_sharded_jit, hetpar_fsdp
 
-    import hetpar
     from hetpar import zoo
     from hetpar._compiled_collectives import hlo_collectives
 
@@ -53,7 +52,6 @@ def main() -> None:
            else dict(batch=8, d_model=4096, num_layers=24, num_heads=32))
     w = zoo.get("transformer", **cfg)
     devs = jax.devices()[:2]
-    names = [f"{d.platform}:{d.id}" if d.platform == "cpu" else f"gpu:{d.id}" for d in devs]
     out = {"config": cfg, "devices": [str(d) for d in devs], "jax": jax.__version__,
            "card": getattr(devs[0], "device_kind", "")}
 
@@ -72,14 +70,9 @@ def main() -> None:
     out["hand_first_call_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    auto = hetpar.auto(w.train_step, devices=names, data_parallel="fsdp", donate_argnums=(0, 1))
-    ap_, ao, ab = auto.place(*host_args)
+    auto, step, inner, (ap_, ao, ab) = hetpar_fsdp(w.train_step, host_args, devs)
     del host_args
-    ap_, ao, loss = auto(ap_, ao, ab)
-    float(loss)
     out["hetpar_first_call_s"] = time.perf_counter() - t
-    step = auto._direct or auto._last
-    inner = step._replicated._jit
     out["plan"] = {"sharding": step.plan.sharding, "replicas": list(step.plan.replicas)}
 
     to_loss = {"hand": [], "hetpar": [], "inner": []}  # each step to its loss alone
