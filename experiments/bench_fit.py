@@ -126,23 +126,21 @@ def _median_step(step, state, batch, steps, memory: list | None = None, gpu=None
     """Times `steps` steps to the whole new state (each step's time to its
     loss alone goes to `_TO_LOSS`) after `settle` steps timed apart
     (`_TO_SETTLE`); `memory`, a list, gets `gpu`'s bytes in
-    use before each step and its high-water mark after it (GB): whether a
+    use before each step, the settling ones first, and its high-water mark
+    after it (GB): whether a
     later step holds more than the first (run 23's 0.54B cell ran out of
     memory on its second step, the first having peaked 0.8 GB under the
     limit)."""
     import jax
 
     params, opt_state = state
-    _TO_SETTLE.clear()
-    for _ in range(settle):
-        t = time.perf_counter()
-        params, opt_state, loss = step(params, opt_state, batch)
-        float(loss)
-        jax.block_until_ready((params, opt_state))
-        _TO_SETTLE.append(time.perf_counter() - t)
     times = []
+    _TO_SETTLE.clear()
     _TO_LOSS.clear()
-    for _ in range(steps):
+    for i in range(settle + steps):  # (`memory` gets the settling steps' too)
+        if i == settle:  # the settling steps' times apart
+            _TO_SETTLE[:] = times
+            times, _TO_LOSS[:] = [], []
         before = (gpu.memory_stats() or {}) if gpu is not None else {}
         t = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, batch)

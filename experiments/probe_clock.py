@@ -11,7 +11,8 @@ as bench_fit waits (its loss, then the whole state):
 - `inner`: the jit alone;
 - `pick`: the jit, then the clock's choice of arrays (`one_per_device`) and
   its wait on them, in the caller's thread (the clock since the fifteenth
-  session);
+  session; run 75 timed its choice by sorting every result, since then it
+  takes them in order until they cover the executable's devices);
 - `pick_cpu`: the clock's choice of arrays, no wait: its Python alone;
 - `wait_all`: the jit, then a wait on every result (the clock before);
 - `thread`: the jit, the choice handed to a waiting thread (a clock that
@@ -84,7 +85,7 @@ def main() -> None:
 
     def picked(res):
         arrays = [x for x in jax.tree_util.tree_leaves(res) if isinstance(x, jax.Array)]
-        return one_per_device(arrays)
+        return one_per_device(arrays, step.executable_devices)
 
     def call(kind, p, o):
         if kind == "hetpar_clock":

@@ -683,11 +683,13 @@ class CompiledStep:
         return self._jit is not None or self._replicated is not None
 
     @property
-    def executable_devices(self) -> int | None:
-        """How many devices its one executable runs on (None: several stages)."""
+    def executable_devices(self) -> frozenset | None:
+        """The devices its one executable runs on (None: several stages)."""
         if self._jit is not None:
-            return 1
-        return self._replicated.size if self._replicated is not None else None
+            return frozenset([self._device])
+        if self._replicated is not None:
+            return frozenset(self._replicated.mesh.devices.flat)
+        return None
 
     @property
     def direct(self) -> bool:

@@ -61,6 +61,7 @@ def test_one_device_step_waits_for_one_result(waits):
     auto = hetpar.auto(train_step, devices=["cpu:0"], profile="spec")
     _run(auto, 1 + StepClock.SETTLE + StepClock.STEPS)
     assert len(waits) == 1 + StepClock.SETTLE + StepClock.STEPS
+    assert auto._last.executable_devices == frozenset(jax.devices("cpu")[:1])
     assert all(len(arrays) == 1 for arrays in waits)
     assert auto.measured_step_s > 0
 
@@ -70,10 +71,26 @@ def test_step_over_two_devices_waits_for_one_result_on_each(waits):
                        profile="spec")
     _run(auto, 1 + StepClock.SETTLE + StepClock.STEPS)
     assert auto._last.one_executable
+    assert auto._last.executable_devices == frozenset(jax.devices("cpu")[:2])
     devices = {d for arrays in waits for x in arrays for d in x.sharding.device_set}
     assert {d.id for d in devices} == {0, 1}
     assert all(len(arrays) == 1 for arrays in waits)  # the replicated loss covers both
     assert auto.measured_step_s > 0
+
+
+def test_the_clock_tells_one_per_device_the_executables_devices(monkeypatch):
+    given = []
+    real = _step_clock.one_per_device
+
+    def watched(arrays, devices=None):
+        given.append(devices)
+        return real(arrays, devices)
+
+    monkeypatch.setattr(_step_clock, "one_per_device", watched)
+    auto = hetpar.auto(train_step, devices=["cpu:0", "cpu:1"], data_parallel="fsdp",
+                       profile="spec")
+    _run(auto, 1 + StepClock.SETTLE)
+    assert given == [frozenset(jax.devices("cpu")[:2])] * (1 + StepClock.SETTLE)
 
 
 def test_step_of_several_stages_waits_for_every_result(waits):
@@ -83,6 +100,7 @@ def test_step_of_several_stages_waits_for_every_result(waits):
     auto = hetpar.auto(train_step, plan=split)
     _run(auto, 1 + StepClock.SETTLE)
     assert not auto._last.one_executable
+    assert auto._last.executable_devices is None
     assert all(len(arrays) == 3 for arrays in waits)  # two weights and the loss
 
 
@@ -126,6 +144,13 @@ def test_one_per_device_with_the_device_count_stops_once_covered():
     split = jax.device_put(jnp.zeros((4,)), jax.sharding.NamedSharding(mesh, P("d")))
     on0 = jax.device_put(jnp.zeros(()), cpus[0])
     on1 = jax.device_put(jnp.zeros(()), cpus[1])
-    assert one_per_device([split, on0, on1], 2) == [split]
-    assert one_per_device([on0, on0, split, on1], 2) == [on0, split]
-    assert one_per_device([on0, on1, split], 1) == [on0]
+    both, first = frozenset(cpus), frozenset(cpus[:1])
+
+    def ids(arrays):
+        return [id(x) for x in arrays]
+
+    assert ids(one_per_device([split, on0, on1], both)) == ids([split])
+    assert ids(one_per_device([on0, on0, split, on1], both)) == ids([on0, split])
+    assert ids(one_per_device([on0, on1, split], first)) == ids([on0])
+    # Results on devices outside the set are still covered, never left out.
+    assert ids(one_per_device([on1, on0], first)) == ids([on1, on0])
