@@ -739,6 +739,9 @@ def main(argv=None):
     p.add_argument("--fraction", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.settle < 0 or args.steps < 1:
+        p.error(f"--steps must be at least 1 and --settle at least 0 (got --steps "
+                f"{args.steps}, --settle {args.settle})")
     if args.model:
         print("CELL " + json.dumps(run_cell(args)), flush=True)
         return

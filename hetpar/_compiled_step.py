@@ -680,7 +680,7 @@ class CompiledStep:
     def one_executable(self) -> bool:
         """Whether a call runs one executable (one device, or a whole step over
         several): its results are ready together on each device."""
-        return self._jit is not None or self._replicated is not None
+        return self.executable_devices is not None
 
     @property
     def executable_devices(self) -> frozenset | None:

@@ -47,8 +47,9 @@ class StepClock:
 
     def observe(self, start: float, out, step) -> None:
         arrays = [x for x in jax.tree_util.tree_leaves(out) if isinstance(x, jax.Array)]
-        if getattr(step, "one_executable", False):
-            arrays = one_per_device(arrays, getattr(step, "executable_devices", None))
+        devices = getattr(step, "executable_devices", None)  # None: several stages
+        if devices:
+            arrays = one_per_device(arrays, devices)
         if all(x.is_fully_addressable for x in arrays):
             # One wait for all: a shard at a time made a Python array per
             # shard, 892 for GPT-2 data parallel over two GPUs (~10 ms).
@@ -132,15 +133,16 @@ def wait(arrays: list) -> None:
 
 def one_per_device(arrays: list, devices: frozenset | None = None) -> list:
     """Of the results of one executable, enough arrays to hold a buffer on
-    each device it ran on (the widest first: a replicated loss covers them
-    all). An execution's results on a device are ready together (one
-    definition event), so waiting for one there is waiting for all.
+    each device it ran on. An execution's results on a device are ready
+    together (one definition event), so waiting for one there is waiting
+    for all.
 
-    `devices`, the devices the executable ran on where known: the results
-    are then taken in order until they cover them, which is the first
-    result for a step sharded over all of them. Sorting 1,750
-    results by their device sets took 1.3 ms of each timed call on the
-    two-H200 host (run 75).
+    `devices`, the devices the executable ran on where known (the clock
+    always knows them): the results are taken in order until they cover
+    them, which is the first result for a step sharded over all of them.
+    Without, the widest are taken first (a replicated loss covers them
+    all), which sorts them all: sorting 1,750 results by their device sets
+    took 1.3 ms of each timed call on the two-H200 host (run 75).
 
     Waiting for every result was what the clock's steps paid: on two H200s
     the zoo's 5.04B fsdp step (over 1,700 buffers of state) ran 111-120 ms
